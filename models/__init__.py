@@ -1,0 +1,1 @@
+"""Model families built from tpzoo parallel layers (installed as tpzoo.models)."""

@@ -1,0 +1,37 @@
+"""Run a multi-rank command either under torchrun or, without it, by spawning the ranks on this machine."""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+
+def under_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def _spawned(rank: int, world_size: int, port: int, fn, args) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        fn(args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_multirank(fn, args, nproc: int) -> None:
+    """Call fn(args) on every rank: in this process under torchrun, else in `nproc` spawned processes."""
+    if under_torchrun() or nproc == 1:
+        fn(args)
+        return
+    import torch.multiprocessing as mp
+
+    from tpzoo.parallel.state import _free_port
+
+    mp.start_processes(_spawned, args=(nproc, _free_port(), fn, args), nprocs=nproc, start_method="spawn")
+
+
+def collective_timeout() -> timedelta:
+    return timedelta(seconds=float(os.environ.get("TPZOO_DIST_TIMEOUT", "600")))

@@ -1,0 +1,161 @@
+"""Counted collective primitives.
+
+Every collective tpzoo issues goes through these functions, so `count_collectives()` can record, per kind and
+process group, the number of calls, the payload and the bytes this rank puts on the wire.
+
+Byte conventions (per rank, per call), with p the group size:
+  payload_bytes: all_reduce -> the tensor; all_gather -> the gathered output; reduce_scatter -> the full input;
+                 broadcast -> the tensor; send/recv -> the tensor; all_to_all -> the input.
+  sent_bytes:    what a bandwidth-optimal ring sends from this rank: all_reduce 2(p-1)/p * payload,
+                 all_gather and reduce_scatter (p-1)/p * payload, send the tensor, recv 0,
+                 broadcast the tensor on the source rank (0 elsewhere), all_to_all (p-1)/p * payload.
+This is how Megatron's papers count volume: an all-reduce costs one reduce-scatter plus one all-gather.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .state import group_name
+
+
+@dataclass
+class CollectiveStats:
+    calls: int = 0
+    elements: int = 0
+    payload_bytes: int = 0
+    sent_bytes: float = 0.0
+
+
+class CollectiveCounter:
+    """Counts of collectives by (kind, group name). Read `.stats`, or `.get(kind, group)`."""
+
+    def __init__(self):
+        self.stats: dict[tuple[str, str], CollectiveStats] = defaultdict(CollectiveStats)
+
+    def record(self, kind: str, group, numel: int, element_size: int, sent_fraction: float) -> None:
+        s = self.stats[(kind, group_name(group))]
+        s.calls += 1
+        s.elements += numel
+        s.payload_bytes += numel * element_size
+        s.sent_bytes += sent_fraction * numel * element_size
+
+    def get(self, kind: str, group: str = "tp") -> CollectiveStats:
+        return self.stats.get((kind, group), CollectiveStats())
+
+    def total_calls(self) -> int:
+        return sum(s.calls for s in self.stats.values())
+
+    def summary(self) -> dict:
+        return {f"{k}@{g}": vars(s) for (k, g), s in sorted(self.stats.items())}
+
+
+_COUNTERS: list[CollectiveCounter] = []
+
+# torch 2.13 renamed the flat collectives (*_into_tensor / *_tensor -> *_single); older releases lack the new names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Context manager yielding a CollectiveCounter of every collective issued inside (nesting allowed)."""
+    counter = CollectiveCounter()
+    _COUNTERS.append(counter)
+    try:
+        yield counter
+    finally:
+        _COUNTERS.remove(counter)
+
+
+def _record(kind: str, group, t: torch.Tensor, sent_fraction: float) -> None:
+    for c in _COUNTERS:
+        c.record(kind, group, t.numel(), t.element_size(), sent_fraction)
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce; returns t."""
+    p = _size(group)
+    if p == 1:
+        return t
+    _record("all_reduce", group, t, 2 * (p - 1) / p)
+    dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def all_gather(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's `t` along `dim` (rank order)."""
+    p = _size(group)
+    if p == 1:
+        return t
+    dim = dim % t.dim()
+    moved = t.movedim(dim, 0).contiguous()
+    out = torch.empty((p * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
+    _record("all_gather", group, out, (p - 1) / p)
+    _all_gather_flat(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Sum over ranks, then keep this rank's chunk of `dim`."""
+    p = _size(group)
+    if p == 1:
+        return t
+    dim = dim % t.dim()
+    if t.shape[dim] % p != 0:
+        raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} is not divisible by group size {p}")
+    moved = t.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // p,) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
+    _record("reduce_scatter", group, moved, (p - 1) / p)
+    _reduce_scatter_flat(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def broadcast(t: torch.Tensor, src: int, group=None) -> torch.Tensor:
+    if _size(group) == 1:
+        return t
+    _record("broadcast", group, t, 1.0 if dist.get_rank() == src else 0.0)
+    dist.broadcast(t, src=src, group=group)
+    return t
+
+
+def all_to_all(t: torch.Tensor, group) -> torch.Tensor:
+    """Split dim 0 into p chunks, send chunk i to rank i, concatenate what arrives along dim 0."""
+    p = _size(group)
+    if p == 1:
+        return t
+    t = t.contiguous()
+    out = torch.empty_like(t)
+    _record("all_to_all", group, t, (p - 1) / p)
+    dist.all_to_all_single(out, t, group=group)
+    return out
+
+
+def batch_send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group=None):
+    """Post all point-to-point sends and receives at once (global ranks) and wait for them."""
+    ops = []
+    for t, peer in sends:
+        _record("send", group, t, 1.0)
+        ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, group))
+    for t, peer in recvs:
+        _record("recv", group, t, 0.0)
+        ops.append(dist.P2POp(dist.irecv, t, peer, group))
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
+
+def split_along(t: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
+    """This rank's contiguous chunk of `dim` (no communication)."""
+    size = t.shape[dim]
+    if size % parts != 0:
+        raise ValueError(f"cannot split dim {dim} of size {size} into {parts} equal parts")
+    return t.narrow(dim, rank * (size // parts), size // parts).contiguous()

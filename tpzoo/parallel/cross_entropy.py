@@ -1,0 +1,89 @@
+"""Cross-entropy over vocab-sharded logits, without ever gathering the full vocabulary.
+
+Two collectives per call: an all-reduce (max) of one scalar per token, and one all-reduce (sum) of three
+scalars per token (target logit, sum of exponentials, sum of logits for label smoothing).
+
+Label smoothing follows torch.nn.functional.cross_entropy: the smoothing mass eps is spread over the *full*
+vocabulary V (the real one, padding excluded), so
+    loss = (1 - eps) * (logZ - z_target) + eps * (logZ - sum_j z_j / V).
+Megatron-LM (issue #737) divides by the local shard's vocab size instead, which is wrong for tp > 1.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .state import get_tp_group, get_tp_rank, get_tp_size
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, label_smoothing, vocab_size, group):
+        tp_size = get_tp_size() if group is None else dist.get_world_size(group)
+        tp_rank = get_tp_rank() if group is None else dist.get_rank(group)
+        group = group if group is not None or tp_size == 1 else get_tp_group()
+        local_vocab = logits.shape[-1]
+        start = tp_rank * local_vocab
+        vocab_size = vocab_size if vocab_size is not None else local_vocab * tp_size
+
+        z = logits.float()
+        n_real_local = max(0, min(local_vocab, vocab_size - start))
+        if n_real_local < local_vocab:  # padded vocab entries never take part
+            z = z.clone()
+            z[..., n_real_local:] = float("-inf")
+
+        z_max = z.max(dim=-1).values
+        if tp_size > 1:
+            comm.all_reduce(z_max, group, op=dist.ReduceOp.MAX)
+        shifted = z - z_max.unsqueeze(-1)
+
+        in_shard = (target >= start) & (target < start + local_vocab)
+        local_target = (target - start).masked_fill(~in_shard, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~in_shard, 0.0)
+        exp = shifted.exp()
+        sums = torch.stack([target_logit, exp.sum(-1), shifted[..., :n_real_local].sum(-1)], dim=0)
+        if tp_size > 1:
+            comm.all_reduce(sums, group)
+        target_logit, sum_exp, sum_shifted = sums[0], sums[1], sums[2]
+
+        log_z = sum_exp.log()
+        loss = log_z - target_logit
+        if label_smoothing > 0:
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - sum_shifted / vocab_size)
+        ignored = target == ignore_index
+        loss = loss.masked_fill(ignored, 0.0)
+
+        exp.div_(sum_exp.unsqueeze(-1))  # softmax, reused for the gradient
+        ctx.save_for_backward(exp, in_shard, local_target, ignored)
+        ctx.label_smoothing, ctx.vocab_size, ctx.n_real_local = label_smoothing, vocab_size, n_real_local
+        ctx.in_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, in_shard, local_target, ignored = ctx.saved_tensors
+        eps = ctx.label_smoothing
+        grad = softmax
+        grad.scatter_add_(-1, local_target.unsqueeze(-1),
+                          -(1.0 - eps) * in_shard.unsqueeze(-1).to(grad.dtype))
+        if eps > 0:
+            grad[..., : ctx.n_real_local] -= eps / ctx.vocab_size
+        grad.mul_((grad_loss * (~ignored)).unsqueeze(-1))
+        return grad.to(ctx.in_dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                                 label_smoothing: float = 0.0, vocab_size: int | None = None,
+                                 group=None) -> torch.Tensor:
+    """Per-token loss (shape of `target`, 0 where ignored) from this rank's vocab shard `[..., V'/tp]`.
+
+    `vocab_size` is the real vocabulary when the shards are padded (entries past it are excluded from the
+    softmax and the smoothing); by default every entry is real. Average the result over the tokens that are
+    not ignored to get torch's `reduction="mean"`.
+    """
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    if logits_shard.shape[:-1] != target.shape:
+        raise ValueError(f"logits {tuple(logits_shard.shape)} and target {tuple(target.shape)} do not match")
+    return _VocabParallelCrossEntropy.apply(logits_shard, target, ignore_index, label_smoothing, vocab_size, group)

@@ -1,0 +1,184 @@
+"""Tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding.
+
+Each parameter carries `tp_partition_dim` (the dim it is split along, or None when replicated across the
+tensor-parallel group) and `sequence_parallel` (True for replicated parameters that see only this rank's
+sequence chunk, whose gradients must be summed over the tensor-parallel group).
+
+Initialization is layout independent: the full ("master") weight is drawn from the same generator on every
+rank, and each rank keeps its slice, so a seed gives the same full weight at every tp.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .mappings import (copy_to_tp, gather_from_sequence, gather_from_tp, reduce_from_tp,
+                       reduce_scatter_to_sequence, scatter_to_tp)
+from .state import divide, get_tp_rank, get_tp_size
+
+InitMethod = Callable[[torch.Tensor], None]
+
+
+def normal_init(std: float = 0.02) -> InitMethod:
+    return lambda t: nn.init.normal_(t, mean=0.0, std=std)
+
+
+def mark_parallel(param: nn.Parameter, partition_dim: int | None, sequence_parallel: bool = False) -> nn.Parameter:
+    param.tp_partition_dim = partition_dim
+    param.sequence_parallel = sequence_parallel
+    return param
+
+
+def _init_shard(shard: torch.Tensor, full_shape: tuple, partition_dim: int, init_method: InitMethod,
+                rank: int, size: int) -> None:
+    """Draw the full weight, keep this rank's slice (identical full weight at any tp for one RNG state)."""
+    if shard.device.type == "meta":
+        return
+    master = torch.empty(full_shape, dtype=torch.float32)
+    init_method(master)
+    chunk = full_shape[partition_dim] // size
+    with torch.no_grad():
+        shard.copy_(master.narrow(partition_dim, rank * chunk, chunk))
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T + b with A split along its output dim: rank r holds rows [r*out/tp, (r+1)*out/tp).
+
+    The output is this rank's slice of the features unless `gather_output`. With `sequence_parallel`, the
+    input is this rank's chunk of the sequence (dim `sequence_dim`) and is all-gathered before the matmul.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
+                 sequence_parallel: bool = False, init_method: InitMethod | None = None, sequence_dim: int = -2,
+                 dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.in_features, self.out_features = in_features, out_features
+        self.out_per_rank = divide(out_features, self.tp_size, "ColumnParallelLinear out_features / tp")
+        if gather_output and sequence_parallel:
+            raise ValueError("ColumnParallelLinear: gather_output and sequence_parallel cannot both be set")
+        self.gather_output, self.sequence_parallel, self.sequence_dim = gather_output, sequence_parallel, sequence_dim
+        self.init_method = init_method or normal_init()
+        kw = {"dtype": dtype, "device": device}
+        self.weight = mark_parallel(nn.Parameter(torch.empty(self.out_per_rank, in_features, **kw)), 0)
+        self.bias = mark_parallel(nn.Parameter(torch.empty(self.out_per_rank, **kw)), 0) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _init_shard(self.weight, (self.out_features, self.in_features), 0, self.init_method,
+                    self.tp_rank, self.tp_size)
+        if self.bias is not None and self.bias.device.type != "meta":
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence(x, self.sequence_dim)
+        else:
+            x = copy_to_tp(x)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp(y) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features} (local {self.out_per_rank}), tp={self.tp_size}, "
+                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T + b with A split along its input dim: weight [out, in/tp]; the partial products are summed
+    (all-reduce, or reduce-scatter along the sequence with `sequence_parallel`) and the full bias is added
+    once, after the reduction."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
+                 sequence_parallel: bool = False, init_method: InitMethod | None = None, sequence_dim: int = -2,
+                 dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.in_features, self.out_features = in_features, out_features
+        self.in_per_rank = divide(in_features, self.tp_size, "RowParallelLinear in_features / tp")
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel requires input_is_parallel=True")
+        self.input_is_parallel, self.sequence_parallel, self.sequence_dim = (input_is_parallel, sequence_parallel,
+                                                                             sequence_dim)
+        self.init_method = init_method or normal_init()
+        kw = {"dtype": dtype, "device": device}
+        self.weight = mark_parallel(nn.Parameter(torch.empty(out_features, self.in_per_rank, **kw)), 1)
+        # The bias is replicated; under sequence parallelism each rank adds it to its own sequence chunk only,
+        # so its gradient is partial and must be summed over the tensor-parallel group.
+        self.bias = (mark_parallel(nn.Parameter(torch.empty(out_features, **kw)), None, sequence_parallel)
+                     if bias else None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _init_shard(self.weight, (self.out_features, self.in_features), 1, self.init_method,
+                    self.tp_rank, self.tp_size)
+        if self.bias is not None and self.bias.device.type != "meta":
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp(x)
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_to_sequence(y, self.sequence_dim) if self.sequence_parallel else reduce_from_tp(y)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features} (local {self.in_per_rank}), out={self.out_features}, tp={self.tp_size}, "
+                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
+    """Vocab rounded up to a multiple of tp * multiple, so every rank holds an equal contiguous range."""
+    step = tp * multiple
+    return int(math.ceil(vocab_size / step) * step)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary: rank r holds ids [r*V'/tp, (r+1)*V'/tp) of the padded vocab V'.
+
+    Padding: V' = vocab rounded up to a multiple of tp * `padding_multiple`. Padded rows start at zero; no
+    valid id looks them up, so they receive no gradient. A tied output head shares these rows; its logits for
+    padded ids are masked by `vocab_parallel_cross_entropy(vocab_size=...)` and sliced off before sampling.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_multiple: int = 1,
+                 sequence_parallel: bool = False, init_method: InitMethod | None = None, sequence_dim: int = -2,
+                 dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.num_embeddings_padded = padded_vocab_size(num_embeddings, self.tp_size, padding_multiple)
+        self.per_rank = self.num_embeddings_padded // self.tp_size
+        self.vocab_start = self.tp_rank * self.per_rank
+        self.vocab_end = self.vocab_start + self.per_rank
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
+        self.init_method = init_method or normal_init()
+        self.weight = mark_parallel(nn.Parameter(torch.empty(self.per_rank, embedding_dim, dtype=dtype,
+                                                             device=device)), 0)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        def init_real_rows(master: torch.Tensor) -> None:
+            self.init_method(master[: self.num_embeddings])
+            master[self.num_embeddings:].zero_()
+
+        _init_shard(self.weight, (self.num_embeddings_padded, self.embedding_dim), 0, init_real_rows,
+                    self.tp_rank, self.tp_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            out = F.embedding(ids, self.weight)
+        else:
+            outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+            local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+            out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(out, self.sequence_dim)
+        return reduce_from_tp(out)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings} (padded {self.num_embeddings_padded}, local {self.per_rank}), "
+                f"{self.embedding_dim}, tp={self.tp_size}, sequence_parallel={self.sequence_parallel}")
