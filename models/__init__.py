@@ -1,1 +1,12 @@
-"""Model families built from tpzoo parallel layers (installed as tpzoo.models)."""
+"""Model families built from tpzoo parallel layers (installed as tpzoo.models).
+
+    from tpzoo.models import get_config, Transformer
+    model = Transformer(get_config("llama-3-8b"), sequence_parallel=True)
+"""
+from .config import ModelConfig
+from .registry import (Family, from_hf_config, get_config, get_family, list_configs, register_config,
+                       register_family, to_hf_config)
+from .transformer import KVCache, Transformer, new_kv_caches
+
+__all__ = ["Family", "KVCache", "ModelConfig", "Transformer", "from_hf_config", "get_config", "get_family",
+           "list_configs", "new_kv_caches", "register_config", "register_family", "to_hf_config"]

@@ -9,8 +9,9 @@ from .state import (ParallelLayoutError, ParallelState, check_layout, destroy_pa
                     get_cp_rank, get_cp_size, get_device, get_dp_group, get_dp_rank, get_dp_size,
                     get_embedding_group, get_group_ranks, get_mp_group, get_pp_group, get_pp_next_rank,
                     get_pp_prev_rank, get_pp_rank, get_pp_size, get_state, get_tp_group, get_tp_rank, get_tp_size,
-                    init_parallel, is_initialized, is_pipeline_first_stage, is_pipeline_last_stage)
-from .utils import (allreduce_sequence_parallel_grads, gather_tp_param, gather_tp_tensor,
-                    sequence_parallel_params)
+                    init_parallel, is_initialized, override_layout, is_pipeline_first_stage, is_pipeline_last_stage)
+from .sharding import ShardSpec, shard, unshard
+from .utils import (allreduce_sequence_parallel_grads, finish_tp_grads, gather_tp_param, gather_tp_tensor,
+                    param_spec, sequence_parallel_params, sync_replicated_head_grads)
 
 __all__ = [name for name in dir() if not name.startswith("_")]

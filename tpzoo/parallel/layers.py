@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from .mappings import (copy_to_tp, gather_from_sequence, gather_from_tp, reduce_from_tp,
                        reduce_scatter_to_sequence, scatter_to_tp)
+from .sharding import ShardSpec, shard
 from .state import divide, get_tp_rank, get_tp_size
 
 InitMethod = Callable[[torch.Tensor], None]
@@ -27,22 +28,34 @@ def normal_init(std: float = 0.02) -> InitMethod:
     return lambda t: nn.init.normal_(t, mean=0.0, std=std)
 
 
-def mark_parallel(param: nn.Parameter, partition_dim: int | None, sequence_parallel: bool = False) -> nn.Parameter:
-    param.tp_partition_dim = partition_dim
+def mark_parallel(param: nn.Parameter, spec: ShardSpec | int | None, sequence_parallel: bool = False) -> nn.Parameter:
+    """Attach the tensor-parallel layout (a ShardSpec, a split dim, or None for replicated) to a parameter."""
+    spec = spec if isinstance(spec, ShardSpec) else ShardSpec(spec)
+    param.tp_spec = spec
+    param.tp_partition_dim = spec.dim
     param.sequence_parallel = sequence_parallel
     return param
 
 
-def _init_shard(shard: torch.Tensor, full_shape: tuple, partition_dim: int, init_method: InitMethod,
+def _init_shard(local: torch.Tensor, full_shape: tuple, spec: ShardSpec, init_method: InitMethod,
                 rank: int, size: int) -> None:
-    """Draw the full weight, keep this rank's slice (identical full weight at any tp for one RNG state)."""
-    if shard.device.type == "meta":
+    """Draw the full weight, keep this rank's shard (identical full weight at any tp for one RNG state).
+
+    Fused parts are drawn one after the other in a fixed order, so a fused layer's full weight equals the
+    concatenation of what separate layers of the same shapes would draw."""
+    if local.device.type == "meta":
         return
-    master = torch.empty(full_shape, dtype=torch.float32)
-    init_method(master)
-    chunk = full_shape[partition_dim] // size
+    dim = spec.dim
+    pieces = []
+    for part in spec.parts or (full_shape[dim],):
+        shape = list(full_shape)
+        shape[dim] = part
+        piece = torch.empty(shape, dtype=torch.float32)
+        init_method(piece)
+        pieces.append(piece)
+    master = torch.cat(pieces, dim=dim)
     with torch.no_grad():
-        shard.copy_(master.narrow(partition_dim, rank * chunk, chunk))
+        local.copy_(shard(master, spec, rank, size))
 
 
 class ColumnParallelLinear(nn.Module):
@@ -54,22 +67,31 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
                  sequence_parallel: bool = False, init_method: InitMethod | None = None, sequence_dim: int = -2,
-                 dtype: torch.dtype | None = None, device=None):
+                 skip_bias_add: bool = False, shard_spec: ShardSpec | None = None, dtype: torch.dtype | None = None,
+                 device=None):
         super().__init__()
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
         self.in_features, self.out_features = in_features, out_features
-        self.out_per_rank = divide(out_features, self.tp_size, "ColumnParallelLinear out_features / tp")
+        # skip_bias_add: forward returns x A^T only, so a fused kernel can add the bias (bias + GeLU in one pass).
+        self.skip_bias_add = skip_bias_add
+        # shard_spec: fused outputs (e.g. gate|up) or replicated kv heads; default: a plain split of the rows.
+        self.shard_spec = shard_spec or ShardSpec(0)
+        if shard_spec is None:
+            self.out_per_rank = divide(out_features, self.tp_size, "ColumnParallelLinear out_features / tp")
+        else:
+            self.out_per_rank = self.shard_spec.local_size(out_features, self.tp_size)
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output and sequence_parallel cannot both be set")
         self.gather_output, self.sequence_parallel, self.sequence_dim = gather_output, sequence_parallel, sequence_dim
         self.init_method = init_method or normal_init()
         kw = {"dtype": dtype, "device": device}
-        self.weight = mark_parallel(nn.Parameter(torch.empty(self.out_per_rank, in_features, **kw)), 0)
-        self.bias = mark_parallel(nn.Parameter(torch.empty(self.out_per_rank, **kw)), 0) if bias else None
+        self.weight = mark_parallel(nn.Parameter(torch.empty(self.out_per_rank, in_features, **kw)), self.shard_spec)
+        self.bias = (mark_parallel(nn.Parameter(torch.empty(self.out_per_rank, **kw)), self.shard_spec)
+                     if bias else None)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        _init_shard(self.weight, (self.out_features, self.in_features), 0, self.init_method,
+        _init_shard(self.weight, (self.out_features, self.in_features), self.shard_spec, self.init_method,
                     self.tp_rank, self.tp_size)
         if self.bias is not None and self.bias.device.type != "meta":
             nn.init.zeros_(self.bias)
@@ -79,7 +101,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence(x, self.sequence_dim)
         else:
             x = copy_to_tp(x)
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, None if self.skip_bias_add else self.bias)
         return gather_from_tp(y) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -113,7 +135,7 @@ class RowParallelLinear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        _init_shard(self.weight, (self.out_features, self.in_features), 1, self.init_method,
+        _init_shard(self.weight, (self.out_features, self.in_features), ShardSpec(1), self.init_method,
                     self.tp_rank, self.tp_size)
         if self.bias is not None and self.bias.device.type != "meta":
             nn.init.zeros_(self.bias)
@@ -165,7 +187,7 @@ class VocabParallelEmbedding(nn.Module):
             self.init_method(master[: self.num_embeddings])
             master[self.num_embeddings:].zero_()
 
-        _init_shard(self.weight, (self.num_embeddings_padded, self.embedding_dim), 0, init_real_rows,
+        _init_shard(self.weight, (self.num_embeddings_padded, self.embedding_dim), ShardSpec(0), init_real_rows,
                     self.tp_rank, self.tp_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

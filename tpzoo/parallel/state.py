@@ -6,6 +6,7 @@ ranks of one tensor-parallel group are neighbours (on one node, where the bandwi
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import os
@@ -194,12 +195,35 @@ def group_name(group) -> str:
 # --- queries -----------------------------------------------------------------------------------------------
 # When nothing is initialized, every size is 1 and every rank 0: single-process code runs unchanged.
 
+_OVERRIDE: dict | None = None  # {"tp": (size, rank), ...}: see override_layout()
+
+
 def _size(name: str) -> int:
+    if _OVERRIDE is not None and name in _OVERRIDE:
+        return _OVERRIDE[name][0]
     return getattr(_STATE, name) if _STATE is not None else 1
 
 
 def _rank(name: str) -> int:
+    if _OVERRIDE is not None and name in _OVERRIDE:
+        return _OVERRIDE[name][1]
     return _STATE.coords()[name] if _STATE is not None else 0
+
+
+@contextlib.contextmanager
+def override_layout(**sizes_and_ranks: tuple[int, int]):
+    """Make size/rank queries answer as rank r of a layout of size n, e.g. override_layout(tp=(4, 1)).
+
+    For building a rank's part of a model on the meta device in one process (to learn its parameter names,
+    shapes and shard specs: checkpoint conversion and the plan advisor) without any process group. Nothing
+    may communicate inside."""
+    global _OVERRIDE
+    previous = _OVERRIDE
+    _OVERRIDE = {**(previous or {}), **sizes_and_ranks}
+    try:
+        yield
+    finally:
+        _OVERRIDE = previous
 
 
 def _group(name: str):

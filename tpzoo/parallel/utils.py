@@ -1,26 +1,37 @@
-"""Helpers over sharded parameters: gather a full tensor, reduce the gradients of replicated SP parameters."""
+"""Helpers over sharded parameters: gather full tensors, and finish the TP-level gradient reductions."""
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
 from . import comm
-from .state import get_tp_group, get_tp_size
+from .sharding import ShardSpec, shard, unshard
+from .state import get_tp_group, get_tp_rank, get_tp_size
 
 
-def gather_tp_tensor(t: torch.Tensor, partition_dim: int | None) -> torch.Tensor:
-    """The full tensor from this rank's shard (all-gather over the TP group); replicated tensors as they are."""
-    if partition_dim is None or get_tp_size() == 1:
+def param_spec(param: torch.Tensor) -> ShardSpec:
+    return getattr(param, "tp_spec", ShardSpec(None))
+
+
+def gather_tp_tensor(t: torch.Tensor, spec: ShardSpec | int | None, reduce: str = "first") -> torch.Tensor:
+    """The full tensor from every TP rank's shard `t` (collective over the TP group)."""
+    spec = spec if isinstance(spec, ShardSpec) else ShardSpec(spec)
+    tp = get_tp_size()
+    if spec.dim is None:
         return t.detach().clone()
-    return comm.all_gather(t.detach(), get_tp_group(), dim=partition_dim)
+    if tp == 1:
+        return unshard([t.detach().clone()], spec, reduce)
+    gathered = comm.all_gather(t.detach(), get_tp_group(), dim=spec.dim)
+    return unshard(list(gathered.chunk(tp, dim=spec.dim)), spec, reduce)
 
 
 def gather_tp_param(param: nn.Parameter, grad: bool = False) -> torch.Tensor:
-    """Full value (or full gradient with grad=True) of a parameter marked by `mark_parallel`."""
+    """Full value (or full gradient with grad=True) of a parameter marked by `mark_parallel`.
+    Gradients of replicated kv heads are summed over their copies (the true gradient of the shared head)."""
     t = param.grad if grad else param
     if t is None:
         raise ValueError("parameter has no gradient")
-    return gather_tp_tensor(t, getattr(param, "tp_partition_dim", None))
+    return gather_tp_tensor(t, param_spec(param), reduce="sum" if grad else "first")
 
 
 def sequence_parallel_params(module: nn.Module) -> list[nn.Parameter]:
@@ -40,3 +51,22 @@ def allreduce_sequence_parallel_grads(module: nn.Module) -> None:
     for g in grads:
         g.copy_(flat[offset: offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def sync_replicated_head_grads(module: nn.Module) -> None:
+    """Kv heads replicated over several TP ranks (kv_heads < tp) get a partial gradient on each copy: replace
+    each copy's gradient by the sum over the copies, so the copies stay identical after the optimizer step."""
+    if get_tp_size() == 1:
+        return
+    for p in module.parameters():
+        spec = param_spec(p)
+        if p.grad is None or spec.dim is None or not spec.replicas or max(spec.replicas) == 1:
+            continue
+        full = gather_tp_tensor(p.grad, spec, reduce="sum")
+        p.grad.copy_(shard(full, spec, get_tp_rank(), get_tp_size()))
+
+
+def finish_tp_grads(module: nn.Module) -> None:
+    """The tensor-parallel gradient reductions a trainer runs after backward and before clipping."""
+    allreduce_sequence_parallel_grads(module)
+    sync_replicated_head_grads(module)

@@ -1,0 +1,166 @@
+"""Transformer blocks built only from tpzoo parallel layers. Reads like single-device code; the parallel
+layout is in the layer choices (column in, row out) and the sequence_parallel flag."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from tpzoo import kernels
+from tpzoo.parallel import ColumnParallelLinear, RowParallelLinear, ShardSpec, gather_from_sequence, mark_parallel
+from tpzoo.parallel.mappings import copy_to_tp
+from tpzoo.parallel.state import ParallelLayoutError, get_tp_size
+
+from .config import ModelConfig
+
+
+class Norm(nn.Module):
+    """RMSNorm or LayerNorm over the last dim; replicated over TP (its gradient is partial under SP)."""
+
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, dtype=None, device=None):
+        super().__init__()
+        self.kind, self.eps = cfg.norm, cfg.norm_eps
+        self.weight = mark_parallel(nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype, device=device)), None,
+                                    sequence_parallel)
+        self.bias = (mark_parallel(nn.Parameter(torch.zeros(cfg.hidden_size, dtype=dtype, device=device)), None,
+                                   sequence_parallel) if cfg.norm == "layernorm" else None)
+
+    def forward(self, x):
+        if self.kind == "rmsnorm":
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies of RoPE, with Llama 3.1 "llama3" scaling when the config asks for it."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv_freq.float()
+    if kind == "linear":
+        return (inv_freq / scaling["factor"]).float()
+    if kind == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly.
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        between = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(between, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled).float()
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [..., s, head_dim // 2] (fp32) for integer positions [..., s]."""
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(positions.device)
+    return angles.cos(), angles.sin()
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention with heads split over TP. Grouped-query attention: kv heads are split when tp
+    divides them and replicated (each TP rank keeps the kv head its query heads use) when kv_heads < tp."""
+
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, dtype=None, device=None):
+        super().__init__()
+        tp = get_tp_size()
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if nh % tp:
+            raise ParallelLayoutError(f"tp={tp} does not divide num_heads={nh}")
+        if nkv % tp and tp % nkv:
+            raise ParallelLayoutError(f"tp={tp} neither divides nor is a multiple of num_kv_heads={nkv}")
+        self.kv_replicas = max(1, tp // nkv)
+        self.heads, self.kv_heads, self.head_dim = nh // tp, max(1, nkv // tp), hd
+        self.sequence_parallel, self.sliding_window = sequence_parallel, cfg.sliding_window
+        init = lambda t: nn.init.normal_(t, std=cfg.initializer_range)  # noqa: E731
+        # q|k|v fused in one column-parallel matmul; the k and v parts may be replicated head-wise.
+        spec = ShardSpec(0, parts=(nh * hd, nkv * hd, nkv * hd), replicas=(1, self.kv_replicas, self.kv_replicas),
+                         block=hd)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, (nh + 2 * nkv) * hd, bias=cfg.qkv_bias, shard_spec=spec,
+                                        init_method=init, dtype=dtype, device=device)
+        out_std = cfg.initializer_range / math.sqrt(2 * cfg.num_layers)  # GPT-2's scaled residual init
+        self.out = RowParallelLinear(nh * hd, cfg.hidden_size, bias=cfg.out_bias, sequence_parallel=sequence_parallel,
+                                     init_method=lambda t: nn.init.normal_(t, std=out_std), dtype=dtype,
+                                     device=device)
+        self.recompute_core = False
+
+    def forward(self, x, cos, sin, kv_cache=None):
+        # Enter the TP region once for q, k and v: all-gather the sequence (SP) or identity/all-reduce.
+        x = gather_from_sequence(x) if self.sequence_parallel else copy_to_tp(x)
+        b, s, _ = x.shape
+        q, k, v = F.linear(x, self.qkv.weight, self.qkv.bias).split(
+            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
+        q = q.view(b, s, self.heads, self.head_dim)
+        k = k.view(b, s, self.kv_heads, self.head_dim)
+        v = v.view(b, s, self.kv_heads, self.head_dim)
+        if cos is not None:
+            q, k = kernels.apply_rotary(q, cos, sin), kernels.apply_rotary(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, hd]
+        past = 0
+        if kv_cache is not None:
+            k, v, past = kv_cache.update(k, v)
+        if self.recompute_core and torch.is_grad_enabled():
+            ctx = checkpoint(self._core, q, k, v, past, use_reentrant=False)
+        else:
+            ctx = self._core(q, k, v, past)
+        ctx = ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        return self.out(ctx)
+
+    def _core(self, q, k, v, past: int):
+        s_q, s_k = q.shape[2], k.shape[2]
+        gqa = self.heads != self.kv_heads
+        window = self.sliding_window
+        if past == 0 and (window is None or s_k <= window):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        # Decoding with a cache, or a sliding window in play: an explicit mask (query i sits at past + i).
+        qpos = torch.arange(past, past + s_q, device=q.device).unsqueeze(-1)
+        kpos = torch.arange(s_k, device=q.device).unsqueeze(0)
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= qpos - kpos < window
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+class ParallelMLP(nn.Module):
+    """Column (h -> ffn, gate|up fused for SwiGLU) then row (ffn -> h)."""
+
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, dtype=None, device=None):
+        super().__init__()
+        ffn, self.activation = cfg.ffn_hidden_size, cfg.activation
+        init = lambda t: nn.init.normal_(t, std=cfg.initializer_range)  # noqa: E731
+        gated = cfg.activation == "swiglu"
+        spec = ShardSpec(0, parts=(ffn, ffn)) if gated else None
+        self.fc_in = ColumnParallelLinear(cfg.hidden_size, 2 * ffn if gated else ffn, bias=cfg.mlp_bias,
+                                          sequence_parallel=sequence_parallel, shard_spec=spec, init_method=init,
+                                          skip_bias_add=not gated, dtype=dtype, device=device)
+        out_std = cfg.initializer_range / math.sqrt(2 * cfg.num_layers)
+        self.fc_out = RowParallelLinear(ffn, cfg.hidden_size, bias=cfg.mlp_bias, sequence_parallel=sequence_parallel,
+                                        init_method=lambda t: nn.init.normal_(t, std=out_std), dtype=dtype,
+                                        device=device)
+
+    def forward(self, x):
+        h = self.fc_in(x)
+        if self.activation == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = kernels.swiglu(gate, up)
+        else:
+            h = kernels.bias_gelu(h, self.fc_in.bias)
+        return self.fc_out(h)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool = False, dtype=None, device=None):
+        super().__init__()
+        self.attn_norm = Norm(cfg, sequence_parallel, dtype, device)
+        self.attn = ParallelAttention(cfg, sequence_parallel, dtype, device)
+        self.mlp_norm = Norm(cfg, sequence_parallel, dtype, device)
+        self.mlp = ParallelMLP(cfg, sequence_parallel, dtype, device)
+
+    def forward(self, x, cos=None, sin=None, kv_cache=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv_cache)
+        return x + self.mlp(self.mlp_norm(x))

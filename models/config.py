@@ -1,0 +1,90 @@
+"""ModelConfig: one documented dataclass describing every decoder-only model of the zoo."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    family: str                      # a registered family: "gpt2", "llama", "mistral", "qwen2"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    ffn_hidden_size: int
+    num_kv_heads: int | None = None  # grouped-query attention; None = num_heads (multi-head)
+    head_dim: int | None = None      # None = hidden_size // num_heads
+    max_position_embeddings: int = 2048
+    norm: str = "rmsnorm"            # "rmsnorm" | "layernorm"
+    norm_eps: float = 1e-5
+    activation: str = "swiglu"       # "swiglu" (gate|up fused) | "gelu_tanh"
+    position: str = "rope"           # "rope" | "learned"
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF rope_scaling, e.g. Llama 3.1 {"rope_type": "llama3", "factor": 8, ...}
+    tie_embeddings: bool = False
+    qkv_bias: bool = False           # Qwen2: True; GPT-2: True
+    out_bias: bool = False           # attention output projection bias (GPT-2)
+    mlp_bias: bool = False           # GPT-2: True
+    sliding_window: int | None = None  # Mistral: attend to at most this many previous tokens
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | list | None = None
+    pad_token_id: int | None = None
+    name: str = ""                   # registry name, when it came from the registry
+    hf_source: str = ""              # the Hugging Face repository these shapes come from
+    extra: dict = field(default_factory=dict)  # family-specific HF fields kept for the round trip
+
+    def __post_init__(self):
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
+        for attr, allowed in (("norm", ("rmsnorm", "layernorm")), ("activation", ("swiglu", "gelu_tanh")),
+                              ("position", ("rope", "learned"))):
+            if getattr(self, attr) not in allowed:
+                raise ValueError(f"{attr} must be one of {allowed}, got {getattr(self, attr)!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def num_parameters(self, include_embeddings: bool = True) -> int:
+        """Exact parameter count of the full (unsharded, unpadded) model."""
+        h, hd, L = self.hidden_size, self.head_dim, self.num_layers
+        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+        norm = h * (2 if self.norm == "layernorm" else 1)
+        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.out_bias else 0)
+        n_in = 2 * self.ffn_hidden_size if self.activation == "swiglu" else self.ffn_hidden_size
+        mlp = h * n_in + self.ffn_hidden_size * h + ((n_in + h) if self.mlp_bias else 0)
+        total = L * (attn + mlp + 2 * norm) + norm
+        if include_embeddings:
+            total += self.vocab_size * h * (1 if self.tie_embeddings else 2)
+            if self.position == "learned":
+                total += self.max_position_embeddings * h
+        return total
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward = 3x forward), matmuls and attention scores."""
+        h, L = self.hidden_size, self.num_layers
+        matmul_params = self.num_parameters(include_embeddings=False) + self.vocab_size * h
+        attn = 2 * 2 * L * seq_len * self.num_heads * self.head_dim  # QK^T and AV, causal not discounted
+        return 3 * (2 * matmul_params + attn)

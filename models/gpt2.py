@@ -1,0 +1,70 @@
+"""GPT-2: learned positions, LayerNorm, biases everywhere, tanh GeLU, tied embeddings, HF Conv1D weights."""
+from __future__ import annotations
+
+from .config import ModelConfig
+from .hf_mapping import same, transposed
+from .registry import Family, register_family
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    h = hf["n_embd"]
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        raise ValueError(f"GPT-2 with activation {act!r} is not supported (tpzoo implements the tanh GeLU)")
+    return ModelConfig(
+        family="gpt2", vocab_size=hf["vocab_size"], hidden_size=h, num_layers=hf["n_layer"],
+        num_heads=hf["n_head"], ffn_hidden_size=hf.get("n_inner") or 4 * h,
+        max_position_embeddings=hf.get("n_positions", 1024), norm="layernorm",
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5), activation="gelu_tanh", position="learned",
+        tie_embeddings=hf.get("tie_word_embeddings", True), qkv_bias=True, out_bias=True, mlp_bias=True,
+        initializer_range=hf.get("initializer_range", 0.02), bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"),
+        extra={"hf_config": hf},
+    )
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    hf = dict(cfg.extra.get("hf_config", {}))
+    hf.update({
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": cfg.vocab_size,
+        "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "n_head": cfg.num_heads,
+        "n_inner": None if cfg.ffn_hidden_size == 4 * cfg.hidden_size else cfg.ffn_hidden_size,
+        "n_positions": cfg.max_position_embeddings, "layer_norm_epsilon": cfg.norm_eps,
+        "activation_function": hf.get("activation_function", "gelu_new"), "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.initializer_range, "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+    })
+    if cfg.pad_token_id is not None:
+        hf["pad_token_id"] = cfg.pad_token_id
+    return hf
+
+
+def hf_tensor_map(cfg: ModelConfig) -> list:
+    maps = [same("embed.weight", "transformer.wte.weight", vocab_dim=0),
+            same("pos_embed.weight", "transformer.wpe.weight")]
+    for i in range(cfg.num_layers):
+        p, q = f"layers.{i}.", f"transformer.h.{i}."
+        maps += [
+            same(p + "attn_norm.weight", q + "ln_1.weight", layer=i),
+            same(p + "attn_norm.bias", q + "ln_1.bias", layer=i),
+            transposed(p + "attn.qkv.weight", q + "attn.c_attn.weight", layer=i),  # already q|k|v
+            same(p + "attn.qkv.bias", q + "attn.c_attn.bias", layer=i),
+            transposed(p + "attn.out.weight", q + "attn.c_proj.weight", layer=i),
+            same(p + "attn.out.bias", q + "attn.c_proj.bias", layer=i),
+            same(p + "mlp_norm.weight", q + "ln_2.weight", layer=i),
+            same(p + "mlp_norm.bias", q + "ln_2.bias", layer=i),
+            transposed(p + "mlp.fc_in.weight", q + "mlp.c_fc.weight", layer=i),
+            same(p + "mlp.fc_in.bias", q + "mlp.c_fc.bias", layer=i),
+            transposed(p + "mlp.fc_out.weight", q + "mlp.c_proj.weight", layer=i),
+            same(p + "mlp.fc_out.bias", q + "mlp.c_proj.bias", layer=i),
+        ]
+    maps += [same("final_norm.weight", "transformer.ln_f.weight"), same("final_norm.bias", "transformer.ln_f.bias")]
+    if cfg.tie_embeddings:
+        maps.append(same("lm_head.weight", "transformer.wte.weight", vocab_dim=0, export=False))
+    else:
+        maps.append(same("lm_head.weight", "lm_head.weight", vocab_dim=0))
+    return maps
+
+
+register_family(Family(name="gpt2", hf_model_types=("gpt2",), hf_architecture="GPT2LMHeadModel",
+                       config_from_hf=config_from_hf, config_to_hf=config_to_hf, hf_tensor_map=hf_tensor_map))

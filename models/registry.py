@@ -1,0 +1,96 @@
+"""Registries: model families (each registers itself) and named configs (published shapes + tiny ones).
+
+A family is everything model-specific that the generic machinery needs: how to read and write its Hugging Face
+config, its HF architectures, and its HF tensor-name mapping. There is no if/elif over family names anywhere:
+code looks the family up here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .config import ModelConfig
+
+
+@dataclass
+class Family:
+    name: str
+    hf_model_types: tuple[str, ...]                    # config.json "model_type" values this family reads
+    hf_architecture: str                               # what to_hf writes into config.json "architectures"
+    config_from_hf: Callable[[dict], ModelConfig]      # HF config.json dict -> ModelConfig
+    config_to_hf: Callable[[ModelConfig], dict]        # ModelConfig -> HF config.json dict
+    hf_tensor_map: Callable[[ModelConfig], list]       # -> list[TensorMap] (see models/hf_mapping.py)
+
+
+FAMILIES: dict[str, Family] = {}
+CONFIGS: dict[str, ModelConfig] = {}
+
+
+def register_family(family: Family) -> Family:
+    FAMILIES[family.name] = family
+    return family
+
+
+def get_family(name: str) -> Family:
+    _load_builtin()
+    if name not in FAMILIES:
+        raise KeyError(f"unknown model family {name!r}; known: {sorted(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def family_for_hf(hf_config: dict) -> Family:
+    _load_builtin()
+    model_type = hf_config.get("model_type")
+    for fam in FAMILIES.values():
+        if model_type in fam.hf_model_types:
+            return fam
+    archs = hf_config.get("architectures")
+    supported = sorted(t for f in FAMILIES.values() for t in f.hf_model_types)
+    raise ValueError(f"unsupported architecture: model_type={model_type!r} architectures={archs}; "
+                     f"tpzoo supports model types {supported}")
+
+
+def register_config(name: str, config: ModelConfig) -> ModelConfig:
+    config.name = name
+    CONFIGS[name] = config
+    return config
+
+
+def get_config(name: str) -> ModelConfig:
+    _load_builtin()
+    if name not in CONFIGS:
+        raise KeyError(f"unknown model {name!r}; `tpzoo models` lists the known names")
+    return CONFIGS[name].replace()  # a copy: callers may change it
+
+
+def list_configs() -> dict[str, ModelConfig]:
+    _load_builtin()
+    return dict(CONFIGS)
+
+
+def from_hf_config(config) -> ModelConfig:
+    """A ModelConfig from a HF config.json path, a directory holding one, or its dict."""
+    import json
+    import os
+
+    if isinstance(config, (str, os.PathLike)):
+        path = os.path.join(config, "config.json") if os.path.isdir(config) else config
+        with open(path) as f:
+            config = json.load(f)
+    return family_for_hf(config).config_from_hf(config)
+
+
+def to_hf_config(config: ModelConfig) -> dict:
+    return get_family(config.family).config_to_hf(config)
+
+
+_LOADED = False
+
+
+def _load_builtin() -> None:
+    """Import the built-in families and the named-config table (they register themselves)."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    from . import gpt2, llama, zoo  # noqa: F401

@@ -1,0 +1,164 @@
+"""The decoder-only transformer of every family, or one pipeline stage of it.
+
+Parameter names are global and layout independent (`layers.7.attn.qkv.weight` is layer 7 on whichever stage
+holds it), so checkpoints and HF mappings never depend on tp or pp:
+    embed.weight, pos_embed.weight (learned positions), layers.{i}.{attn_norm,attn,mlp_norm,mlp}...,
+    final_norm.{weight,bias}, lm_head.weight (absent when tied and the embedding is on the same stage).
+
+forward() returns the hidden states on a stage without the head; on the last stage the logits shard
+[b, s, V'/tp] (padded vocab, split over TP), or with `labels` the per-token loss [b, s] (0 where ignored).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from tpzoo import kernels
+from tpzoo.parallel import (ColumnParallelLinear, VocabParallelEmbedding, gather_tp_tensor, mark_parallel,
+                            padded_vocab_size)
+from tpzoo.parallel.state import get_tp_rank, get_tp_size
+
+from .blocks import Norm, TransformerBlock, rope_cos_sin, rope_inv_freq
+from .config import ModelConfig
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+@contextlib.contextmanager
+def _seeded(seed: int):
+    """Draw one module's initial weights from its own seed: the same weights whatever else this rank builds."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, layers: tuple[int, int] | None = None, pre_process: bool = True,
+                 post_process: bool = True, sequence_parallel: bool = False, recompute: str = "none",
+                 seed: int = 0, vocab_padding_multiple: int = 1, dtype=None, device=None):
+        super().__init__()
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+        self.cfg, self.sequence_parallel, self.recompute = cfg, sequence_parallel, recompute
+        self.pre_process, self.post_process = pre_process, post_process
+        start, end = layers if layers is not None else (0, cfg.num_layers)
+        self.layer_range = (start, end)
+        kw = {"dtype": dtype, "device": device}
+        init = lambda t: nn.init.normal_(t, std=cfg.initializer_range)  # noqa: E731
+        # Seeds per module (embedding, each layer, head) make the weights independent of tp and pp.
+        if pre_process:
+            with _seeded(seed):
+                self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, vocab_padding_multiple,
+                                                    sequence_parallel, init, **kw)
+                if cfg.position == "learned":
+                    self.pos_embed = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size, **kw)
+                    if self.pos_embed.weight.device.type != "meta":
+                        init(self.pos_embed.weight.data)
+                    # Under SP each rank adds positions to its own sequence chunk: a partial gradient.
+                    mark_parallel(self.pos_embed.weight, None, sequence_parallel)
+        self.layers = nn.ModuleDict()
+        for i in range(start, end):
+            with _seeded(seed + 1 + i):
+                self.layers[str(i)] = TransformerBlock(cfg, sequence_parallel, **kw)
+            self.layers[str(i)].attn.recompute_core = recompute == "selective"
+        if post_process:
+            self.final_norm = Norm(cfg, sequence_parallel, **kw)
+            vocab_padded = padded_vocab_size(cfg.vocab_size, get_tp_size(), vocab_padding_multiple)
+            with _seeded(seed if cfg.tie_embeddings else seed + 1 + cfg.num_layers):
+                # Tied: the head is drawn exactly like the embedding, so a separate last-stage copy starts equal.
+                head_init = _embedding_init(init, cfg.vocab_size) if cfg.tie_embeddings else init
+                self.lm_head = ColumnParallelLinear(cfg.hidden_size, vocab_padded, bias=False,
+                                                    sequence_parallel=sequence_parallel, init_method=head_init, **kw)
+            if cfg.tie_embeddings and pre_process:
+                self.lm_head.weight = self.embed.weight
+        if cfg.position == "rope":
+            inv_freq = rope_inv_freq(cfg)
+            self.register_buffer("inv_freq", inv_freq if device is None else inv_freq.to(device), persistent=False)
+
+    # -- helpers --------------------------------------------------------------------------------------------
+    @property
+    def vocab_padded(self) -> int:
+        return (self.lm_head.out_features if self.post_process else self.embed.num_embeddings_padded)
+
+    def _positions(self, input_like: torch.Tensor, seq_len: int, past: int, position_ids):
+        if position_ids is not None:
+            return position_ids
+        return torch.arange(past, past + seq_len, device=input_like.device).unsqueeze(0)
+
+    def _seq_chunk(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of the sequence dim (-2) under sequence parallelism."""
+        if not self.sequence_parallel or get_tp_size() == 1:
+            return t
+        return t.chunk(get_tp_size(), dim=-2)[get_tp_rank()]
+
+    # -- forward --------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                kv_caches: list | None = None, label_smoothing: float = 0.0) -> torch.Tensor:
+        """input_ids [b, s] on the first stage, else `hidden` from the previous stage (seq-sharded under SP)."""
+        seq_len = input_ids.shape[1] if input_ids is not None else hidden.shape[1] * (
+            get_tp_size() if self.sequence_parallel else 1)
+        ref = input_ids if input_ids is not None else hidden
+        past = kv_caches[0].length if kv_caches else 0
+        if self.sequence_parallel and seq_len % get_tp_size():
+            raise ValueError(f"sequence parallelism: sequence length {seq_len} is not divisible by "
+                             f"tp={get_tp_size()}; pad the sequence or turn sequence parallelism off")
+        positions = self._positions(ref, seq_len, past, position_ids)
+        if self.pre_process:
+            h = self.embed(input_ids)
+            if self.cfg.position == "learned":
+                h = h + self.pos_embed(self._seq_chunk(positions.expand(input_ids.shape[0], -1).unsqueeze(-1))
+                                       .squeeze(-1))
+        else:
+            h = hidden
+        cos = sin = None
+        if self.cfg.position == "rope":
+            cos, sin = rope_cos_sin(self.inv_freq, positions)
+        for j, layer in enumerate(self.layers.values()):
+            cache = kv_caches[j] if kv_caches else None
+            if self.recompute == "full" and torch.is_grad_enabled():
+                h = checkpoint(layer, h, cos, sin, cache, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, cache)
+        if not self.post_process:
+            return h
+        logits = self.lm_head(self.final_norm(h))
+        if labels is None:
+            return logits
+        return kernels.cross_entropy(logits, labels, label_smoothing=label_smoothing, vocab_size=self.cfg.vocab_size)
+
+    @torch.no_grad()
+    def full_logits(self, logits_shard: torch.Tensor) -> torch.Tensor:
+        """Gather the vocab shards and drop the padding: [b, s, vocab] (for sampling and comparisons)."""
+        return gather_tp_tensor(logits_shard, -1)[..., : self.cfg.vocab_size]
+
+
+def _embedding_init(init, vocab_size: int):
+    def fill(master: torch.Tensor) -> None:
+        init(master[:vocab_size])
+        master[vocab_size:].zero_()
+    return fill
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, for one layer on this rank ([b, kv_heads/tp, s, hd])."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def update(self, k: torch.Tensor, v: torch.Tensor):
+        past = self.length
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v, past
+
+
+def new_kv_caches(model: Transformer) -> list[KVCache]:
+    return [KVCache() for _ in model.layers]

@@ -1,0 +1,81 @@
+"""Named configs: published shapes (with the HF repository each comes from) and tiny ones for tests/demos."""
+from __future__ import annotations
+
+from .config import ModelConfig
+from .registry import register_config
+
+
+def _gpt2(name, h, layers, heads, src):
+    register_config(name, ModelConfig(
+        family="gpt2", vocab_size=50257, hidden_size=h, num_layers=layers, num_heads=heads, ffn_hidden_size=4 * h,
+        max_position_embeddings=1024, norm="layernorm", norm_eps=1e-5, activation="gelu_tanh", position="learned",
+        tie_embeddings=True, qkv_bias=True, out_bias=True, mlp_bias=True, bos_token_id=50256, eos_token_id=50256,
+        hf_source=src))
+
+
+_gpt2("gpt2", 768, 12, 12, "openai-community/gpt2")
+_gpt2("gpt2-medium", 1024, 24, 16, "openai-community/gpt2-medium")
+_gpt2("gpt2-large", 1280, 36, 20, "openai-community/gpt2-large")
+_gpt2("gpt2-xl", 1600, 48, 25, "openai-community/gpt2-xl")
+
+LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+LLAMA32_SCALING = {**LLAMA31_SCALING, "factor": 32.0}
+
+
+def _llama(name, family="llama", *, vocab, h, layers, heads, kv, ffn, pos, theta=10000.0, eps=1e-5, tied=False,
+           scaling=None, head_dim=None, qkv_bias=False, window=None, src=""):
+    register_config(name, ModelConfig(
+        family=family, vocab_size=vocab, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+        head_dim=head_dim, ffn_hidden_size=ffn, max_position_embeddings=pos, norm="rmsnorm", norm_eps=eps,
+        activation="swiglu", position="rope", rope_theta=theta, rope_scaling=scaling, tie_embeddings=tied,
+        qkv_bias=qkv_bias, sliding_window=window, hf_source=src))
+
+
+_llama("llama-2-7b", vocab=32000, h=4096, layers=32, heads=32, kv=32, ffn=11008, pos=4096,
+       src="meta-llama/Llama-2-7b-hf")
+_llama("llama-2-13b", vocab=32000, h=5120, layers=40, heads=40, kv=40, ffn=13824, pos=4096,
+       src="meta-llama/Llama-2-13b-hf")
+_llama("llama-2-70b", vocab=32000, h=8192, layers=80, heads=64, kv=8, ffn=28672, pos=4096,
+       src="meta-llama/Llama-2-70b-hf")
+_llama("llama-3-8b", vocab=128256, h=4096, layers=32, heads=32, kv=8, ffn=14336, pos=8192, theta=500000.0,
+       src="meta-llama/Meta-Llama-3-8B")
+_llama("llama-3-70b", vocab=128256, h=8192, layers=80, heads=64, kv=8, ffn=28672, pos=8192, theta=500000.0,
+       src="meta-llama/Meta-Llama-3-70B")
+_llama("llama-3.1-8b", vocab=128256, h=4096, layers=32, heads=32, kv=8, ffn=14336, pos=131072, theta=500000.0,
+       scaling=LLAMA31_SCALING, src="meta-llama/Llama-3.1-8B")
+_llama("llama-3.1-70b", vocab=128256, h=8192, layers=80, heads=64, kv=8, ffn=28672, pos=131072, theta=500000.0,
+       scaling=LLAMA31_SCALING, src="meta-llama/Llama-3.1-70B")
+_llama("llama-3.1-405b", vocab=128256, h=16384, layers=126, heads=128, kv=8, ffn=53248, pos=131072,
+       theta=500000.0, scaling=LLAMA31_SCALING, src="meta-llama/Llama-3.1-405B")
+_llama("llama-3.2-1b", vocab=128256, h=2048, layers=16, heads=32, kv=8, ffn=8192, pos=131072, theta=500000.0,
+       scaling=LLAMA32_SCALING, tied=True, head_dim=64, src="meta-llama/Llama-3.2-1B")
+_llama("llama-3.2-3b", vocab=128256, h=3072, layers=28, heads=24, kv=8, ffn=8192, pos=131072, theta=500000.0,
+       scaling=LLAMA32_SCALING, tied=True, head_dim=128, src="meta-llama/Llama-3.2-3B")
+_llama("tinyllama-1.1b", vocab=32000, h=2048, layers=22, heads=32, kv=4, ffn=5632, pos=2048,
+       src="TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T")
+_llama("mistral-7b", "mistral", vocab=32000, h=4096, layers=32, heads=32, kv=8, ffn=14336, pos=32768, window=4096,
+       src="mistralai/Mistral-7B-v0.1")
+for _n, _v, _h, _l, _heads, _kv, _ffn, _tied in (
+        ("0.5b", 151936, 896, 24, 14, 2, 4864, True), ("1.5b", 151936, 1536, 28, 12, 2, 8960, True),
+        ("3b", 151936, 2048, 36, 16, 2, 11008, True), ("7b", 152064, 3584, 28, 28, 4, 18944, False),
+        ("14b", 152064, 5120, 48, 40, 8, 13824, False), ("32b", 152064, 5120, 64, 40, 8, 27648, False),
+        ("72b", 152064, 8192, 80, 64, 8, 29568, False)):
+    _llama(f"qwen2.5-{_n}", "qwen2", vocab=_v, h=_h, layers=_l, heads=_heads, kv=_kv, ffn=_ffn, pos=32768,
+           theta=1000000.0, eps=1e-6, tied=_tied, qkv_bias=True, src=f"Qwen/Qwen2.5-{_n.upper()}")
+
+# Tiny configs for tests and demos (no HF source): small enough to train on a laptop CPU.
+register_config("tiny-gpt", ModelConfig(
+    family="gpt2", vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, ffn_hidden_size=512,
+    max_position_embeddings=256, norm="layernorm", activation="gelu_tanh", position="learned", tie_embeddings=True,
+    qkv_bias=True, out_bias=True, mlp_bias=True))
+register_config("tiny-llama", ModelConfig(
+    family="llama", vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden_size=352,
+    max_position_embeddings=512))
+register_config("nano-gpt", ModelConfig(
+    family="gpt2", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=128,
+    max_position_embeddings=64, norm="layernorm", activation="gelu_tanh", position="learned", tie_embeddings=True,
+    qkv_bias=True, out_bias=True, mlp_bias=True))
+register_config("nano-llama", ModelConfig(
+    family="llama", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=64,
+    max_position_embeddings=64))

@@ -1,0 +1,49 @@
+"""Tiny random Hugging Face models written by transformers' own save_pretrained (no downloads)."""
+from __future__ import annotations
+
+import torch
+
+VOCAB = 101  # divisible by neither 2 nor 4: the vocab padding is always exercised
+
+ROPE31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+
+
+def make_hf_model(kind: str):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=8, max_position_embeddings=128)
+    if kind == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                            resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+        cls = tf.GPT2LMHeadModel
+    elif kind == "llama":  # GQA with 2 kv heads: replicated at tp=4
+        cfg = tf.LlamaConfig(**common, num_key_value_heads=2, rope_theta=10000.0)
+        cls = tf.LlamaForCausalLM
+    elif kind == "llama31-tied":  # Llama 3.1 rope scaling + tied head (Llama 3.2 style)
+        cfg = tf.LlamaConfig(**common, num_key_value_heads=4, tie_word_embeddings=True,
+                             rope_parameters={**ROPE31, "rope_theta": 500000.0})
+        cls = tf.LlamaForCausalLM
+    elif kind == "mistral":  # sliding window shorter than the test sequence
+        cfg = tf.MistralConfig(**common, num_key_value_heads=4, sliding_window=8)
+        cls = tf.MistralForCausalLM
+    elif kind == "qwen2":  # q/k/v biases; multi-query (1 kv head)
+        cfg = tf.Qwen2Config(**common, num_key_value_heads=1)
+        cls = tf.Qwen2ForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with torch.no_grad():  # random biases and norm weights, so a mapping mistake cannot hide behind zeros/ones
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or "ln_" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def save_hf_model(kind: str, path, max_shard_size=None):
+    model = make_hf_model(kind)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kw)
+    return model
