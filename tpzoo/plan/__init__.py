@@ -1,0 +1,1 @@
+"""Parallel plan advisor: memory and step-time estimates for parallel layouts."""
