@@ -12,6 +12,7 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("tpzoo.commands.demo", "TP demo on CPU: parallel layers against their dense twins"),
+    "preprocess": ("tpzoo.commands.preprocess", "tokenize a corpus once into a memory-mapped token store"),
 }
 
 

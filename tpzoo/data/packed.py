@@ -1,0 +1,90 @@
+"""Fixed-length training samples cut from a concatenated token stream.
+
+Sample ``i`` is the window ``stream[i * seq_len : i * seq_len + seq_len + 1]`` (consecutive windows share one
+token), giving ``input_ids = window[:-1]`` and ``labels = window[1:]``, both ``seq_len`` long: ``labels[t]`` is
+the token that position ``t`` must predict. There are ``(len(stream) - 1) // seq_len`` samples; the tokens after
+the last whole window are not used.
+
+With ``respect_doc_boundaries=True`` a label that is the first token of a document is set to -100 (ignored by the
+loss): the last token of document A (its EOS) is not trained to predict the first token of the unrelated
+document B that happens to follow it in the stream. Attention still spans the boundary; that is the model's
+business (document masking needs ``doc_offsets``, which the dataset exposes).
+
+An optional per-token ``loss_mask`` (used by packed SFT) additionally sets ``labels[t] = -100`` wherever the
+target token's mask is false.
+
+Batches come from `tpzoo.data.loader.ResumableLoader`; `packed_loader` builds both in one call.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .loader import ResumableLoader
+
+IGNORE_INDEX = -100
+
+__all__ = ["PackedDataset", "packed_loader", "IGNORE_INDEX"]
+
+
+class PackedDataset:
+    """Map-style dataset of packed windows over ``tokens`` (a `TokenStore` or any 1-D integer array).
+
+    ``doc_offsets`` (document start offsets, optionally ending with the stream length) default to the store's;
+    they are needed only with ``respect_doc_boundaries``. ``dataset[i]`` is a dict of int64 numpy arrays
+    ``{"input_ids": [seq_len], "labels": [seq_len]}``.
+    """
+
+    def __init__(self, tokens, seq_len: int, *, respect_doc_boundaries: bool = False, doc_offsets=None,
+                 loss_mask=None):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be positive, got {seq_len}")
+        if doc_offsets is None:
+            doc_offsets = getattr(tokens, "doc_offsets", None)
+        self.tokens = getattr(tokens, "tokens", tokens)
+        self.seq_len = seq_len
+        self.respect_doc_boundaries = respect_doc_boundaries
+        if respect_doc_boundaries and doc_offsets is None:
+            raise ValueError("respect_doc_boundaries=True needs doc_offsets (or a TokenStore)")
+        self.doc_offsets = None if doc_offsets is None else np.asarray(doc_offsets, dtype=np.int64)
+        if loss_mask is not None and len(loss_mask) != len(self.tokens):
+            raise ValueError(f"loss_mask has {len(loss_mask)} entries for {len(self.tokens)} tokens")
+        self.loss_mask = loss_mask
+        self.num_samples = max(0, (len(self.tokens) - 1) // seq_len)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def window_bounds(self, i: int) -> tuple[int, int]:
+        """Stream positions ``[start, end)`` of sample ``i`` (``end - start == seq_len + 1``)."""
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} out of range ({self.num_samples} samples)")
+        start = i * self.seq_len
+        return start, start + self.seq_len + 1
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        start, end = self.window_bounds(i)
+        window = np.asarray(self.tokens[start:end]).astype(np.int64)
+        labels = window[1:].copy()
+        if self.respect_doc_boundaries:
+            # Document starts at stream positions start+1 .. end-1 are targets of label slots 0 .. seq_len-1.
+            lo, hi = np.searchsorted(self.doc_offsets, [start + 1, end])
+            labels[self.doc_offsets[lo:hi] - start - 1] = IGNORE_INDEX
+        if self.loss_mask is not None:
+            labels[~np.asarray(self.loss_mask[start + 1:end], dtype=bool)] = IGNORE_INDEX
+        return {"input_ids": window[:-1], "labels": labels}
+
+
+def packed_loader(tokens, seq_len: int, micro_batch_size: int, *, respect_doc_boundaries: bool = False,
+                  dp_rank: int = 0, dp_size: int = 1, seed: int = 0, shuffle: bool = True,
+                  num_epochs: int | None = None, prefetch: int = 2) -> ResumableLoader:
+    """A `ResumableLoader` over a `PackedDataset` of ``tokens`` (a `TokenStore`, its path, or an array).
+
+    Yields ``{"input_ids": LongTensor[b, seq_len], "labels": LongTensor[b, seq_len]}``.
+    """
+    if isinstance(tokens, (str, bytes)) or hasattr(tokens, "__fspath__"):
+        from .token_store import TokenStore
+
+        tokens = TokenStore(tokens)
+    dataset = PackedDataset(tokens, seq_len, respect_doc_boundaries=respect_doc_boundaries)
+    return ResumableLoader(dataset, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=seed,
+                           shuffle=shuffle, num_epochs=num_epochs, prefetch=prefetch)
