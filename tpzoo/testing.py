@@ -34,8 +34,10 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, collective_ti
     torch.set_num_threads(1)  # several ranks share few cores: no oversubscription
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=collective_timeout))
+    timeout = timedelta(seconds=collective_timeout)
+    # The parent holds the store's listening socket, so no other process can take the port in between.
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     while True:
         task = tasks.get()
         if task is None:
@@ -60,13 +62,16 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, collective_ti
 
 class RankPool:
     def __init__(self, world_size: int, collective_timeout: float = 60.0):
-        from tpzoo.parallel.state import _free_port
+        import torch.distributed as dist
 
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
-        port = _free_port()
+        # Bind the rendezvous store here, on a port the OS picks: choosing a "free" port and letting a child
+        # bind it later races with other processes (EADDRINUSE under parallel test runs).
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        port = self.store.port
         self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results,
                                                         collective_timeout), daemon=True)
                       for r in range(world_size)]
