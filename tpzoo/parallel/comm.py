@@ -139,18 +139,29 @@ def all_to_all(t: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def batch_send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group=None):
-    """Post all point-to-point sends and receives at once (global ranks) and wait for them."""
+def batch_send_recv(sends: list[tuple], recvs: list[tuple], group=None, wait: bool = True) -> list:
+    """Post point-to-point sends and receives at once (global peer ranks) and wait for them.
+
+    Each entry is (tensor, peer) or (tensor, peer, tag): a tag tells apart several messages between the same two
+    ranks (a pipeline sends activations one way and gradients the other way on the same pair). With
+    `wait=False` the requests are returned instead of waited on (the caller must keep the tensors alive and wait);
+    schedules use this to overlap transfers with compute."""
     ops = []
-    for t, peer in sends:
+    for entry in sends:
+        t, peer, tag = (*entry, 0)[:3]
+        t = t.contiguous()
         _record("send", group, t, 1.0)
-        ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, group))
-    for t, peer in recvs:
+        ops.append(dist.P2POp(dist.isend, t, peer, group, tag))
+    for entry in recvs:
+        t, peer, tag = (*entry, 0)[:3]
         _record("recv", group, t, 0.0)
-        ops.append(dist.P2POp(dist.irecv, t, peer, group))
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
+        ops.append(dist.P2POp(dist.irecv, t, peer, group, tag))
+    reqs = dist.batch_isend_irecv(ops) if ops else []
+    if wait:
+        for req in reqs:
             req.wait()
+        return []
+    return reqs
 
 
 def split_along(t: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:

@@ -1,0 +1,97 @@
+"""Point-to-point transfers between pipeline stages, with shapes known in advance (no shape handshake).
+
+Every message has a tag that names it uniquely within one forward_backward call: (direction, receiving model
+stage, micro-batch). So the order in which two ranks post their sends and receives never matters, which matters
+on a pipeline of two ranks, where activations and gradients travel between the same pair in both directions,
+and for interleaving, where several chunks talk over the same ring.
+
+Sends are non-blocking (waited at the end of the call, or when they are known done) and receives are posted
+ahead of need, so a rank only ever blocks on data it really needs: if the schedule's order is acyclic (checked
+by `actions.simulate`), the pipeline cannot deadlock, and transfers overlap with compute.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tpzoo.parallel import comm
+from tpzoo.parallel.state import get_group_ranks, get_pp_group, get_pp_rank, get_pp_size
+
+FORWARD, BACKWARD = 0, 1
+_WARMED_UP: set = set()  # NCCL: pp groups whose communicator a collective of all members has created
+
+
+class StageComm:
+    def __init__(self, num_chunks: int, num_microbatches: int, shape: tuple, dtype: torch.dtype, device):
+        self.p, self.rank = get_pp_size(), get_pp_rank()
+        self.v, self.m = num_chunks, num_microbatches
+        self.last_stage = self.p * self.v - 1
+        self.shape, self.dtype, self.device = tuple(shape), dtype, device
+        self.ranks = get_group_ranks("pp") if self.p > 1 else None
+        self.group = get_pp_group() if self.p > 1 else None
+        self._posted: dict = {}  # (direction, stage, mb) -> (buffer, request or None)
+        self._sends: list = []   # (request, tensor): keep each sent tensor alive until its send completes
+        self._local: dict = {}   # messages between two chunks of this rank (pp == 1): no transport needed
+        if self.group is not None and dist.get_backend(self.group) == "nccl" and self.group not in _WARMED_UP:
+            # NCCL creates a communicator lazily, and batched point-to-point ops may only be the first use of a
+            # group if all its ranks take part: one tiny all-reduce of the whole group comes first.
+            comm.all_reduce(torch.zeros(1, device=device), self.group)
+            _WARMED_UP.add(self.group)
+
+    def stage_of(self, chunk: int) -> int:
+        return chunk * self.p + self.rank
+
+    def _tag(self, direction: int, stage: int, mb: int) -> int:
+        return (direction * (self.last_stage + 1) + stage) * self.m + mb
+
+    def _peer(self, stage: int) -> int:
+        """Global rank holding model stage `stage`."""
+        return self.ranks[stage % self.p]
+
+    # -- receiving ------------------------------------------------------------------------------------------
+    def post_recv(self, direction: int, chunk: int, mb: int) -> None:
+        """Start receiving the input of chunk's forward (direction FORWARD) or backward (BACKWARD) for mb."""
+        stage = self.stage_of(chunk)
+        key = (direction, stage, mb)
+        if key in self._posted or self.p == 1:
+            return
+        src = stage - 1 if direction == FORWARD else stage + 1
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        (req,) = comm.batch_send_recv([], [(buf, self._peer(src), self._tag(direction, stage, mb))], self.group,
+                                      wait=False)
+        self._posted[key] = (buf, req)
+
+    def recv(self, direction: int, chunk: int, mb: int) -> torch.Tensor:
+        """The activation (FORWARD) or gradient (BACKWARD) that chunk needs for mb; blocks until it arrives."""
+        stage = self.stage_of(chunk)
+        if self.p == 1:
+            return self._local.pop((direction, stage, mb))
+        self.post_recv(direction, chunk, mb)
+        buf, req = self._posted.pop((direction, stage, mb))
+        req.wait()
+        return buf
+
+    # -- sending --------------------------------------------------------------------------------------------
+    def send(self, direction: int, chunk: int, mb: int, t: torch.Tensor) -> None:
+        """Send chunk's output activation (FORWARD, to the next stage) or input gradient (BACKWARD, to the
+        previous stage) for mb, without waiting."""
+        stage = self.stage_of(chunk)
+        dst = stage + 1 if direction == FORWARD else stage - 1
+        t = t.detach().to(self.dtype).contiguous()
+        if tuple(t.shape) != self.shape:
+            raise RuntimeError(f"pipeline stage {stage} produced shape {tuple(t.shape)}, expected {self.shape}")
+        if self.p == 1:
+            self._local[(direction, dst, mb)] = t
+            return
+        (req,) = comm.batch_send_recv([(t, self._peer(dst), self._tag(direction, dst, mb))], [], self.group,
+                                      wait=False)
+        self._sends.append((req, t))
+        self._sends = [(r, x) for r, x in self._sends if not r.is_completed()]
+
+    def finish(self) -> None:
+        """Wait for every send still in flight (the receivers have consumed everything by the end of a step)."""
+        for req, _ in self._sends:
+            req.wait()
+        self._sends.clear()
+        if self._posted or self._local:
+            raise RuntimeError(f"pipeline messages left unconsumed: {sorted(self._posted) + sorted(self._local)}")

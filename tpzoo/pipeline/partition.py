@@ -1,0 +1,94 @@
+"""Which layers each pipeline stage holds, and this rank's model chunks.
+
+Model stages are numbered 0 .. pp*v-1 along the network. With interleaving (v virtual stages per rank), rank r
+holds the chunks c = 0 .. v-1, chunk c being model stage c*pp + r (Megatron's order): activations travel
+rank 0 -> 1 -> ... -> pp-1 -> 0 -> ... v times, so the pipeline is a ring.
+"""
+from __future__ import annotations
+
+from tpzoo.parallel.state import get_pp_rank, get_pp_size
+
+
+class PartitionError(ValueError):
+    """A layer split that cannot work (empty stage, fewer layers than stages, malformed boundaries)."""
+
+
+def _stage_costs(cfg) -> tuple[int, int, int]:
+    """(parameters of one transformer layer, extra parameters of the first stage, of the last stage)."""
+    final_norm = cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1)
+    per_layer = (cfg.num_parameters(include_embeddings=False) - final_norm) // cfg.num_layers
+    embedding = cfg.vocab_size * cfg.hidden_size
+    if cfg.position == "learned":
+        embedding += cfg.max_position_embeddings * cfg.hidden_size
+    # The last stage always holds a head: its own copy of the tied embedding when pp > 1.
+    head = cfg.vocab_size * cfg.hidden_size + final_norm
+    return per_layer, embedding, head
+
+
+def _check_boundaries(boundaries: list[int], num_layers: int, stages: int) -> list[tuple[int, int]]:
+    b = list(boundaries)
+    if len(b) != stages + 1:
+        raise PartitionError(f"boundaries {b} must have {stages + 1} entries (one more than the {stages} stages)")
+    if b[0] != 0 or b[-1] != num_layers:
+        raise PartitionError(f"boundaries {b} must start at 0 and end at num_layers={num_layers}")
+    for k in range(stages):
+        if b[k + 1] <= b[k]:
+            raise PartitionError(f"boundaries {b}: stage {k} would be empty ([{b[k]}, {b[k + 1]}))")
+    return [(b[k], b[k + 1]) for k in range(stages)]
+
+
+def partition_layers(cfg, pp: int, boundaries: list[int] | None = None,
+                     virtual_stages: int = 1) -> list[tuple[int, int]]:
+    """Layer range [start, end) of every model stage (index vstage*pp + pp_rank), pp*virtual_stages of them.
+
+    Default: balanced by parameter count, the embedding counted on the first stage and the head on the last
+    (so with a large vocabulary the end stages get fewer layers). `boundaries=[0, 3, 8]` gives stage 0 the layers
+    [0, 3) and stage 1 [3, 8); uneven splits are allowed, empty stages are not."""
+    if pp < 1 or virtual_stages < 1:
+        raise PartitionError(f"pp and virtual_stages must be >= 1, got pp={pp}, virtual_stages={virtual_stages}")
+    stages, num_layers = pp * virtual_stages, cfg.num_layers
+    if boundaries is not None:
+        return _check_boundaries(boundaries, num_layers, stages)
+    if num_layers < stages:
+        raise PartitionError(f"{num_layers} layers cannot fill {stages} pipeline stages "
+                             f"(pp={pp} x virtual_stages={virtual_stages}): every stage needs at least one layer")
+    per_layer, embedding, head = _stage_costs(cfg)
+    extra = [0] * stages
+    extra[0] += embedding
+    extra[-1] += head
+    # Water-filling: every stage starts with one layer; each further layer goes to the stage that would be the
+    # cheapest after taking it. With identical layers this minimizes the most expensive stage.
+    counts = [1] * stages
+    for _ in range(num_layers - stages):
+        k = min(range(stages), key=lambda i: ((counts[i] + 1) * per_layer + extra[i], i))
+        counts[k] += 1
+    out, start = [], 0
+    for n in counts:
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def build_model_chunks(cfg, *, sequence_parallel: bool = False, recompute: str = "none", seed: int = 0,
+                       virtual_stages: int = 1, boundaries: list[int] | None = None, vocab_padding_multiple: int = 1,
+                       dtype=None, device=None) -> list:
+    """This rank's model chunks (len == virtual_stages) for the current tpzoo.init_parallel layout.
+
+    Chunk c is model stage c*pp + pp_rank; the first model stage embeds, the last one has the final norm and head.
+    Weights are layout independent (per-module seeds in Transformer), so any (tp, pp, v) starts from the same
+    full model. A tied head on another stage starts equal to the embedding; finalize_grads keeps them equal."""
+    from tpzoo.models import Transformer  # models depend on tpzoo.parallel, not the reverse: import late
+
+    pp, rank = get_pp_size(), get_pp_rank()
+    ranges = partition_layers(cfg, pp, boundaries, virtual_stages)
+    last = len(ranges) - 1
+    chunks = []
+    for c in range(virtual_stages):
+        stage = c * pp + rank
+        chunks.append(Transformer(cfg, layers=ranges[stage], pre_process=stage == 0, post_process=stage == last,
+                                  sequence_parallel=sequence_parallel, recompute=recompute, seed=seed,
+                                  vocab_padding_multiple=vocab_padding_multiple, dtype=dtype, device=device))
+    # pp == 1 with several chunks: first and last stage live on this rank, so tie them like an unsplit model.
+    if cfg.tie_embeddings and len(chunks) > 1 and chunks[0].pre_process and chunks[-1].post_process:
+        chunks[-1].lm_head.weight = chunks[0].embed.weight
+    return chunks

@@ -1,0 +1,79 @@
+"""One model chunk inside a pipeline: runs its forward, backward and weight-gradient passes for a micro-batch.
+
+State kept between passes, per micro-batch: the stage input (a leaf that requires grad, so its gradient can be
+sent back) and the stage output (on the last stage: the scaled loss); between zero-bubble's B and W, the W still
+owed (see weight_grad.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from .p2p import BACKWARD, FORWARD, StageComm
+from .weight_grad import backward_input
+
+
+class StageRunner:
+    def __init__(self, chunk, index: int, comm: StageComm, microbatches: list[dict], *, loss_scale: float,
+                 label_smoothing: float, forward_only: bool):
+        self.chunk, self.index, self.comm = chunk, index, comm
+        self.first, self.last = chunk.pre_process, chunk.post_process
+        self.microbatches = microbatches
+        self.loss_scale, self.label_smoothing, self.forward_only = loss_scale, label_smoothing, forward_only
+        self.params = [p for p in chunk.parameters() if p.requires_grad]
+        self.device = comm.device
+        self.saved: dict[int, list] = {}  # mb -> [stage input or None, stage output, W owed (zero-bubble)]
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # no host sync per micro-batch
+
+    def wait_input(self, kind: str, mb: int):
+        """Block until the message an action needs has arrived (idle time, kept out of the timeline): the
+        activation for F on all but the first stage, the output gradient for B on all but the last."""
+        if kind == "F" and not self.first:
+            return self.comm.recv(FORWARD, self.index, mb)
+        if kind == "B" and not self.last:
+            return self.comm.recv(BACKWARD, self.index, mb)
+        return None
+
+    def forward(self, mb: int, x) -> None:
+        batch = self.microbatches[mb]
+        if x is not None and not self.forward_only:
+            x.requires_grad_()
+        out = self.chunk(input_ids=batch["input_ids"].to(self.device) if self.first else None, hidden=x,
+                         labels=batch["labels"].to(self.device) if self.last else None,
+                         label_smoothing=self.label_smoothing)
+        if self.last:
+            self.loss_sum += out.detach().double().sum()
+            # Backward starts from the scaled sum: the caller's scale (1 / tokens of the global batch) makes the
+            # accumulated gradient that of the global mean loss, whatever the split into micro-batches and ranks.
+            out = out.sum() * self.loss_scale
+        else:
+            self.comm.send(FORWARD, self.index, mb, out)
+        if not self.forward_only:
+            self.saved[mb] = [x, out, None]
+
+    def backward(self, mb: int, grad) -> None:
+        """The whole backward from the output gradient (None on the last stage: the output is the loss): input
+        gradient (sent to the previous stage) and weight gradients."""
+        x, out, _ = self.saved.pop(mb)
+        torch.autograd.backward(out, grad)
+        if x is not None:
+            self.comm.send(BACKWARD, self.index, mb, x.grad)
+
+    def backward_input(self, mb: int, grad) -> None:
+        """B of zero-bubble: only the gradient the previous stage waits for; the weight gradients are owed."""
+        state = self.saved[mb]
+        x, out, _ = state
+        if x is None:  # the first stage has no input gradient to hurry: its W is the whole backward
+            state[2] = lambda: torch.autograd.backward(out, grad, inputs=self.params)
+            return
+        gx, owed = backward_input(out, grad, x, self.params)
+        self.comm.send(BACKWARD, self.index, mb, gx)
+        state[2] = owed.run
+
+    def backward_weights(self, mb: int) -> None:
+        """W of zero-bubble: accumulate the parameter gradients, then drop the micro-batch's graph."""
+        _, _, owed = self.saved.pop(mb)
+        owed()
+
+    @property
+    def inflight(self) -> int:
+        return len(self.saved)

@@ -1,0 +1,123 @@
+"""Zero-bubble's split of a stage's backward into B (input gradient) and W (weight gradients), each part of the
+autograd graph walked once.
+
+B runs autograd.grad(out, x): the engine only visits nodes that lead to the stage input x, and native ops compute
+only the gradients asked for (a matmul skips its weight gradient). W must then finish the weight gradients
+without redoing B's work. For every parameter we find, once per micro-batch, the *frontier*: the node of the
+input path where the parameter's own branch leaves it (the matmul that consumes a weight, the multiply of a norm
+weight). During B a pre-hook on each frontier node records the gradient flowing into it; W restarts the engine
+from exactly there (autograd.grad with GradientEdge outputs) towards that node's parameters, so it runs only the
+weight branches: the weight-gradient matmuls, nothing of the activation-gradient chain and no TP collective.
+
+A parameter reached from several frontier nodes (one weight used twice) could have a branch counted twice that
+way; it takes the safe path instead: W re-walks from the stage output for it.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+
+def _reverse_edges(root) -> dict:
+    """node -> the nodes that pass it gradient (its consumers in the forward), for the graph below root."""
+    parents, stack, seen = defaultdict(list), [root], {root}
+    while stack:
+        node = stack.pop()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            parents[child].append(node)
+            if child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return parents
+
+
+def _ancestors(node, parents: dict) -> set:
+    """Every node from which `node` is reachable (itself included): here, the input path of the stage."""
+    found, stack = {node}, [node]
+    while stack:
+        for p in parents.get(stack.pop(), ()):
+            if p not in found:
+                found.add(p)
+                stack.append(p)
+    return found
+
+
+def _frontier(accumulator, parents: dict, input_path: set) -> set:
+    """The input-path nodes closest to a parameter: walking up from its accumulator, where each branch meets
+    the input path."""
+    found, stack, seen = set(), [accumulator], {accumulator}
+    while stack:
+        for p in parents.get(stack.pop(), ()):
+            if p in input_path:
+                found.add(p)
+            elif p not in seen:
+                seen.add(p)
+                stack.append(p)
+    return found
+
+
+class WeightGrad:
+    """The W pass still owed for one micro-batch (keeps the graph alive until run)."""
+
+    def __init__(self, out, grad, groups: dict, captured: dict, fallback: list):
+        self.out, self.grad, self.groups, self.captured, self.fallback = out, grad, groups, captured, fallback
+
+    def run(self) -> None:
+        fallback = list(self.fallback)
+        for node, params in self.groups.items():
+            grads_in = self.captured.get(node)
+            if grads_in is None:  # B did not run this node: take the safe path rather than lose a gradient
+                fallback += params
+                continue
+            edges = [(GradientEdge(node, k), g) for k, g in enumerate(grads_in) if g is not None]
+            grads = torch.autograd.grad([e for e, _ in edges], [get_gradient_edge(p) for p in params],
+                                        [g for _, g in edges], retain_graph=True, allow_unused=True)
+            _accumulate(params, grads)
+        if fallback:
+            grads = torch.autograd.grad(self.out, fallback, self.grad, retain_graph=True, allow_unused=True)
+            _accumulate(fallback, grads)
+        self.out = self.grad = self.captured = None  # frees the graph and the recorded gradients
+
+
+def _accumulate(params, grads) -> None:
+    for p, g in zip(params, grads):
+        if g is None:
+            continue
+        if p.grad is None:
+            p.grad = g.clone()  # a copy: autograd may hand the same tensor to two parameters
+        else:
+            p.grad.add_(g)
+
+
+def backward_input(out: torch.Tensor, grad, x: torch.Tensor, params: list) -> tuple[torch.Tensor, WeightGrad]:
+    """B: the gradient of the stage input x (returned), and the W pass still owed."""
+    parents = _reverse_edges(out.grad_fn)
+    input_path = _ancestors(get_gradient_edge(x).node, parents)
+    groups, fallback = defaultdict(list), []
+    for p in params:
+        accumulator = get_gradient_edge(p).node
+        if accumulator not in parents:
+            continue  # not used by this stage's forward
+        frontier = _frontier(accumulator, parents, input_path)
+        if len(frontier) == 1:
+            groups[next(iter(frontier))].append(p)
+        else:
+            fallback.append(p)
+    captured = {}
+
+    def recorder(node):
+        def hook(grad_outputs):
+            captured[node] = grad_outputs
+        return hook
+
+    hooks = [node.register_prehook(recorder(node)) for node in groups]
+    try:
+        (gx,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return gx, WeightGrad(out, grad, dict(groups), captured, fallback)
