@@ -1,0 +1,181 @@
+"""The plan advisor's memory model against tpzoo itself, on CPU.
+
+Parameters: every rank's part, built with override_layout on the meta device (or for real), byte for byte.
+Training state: DistributedAdamW's buffers (with and without ZeRO-1, emulated dp/tp ranks), byte for byte.
+Activations: the storages a forward creates that are still alive when it returns (tpzoo.plan.measure), for
+the torch reference kernels here and the Triton kernels in test_plan_parallel.py (interpreter processes).
+"""
+import pytest
+import torch
+
+from tpzoo.models import Transformer, get_config
+from tpzoo.models.config import ModelConfig
+from tpzoo.parallel.state import override_layout
+from tpzoo.plan import (Layout, TrainingSpec, chunk_activation_bytes, chunk_layer_ranges, stage_chunks,
+                        stage_params, state_bytes)
+from tpzoo.plan.measure import forward_activation_bytes
+from tpzoo.train.optim import DistributedAdamW
+
+# kv_heads (1) < tp: every tp rank keeps a replica of the one kv head; qkv bias and tied embeddings too.
+GQA = ModelConfig(family="qwen2", vocab_size=101, hidden_size=64, num_layers=3, num_heads=8, num_kv_heads=1,
+                  ffn_hidden_size=96, max_position_embeddings=64, qkv_bias=True, tie_embeddings=True, name="gqa-kv1")
+SMALL = ["nano-gpt", "nano-llama", "tiny-llama", GQA]
+TOL = 0.02  # activations: relative; the model is exact except CPU layer_norm's bf16 statistics (docs/plan.md)
+
+
+def cfg_of(c):
+    return get_config(c) if isinstance(c, str) else c
+
+
+def build_stage(cfg, tp, rank, pp, stage, v=1, device="meta", dtype=torch.bfloat16, sp=False, pad=1):
+    """The chunks tpzoo.pipeline.build_model_chunks gives pipeline rank `stage`, tp rank `rank`."""
+    ranges = chunk_layer_ranges(cfg, pp, v)
+    with override_layout(tp=(tp, rank), pp=(pp, stage)):
+        chunks = [Transformer(cfg, layers=ranges[c * pp + stage], pre_process=c * pp + stage == 0,
+                              post_process=c * pp + stage == pp * v - 1, sequence_parallel=sp,
+                              vocab_padding_multiple=pad, dtype=dtype, device=device) for c in range(v)]
+    if cfg.tie_embeddings and v > 1 and chunks[0].pre_process and chunks[-1].post_process:
+        chunks[-1].lm_head.weight = chunks[0].embed.weight
+    return chunks
+
+
+def unique_params(chunks):
+    seen = {}
+    for ch in chunks:
+        for p in ch.parameters():
+            seen[id(p)] = p
+    return list(seen.values())
+
+
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (1, 2, 1), (2, 2, 1), (4, 2, 1), (2, 2, 2), (1, 3, 1)]
+
+
+@pytest.mark.parametrize("name", SMALL + ["llama-3-8b", "qwen2.5-0.5b", "gpt2"],
+                         ids=lambda c: c if isinstance(c, str) else c.name)
+def test_parameter_bytes_exact(name):
+    cfg = cfg_of(name)
+    for tp, pp, v in LAYOUTS:
+        if cfg.num_heads % tp or pp * v > cfg.num_layers:
+            continue
+        for pad in (1, 8):
+            for stage in range(pp):
+                count = stage_params(cfg, tp, pp, stage, v, pad)
+                for rank in {0, tp - 1}:
+                    params = unique_params(build_stage(cfg, tp, rank, pp, stage, v, sp=True, pad=pad))
+                    what = f"{cfg.name} tp={tp} rank {rank} pp={pp} stage {stage} v={v} pad={pad}"
+                    assert count.numel * 2 == sum(p.numel() * p.element_size() for p in params), what
+                    assert count.tensors == len(params), what
+                    assert count.sequence_parallel == sum(p.numel() for p in params if p.sequence_parallel), what
+                    replicated = sum(p.numel() for p in params if p.tp_spec.replicas and max(p.tp_spec.replicas) > 1)
+                    assert count.replicated_kv == replicated, what
+
+
+def test_tied_embedding_held_on_both_end_stages():
+    cfg = get_config("nano-gpt")
+    first, last = stage_params(cfg, 2, 2, 0), stage_params(cfg, 2, 2, 1)
+    table = 49 * cfg.hidden_size  # 97 padded to 98, split over tp=2
+    assert first.embedding == last.embedding == table
+    assert stage_params(cfg, 2, 1, 0).embedding == 0  # one stage: the head is the embedding itself
+
+
+def _adam_buffers(opt: DistributedAdamW) -> dict:
+    same = opt.master.untyped_storage().data_ptr() == opt.flat.untyped_storage().data_ptr()
+    master = 0 if same else opt.master.nbytes  # fp32 weights are their own master (a view)
+    norm = opt.norm_weight.nbytes if opt.norm_weight is not None else 0
+    return {"params": opt.flat.nbytes, "master": master,
+            "optimizer": opt.exp_avg.nbytes + opt.exp_avg_sq.nbytes + norm, "grad_flat": opt.grad_flat.nbytes}
+
+
+@pytest.mark.parametrize("zero1", [False, True])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_optimizer_state_matches_distributed_adamw(dtype, zero1):
+    """DistributedAdamW built for emulated ranks (no process group is needed to construct it)."""
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    training = TrainingSpec(seq_len=16, global_batch_size=8, dtype=dtype, zero1=zero1)
+    for name in ("nano-gpt", "nano-llama", GQA):
+        cfg = cfg_of(name)
+        for tp, rank, pp, stage, dp in [(1, 0, 1, 0, 1), (2, 1, 1, 0, 3), (2, 0, 2, 1, 4), (1, 0, 2, 1, 2)]:
+            chunks = build_stage(cfg, tp, rank, pp, stage, device="cpu", dtype=torch.float32)
+            named = [(n, p, ch) for ch in chunks for n, p in ch.named_parameters()]
+            opt = DistributedAdamW(named, model_dtype=torch_dtype, zero1=zero1, dp_rank=dp - 1, dp_size=dp,
+                                   tp_rank=rank, tp=tp)
+            count = stage_params(cfg, tp, pp, stage)
+            head_copy = bool(count.embedding) and stage == pp - 1 and stage != 0
+            est = state_bytes(count, training, tp, dp, head_copy, tp_rank=rank)
+            got = _adam_buffers(opt)
+            what = f"{cfg.name} tp={tp}/{rank} pp={pp}/{stage} dp={dp}"
+            assert est.params == got["params"], what
+            assert est.master == got["master"], what
+            # The norm-weight vector exists on this rank exactly when the estimate says so.
+            assert est.optimizer == got["optimizer"], what
+            # grads: the parameters' .grad (model dtype) + the fp32 flat buffer (+ the ZeRO-1 shard)
+            shard = 4 * opt.shard if zero1 and dp > 1 else 0
+            assert est.grads == count.numel * training.act_bytes + got["grad_flat"] + shard, what
+
+
+def test_one_real_step_allocates_what_is_estimated():
+    """World size 1: forward, backward, reduce_grads and step of DistributedAdamW in bf16; then every buffer
+    the step created, the parameters' gradients included, is counted by the estimate."""
+    cfg = get_config("nano-llama")
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    named = [(n, p, model) for n, p in model.named_parameters()]
+    opt = DistributedAdamW(named, model_dtype=torch.bfloat16)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    model(ids, labels=ids).sum().backward()
+    opt.reduce_grads()
+    opt.step(lr=1e-3)
+    est = state_bytes(stage_params(cfg, 1, 1, 0), TrainingSpec(seq_len=16, global_batch_size=2))
+    grads = sum(p.grad.nbytes for p in model.parameters())
+    assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
+    got = _adam_buffers(opt)
+    assert (est.params, est.master, est.optimizer) == (got["params"], got["master"], got["optimizer"])
+    assert est.grads == grads + got["grad_flat"]
+
+
+def measure_chunk(cfg, mode, *, layers=None, pre=True, post=True, b=2, s=16, hooks=False):
+    torch.manual_seed(0)
+    model = Transformer(cfg, layers=layers, pre_process=pre, post_process=post, recompute=mode,
+                        dtype=torch.bfloat16)
+    return forward_activation_bytes(model, b, s, hooks=hooks)
+
+
+@pytest.mark.parametrize("name", SMALL, ids=lambda c: c if isinstance(c, str) else c.name)
+def test_activation_bytes_tp1_reference_kernels(name):
+    cfg = cfg_of(name)
+    for mode in ("none", "selective", "full"):
+        got = measure_chunk(cfg, mode)
+        est = sum(chunk_activation_bytes(cfg, 1, False, mode, cfg.num_layers, 2, 16, 2, True, True,
+                                         "reference").values())
+        assert abs(est / got - 1) <= TOL, (cfg.name, mode, est, got)
+
+
+def test_activation_bytes_pipeline_stages():
+    """pp=2: the first stage (embedding, its output kept for the backward) and the last (input received)."""
+    cfg = get_config("tiny-llama")
+    (r0, r1) = chunk_layer_ranges(cfg, 2)
+    for mode in ("none", "full"):
+        for (lo, hi), pre, post in (((r0), True, False), ((r1), False, True)):
+            got = measure_chunk(cfg, mode, layers=(lo, hi), pre=pre, post=post)
+            est = sum(chunk_activation_bytes(cfg, 1, False, mode, hi - lo, 2, 16, 2, pre, post,
+                                             "reference").values())
+            assert est == got, (mode, pre, post, est, got)
+
+
+def test_saved_tensor_hooks_agree_with_live_storages():
+    """Autograd's saved tensors (hooks) are all a forward keeps, the held fp32 loss scalar aside: the two
+    instruments agree, with and without recomputation."""
+    for name in ("nano-llama", "nano-gpt", GQA):
+        cfg = cfg_of(name)
+        for mode in ("none", "selective", "full"):
+            live, saved = measure_chunk(cfg, mode), measure_chunk(cfg, mode, hooks=True)
+            assert live - saved == 4, (cfg.name, mode, live, saved)
+
+
+def test_layout_chunks_follow_tpzoo_partition():
+    from tpzoo.pipeline import partition_layers
+
+    cfg = get_config("llama-3.1-405b")
+    assert list(chunk_layer_ranges(cfg, 16)) == partition_layers(cfg, 16)
+    assert stage_chunks(cfg, 4, 1, 2) == tuple(partition_layers(cfg, 4, virtual_stages=2)[1::4])
+    assert Layout(tp=8, pp=16, dp=128).gpus == 16384

@@ -1,0 +1,87 @@
+"""`tpzoo plan`: rank the parallel layouts of a model on a cluster by estimated step time (memory checked).
+
+    tpzoo plan --model llama-3-8b --gpus 8 --gpu-memory 80 --seq-len 8192 --global-batch-size 128
+    tpzoo plan --model my_config.json --gpus 64 --gpu-memory 80 --seq-len 4096 --global-batch-size 512 --json
+
+The model is a registry name (`tpzoo.models.list_configs()`), a ModelConfig JSON, or a Hugging Face
+config.json. Runs on one process, no GPU needed; see docs/plan.md for the model behind the numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="registry name, ModelConfig JSON or HF config.json")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpu-memory", type=float, required=True, help="GiB per GPU")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-tflops", type=float, default=989.0, help="dense peak TFLOP/s in --dtype (H100: 989)")
+    p.add_argument("--intra-node-bw", type=float, default=450.0, help="GB/s per GPU per direction (NVLink)")
+    p.add_argument("--inter-node-bw", type=float, default=50.0, help="GB/s per GPU per direction (network)")
+    p.add_argument("--efficiency", type=float, default=0.6, help="achieved fraction of peak FLOP/s (default 0.6)")
+    p.add_argument("--reserve-gib", type=float, default=3.0, help="memory kept for CUDA/NCCL/workspaces")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--zero1", action="store_true", help="shard fp32 master + AdamW states over dp")
+    p.add_argument("--kernels", default="fused", choices=["fused", "reference"],
+                   help="fused = Triton (CUDA), reference = torch (what CPU runs)")
+    p.add_argument("--vocab-padding-multiple", type=int, default=1)
+    p.add_argument("--max-micro-batch", type=int, default=64)
+    p.add_argument("--tp", type=int, help="only layouts with this tp")
+    p.add_argument("--pp", type=int, help="only layouts with this pp")
+    p.add_argument("--recompute", choices=["none", "selective", "full"], help="only this recompute mode")
+    p.add_argument("--top", type=int, default=10, help="how many fitting layouts to show (default 10)")
+    p.add_argument("--rejected", type=int, default=5, help="how many non-fitting layouts to show (default 5)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def load_model(spec: str):
+    """A ModelConfig from a registry name, a ModelConfig JSON file or a HF config.json."""
+    from tpzoo.models import ModelConfig, from_hf_config, get_config
+
+    if not (os.path.exists(spec) or spec.endswith(".json")):
+        return get_config(spec)
+    with open(spec) as f:
+        d = json.load(f)
+    if "family" in d and "hidden_size" in d and "model_type" not in d:
+        cfg = ModelConfig.from_dict(d)
+    else:
+        cfg = from_hf_config(d)
+    if not cfg.name:
+        cfg.name = os.path.splitext(os.path.basename(spec))[0]
+    return cfg
+
+
+def run(args) -> int:
+    from tpzoo.plan import ClusterSpec, TrainingSpec, search
+    from tpzoo.plan.report import header, table, to_json
+
+    try:
+        cfg = load_model(args.model)
+        cluster = ClusterSpec(gpus=args.gpus, gpu_memory_gib=args.gpu_memory, gpus_per_node=args.gpus_per_node,
+                              gpu_tflops=args.gpu_tflops, intra_node_gbps=args.intra_node_bw,
+                              inter_node_gbps=args.inter_node_bw, efficiency=args.efficiency,
+                              reserve_gib=args.reserve_gib)
+        training = TrainingSpec(seq_len=args.seq_len, global_batch_size=args.global_batch_size, dtype=args.dtype,
+                                zero1=args.zero1, vocab_padding_multiple=args.vocab_padding_multiple,
+                                kernels=args.kernels)
+    except (KeyError, ValueError, OSError) as exc:
+        print(f"tpzoo plan: {exc}", file=sys.stderr)
+        return 2
+    estimates = search(cfg, cluster, training, args.max_micro_batch, tp=args.tp, pp=args.pp,
+                       recompute=args.recompute)
+    if args.json:
+        print(to_json(cfg, cluster, training, estimates, args.top, args.rejected))
+    else:
+        print(header(cfg, cluster, training, len(estimates), sum(e.fits for e in estimates)))
+        print()
+        print(table(estimates, args.top, args.rejected))
+    if not estimates:
+        print("tpzoo plan: no valid layout (check gpus, heads, batch size divisibility)", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,235 @@
+"""Step time, throughput and MFU of a layout, and the search over layouts.
+
+Time of one optimizer step, as tpzoo runs it (tpzoo.train.loop: forward_backward, finalize_grads,
+DistributedAdamW.reduce_grads, step):
+    pipeline  m * (F + B + W) of the slowest stage + its bubble (plan/schedule.py, equal to
+              tpzoo.pipeline.simulate), per micro-batch
+                F = forward FLOPs / (peak * efficiency) + forward tensor-parallel collectives,
+                B = input-gradient FLOPs (+ recomputation) + backward collectives,  W = weight-gradient FLOPs;
+              tensor-parallel collectives are synchronous (on the critical path); pipeline sends are posted
+              asynchronously and overlap compute, except on the fill and drain path ((pp - 1) hops each way)
+    + gradient sync, not overlapped: finish_tp_grads, the tied-embedding sum (model dtype), the data-parallel
+              reduction in fp32 (all-reduce in 2^24-element buckets; ZeRO-1: reduce-scatter + all-gather of the
+              updated parameters in the model dtype)
+    + optimizer step, memory bound: ~40 bytes of HBM traffic per owned element.
+A collective costs latency + ring bytes sent / bandwidth: intra-node when its whole group sits in one node,
+else the per-GPU inter-node bandwidth.
+FLOPs of a micro-batch on one GPU, from its local shapes (replicated kv heads and vocab padding included):
+matmuls 2 * tokens * weights (F), the same again for W, and for B; causal attention 4 * b * s * (s + 1)/2 *
+heads * head_dim per layer in F and twice that in B; full recompute adds a forward without the MLP's output
+matmul (torch's checkpoint stops recomputing early), selective the attention core. tpzoo's zero-bubble W
+re-walks the input-gradient chain (stage_times), so there B's work is done twice.
+MFU counts the model's FLOPs, ModelConfig.flops_per_token (non-causal attention, the usual convention).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from tpzoo.models.config import ModelConfig
+from tpzoo.parallel.state import ParallelLayoutError
+
+from .memory import MemoryBreakdown, local_dims, stage_memory, stage_params
+from .schedule import bubble_time
+from .spec import (RECOMPUTE, ClusterSpec, Layout, TrainingSpec, check_layout, group_is_intra_node,
+                   num_micro_batches, stage_layers)
+from .volume import tp_step_volume
+
+GIB = 1024 ** 3
+BUCKET = 1 << 24  # DistributedAdamW's all-reduce bucket (elements)
+
+
+@dataclass
+class TimeBreakdown:
+    compute: float = 0.0      # forward + backward FLOPs of m micro-batches on the slowest stage
+    recompute: float = 0.0    # the extra forward work of activation recomputation
+    tp_comm: float = 0.0      # tensor/sequence-parallel collectives, incl. finish_tp_grads
+    pp_comm: float = 0.0      # pipeline sends on the fill and drain path (the rest overlaps compute)
+    bubble: float = 0.0       # pipeline fill and drain
+    dp_comm: float = 0.0      # data-parallel gradient reduction (+ ZeRO-1 all-gather), tied-embedding sync
+    optimizer: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.recompute + self.tp_comm + self.pp_comm + self.bubble + self.dp_comm
+                + self.optimizer)
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    micro_batches: int
+    memory: MemoryBreakdown          # the fullest pipeline stage
+    time: TimeBreakdown
+    tokens_per_s: float
+    mfu: float
+    fits: bool
+    reason: str = ""                 # why it does not fit
+    slowest_stage: int = 0           # the stage that sets the pipeline's pace
+    stage_memory_gib: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        mem = asdict(self.memory)
+        mem = {k: (v / GIB if k != "stage" else v) for k, v in mem.items()}
+        mem["total"] = self.memory.total / GIB
+        return {"layout": self.layout.to_dict(), "label": self.layout.label(), "micro_batches": self.micro_batches,
+                "fits": self.fits, "reason": self.reason, "memory_gib": mem, "slowest_stage": self.slowest_stage,
+                "stage_memory_gib": self.stage_memory_gib,
+                "time_s": {**asdict(self.time), "total": self.time.total},
+                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu}
+
+
+def _collective_time(sent_bytes: float, calls: int, bw_gbps: float, cluster: ClusterSpec) -> float:
+    return sent_bytes / (bw_gbps * 1e9) + calls * cluster.latency_us * 1e-6
+
+
+def _bandwidth(intra: bool, cluster: ClusterSpec) -> float:
+    return cluster.intra_node_gbps if intra else cluster.inter_node_gbps
+
+
+def stage_flops(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage: int) -> dict:
+    """FLOPs of one micro-batch on one GPU of stage `stage`: forward, input gradients (dgrad), weight
+    gradients (wgrad) and the forward work of recomputation (each time the backward walks the graph)."""
+    t, b, s = layout.tp, layout.micro_batch_size, training.seq_len
+    tokens, h, d = b * s, cfg.hidden_size, local_dims(cfg, t, training.vocab_padding_multiple)
+    count = stage_params(cfg, t, layout.pp, stage, layout.virtual_stages, training.vocab_padding_multiple)
+    layers = stage_layers(cfg, layout.pp, stage, layout.virtual_stages)
+    w = cfg.sliding_window
+    keys = (s + 1) / 2 if (w is None or w >= s) else (w * s - w * (w - 1) / 2) / s  # mean keys per query
+    attn = layers * 4 * b * s * keys * d.heads * cfg.head_dim
+    matmul = 2 * tokens * count.matmul + (2 * tokens * h * d.vocab if stage == layout.pp - 1 else 0)
+    if layout.recompute == "full":
+        extra = 2 * tokens * count.matmul + attn - layers * 2 * tokens * d.ffn * h
+    else:
+        extra = attn if layout.recompute == "selective" else 0.0
+    return {"forward": matmul + attn, "dgrad": matmul + 2 * attn, "wgrad": matmul, "recompute": extra}
+
+
+def stage_times(f: dict, tp_fwd: float, tp_bwd: float, peak: float, zero_bubble: bool, first: bool) -> dict:
+    """Seconds of one micro-batch's F, B and W actions on a stage, and their compute / recompute / comm parts.
+
+    tpzoo's zero-bubble W is `backward(out, inputs=params)` over the graph B kept: autograd re-walks the whole
+    input-gradient chain to reach each weight (dgrad and the backward collectives twice; recomputation twice).
+    On the first stage B has no input to differentiate and W does the whole backward once."""
+    fwd = f["forward"] / peak + tp_fwd
+    walk = (f["dgrad"] + f["recompute"]) / peak + tp_bwd  # one walk of the input-gradient chain
+    if not zero_bubble:
+        b, w, walks = walk, f["wgrad"] / peak, 1
+    elif first:
+        b, w, walks = 0.0, walk + f["wgrad"] / peak, 1
+    else:
+        b, w, walks = walk, walk + f["wgrad"] / peak, 2
+    return {"F": fwd, "B": b, "W": w, "recompute": walks * f["recompute"] / peak,
+            "tp": tp_fwd + walks * tp_bwd}
+
+
+def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: TrainingSpec) -> Estimate:
+    """Memory and step time of `layout`; raises ParallelLayoutError when tpzoo cannot run it."""
+    check_layout(cfg, layout, cluster, training)
+    t, p, dp, v = layout.tp, layout.pp, layout.dp, layout.virtual_stages
+    m, e, K = num_micro_batches(layout, training), training.act_bytes, cluster.gpus_per_node
+    peak = cluster.gpu_tflops * 1e12 * cluster.efficiency
+    pad = training.vocab_padding_multiple
+    # Stages differ only by their layers and whether they are first or last (and, for memory, their place in
+    # the schedule): time each kind once (a 126-layer model on 64 stages has a handful).
+    kinds = {s: (stage_layers(cfg, p, s, v), s == 0, s == p - 1) for s in range(p)}
+    mems = [stage_memory(cfg, layout, training, s, int(cluster.reserve_gib * GIB)) for s in range(p)]
+    worst = max(mems, key=lambda mb: mb.total)
+
+    best = None
+    for s in sorted({kind: s for s, kind in kinds.items()}.values()):
+        fin = tp_step_volume(cfg, layout, s, 0, training.seq_len, e, e, pad)
+        one = tp_step_volume(cfg, layout, s, 1, training.seq_len, e, e, pad)
+        tp_mb = _collective_time(one.sent("tp") - fin.sent("tp"), one.calls("tp") - fin.calls("tp"),
+                                 cluster.intra_node_gbps, cluster)
+        tp_fin = _collective_time(fin.sent("tp"), fin.calls("tp"), cluster.intra_node_gbps, cluster)
+        # Forward and backward issue the same collectives; recomputation repeats most forward ones.
+        tp_fwd = tp_mb * 2 / (4 + (layout.recompute == "full"))
+        st = stage_times(stage_flops(cfg, layout, training, s), tp_fwd, tp_mb - tp_fwd, peak,
+                         layout.schedule == "zb" and p > 1, s == 0)
+        total = st["F"] + st["B"] + st["W"]
+        if best is None or total > best[0]:
+            best = (total, st, tp_fin, s)
+    tau, st, tp_fin, slow = best
+
+    pp_intra = group_is_intra_node(t * dp, p, K)
+    tokens = layout.micro_batch_size * training.seq_len
+    msg = e * cfg.hidden_size * tokens // (t if layout.sequence_parallel else 1)
+    p2p = 2 * (p - 1) * _collective_time(msg, 1, _bandwidth(pp_intra, cluster), cluster)
+
+    # The gradient sync lasts as long as the stage holding the most parameters: the first, the last
+    # (embedding, head) or one with the most layers.
+    fullest = max(range(p), key=lambda s: kinds[s][0])
+    count = max((stage_params(cfg, t, p, s, v, pad) for s in {0, fullest, p - 1}), key=lambda c: c.numel)
+    padded = -(-count.numel // dp) * dp
+    dp_bw = _bandwidth(group_is_intra_node(t, dp, K), cluster)
+    if dp == 1:
+        dp_time = 0.0
+    elif training.zero1:  # reduce-scatter fp32 gradients, all-gather the updated parameters
+        dp_time = _collective_time((dp - 1) / dp * padded * (4 + e), 2, dp_bw, cluster)
+    else:
+        dp_time = _collective_time(2 * (dp - 1) / dp * padded * 4, -(-padded // BUCKET), dp_bw, cluster)
+    if count.embedding:  # tied embedding and head on two stages: all-reduce their gradients (model dtype)
+        dp_time += _collective_time(count.embedding * e, 1, _bandwidth(pp_intra, cluster), cluster)
+    owned = padded // dp if training.zero1 else padded
+    opt = (40 * owned + e * padded) / (cluster.hbm_gbps * 1e9) + cluster.latency_us * 1e-6  # + the norm's
+
+    tb = TimeBreakdown(compute=m * (tau - st["recompute"] - st["tp"]), recompute=m * st["recompute"],
+                       tp_comm=m * st["tp"] + tp_fin, pp_comm=p2p,
+                       bubble=bubble_time(layout, m, st["F"], st["B"], st["W"]), dp_comm=dp_time, optimizer=opt)
+    step_tokens = training.global_batch_size * training.seq_len
+    tokens_per_s = step_tokens / tb.total
+    mfu = cfg.flops_per_token(training.seq_len) * tokens_per_s / (cluster.gpus * cluster.gpu_tflops * 1e12)
+    fits = worst.total <= cluster.gpu_memory_gib * GIB
+    states = worst.params + worst.grads + worst.master + worst.optimizer
+    reason = "" if fits else (f"needs {worst.total / GIB:.1f} GiB > {cluster.gpu_memory_gib:g} GiB (stage "
+                              f"{worst.stage}: weights+grads+optimizer {states / GIB:.1f}, activations "
+                              f"{worst.activations / GIB:.1f})")
+    return Estimate(layout, m, worst, tb, tokens_per_s, mfu, fits, reason, slow,
+                    [round(mb.total / GIB, 2) for mb in mems])
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def enumerate_layouts(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, max_micro_batch: int = 64,
+                      tp: int | None = None, pp: int | None = None, recompute: str | None = None,
+                      max_virtual_stages: int = 8) -> list[Layout]:
+    """Every layout tpzoo can run on this cluster (check_layout passes): tp within a node, pp <= layers, dp
+    the rest; micro-batch sizes dividing the per-replica batch; recompute none/selective/full; sequence
+    parallelism with tp > 1; 1F1B, zero-bubble, and interleaved with 2 <= v <= max_virtual_stages chunks per
+    stage (pp * v <= layers; tpzoo splits unevenly when they do not divide). `tp`, `pp`, `recompute` restrict
+    the search to one value."""
+    out = []
+    g, want_tp, want_pp = cluster.gpus, tp, pp
+    for tp in _divisors(min(cluster.gpus_per_node, g)):
+        for pp in range(1, min(cfg.num_layers, g // tp) + 1):
+            if g % (tp * pp) or want_tp not in (None, tp) or want_pp not in (None, pp):
+                continue
+            dp = g // (tp * pp)
+            if training.global_batch_size % dp:
+                continue
+            scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("zb", 1)] + [
+                ("interleaved", v) for v in range(2, min(max_virtual_stages, cfg.num_layers // pp) + 1)]
+            for mbs in _divisors(training.global_batch_size // dp):
+                if mbs > max_micro_batch:
+                    break
+                for rec in (RECOMPUTE if recompute is None else (recompute,)):
+                    for sp in ((False, True) if tp > 1 else (False,)):
+                        for sched, v in scheds:
+                            lay = Layout(tp, pp, dp, mbs, rec, sp, sched, v)
+                            try:
+                                check_layout(cfg, lay, cluster, training)
+                            except ParallelLayoutError:
+                                continue
+                            out.append(lay)
+    return out
+
+
+def search(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, max_micro_batch: int = 64,
+           **only) -> list[Estimate]:
+    """Every valid layout (enumerate_layouts; `only`: tp=, pp=, recompute=), estimated: the ones that fit
+    first, fastest first; then the rest, fastest first."""
+    layouts = enumerate_layouts(cfg, cluster, training, max_micro_batch, **only)
+    ests = [estimate(cfg, lay, cluster, training) for lay in layouts]
+    return sorted(ests, key=lambda est: (not est.fits, est.time.total, est.memory.total))

@@ -1,0 +1,116 @@
+"""Measure what a forward pass really keeps for the backward: the ground truth the plan's memory model is
+tested against (and a tool to calibrate it on a new model or kernel).
+
+Two instruments:
+  live_activation_bytes(): every storage created during the forward (any op, any kernel, collectives too) that
+      is still alive when the forward returns: what autograd saved, what torch.utils.checkpoint keeps for
+      recomputation, and what the caller holds (the loss, a pipeline stage's output).
+  saved_tensor_bytes(): the unique storages autograd saves for backward (torch.autograd.graph
+      .saved_tensors_hooks; with torch 2.13 this includes the inputs a non-reentrant checkpoint keeps). The
+      two agree up to what the caller holds (tests/test_plan_memory.py).
+Parameters and whatever existed before the forward are excluded from both: pass them in `exclude`.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Remembers (weakly) the storage of every tensor an op returns."""
+
+    def __init__(self, exclude: set[int]):
+        super().__init__()
+        self.exclude = exclude
+        self.seen: dict[int, tuple[StorageWeakRef, int, str]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                key = _storage_key(t)
+                if key in self.exclude:
+                    continue
+                old = self.seen.get(key)
+                # A freed storage's address can be reused: keep the newest owner of each address.
+                if old is None or old[0].expired():
+                    self.seen[key] = (StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes(), str(func))
+        return out
+
+
+class LiveBytes:
+    """Result of live_activation_bytes(): `.total` bytes, `.by_op` (creating op -> bytes) once the block ends."""
+
+    total: int = 0
+    by_op: dict
+
+
+@contextlib.contextmanager
+def live_activation_bytes(exclude=()):
+    """with live_activation_bytes(model.parameters()) as r: loss = model(x)  ->  r.total, r.by_op.
+
+    Count only what the block creates; keep references to the outputs you hold (the loss) inside the block's
+    caller, as a training step would."""
+    keys = {_storage_key(t) for t in exclude}
+    result = LiveBytes()
+    mode = _LiveStorages(keys)
+    with mode:
+        yield result
+    gc.collect()  # reference cycles (e.g. in autograd.Function bookkeeping) are garbage, not activations
+    result.by_op = {}
+    for ref, nbytes, op in mode.seen.values():
+        if not ref.expired():
+            result.by_op[op] = result.by_op.get(op, 0) + nbytes
+    result.total = sum(result.by_op.values())
+
+
+@contextlib.contextmanager
+def saved_tensor_bytes(exclude=()):
+    """with saved_tensor_bytes(model.parameters()) as r: loss = model(x)  ->  r.total (unique storages)."""
+    keys = {_storage_key(t) for t in exclude}
+    storages: dict[int, int] = {}
+    result = LiveBytes()
+
+    def pack(t):
+        key = _storage_key(t)
+        if key not in keys and t.device.type != "meta":
+            storages[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield result
+    result.total = sum(storages.values())
+    result.by_op = {}
+
+
+def forward_activation_bytes(model, micro_batch: int, seq_len: int, *, hooks: bool = False, seed: int = 1) -> int:
+    """Bytes one micro-batch's forward through `model` (a tpzoo Transformer chunk) leaves for its backward,
+    held the way tpzoo.pipeline's engine holds them: the received input (non-first chunks, seq-sharded under
+    sequence parallelism), the output (a middle chunk), or the summed loss (the last chunk)."""
+    from tpzoo.parallel.state import get_tp_size
+
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.cfg
+    ids = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), generator=g)
+    param = next(model.parameters())
+    kept = [ids, labels] + list(model.parameters())
+    meter = saved_tensor_bytes(kept) if hooks else live_activation_bytes(kept)
+    with meter as r:
+        hidden = None
+        if not model.pre_process:  # what the engine receives: created now, as its receive buffer would be
+            s_local = seq_len // get_tp_size() if model.sequence_parallel else seq_len
+            hidden = torch.randn(micro_batch, s_local, cfg.hidden_size, generator=g).to(param.dtype)
+            hidden.requires_grad_()
+        out = model(ids if model.pre_process else None, hidden=hidden,
+                    labels=labels if model.post_process else None)
+        out = out.sum() if model.post_process else out
+    return r.total

@@ -1,0 +1,240 @@
+"""Per-GPU memory of a tpzoo training layout: parameters, gradients, optimizer states, activations.
+
+Parameters are counted exactly as tpzoo.models.Transformer builds a rank's part (tested against the real
+model): vocab padded to tp * multiple, kv heads replicated when kv_heads < tp, norms and row-parallel biases
+replicated, a tied embedding held twice (first and last stage) when pp > 1.
+
+Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
+re-derived for what tpzoo's code saves for the backward (tested against live storages on CPU). Per layer and
+token, with e = activation bytes, local sizes q = heads*hd/tp, kv = local kv heads*hd, f = ffn/tp, a = heads/tp,
+d = tp under sequence parallelism else 1:
+    norms      2 * norm_saved / d        fused: e*h + 4 (rms) / + 8 (layer norm); torch rms: 4h + e*h + 4
+    linear in  2 * e*h                   qkv and fc_in inputs; FULL sequence even with SP: tpzoo's
+                                         column-parallel layer saves its all-gathered input (Megatron saves
+                                         the shard and gathers again in the backward)
+    attention  e*(q + 2kv) + e*(q + kv) + e*q + 4a
+               qkv buffer (whole: v is a view of it) + rotated q, k (RoPE only) + output + log-sum-exp;
+               flash attention (SDPA) never materializes the s^2 scores: the paper's 5as/h term is absent
+    mlp        SwiGLU fused 3e*f, torch 4e*f (silu output too); GeLU 2e*f
+Selective recompute (tpzoo checkpoints only the attention core) drops just the 4a log-sum-exp: q, k, v are
+kept alive as the checkpoint's inputs and the output feeds the projection. Full recompute keeps each layer's
+input, e*h/d per token (the paper's 2sbh). How many micro-batches a stage holds comes from replaying tpzoo's
+schedule (plan/schedule.py).
+
+Training state, as tpzoo.train.optim.DistributedAdamW allocates it (tested against it): one flat parameter
+buffer in the model dtype padded to a multiple of dp (P elements); the parameters' own .grad in the model dtype
+(N elements); an fp32 flat gradient buffer (P); fp32 master (16-bit models), exp_avg and exp_avg_sq over the
+owned range (P, or P/dp under ZeRO-1); under ZeRO-1 with dp > 1 the reduce-scattered fp32 gradient shard
+(P/dp); an fp32 norm-weight vector over this rank's 1/dp slice when some elements do not count once in the
+gradient norm (tp > 1: replicated parameters count on tp rank 0 only; a tied head copy on the last stage).
+So 20 bytes per element in bf16 without ZeRO-1 (Megatron: 18, it accumulates into fp32 main grads directly).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tpzoo.models.config import ModelConfig
+
+from .schedule import held_states, peak_bytes
+from .spec import DTYPE_BYTES, Layout, TrainingSpec, num_micro_batches, stage_chunks
+
+
+@dataclass(frozen=True)
+class LocalDims:
+    """One tensor-parallel rank's share of a layer (tpzoo.models.blocks)."""
+    q: int          # query features (heads/tp * head_dim)
+    kv: int         # key (= value) features, replicated heads included
+    heads: int
+    ffn: int
+    vocab: int      # padded vocab / tp
+
+
+def local_dims(cfg: ModelConfig, tp: int, vocab_padding_multiple: int = 1) -> LocalDims:
+    hd = cfg.head_dim
+    kv_heads = max(1, cfg.num_kv_heads // tp)  # each rank keeps one replicated kv head when kv_heads < tp
+    step = tp * vocab_padding_multiple
+    vocab_padded = math.ceil(cfg.vocab_size / step) * step
+    return LocalDims(q=cfg.num_heads // tp * hd, kv=kv_heads * hd, heads=cfg.num_heads // tp,
+                     ffn=cfg.ffn_hidden_size // tp, vocab=vocab_padded // tp)
+
+
+# -- parameters ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParamCount:
+    numel: int              # elements of this rank's parameters (a shared tied weight once)
+    tensors: int            # parameter tensors
+    matmul: int             # elements of the layers' matmul weights (FLOPs per token = 2 * this, forward)
+    sequence_parallel: int  # replicated elements whose gradient is partial under SP (summed over tp)
+    replicated_kv: int      # elements of qkv tensors holding replicated kv heads (gradients summed over tp)
+    embedding: int          # elements of a tied embedding/head copy kept in sync over the embedding group
+
+
+def layer_params(cfg: ModelConfig, tp: int) -> ParamCount:
+    d = local_dims(cfg, tp)
+    h = cfg.hidden_size
+    norm = h * (2 if cfg.norm == "layernorm" else 1)
+    n_in = d.ffn * (2 if cfg.activation == "swiglu" else 1)
+    qkv = d.q + 2 * d.kv
+    matmul = h * qkv + d.q * h + h * n_in + d.ffn * h
+    biases = (qkv if cfg.qkv_bias else 0) + (h if cfg.out_bias else 0) + ((n_in + h) if cfg.mlp_bias else 0)
+    tensors = 2 * (2 if cfg.norm == "layernorm" else 1) + 4 + cfg.qkv_bias + cfg.out_bias + 2 * cfg.mlp_bias
+    sp = 2 * norm + (h if cfg.out_bias else 0) + (h if cfg.mlp_bias else 0)
+    replicated = (h * qkv + (qkv if cfg.qkv_bias else 0)) if cfg.num_kv_heads < tp else 0
+    return ParamCount(matmul + biases + 2 * norm, tensors, matmul, sp, replicated, 0)
+
+
+def stage_params(cfg: ModelConfig, tp: int, pp: int, stage: int, virtual_stages: int = 1,
+                 vocab_padding_multiple: int = 1) -> ParamCount:
+    """Exactly the parameters of pipeline stage `stage` on one tp rank (all its model chunks)."""
+    h = cfg.hidden_size
+    n_layers = sum(e - s for s, e in stage_chunks(cfg, pp, stage, virtual_stages))
+    lp = layer_params(cfg, tp)
+    numel, tensors, sp = n_layers * lp.numel, n_layers * lp.tensors, n_layers * lp.sequence_parallel
+    table = local_dims(cfg, tp, vocab_padding_multiple).vocab * h
+    first, last = stage == 0, stage == pp - 1
+    embedding = 0
+    if first:
+        numel, tensors = numel + table, tensors + 1
+        if cfg.position == "learned":
+            numel, tensors, sp = (numel + cfg.max_position_embeddings * h, tensors + 1,
+                                  sp + cfg.max_position_embeddings * h)
+    if last:
+        norm = h * (2 if cfg.norm == "layernorm" else 1)
+        numel, tensors, sp = numel + norm, tensors + (2 if cfg.norm == "layernorm" else 1), sp + norm
+        if not (cfg.tie_embeddings and first):  # tied on one stage: the head is the embedding itself
+            numel, tensors = numel + table, tensors + 1
+    if cfg.tie_embeddings and pp > 1 and (first or last):
+        embedding = table
+    return ParamCount(numel, tensors, n_layers * lp.matmul, sp, n_layers * lp.replicated_kv, embedding)
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    params: int       # the flat parameter buffer (model dtype, padded)
+    grads: int        # parameters' .grad + fp32 flat gradient buffer (+ its ZeRO-1 shard)
+    master: int       # fp32 master weights of the owned range (16-bit models)
+    optimizer: int    # exp_avg + exp_avg_sq of the owned range (+ the norm-weight vector)
+
+
+def state_bytes(count: ParamCount, training: TrainingSpec, tp: int = 1, dp: int = 1, head_copy: bool = False,
+                tp_rank: int | None = None) -> StateBytes:
+    """Bytes of one rank's training state under DistributedAdamW (module docstring). `head_copy`: this stage
+    holds the last stage's copy of a tied embedding. The norm-weight vector exists when some element does not
+    count once: on tp ranks > 0 (replicated parameters count on rank 0 only), with replicated kv heads, or with
+    a head copy; `tp_rank=None` means the worst rank."""
+    n, e = count.numel, DTYPE_BYTES[training.dtype]
+    padded = -(-max(n, 1) // dp) * dp
+    shard = padded // dp
+    owned = shard if training.zero1 else padded
+    grads = e * n + 4 * padded + (4 * shard if training.zero1 and dp > 1 else 0)
+    rank = (1 if tp > 1 else 0) if tp_rank is None else tp_rank
+    weighted = head_copy or (tp > 1 and (rank > 0 or count.replicated_kv > 0))
+    return StateBytes(e * padded, grads, 4 * owned if e < 4 else 0, 8 * owned + (4 * shard if weighted else 0))
+
+
+# -- activations --------------------------------------------------------------------------------------------
+def _norm_saved(cfg: ModelConfig, e: int, kernels: str) -> int:
+    """Bytes per token a norm saves: its input and fp32 row statistics (the torch RMSNorm saves an fp32 copy
+    of its input instead, and the normalized tensor before the weight)."""
+    h = cfg.hidden_size
+    if cfg.norm == "layernorm":
+        return e * h + 8  # input, mean, rstd (torch and Triton alike)
+    return (4 * h + e * h + 4) if kernels == "reference" else (e * h + 4)
+
+
+def layer_activation_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, recompute: str, tokens: int,
+                           e: int, kernels: str = "fused") -> int:
+    """Bytes one layer keeps for the backward of one micro-batch of `tokens` tokens (b * s)."""
+    h = cfg.hidden_size
+    sp_div = tp if sequence_parallel else 1
+    if recompute == "full":
+        return e * h * tokens // sp_div  # the checkpoint's input
+    d = local_dims(cfg, tp)
+    attn = e * (d.q + 2 * d.kv) + e * d.q + (e * (d.q + d.kv) if cfg.position == "rope" else 0)
+    if recompute != "selective":
+        attn += 4 * d.heads
+    if cfg.activation == "swiglu":
+        mlp = e * d.ffn * (4 if kernels == "reference" else 3)
+    else:
+        mlp = 2 * e * d.ffn
+    return 2 * _norm_saved(cfg, e, kernels) * tokens // sp_div + (2 * e * h + attn + mlp) * tokens
+
+
+def chunk_activation_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, recompute: str,
+                           layers: int, micro_batch: int, seq_len: int, e: int, first: bool, last: bool,
+                           kernels: str = "fused", vocab_padding_multiple: int = 1) -> dict:
+    """Bytes a model chunk (one tpzoo Transformer) with `layers` layers keeps for one micro-batch, by part:
+    layers, rope (cos/sin its layers share), embedding (lookup indices), head (final norm, logits and loss
+    statistics on the last model stage; elsewhere the output the pipeline engine keeps for the backward)."""
+    h, tokens = cfg.hidden_size, micro_batch * seq_len
+    sp_div = tp if sequence_parallel else 1
+    parts = {"layers": layers * layer_activation_bytes(cfg, tp, sequence_parallel, recompute, tokens, e, kernels)}
+    parts["rope"] = 4 * seq_len * cfg.head_dim if (cfg.position == "rope" and layers) else 0
+    embed = 9 * tokens if (first and tp > 1) else 0  # local ids (int64) + out-of-shard mask of the vocab split
+    if first and cfg.position == "learned":
+        embed += 8 * seq_len  # the position ids the position embedding saves
+    parts["embedding"] = embed
+    if last:
+        d = local_dims(cfg, tp, vocab_padding_multiple)
+        logits = (4 if kernels == "reference" else e) * d.vocab  # torch saves the fp32 softmax, Triton the logits
+        ce = 10 if kernels == "reference" else 5                 # per-token targets/masks/log-sum-exp kept
+        parts["head"] = (_norm_saved(cfg, e, kernels) * tokens // sp_div
+                         + (e * h + logits + ce) * tokens + 4)   # + the lm_head input (gathered), the fp32 loss
+    else:
+        parts["head"] = e * h * tokens // sp_div  # the stage output, kept for its backward
+    # The engine keeps a received input for its gradient; only the torch RMSNorm does not save it anyway (it
+    # saves an fp32 copy), and under full recompute it is already counted as the checkpoint's input.
+    keeps_input = cfg.norm == "rmsnorm" and kernels == "reference" and recompute != "full"
+    parts["input"] = e * h * tokens // sp_div if (not first and layers and keeps_input) else 0
+    return parts
+
+
+def output_grad_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, micro_batch: int, seq_len: int,
+                      e: int, last: bool, vocab_padding_multiple: int = 1) -> int:
+    """The output gradient a zero-bubble chunk keeps from B to W: the logits' on the last model stage."""
+    tokens = micro_batch * seq_len
+    if last:
+        return e * local_dims(cfg, tp, vocab_padding_multiple).vocab * tokens
+    return e * cfg.hidden_size * tokens // (tp if sequence_parallel else 1)
+
+
+@dataclass
+class MemoryBreakdown:
+    stage: int            # the pipeline stage this breakdown is for (the fullest one)
+    params: int
+    grads: int
+    master: int
+    optimizer: int
+    activations: int
+    transient: int        # backward working set (one layer's activations or the logits' gradient) + recv buffers
+    reserve: int
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.master + self.optimizer + self.activations + self.transient
+                + self.reserve)
+
+
+def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage: int,
+                 reserve_bytes: int = 0) -> MemoryBreakdown:
+    """Peak memory of one GPU of pipeline stage `stage` (any tp/dp rank: they hold the same sizes)."""
+    e, k, p, v, t = training.act_bytes, training.kernels, layout.pp, layout.virtual_stages, layout.tp
+    b, s, sp, pad = layout.micro_batch_size, training.seq_len, layout.sequence_parallel, training.vocab_padding_multiple
+    count = stage_params(cfg, t, p, stage, v, pad)
+    head_copy = bool(count.embedding) and stage == p - 1 and stage != 0
+    st = state_bytes(count, training, t, layout.dp, head_copy)
+    m = num_micro_batches(layout, training)
+    acts, grads = [], []
+    for c, (lo, hi) in enumerate(stage_chunks(cfg, p, stage, v)):
+        first, last = c * p + stage == 0, c * p + stage == p * v - 1
+        parts = chunk_activation_bytes(cfg, t, sp, layout.recompute, hi - lo, b, s, e, first, last, k, pad)
+        acts.append(sum(parts.values()))
+        grads.append(output_grad_bytes(cfg, t, sp, b, s, e, last, pad))
+    held = peak_bytes(held_states(layout.schedule, stage, p, m, v), acts, grads)
+    one_layer = layer_activation_bytes(cfg, t, sp, "none", b * s, e, k)
+    logits_grad = output_grad_bytes(cfg, t, sp, b, s, e, True, pad) if stage == p - 1 else 0
+    # The engine posts the receive buffers of the current and the next action ahead of need.
+    recv = 2 * output_grad_bytes(cfg, t, sp, b, s, e, False) if p > 1 else 0
+    return MemoryBreakdown(stage, st.params, st.grads, st.master, st.optimizer, held,
+                           max(one_layer, logits_grad) + recv, reserve_bytes)

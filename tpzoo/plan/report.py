@@ -1,0 +1,87 @@
+"""Render search results: a ranked text table, or JSON for machines."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from tpzoo.models.config import ModelConfig
+
+from .estimate import GIB, Estimate
+from .spec import ClusterSpec, TrainingSpec
+
+
+def _sched(est: Estimate) -> str:
+    lay = est.layout
+    if lay.pp == 1:
+        return "-"
+    return f"interleaved v={lay.virtual_stages}" if lay.schedule == "interleaved" else lay.schedule
+
+
+def header(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, considered: int, fitting: int) -> str:
+    name = cfg.name or "custom config"
+    tokens = training.global_batch_size * training.seq_len
+    return (f"tpzoo plan: {name} ({cfg.num_parameters() / 1e9:.2f} B parameters) on {cluster.gpus} GPUs "
+            f"({cluster.gpus_per_node}/node) of {cluster.gpu_memory_gib:g} GiB, {cluster.gpu_tflops:g} TFLOP/s, "
+            f"intra-node {cluster.intra_node_gbps:g} GB/s, inter-node {cluster.inter_node_gbps:g} GB/s\n"
+            f"seq {training.seq_len}, global batch {training.global_batch_size} ({tokens:,} tokens/step), "
+            f"{training.dtype}, ZeRO-1 {'on' if training.zero1 else 'off'}, {training.kernels} kernels, "
+            f"efficiency {cluster.efficiency:g}, reserve {cluster.reserve_gib:g} GiB; "
+            f"{considered} layouts, {fitting} fit")
+
+
+_COLS = ("#", "tp", "pp", "dp", "mbs", "m", "recompute", "sp", "schedule", "params", "grads", "optim",
+         "acts", "total", "step s", "tokens/s", "MFU", "bubble", "comm")
+
+
+def _row(rank: int, est: Estimate) -> list[str]:
+    lay, mem, tb = est.layout, est.memory, est.time
+    g = lambda b: f"{b / GIB:.1f}"  # noqa: E731
+    comm = tb.tp_comm + tb.pp_comm + tb.dp_comm
+    return [str(rank), str(lay.tp), str(lay.pp), str(lay.dp), str(lay.micro_batch_size), str(est.micro_batches),
+            lay.recompute, "on" if lay.sequence_parallel else "off", _sched(est), g(mem.params), g(mem.grads),
+            g(mem.master + mem.optimizer), g(mem.activations), g(mem.total), f"{tb.total:.2f}",
+            f"{est.tokens_per_s:,.0f}", f"{100 * est.mfu:.1f}%", f"{100 * tb.bubble / tb.total:.0f}%",
+            f"{100 * comm / tb.total:.0f}%"]
+
+
+def table(estimates: list[Estimate], top: int = 10, rejected: int = 5) -> str:
+    fitting = [e for e in estimates if e.fits][:top]
+    rows = [list(_COLS)] + [_row(i + 1, e) for i, e in enumerate(fitting)]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(_COLS))]
+    left = {"recompute", "schedule", "sp"}
+    lines = ["  ".join(cell.ljust(w) if _COLS[c] in left else cell.rjust(w)
+                       for c, (cell, w) in enumerate(zip(r, widths))) for r in rows]
+    if not fitting:
+        lines.append("(no layout fits: see the rejected ones below; try --zero1, more GPUs or a shorter sequence)")
+    lines.append("memory in GiB per GPU on the fullest pipeline stage; total = params + grads + optim (fp32 master"
+                 " + AdamW) + acts + backward working set + reserve")
+    others = rejected_summary(estimates)[:rejected]
+    if others:
+        lines.append("")
+        lines.append("(tp, pp, dp) with no variant that fits, fastest first (the variant needing the least memory):")
+        for e in others:
+            lines.append(f"  {e.layout.label()}: {e.reason}")
+    return "\n".join(lines)
+
+
+def rejected_summary(estimates: list[Estimate]) -> list[Estimate]:
+    """For each (tp, pp, dp) none of whose variants fits, its variant needing the least memory (it says
+    why even full recompute and a micro-batch of one are not enough), in order of estimated speed."""
+    fitting = {(e.layout.tp, e.layout.pp, e.layout.dp) for e in estimates if e.fits}
+    best: dict[tuple, Estimate] = {}
+    for e in estimates:
+        key = (e.layout.tp, e.layout.pp, e.layout.dp)
+        if key not in fitting and (key not in best or e.memory.total < best[key].memory.total):
+            best[key] = e
+    return sorted(best.values(), key=lambda e: e.time.total)
+
+
+def to_json(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, estimates: list[Estimate],
+            top: int = 10, rejected: int = 5) -> str:
+    return json.dumps({
+        "model": cfg.name or "custom", "num_parameters": cfg.num_parameters(),
+        "cluster": dataclasses.asdict(cluster), "training": dataclasses.asdict(training),
+        "layouts_considered": len(estimates), "layouts_fitting": sum(e.fits for e in estimates),
+        "recommended": [e.to_dict() for e in estimates if e.fits][:top],
+        "rejected": [e.to_dict() for e in rejected_summary(estimates)][:rejected],
+    }, indent=2)

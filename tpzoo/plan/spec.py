@@ -1,0 +1,163 @@
+"""What the plan advisor is asked about: the cluster, the training run, and one parallel layout.
+
+Rank placement follows tpzoo.parallel.state (Megatron's order, tp fastest, then dp, then pp; cp = 1 here), so
+with K GPUs per node the tp group is K/tp-aligned consecutive ranks and tp must divide K: a tensor-parallel
+group never crosses a node (its collectives sit on the critical path of every layer).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from tpzoo.models.config import ModelConfig
+from tpzoo.parallel.state import ParallelLayoutError
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "interleaved", "zb", "gpipe")
+KERNELS = ("fused", "reference")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The machine. Defaults describe an H100 SXM DGX: 989 dense bf16 TFLOP/s, NVLink ~450 GB/s per direction,
+    one 400 Gb/s InfiniBand NIC (~50 GB/s) per GPU, 3.35 TB/s HBM."""
+    gpus: int
+    gpu_memory_gib: float = 80.0
+    gpus_per_node: int = 8
+    gpu_tflops: float = 989.0          # dense peak of the training dtype
+    intra_node_gbps: float = 450.0     # GB/s per GPU per direction (NVLink)
+    inter_node_gbps: float = 50.0      # GB/s per GPU per direction (one NIC per GPU)
+    hbm_gbps: float = 3350.0           # for the memory-bound optimizer step
+    efficiency: float = 0.6            # achieved fraction of peak on tpzoo's matmuls + attention (see docs/plan.md)
+    latency_us: float = 20.0           # fixed cost of one collective or send (launch + synchronization)
+    reserve_gib: float = 3.0           # CUDA context, NCCL buffers, cuBLAS/attention workspaces, fragmentation
+
+    def __post_init__(self):
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise ValueError("gpus and gpus_per_node must be positive")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ValueError(f"{self.gpus} GPUs do not fill whole nodes of {self.gpus_per_node}")
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """The run. Mixed precision as tpzoo trains (see docs/plan.md): parameters and activations in `dtype`;
+    fp32 gradients (main grads, reduced in fp32), fp32 master weights when dtype is 16-bit, AdamW's two fp32
+    moments. `kernels`: "fused" = the Triton kernels (what runs on CUDA), "reference" = the torch references
+    (what runs on CPU); they save different tensors for the backward."""
+    seq_len: int
+    global_batch_size: int             # sequences per optimizer step
+    dtype: str = "bf16"
+    zero1: bool = False                # shard master weights + AdamW moments over dp (Megatron distributed optimizer)
+    vocab_padding_multiple: int = 1    # as Transformer(vocab_padding_multiple=...); the vocab pads to tp * this
+    kernels: str = "fused"
+
+    def __post_init__(self):
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+
+    @property
+    def act_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout: tp * pp * dp GPUs, micro-batches of `micro_batch_size` sequences."""
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch_size: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"             # ignored when pp == 1
+    virtual_stages: int = 1            # > 1 only with the interleaved schedule
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def label(self) -> str:
+        sched = "-" if self.pp == 1 else (f"interleaved(v={self.virtual_stages})" if self.schedule == "interleaved"
+                                          else self.schedule)
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp} mbs={self.micro_batch_size} rec={self.recompute} "
+                f"sp={'on' if self.sequence_parallel else 'off'} sched={sched}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def num_micro_batches(layout: Layout, training: TrainingSpec) -> int:
+    return training.global_batch_size // (layout.dp * layout.micro_batch_size)
+
+
+def check_layout(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: TrainingSpec) -> None:
+    """Raise ParallelLayoutError (naming the numbers) for a layout tpzoo cannot run or the advisor forbids."""
+    t, p, d = layout.tp, layout.pp, layout.dp
+    if layout.gpus != cluster.gpus:
+        raise ParallelLayoutError(f"tp*pp*dp = {t}*{p}*{d} = {layout.gpus} != {cluster.gpus} GPUs")
+    if t > cluster.gpus_per_node or cluster.gpus_per_node % t:
+        raise ParallelLayoutError(f"tp={t} must divide the {cluster.gpus_per_node} GPUs of a node (no tp across nodes)")
+    nh, nkv = cfg.num_heads, cfg.num_kv_heads
+    if nh % t:
+        raise ParallelLayoutError(f"tp={t} does not divide num_heads={nh}")
+    if nkv % t and t % nkv:
+        raise ParallelLayoutError(f"tp={t} neither divides nor is a multiple of num_kv_heads={nkv}")
+    if cfg.ffn_hidden_size % t:
+        raise ParallelLayoutError(f"tp={t} does not divide ffn_hidden_size={cfg.ffn_hidden_size}")
+    if p * layout.virtual_stages > cfg.num_layers:
+        raise ParallelLayoutError(f"pp*v = {p}*{layout.virtual_stages} > num_layers={cfg.num_layers}: "
+                                  "a pipeline stage would hold no layer")
+    if training.global_batch_size % (d * layout.micro_batch_size):
+        raise ParallelLayoutError(f"global batch {training.global_batch_size} is not divisible by "
+                                  f"dp*mbs = {d}*{layout.micro_batch_size}")
+    if layout.recompute not in RECOMPUTE:
+        raise ParallelLayoutError(f"recompute must be one of {RECOMPUTE}")
+    if layout.sequence_parallel and (t == 1 or training.seq_len % t):
+        raise ParallelLayoutError(f"sequence parallelism needs tp > 1 dividing seq_len={training.seq_len}")
+    if layout.schedule not in SCHEDULES:
+        raise ParallelLayoutError(f"schedule must be one of {SCHEDULES}")
+    v = layout.virtual_stages
+    if v != 1 and (layout.schedule != "interleaved" or p == 1):
+        raise ParallelLayoutError("virtual_stages > 1 needs the interleaved schedule and pp > 1")
+    if layout.schedule == "interleaved" and p > 1:
+        m = num_micro_batches(layout, training)
+        if v < 2:  # uneven chunks are fine: tpzoo.pipeline.partition_layers balances them by parameters
+            raise ParallelLayoutError(f"interleaved: virtual_stages must be >= 2, got {v}")
+        if m % p:  # Megatron's interleaved schedule runs micro-batches in groups of pp
+            raise ParallelLayoutError(f"interleaved: {m} micro-batches are not a multiple of pp={p}")
+
+
+_RANGES: dict[tuple, tuple[tuple[int, int], ...]] = {}
+
+
+def chunk_layer_ranges(cfg: ModelConfig, pp: int, virtual_stages: int = 1) -> tuple[tuple[int, int], ...]:
+    """Layer ranges of the pp * v model stages in model order, exactly as tpzoo.pipeline.partition_layers
+    splits them (balanced by parameters, the embedding counted on the first stage and the head on the last;
+    uneven splits allowed). Model stage c * pp + r is chunk c of pipeline rank r."""
+    from tpzoo.pipeline import partition_layers
+
+    key = (cfg.num_layers, cfg.num_parameters(include_embeddings=False), cfg.vocab_size, cfg.hidden_size,
+           cfg.position, cfg.max_position_embeddings, cfg.norm, pp, virtual_stages)
+    if key not in _RANGES:
+        _RANGES[key] = tuple(partition_layers(cfg, pp, virtual_stages=virtual_stages))
+    return _RANGES[key]
+
+
+def stage_chunks(cfg: ModelConfig, pp: int, stage: int, virtual_stages: int = 1) -> tuple[tuple[int, int], ...]:
+    """Layer ranges of the chunks pipeline rank `stage` holds (chunk c = model stage c * pp + stage)."""
+    return chunk_layer_ranges(cfg, pp, virtual_stages)[stage::pp]
+
+
+def stage_layers(cfg: ModelConfig, pp: int, stage: int, virtual_stages: int = 1) -> int:
+    return sum(b - a for a, b in stage_chunks(cfg, pp, stage, virtual_stages))
+
+
+def group_is_intra_node(stride: int, size: int, gpus_per_node: int) -> bool:
+    """Whether every group of `size` ranks spaced `stride` apart (stride * size consecutive ranks, aligned)
+    lies within one node."""
+    span = stride * size
+    return size == 1 or (span <= gpus_per_node and gpus_per_node % span == 0)

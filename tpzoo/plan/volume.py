@@ -1,0 +1,106 @@
+"""The collectives one tensor-parallel rank issues in a training step, in tpzoo.parallel.comm's units
+(calls, payload bytes, bytes a ring sends), per (kind, group): tested equal to count_collectives().
+
+Per layer and micro-batch of T tokens (e = activation bytes, t = tp), from tpzoo.models.blocks:
+  without SP: forward  2 all-reduce of T*h*e (attention out, MLP out: row-parallel)
+              backward 2 all-reduce of T*h*e (qkv and fc_in inputs: column-parallel copy_to_tp)
+  with SP:    forward  2 all-gather + 2 reduce-scatter, backward the same, of T*h*e (full tensor)
+  full recompute repeats the layer's forward collectives in the backward, except the last (the MLP output
+  reduction): torch's non-reentrant checkpoint stops recomputing once the last saved tensor is rebuilt.
+Embedding: forward all-reduce (SP: reduce-scatter, backward all-gather). Output layer: backward all-reduce
+(SP: forward all-gather, backward reduce-scatter). Loss: all-reduce of T fp32 (max) and 3T fp32 (sums).
+After the backward, tpzoo.parallel.finish_tp_grads: under SP one all-reduce of the partial gradients of
+replicated parameters (norms, row biases, learned positions); with kv heads replicated (kv_heads < tp) one
+all-gather of each qkv weight (and bias) gradient to sum the copies.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from tpzoo.models.config import ModelConfig
+
+from .memory import local_dims, stage_params
+from .spec import Layout, stage_layers
+
+
+@dataclass
+class Volume:
+    calls: int = 0
+    payload_bytes: int = 0
+    sent_bytes: float = 0.0
+
+
+_SENT = {"all_reduce": lambda p: 2 * (p - 1) / p, "all_gather": lambda p: (p - 1) / p,
+         "reduce_scatter": lambda p: (p - 1) / p, "send": lambda p: 1.0, "recv": lambda p: 0.0}
+
+
+class VolumeTable:
+    """(kind, group) -> Volume, in the shape of CollectiveCounter.summary()."""
+
+    def __init__(self):
+        self.table: dict[tuple[str, str], Volume] = defaultdict(Volume)
+
+    def add(self, kind: str, group: str, group_size: int, payload: int, calls: int = 1) -> None:
+        if group_size == 1 or calls == 0:
+            return  # tpzoo skips collectives over a group of one
+        v = self.table[(kind, group)]
+        v.calls += calls
+        v.payload_bytes += payload * calls
+        v.sent_bytes += _SENT[kind](group_size) * payload * calls
+
+    def summary(self) -> dict:
+        return {f"{k}@{g}": {"calls": v.calls, "payload_bytes": v.payload_bytes, "sent_bytes": v.sent_bytes}
+                for (k, g), v in sorted(self.table.items())}
+
+    def sent(self, group: str) -> float:
+        return sum(v.sent_bytes for (_, g), v in self.table.items() if g == group)
+
+    def calls(self, group: str) -> int:
+        return sum(v.calls for (_, g), v in self.table.items() if g == group)
+
+
+def tp_step_volume(cfg: ModelConfig, layout: Layout, stage: int, micro_batches: int, seq_len: int,
+                   act_bytes: int, grad_bytes: int, vocab_padding_multiple: int = 1) -> VolumeTable:
+    """Tensor-parallel collectives of one step (forward + backward of every micro-batch, then
+    finish_tp_grads, which reduces the parameters' .grad: `grad_bytes` = the model dtype's) on pipeline stage
+    `stage`. The stage's first and last model chunks hold the embedding and the head."""
+    t, sp, p = layout.tp, layout.sequence_parallel, layout.pp
+    vt = VolumeTable()
+    if t == 1:
+        return vt
+    m, tokens, h = micro_batches, layout.micro_batch_size * seq_len, cfg.hidden_size
+    full = tokens * h * act_bytes  # one [b, s, h] activation, whole sequence
+    layers = stage_layers(cfg, p, stage, layout.virtual_stages)
+    # Full recompute re-runs the layer forward up to the last tensor the backward needs (torch's non-reentrant
+    # checkpoint stops early): every collective but the MLP's final row-parallel reduction.
+    again = layout.recompute == "full"
+    if sp:
+        vt.add("all_gather", "tp", t, full, m * layers * (4 + 2 * again))      # fwd in x2, bwd of row out x2
+        vt.add("reduce_scatter", "tp", t, full, m * layers * (4 + again))      # fwd row out x2, bwd of in x2
+    else:
+        vt.add("all_reduce", "tp", t, full, m * layers * (4 + again))
+    if stage == 0:  # vocab-parallel embedding
+        if sp:
+            vt.add("reduce_scatter", "tp", t, full, m)
+            vt.add("all_gather", "tp", t, full, m)
+        else:
+            vt.add("all_reduce", "tp", t, full, m)
+    if stage == p - 1:  # column-parallel output layer, then the vocab-parallel loss
+        if sp:
+            vt.add("all_gather", "tp", t, full, m)
+            vt.add("reduce_scatter", "tp", t, full, m)
+        else:
+            vt.add("all_reduce", "tp", t, full, m)
+        vt.add("all_reduce", "tp", t, tokens * 4, m)      # max of the logits, fp32 per token
+        vt.add("all_reduce", "tp", t, tokens * 4 * 3, m)  # target logit, sum exp, sum logits
+    count = stage_params(cfg, t, p, stage, layout.virtual_stages, vocab_padding_multiple)
+    if sp and count.sequence_parallel:
+        vt.add("all_reduce", "tp", t, count.sequence_parallel * grad_bytes)
+    if cfg.num_kv_heads < t and layers:  # gather each qkv gradient (payload: the gathered, t x local)
+        d = local_dims(cfg, t)
+        qkv_out = d.q + 2 * d.kv
+        vt.add("all_gather", "tp", t, t * qkv_out * h * grad_bytes, layers)
+        if cfg.qkv_bias:
+            vt.add("all_gather", "tp", t, t * qkv_out * grad_bytes, layers)
+    return vt
