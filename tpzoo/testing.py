@@ -122,8 +122,9 @@ class RankPool:
         if not kill:
             for q in self.tasks:
                 q.put(None)
+            deadline = time.monotonic() + 3.0  # one shared grace period, then kill: teardown stays quick
             for p in self.procs:
-                p.join(timeout=5)
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
                 p.kill()

@@ -27,7 +27,9 @@ def gather_tp_tensor(t: torch.Tensor, spec: ShardSpec | int | None, reduce: str 
 
 def gather_tp_param(param: nn.Parameter, grad: bool = False) -> torch.Tensor:
     """Full value (or full gradient with grad=True) of a parameter marked by `mark_parallel`.
-    Gradients of replicated kv heads are summed over their copies (the true gradient of the shared head)."""
+    With grad=True the raw (partial) gradients of replicated kv-head copies are summed, which gives the true
+    gradient of the shared head *before* `finish_tp_grads`; after it every copy already holds that sum, so
+    gather with `gather_tp_tensor(p.grad, param_spec(p), reduce="first")` instead."""
     t = param.grad if grad else param
     if t is None:
         raise ValueError("parameter has no gradient")
