@@ -1,0 +1,283 @@
+"""Hugging Face checkpoints: read one lazily (tensor by tensor, or just a slice), and write one, streamed.
+
+Reading takes a directory (or a weights file in it) with config.json and model.safetensors,
+model.safetensors.index.json + shards, or, as a fallback, pytorch_model.bin[.index.json] loaded with
+torch.load(weights_only=True). A hub id is tried only when SRC is not an existing path.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from .format import CheckpointError, safe_path
+from .safetensors_io import SafetensorsReader
+
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+class TorchFileReader:
+    """pytorch_model.bin behind the SafetensorsReader interface (weights_only: no code runs on load)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+        try:
+            self.state = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # legacy (non-zip) files cannot be memory-mapped
+            self.state = torch.load(self.path, map_location="cpu", weights_only=True)
+
+    def keys(self):
+        return self.state.keys()
+
+    def shape(self, name):
+        return tuple(self.state[name].shape)
+
+    def dtype(self, name):
+        return self.state[name].dtype
+
+    def read(self, name):
+        return self.state[name].clone()
+
+    def read_box(self, name, box):
+        return self.state[name][tuple(slice(s, s + n) for s, n in box)].clone()
+
+    def close(self):
+        self.state = {}
+
+
+def _download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+    except Exception as e:  # noqa: BLE001 - offline, unknown repo, gated repo: one clear message
+        raise FileNotFoundError(f"{repo_id!r} is not a local path, and fetching it from the Hugging Face hub "
+                                f"failed (offline? unknown or gated repository?): {type(e).__name__}: {e}") from e
+
+
+def _weights_from_index(root: Path, index: Path) -> dict[str, Path]:
+    weight_map = json.loads(index.read_text())["weight_map"]
+    return {name: safe_path(root, fname, f"{index.name} entry") for name, fname in weight_map.items()}
+
+
+def locate_hf(src) -> tuple[Path, dict[str, Path] | list[Path]]:
+    """(directory, {tensor: file} from an index, or the list of weight files)."""
+    p = Path(src)
+    if not p.exists():
+        if re.fullmatch(r"[\w.-]+/[\w.-]+", str(src)):
+            p = _download(str(src))
+        else:
+            raise FileNotFoundError(f"no such file or directory: {src}")
+    root = p.parent if p.is_file() else p
+    if p.is_file():
+        if p.name.endswith(".index.json"):
+            return root, _weights_from_index(root, p)
+        return root, [p]
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (root / index).is_file():
+            return root, _weights_from_index(root, root / index)
+    for pattern in ("model.safetensors", "*.safetensors", "pytorch_model.bin"):
+        found = sorted(root.glob(pattern))
+        if found:
+            return root, found
+    raise FileNotFoundError(f"no weights in {root}: expected model.safetensors, model.safetensors.index.json "
+                            f"(+ shards) or pytorch_model.bin")
+
+
+def _open(path: Path):
+    return TorchFileReader(path) if path.suffix == ".bin" else SafetensorsReader(path)
+
+
+class HFSource:
+    """A HF checkpoint seen as tpzoo's full tensors (by tpzoo name), through the family's tensor mapping."""
+
+    kind = "hf"
+
+    def __init__(self, src):
+        from tpzoo.models.registry import from_hf_config, get_family
+
+        self.root, weights = locate_hf(src)
+        config = self.root / "config.json"
+        if not config.is_file():
+            raise FileNotFoundError(f"{self.root} has no config.json (needed to know the architecture)")
+        self.hf_config = json.loads(config.read_text())
+        self.cfg = from_hf_config(self.hf_config)  # a clear error for an unsupported architecture
+        self.maps = {m.name: m for m in get_family(self.cfg.family).hf_tensor_map(self.cfg)}
+        self._readers: dict[Path, object] = {}
+        if isinstance(weights, dict):
+            self.where = dict(weights)
+        else:
+            self.where = {}
+            for path in weights:
+                for name in self._reader(path).keys():
+                    self.where[name] = path
+        self._cache: tuple[str, torch.Tensor] | None = None
+        self._structure: dict[str, tuple | None] = {}
+        self.aux_dir = self.root
+        self.stages, self.tp, self.pp, self.padding_multiple = None, None, None, 1
+
+    def _reader(self, path: Path):
+        if path not in self._readers:
+            if not path.is_file():
+                raise CheckpointError(f"missing weights file {path}")
+            self._readers[path] = _open(path)
+        return self._readers[path]
+
+    def _hf(self, hf_name: str):
+        if hf_name not in self.where:
+            raise KeyError(f"HF checkpoint {self.root} is missing tensor {hf_name!r}")
+        return self._reader(self.where[hf_name])
+
+    def check(self, names) -> None:
+        """Every HF tensor the given tpzoo tensors need is present (one error listing all that are not)."""
+        missing = sorted({h for n in names for h in self._map(n).hf if h not in self.where})
+        if missing:
+            raise KeyError(f"HF checkpoint {self.root} is missing tensor(s) {missing[:8]}"
+                           f"{' ...' if len(missing) > 8 else ''} ({len(missing)} in all)")
+
+    def _map(self, name: str):
+        if name not in self.maps:
+            raise KeyError(f"the {self.cfg.family} mapping has no tensor {name!r}")
+        return self.maps[name]
+
+    def _meta_inputs(self, name):
+        m = self._map(name)
+        return [torch.empty(self._hf(h).shape(h), dtype=self._hf(h).dtype(h), device="meta") for h in m.hf]
+
+    def structure(self, name: str):
+        """See concat_structure; cached per tensor."""
+        if name not in self._structure:
+            m = self._map(name)
+            self._structure[name] = concat_structure(m, [tuple(self._hf(h).shape(h)) for h in m.hf])
+        return self._structure[name]
+
+    def full_shape(self, name: str) -> tuple:
+        st = self.structure(name)
+        if st is None:
+            return tuple(self._map(name).to_tpzoo(self._meta_inputs(name)).shape)
+        d, _, extents, first = st
+        return tuple(sum(extents) if i == d else n for i, n in enumerate(first))
+
+    def check_shape(self, name: str, full_shape: tuple) -> None:
+        """The HF tensors have the shapes the config implies. Checked in the to_hf direction (a split): torch.cat
+        on meta tensors would import torch._dynamo (seconds and ~150 MB) just to add up sizes."""
+        m = self._map(name)
+        for h, want in zip(m.hf, m.to_hf(torch.empty(full_shape, device="meta"))):
+            got = tuple(self._hf(h).shape(h))
+            if got != tuple(want.shape):
+                raise ValueError(f"shape mismatch for HF tensor {h} (tpzoo {name}): the checkpoint has {got}, the "
+                                 f"config implies {tuple(want.shape)}")
+
+    def dtype(self, name: str) -> torch.dtype:
+        h = self._map(name).hf[0]
+        return self._hf(h).dtype(h)
+
+    def _locate(self, name: str, box):
+        """(dim, transposed, [(hf name, box in it)]) covering `box` of the tpzoo tensor, or None if unstructured."""
+        st = self.structure(name)
+        if st is None:
+            return None
+        d, transposed, extents, _ = st
+        start, n = box[d]
+        pieces, offset = [], 0
+        for h, ext in zip(self._map(name).hf, extents):
+            lo, hi = max(start, offset), min(start + n, offset + ext)
+            if lo < hi:
+                sub = list(box)
+                sub[d] = (lo - offset, hi - lo)
+                pieces.append((h, sub[::-1] if transposed else sub))
+            offset += ext
+        return d, transposed, pieces
+
+    def read_box(self, name: str, box) -> torch.Tensor:
+        located = self._locate(name, box)
+        if located is not None:
+            d, transposed, pieces = located
+            parts = [self._hf(h).read_box(h, sub) for h, sub in pieces]
+            parts = [p.t() for p in parts] if transposed else parts
+            if not parts:
+                return torch.empty([k for _, k in box], dtype=self.dtype(name))
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=d)
+        m = self._map(name)
+        if self._cache is None or self._cache[0] != name:  # every tp rank's shard comes from one assembly
+            self._cache = None
+            self._cache = (name, m.to_tpzoo([self._hf(h).read(h) for h in m.hf]).contiguous())
+        full = self._cache[1]
+        return full[tuple(slice(s, s + n) for s, n in box)]  # a view: consumers copy or write it out
+
+    def byte_runs(self, name: str, box):
+        """[(fd, offset, length)] holding exactly the bytes of `box` in some weights file, or None."""
+        located = self._locate(name, box)
+        if located is None or located[1] or (located[0] != 0 and len(located[2]) > 1):
+            return None
+        readers = [self._hf(h) for h, _ in located[2]]
+        if not all(isinstance(r, SafetensorsReader) for r in readers):
+            return None
+        return [(r.fd, off, n) for r, (h, sub) in zip(readers, located[2]) for off, n in r.byte_runs(h, sub)]
+
+    def close(self) -> None:
+        for r in self._readers.values():
+            r.close()
+        self._readers.clear()
+        self._cache = None
+
+
+def concat_structure(m, shapes: list[tuple]):
+    """(dim, transposed, extents, first input shape as seen after the transpose) when the mapping's tpzoo tensor
+    is the concatenation along `dim` of its HF tensors (or of their transposes), one HF tensor being the trivial
+    case; else None. Then any box of it maps to boxes of the HF tensors, read (or written) directly, never
+    assembled whole. Learned by running the mapping on tiny stand-ins with the same pattern of sizes and
+    distinct values, so that only a true concatenation compares equal."""
+    small = {n: 2 + i for i, n in enumerate(sorted({n for s in shapes for n in s}))}
+    probes, offset = [], 0
+    for shape in shapes:
+        numel = math.prod(small[n] for n in shape)
+        probes.append(torch.arange(offset, offset + numel, dtype=torch.float64).reshape([small[n] for n in shape]))
+        offset += numel
+    try:
+        out = m.to_tpzoo(probes)
+    except (RuntimeError, ValueError, IndexError):
+        return None
+    for transposed in (False, True):
+        if transposed and any(p.dim() != 2 for p in probes):
+            continue
+        parts = [p.t() if transposed else p for p in probes]
+        for d in range(out.dim()):
+            if all(p.dim() == out.dim() and p.shape[:d] + p.shape[d + 1:] == out.shape[:d] + out.shape[d + 1:]
+                   for p in parts) and torch.equal(torch.cat(parts, d), out):
+                real = [tuple(s[::-1]) if transposed else tuple(s) for s in shapes]
+                return d, transposed, [r[d] for r in real], real[0]
+    return None
+
+
+def hf_config_for(cfg, dtype: torch.dtype | None) -> dict:
+    """config.json for `cfg`: the source's own dict, verbatim, when the model config is unchanged since import
+    (an exact round trip), else the family's to_hf_config. `dtype` updates the recorded dtype."""
+    from tpzoo.models.registry import from_hf_config, to_hf_config
+
+    orig = cfg.extra.get("hf_config")
+    same = False
+    if orig:
+        try:
+            same = _comparable(from_hf_config(orig)) == _comparable(cfg)
+        except (ValueError, KeyError):
+            same = False
+    hf = dict(orig) if same else to_hf_config(cfg)
+    if dtype is not None:
+        name = str(dtype).replace("torch.", "")
+        keys = [k for k in ("dtype", "torch_dtype") if k in hf]
+        if not keys and dtype != torch.float32:  # no key means float32 to transformers
+            keys = ["dtype"]
+        for k in keys:
+            hf[k] = name
+    return hf
+
+
+def _comparable(cfg) -> dict:
+    d = cfg.to_dict()
+    for k in ("extra", "name", "hf_source"):
+        d.pop(k, None)
+    return d

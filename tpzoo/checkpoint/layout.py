@@ -1,0 +1,169 @@
+"""What each (tp, pp) rank of a layout holds: pipeline chunks, parameter names, shard shapes and specs.
+
+The plan comes from building each chunk's Transformer on the meta device under `override_layout` (no memory, no
+process group), so it is by construction exactly what the model code creates at that layout.
+
+`local_segments` states a shard as ranges of the full tensor (along the split dim), which is what lets any
+layout be read from any other by positioned reads of just the needed bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tpzoo.parallel.layers import padded_vocab_size
+from tpzoo.parallel.sharding import ShardSpec
+from tpzoo.parallel.state import ParallelLayoutError, override_layout
+
+from .tensors import vocab_dims
+
+
+# --- shard specs ------------------------------------------------------------------------------------------
+
+def spec_to_json(spec: ShardSpec) -> dict | None:
+    if spec.dim is None:
+        return None
+    return {"dim": spec.dim, "parts": list(spec.parts) if spec.parts else None,
+            "replicas": list(spec.replicas) if spec.replicas else None, "block": spec.block}
+
+
+def spec_from_json(d: dict | None) -> ShardSpec:
+    if d is None:
+        return ShardSpec(None)
+    return ShardSpec(d["dim"], tuple(d["parts"]) if d.get("parts") else None,
+                     tuple(d["replicas"]) if d.get("replicas") else None, d.get("block", 1))
+
+
+def local_segments(spec: ShardSpec, full_len: int, rank: int, tp: int) -> list[tuple[int, int]]:
+    """Rank `rank`'s shard along the split dim as (start, length) ranges of the full tensor, in shard order
+    (the shard is their concatenation). `full_len` is the (padded) full size of that dim. Replicated kv heads
+    appear as repeated ranges; see ShardSpec for the layouts."""
+    if spec.dim is None or tp == 1 and not spec.replicas:
+        return [(0, full_len)]
+    out: list[tuple[int, int]] = []
+    offset = 0
+    for size, rep in spec._parts(full_len):
+        if (size * rep) % tp:
+            raise ParallelLayoutError(f"a tensor-parallel part of size {size * rep} is not divisible by tp={tp}")
+        n = size * rep // tp
+        e, end = rank * n, (rank + 1) * n
+        while e < end:  # walk the expanded (replicated) index space block by block
+            if rep == 1:
+                start, take = e, end - e
+            else:
+                block, within = divmod(e, spec.block)
+                take = min(spec.block - within, end - e)
+                start = (block // rep) * spec.block + within
+            if out and out[-1][0] + out[-1][1] == offset + start:
+                out[-1] = (out[-1][0], out[-1][1] + take)
+            else:
+                out.append((offset + start, take))
+            e += take
+        offset += size
+    return out
+
+
+# --- pipeline partition -----------------------------------------------------------------------------------
+
+def even_partition(num_layers: int, chunks: int) -> list[tuple[int, int]]:
+    """`chunks` contiguous layer ranges, sizes differing by at most one (the earlier ones larger)."""
+    base, extra = divmod(num_layers, chunks)
+    out, start = [], 0
+    for i in range(chunks):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def partition(cfg, pp: int, virtual_stages: int = 1) -> list[tuple[int, int]]:
+    """Layer ranges of the pp * virtual_stages model chunks, in model order (chunk c lives on pp rank c % pp).
+    Uses tpzoo.pipeline.partition_layers when that module provides it, else an even split."""
+    try:
+        from tpzoo.pipeline import partition_layers
+    except ImportError:
+        partition_layers = None
+    if partition_layers is not None:
+        return [tuple(r) for r in partition_layers(cfg, pp, virtual_stages=virtual_stages)]
+    if pp * virtual_stages > cfg.num_layers:
+        raise ParallelLayoutError(f"{pp * virtual_stages} pipeline chunks for {cfg.num_layers} layers")
+    return even_partition(cfg.num_layers, pp * virtual_stages)
+
+
+def stages_from_ranges(ranges: list[tuple[int, int]], pp: int) -> list[dict]:
+    """Manifest `stages` entries: one per chunk in model order, with its pp rank and pre/post flags."""
+    n = len(ranges)
+    return [{"pp_rank": c % pp, "layers": [int(s), int(e)], "pre_process": c == 0, "post_process": c == n - 1}
+            for c, (s, e) in enumerate(ranges)]
+
+
+# --- parameter plan ---------------------------------------------------------------------------------------
+
+@dataclass
+class ParamInfo:
+    name: str
+    local_shape: tuple
+    spec: ShardSpec
+    full_shape: tuple             # full and unpadded
+    vocab_dim: int | None = None  # the dim padded to `padded` rows
+    padded: int | None = None     # padded full size along vocab_dim at this tp
+
+
+@dataclass
+class ChunkPlan:
+    pp_rank: int
+    layers: tuple[int, int]
+    pre_process: bool
+    post_process: bool
+    params: list[ParamInfo] = field(default_factory=list)
+
+
+def build_chunk(cfg, stage: dict, *, vocab_padding_multiple: int = 1, **kw):
+    """The Transformer of one manifest `stages` entry at the current (or overridden) layout."""
+    from tpzoo.models.transformer import Transformer
+
+    return Transformer(cfg, layers=tuple(stage["layers"]), pre_process=stage["pre_process"],
+                       post_process=stage["post_process"], vocab_padding_multiple=vocab_padding_multiple, **kw)
+
+
+def param_infos(model, cfg, tp: int) -> list[ParamInfo]:
+    """Name, shard shape and spec of every parameter of `model` (a rank's chunk at tensor-parallel size tp)."""
+    vdims = vocab_dims(cfg)
+    out = []
+    for name, p in model.named_parameters():  # tied weights appear once, as in the model
+        spec = getattr(p, "tp_spec", ShardSpec(None))
+        full = list(p.shape)
+        vdim, padded = vdims.get(name), None
+        if spec.dim is not None:
+            d = spec.dim % p.dim()
+            full[d] = sum(spec.parts) if spec.parts else p.shape[d] * tp
+            if vdim is not None:
+                padded, full[d] = full[d], cfg.vocab_size
+        out.append(ParamInfo(name, tuple(p.shape), spec, tuple(full), vdim, padded))
+    return out
+
+
+def layout_plan(cfg, tp: int, stages: list[dict], vocab_padding_multiple: int = 1) -> list[ChunkPlan]:
+    """Every chunk's parameters at tensor-parallel size tp (shard shapes are the same on every tp rank)."""
+    plans = []
+    pp = max(s["pp_rank"] for s in stages) + 1
+    for st in stages:
+        with override_layout(tp=(tp, 0), pp=(pp, st["pp_rank"])):
+            model = build_chunk(cfg, st, vocab_padding_multiple=vocab_padding_multiple, device="meta")
+        plans.append(ChunkPlan(st["pp_rank"], tuple(st["layers"]), st["pre_process"], st["post_process"],
+                               param_infos(model, cfg, tp)))
+    return plans
+
+
+def infer_padding_multiple(vocab: int, padded: int, tp: int) -> int:
+    """The largest power-of-two multiple (<= 1024) that pads `vocab` to `padded` at this tp."""
+    best = 1
+    for m in (2 ** k for k in range(11)):
+        if padded_vocab_size(vocab, tp, m) == padded:
+            best = m
+    return best
+
+
+def empty_meta(shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")

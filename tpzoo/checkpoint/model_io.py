@@ -1,0 +1,205 @@
+"""Model <-> checkpoint at run time: every rank saves its own shard collectively, and loads its own part of a
+checkpoint written at any layout (or of a Hugging Face checkpoint) at the current layout.
+
+    with atomic_dir("ckpt/step-1000", force=True) as tmp:     # every rank enters; renamed when all succeeded
+        save_model_shards(model, tmp, tokenizer="data/tok")  # rank 0 writes manifest.json
+        ...  # optimizer state next to it (tmp / f"optim-rank{rank:05d}.safetensors", say)
+    model = load_model("ckpt/step-1000")                      # this rank's Transformer (or list of chunks)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from tpzoo.parallel import state as ps
+
+from .format import CheckpointError, aux_files_in, copy_aux_files, make_manifest, shard_file_name, write_manifest
+from .layout import build_chunk, infer_padding_multiple, param_infos, partition, spec_to_json, stages_from_ranges
+from .safetensors_io import dtype_name
+from .st_writer import SafetensorsWriter
+from .sources import check_source, fill_params, open_source
+
+SAFETENSORS_META = {"format": "pt"}
+
+
+def _as_chunks(chunks_or_model) -> list[nn.Module]:
+    if isinstance(chunks_or_model, (list, tuple, nn.ModuleList)):
+        return list(chunks_or_model)
+    return [chunks_or_model]
+
+
+def _materialize(model: nn.Module, cfg, device) -> None:
+    """Meta -> uninitialized storage on `device` (no random init: every parameter is loaded next), then
+    recompute the non-persistent buffers, which are derived from the config rather than stored."""
+    from tpzoo.models.blocks import rope_inv_freq
+
+    # to_empty replaces meta parameters by new objects: that unties shared ones (a tied head) and drops the
+    # attributes the parallel layers set on them (tp_spec, sequence_parallel...). Restore both.
+    owners: dict[int, tuple[list, dict]] = {}
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), ([], dict(p.__dict__)))[0].append((mod, name))
+    model.to_empty(device=device)
+    for places, attrs in owners.values():
+        first_mod, first_name = places[0]
+        param = first_mod._parameters[first_name]
+        param.__dict__.update(attrs)
+        for mod, name in places[1:]:
+            mod._parameters[name] = param
+    for mod in model.modules():
+        for name, buf in list(mod._buffers.items()):
+            if buf is None:
+                continue
+            if name != "inv_freq":
+                raise RuntimeError(f"load_model: no rule to rebuild buffer {name!r} of {type(mod).__name__}")
+            mod._buffers[name] = rope_inv_freq(cfg).to(device)
+
+
+def _stages_for(source, cfg, pp: int, virtual_stages: int | None) -> list[dict]:
+    """The stored partition when the pipeline layout is unchanged (a resumed run keeps its stages), else the
+    current partition for pp * virtual_stages chunks."""
+    stored = getattr(source, "stages", None)
+    if stored and source.pp == pp and (virtual_stages is None or len(stored) == pp * virtual_stages):
+        return stored
+    return stages_from_ranges(partition(cfg, pp, virtual_stages or 1), pp)
+
+
+def load_model(ckpt, *, sequence_parallel: bool = False, recompute: str = "none", dtype=None, device=None,
+               virtual_stages: int | None = None, stages: list[dict] | None = None,
+               vocab_padding_multiple: int | None = None, verify: bool = True):
+    """This rank's part of the model in `ckpt` at the current tpzoo.parallel layout: a Transformer, or a list of
+    chunks when this pipeline rank holds several (virtual stages). `ckpt` is a tpzoo checkpoint at any (tp, pp)
+    (only the slices this rank needs are read) or a Hugging Face checkpoint (converted on the fly).
+    dtype: default the checkpoint's; device: default the current accelerator, else CPU."""
+    source = open_source(ckpt, verify=verify)
+    try:
+        cfg = source.cfg
+        tp, tp_rank, pp, pp_rank = ps.get_tp_size(), ps.get_tp_rank(), ps.get_pp_size(), ps.get_pp_rank()
+        stages = stages or _stages_for(source, cfg, pp, virtual_stages)
+        multiple = vocab_padding_multiple or source.padding_multiple
+        dtype = dtype or source.dtype("embed.weight")
+        device = torch.device(device) if device is not None else ps.get_device()
+        chunks = []
+        for st in (s for s in stages if s["pp_rank"] == pp_rank):
+            model = build_chunk(cfg, st, vocab_padding_multiple=multiple, sequence_parallel=sequence_parallel,
+                                recompute=recompute, dtype=dtype, device="meta")
+            infos = param_infos(model, cfg, tp)
+            check_source(source, infos)
+            _materialize(model, cfg, device)
+            fill_params(model, source, infos, tp_rank, tp)
+            model.checkpoint_stages = stages  # how the layers were split, for the caller's pipeline schedule
+            chunks.append(model)
+    finally:
+        source.close()
+    # pp == 1 with several chunks: embedding and head live on this rank, tied as in an unsplit model (and as
+    # tpzoo.pipeline.build_model_chunks does).
+    if cfg.tie_embeddings and len(chunks) > 1 and chunks[0].pre_process and chunks[-1].post_process:
+        chunks[-1].lm_head.weight = chunks[0].embed.weight
+    return chunks[0] if len(chunks) == 1 else chunks
+
+
+def load_weights_into(model_or_chunks, ckpt, *, verify: bool = True) -> None:
+    """Overwrite the parameters of existing model chunks (this rank's, at the current layout) from `ckpt`."""
+    source = open_source(ckpt, verify=verify)
+    try:
+        for chunk in _as_chunks(model_or_chunks):
+            infos = param_infos(chunk, chunk.cfg, ps.get_tp_size())
+            check_source(source, infos)
+            with torch.no_grad():
+                fill_params(chunk, source, infos, ps.get_tp_rank(), ps.get_tp_size())
+    finally:
+        source.close()
+
+
+def _write_own_shard(chunks, cfg, out_dir: Path, dtype, tp: int, tp_rank: int, pp_rank: int, checksum: str) -> dict:
+    """Write this rank's file; return what rank 0 needs for the manifest."""
+    items = [(info, p, dtype if dtype is not None and p.is_floating_point() else p.dtype)
+             for chunk in chunks
+             for info, p in zip(param_infos(chunk, cfg, tp), dict(chunk.named_parameters()).values())]
+    entries = [(info.name, dt, info.local_shape) for info, _, dt in items]
+    path = out_dir / shard_file_name(tp_rank, pp_rank)
+    writer = SafetensorsWriter(path, entries, SAFETENSORS_META, checksum)
+    try:
+        for info, p, dt in items:
+            writer.write(info.name, p.detach().to("cpu", dt))  # one parameter at a time off the device
+        size, digest = writer.close()
+    finally:
+        writer.abort()
+    mine = {"file": {"path": path.name, "tp_rank": tp_rank, "pp_rank": pp_rank, "bytes": size, "checksum": digest,
+                     "tensors": {n: {"shape": list(s), "dtype": dtype_name(dt)} for n, dt, s in entries}}}
+    if tp_rank == 0:  # the layout-independent facts, once per pipeline rank
+        mine["stages"] = [{"pp_rank": pp_rank, "layers": list(c.layer_range), "pre_process": c.pre_process,
+                           "post_process": c.post_process} for c in chunks]
+        mine["tensors"] = {info.name: {"shape": list(info.full_shape), "dtype": dtype_name(dt),
+                                       "split": spec_to_json(info.spec), "vocab_dim": info.vocab_dim,
+                                       "pp_rank": pp_rank} for info, _, dt in items}
+        mine["padded"] = next((i.padded for i, _, _ in items if i.padded), None)
+    return mine
+
+
+def _write_manifest(gathered: list[dict], cfg, out_dir: Path, tp: int, pp: int, tokenizer, metadata) -> dict:
+    stages = sorted((s for g in gathered for s in g.get("stages", [])),
+                    key=lambda s: (s["layers"][0], s["layers"][1], not s["pre_process"], s["post_process"]))
+    tensors = {k: v for g in gathered for k, v in g.get("tensors", {}).items()}
+    padded = next(g["padded"] for g in gathered if g.get("padded"))
+    if tokenizer is not None and hasattr(tokenizer, "save"):
+        tokenizer.save(out_dir)
+        aux = aux_files_in(out_dir)
+    else:
+        aux = copy_aux_files(tokenizer, out_dir) if tokenizer is not None else []
+    manifest = make_manifest(cfg, tp=tp, pp=pp, stages=stages, tensors=tensors,
+                             files=[g["file"] for g in gathered if g.get("file")], vocab_padded=padded,
+                             padding_multiple=infer_padding_multiple(cfg.vocab_size, padded, tp),
+                             aux_files=aux, metadata=metadata)
+    write_manifest(out_dir, manifest)
+    return manifest
+
+
+def save_model_shards(chunks_or_model, out_dir, cfg=None, *, tokenizer=None, metadata: dict | None = None,
+                      dtype=None, checksum: str = "crc32") -> dict | None:
+    """Write this rank's shard file into `out_dir` (an existing directory, e.g. from `atomic_dir`); collective
+    when torch.distributed is initialized: one rank per (tp, pp) position (dp = cp = 0) writes, rank 0 writes
+    manifest.json and the tokenizer files (`tokenizer`: a directory to copy them from, or an object with
+    `save(dir)`). A failure on any rank is raised on every rank (no rank is left waiting in a collective).
+    Returns the manifest on rank 0, None elsewhere."""
+    import torch.distributed as dist
+
+    chunks = _as_chunks(chunks_or_model)
+    cfg = cfg or chunks[0].cfg
+    out_dir = Path(out_dir)
+    tp, tp_rank, pp, pp_rank = ps.get_tp_size(), ps.get_tp_rank(), ps.get_pp_size(), ps.get_pp_rank()
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    rank = dist.get_rank() if distributed else 0
+    mine: dict = {}
+    try:
+        if ps.get_dp_rank() == 0 and ps.get_cp_rank() == 0:
+            mine = _write_own_shard(chunks, cfg, out_dir, dtype, tp, tp_rank, pp_rank, checksum)
+    except Exception as e:  # noqa: BLE001 - reported to every rank below
+        if not distributed:
+            raise
+        mine = {"error": f"rank {rank}: {type(e).__name__}: {e}"}
+    gathered = [None] * dist.get_world_size() if distributed and rank == 0 else None
+    if distributed:
+        dist.gather_object(mine, gathered, dst=0)
+    else:
+        gathered = [mine]
+    manifest, error = None, None
+    if rank == 0:
+        errors = [g["error"] for g in gathered if g.get("error")]
+        try:
+            if errors:
+                raise CheckpointError("saving the checkpoint failed: " + "; ".join(errors))
+            manifest = _write_manifest(gathered, cfg, out_dir, tp, pp, tokenizer, metadata)
+        except Exception as e:  # noqa: BLE001
+            if not distributed:
+                raise
+            error = str(e)
+    if distributed:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        if box[0]:
+            raise CheckpointError(box[0])
+    return manifest

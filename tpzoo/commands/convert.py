@@ -1,0 +1,58 @@
+"""`tpzoo convert from-hf SRC DST --tp N --pp M` and `tpzoo convert to-hf SRC DST` (docs/checkpoint-format.md).
+
+Streaming (bounded memory, progress bar on stderr), atomic (a temporary directory renamed into place when
+complete; an existing DST is refused unless --force, and replaced only once the new one is complete).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from ._common import USER_ERRORS, fail
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="direction", metavar="{from-hf,to-hf}", required=True)
+    a = sub.add_parser("from-hf", help="Hugging Face checkpoint -> tpzoo sharded checkpoint")
+    a.add_argument("src", help="HF model directory, a weights file in one, or a hub id (tried only if not a path)")
+    a.add_argument("dst", help="output checkpoint directory")
+    a.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the output (default 1)")
+    a.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the output (default 1)")
+    a.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (default 1)")
+    a.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="weights dtype (auto: keep the source's)")
+    a.add_argument("--vocab-multiple", type=int, default=1,
+                   help="pad the vocabulary to a multiple of tp * this (default 1)")
+    a.add_argument("--checksum", default="crc32", choices=["crc32", "sha256"], help="shard file checksum")
+    a.add_argument("--force", action="store_true", help="replace DST if it exists")
+    a.add_argument("--quiet", action="store_true", help="no progress bar")
+    b = sub.add_parser("to-hf", help="tpzoo checkpoint (any layout) -> directory transformers loads")
+    b.add_argument("src", help="tpzoo checkpoint directory")
+    b.add_argument("dst", help="output HF model directory")
+    b.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    b.add_argument("--max-shard-size", default="5GB", help="split model.safetensors above this (default 5GB)")
+    b.add_argument("--no-verify", action="store_true", help="skip the checksum check of the shard files")
+    b.add_argument("--force", action="store_true", help="replace DST if it exists")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args) -> int:
+    from tpzoo.checkpoint import CheckpointError, convert_from_hf, convert_to_hf
+
+    start = time.time()
+    try:
+        if args.direction == "from-hf":
+            m = convert_from_hf(args.src, args.dst, tp=args.tp, pp=args.pp, dtype=args.dtype, force=args.force,
+                                vocab_padding_multiple=args.vocab_multiple, virtual_stages=args.virtual_stages,
+                                progress=not args.quiet, checksum=args.checksum)
+            summary = {"dst": args.dst, "tp": m["tp"], "pp": m["pp"], "dtype": m["dtype"],
+                       "files": len(m["files"]), "bytes": sum(f["bytes"] for f in m["files"])}
+        else:
+            files = convert_to_hf(args.src, args.dst, force=args.force, max_shard_size=args.max_shard_size,
+                                  dtype=args.dtype, verify=not args.no_verify, progress=not args.quiet)
+            summary = {"dst": args.dst, "files": files}
+    except (CheckpointError, *USER_ERRORS) as e:
+        return fail(f"convert {args.direction}", e)
+    print(json.dumps({**summary, "seconds": round(time.time() - start, 3)}))
+    return 0

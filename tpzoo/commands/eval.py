@@ -1,0 +1,66 @@
+"""`tpzoo eval CKPT --text-file F`: next-token loss and perplexity of a text under the model, as one JSON line.
+
+    tpzoo eval ckpt/ --text-file valid.txt --seq-len 512 --tp 2 --pp 2      # spawns 4 local CPU ranks
+    torchrun --nproc-per-node 4 -m tpzoo eval ckpt/ --text-file valid.txt --tp 2 --pp 2
+
+CKPT is a tpzoo checkpoint (any stored layout: it is resharded on load) or a Hugging Face model directory. The
+tokenizer defaults to the one that travels with the checkpoint. Extra ranks under torchrun are data parallel.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from ._common import USER_ERRORS, fail
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ckpt", help="tpzoo checkpoint or HF model directory")
+    p.add_argument("--text-file", required=True, help="UTF-8 text to evaluate on")
+    p.add_argument("--tokenizer", help="tokenizer spec: a directory, 'byte', ... (default: the checkpoint's)")
+    p.add_argument("--seq-len", type=int, help="tokens per window (default: min(1024, max positions))")
+    p.add_argument("--batch-size", type=int, default=1, help="windows per forward (default 1)")
+    p.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens")
+    p.add_argument("--bos", action="store_true", help="add the tokenizer's special tokens (e.g. BOS) in front")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+
+
+def _worker(args) -> None:
+    import tpzoo
+    from tpzoo.checkpoint import load_model, parse_dtype
+    from tpzoo.evaluation import evaluate
+
+    from ._common import encode, load_tokenizer
+
+    state = tpzoo.init_parallel(tp=args.tp, pp=args.pp)
+    try:
+        model = load_model(args.ckpt, virtual_stages=1, dtype=parse_dtype(args.dtype)).eval()
+        tokenizer = load_tokenizer(args.tokenizer or args.ckpt)
+        with open(args.text_file, encoding="utf-8") as f:
+            ids = encode(tokenizer, f.read(), special_tokens=args.bos)
+        if args.max_tokens:
+            ids = ids[: args.max_tokens]
+        seq_len = args.seq_len or min(1024, model.cfg.max_position_embeddings)
+        result = evaluate(model, ids, seq_len, args.batch_size)
+        if state.rank == 0:
+            print(json.dumps({**result, "seq_len": seq_len, "tp": args.tp, "pp": args.pp, "dp": state.dp,
+                              "checkpoint": str(args.ckpt)}), flush=True)
+    finally:
+        tpzoo.destroy_parallel()
+
+
+def run(args) -> int:
+    from tpzoo.checkpoint import CheckpointError, open_source
+
+    from .launch import run_multirank, under_torchrun
+
+    if not under_torchrun():  # check what can be checked before starting any rank
+        try:
+            open_source(args.ckpt, verify=False).close()
+            open(args.text_file, encoding="utf-8").close()
+        except (CheckpointError, *USER_ERRORS) as e:
+            return fail("eval", e)
+    run_multirank(_worker, args, args.tp * args.pp)
+    return 0

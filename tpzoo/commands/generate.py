@@ -1,0 +1,87 @@
+"""`tpzoo generate CKPT --prompt "..." --max-new-tokens K`: decode with a KV cache, under tensor parallelism.
+
+    tpzoo generate ckpt/ --prompt "Once upon a time" --max-new-tokens 50 --tp 2          # greedy
+    tpzoo generate ckpt/ --prompt "..." --temperature 0.8 --top-p 0.95 --seed 1
+    torchrun --nproc-per-node 2 -m tpzoo generate ckpt/ --prompt "..." --tp 2
+
+pp must be 1 (the whole model on each TP group). Prints the prompt and its continuation, or --json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ._common import USER_ERRORS, fail
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ckpt", help="tpzoo checkpoint or HF model directory")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (the default without --temperature)")
+    p.add_argument("--temperature", type=float, help="sample with this temperature")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (default 0: off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (the same on every TP rank)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    p.add_argument("--tokenizer", help="tokenizer spec (default: the checkpoint's)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size: only 1 is supported")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--json", action="store_true", help="print one JSON line (ids and text)")
+
+
+def _eos(ckpt, cfg):
+    gen = Path(ckpt) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            return eos
+    return cfg.eos_token_id
+
+
+def _worker(args) -> None:
+    import torch
+
+    import tpzoo
+    from tpzoo.checkpoint import load_model, parse_dtype
+    from tpzoo.generation import generate
+
+    from ._common import decode, encode, load_tokenizer
+
+    state = tpzoo.init_parallel(tp=args.tp)
+    try:
+        model = load_model(args.ckpt, dtype=parse_dtype(args.dtype)).eval()
+        tokenizer = load_tokenizer(args.tokenizer or args.ckpt)
+        prompt_ids = encode(tokenizer, args.prompt, special_tokens=True)
+        sample = args.temperature is not None and not args.greedy
+        out = generate(model, torch.tensor([prompt_ids]), args.max_new_tokens, greedy=not sample,
+                       temperature=args.temperature or 1.0, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                       eos_token_id=None if args.ignore_eos else _eos(args.ckpt, model.cfg))
+        new_ids = out[0, len(prompt_ids):].tolist()
+        if state.rank == 0:
+            text = decode(tokenizer, new_ids)
+            if args.json:
+                print(json.dumps({"prompt_ids": prompt_ids, "new_ids": new_ids, "completion": text}), flush=True)
+            else:
+                print(args.prompt + text, flush=True)
+    finally:
+        tpzoo.destroy_parallel()
+
+
+def run(args) -> int:
+    from tpzoo.checkpoint import CheckpointError, open_source
+
+    from .launch import run_multirank, under_torchrun
+
+    if args.pp != 1:
+        return fail("generate", ValueError(f"generate runs with pp=1 (got --pp {args.pp}); every TP group holds "
+                                           f"the whole model, so use --tp to split it instead"))
+    if not under_torchrun():
+        try:
+            open_source(args.ckpt, verify=False).close()
+        except (CheckpointError, *USER_ERRORS) as e:
+            return fail("generate", e)
+    run_multirank(_worker, args, args.tp)
+    return 0

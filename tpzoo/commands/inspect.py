@@ -1,0 +1,72 @@
+"""`tpzoo inspect CKPT [--verify]`: a checkpoint's layout, config, files and tensors; --verify checks every
+shard file against the manifest (size, header, checksum) and exits 1 naming each bad file."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from ._common import USER_ERRORS, fail
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ckpt", help="tpzoo checkpoint directory")
+    p.add_argument("--verify", action="store_true", help="check every shard file's size, header and checksum")
+    p.add_argument("--no-tensors", action="store_true", help="do not list the tensors")
+    p.add_argument("--json", action="store_true", help="print the manifest (without per-file tensor lists)")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def run(args) -> int:
+    from tpzoo.checkpoint import CheckpointError, read_manifest, verify_file
+    from tpzoo.models.config import ModelConfig
+
+    try:
+        m = read_manifest(args.ckpt)
+        cfg = ModelConfig.from_dict(m["model_config"])
+    except (CheckpointError, *USER_ERRORS) as e:
+        return fail("inspect", e)
+    if args.json:
+        print(json.dumps({**m, "files": [{k: v for k, v in f.items() if k != "tensors"} for f in m["files"]]},
+                         indent=1))
+    else:
+        v = m["vocab"]
+        print(f"checkpoint {args.ckpt} ({m['format']} v{m['format_version']})")
+        print(f"model: {cfg.family} {cfg.name or ''} layers={cfg.num_layers} hidden={cfg.hidden_size} "
+              f"heads={cfg.num_heads} kv_heads={cfg.num_kv_heads} ffn={cfg.ffn_hidden_size} vocab={v['size']} "
+              f"(padded {v['padded']}) parameters={cfg.num_parameters():,} dtype={m['dtype']}")
+        print(f"layout: tp={m['tp']} pp={m['pp']} virtual_stages={m.get('virtual_stages', 1)}")
+        for st in m["stages"]:
+            ends = [n for n, flag in (("embedding", st["pre_process"]), ("head", st["post_process"])) if flag]
+            print(f"  pp rank {st['pp_rank']}: layers [{st['layers'][0]}, {st['layers'][1]})"
+                  f"{' + ' + ' + '.join(ends) if ends else ''}")
+        total = sum(f["bytes"] for f in m["files"])
+        print(f"files: {len(m['files'])}, {_size(total)}")
+        for f in m["files"]:
+            print(f"  {f['path']}  tp={f['tp_rank']} pp={f['pp_rank']}  {_size(f['bytes'])}  "
+                  f"{len(f['tensors'])} tensors  {f['checksum'][:23]}")
+        if m.get("aux_files"):
+            print("aux files: " + ", ".join(m["aux_files"]))
+        if not args.no_tensors:
+            print(f"tensors: {len(m['tensors'])}")
+            for name, t in m["tensors"].items():
+                split = "replicated" if t["split"] is None else f"split dim {t['split']['dim']}"
+                print(f"  {name:40s} {str(tuple(t['shape'])):18s} {t['dtype']:5s} {split:12s} pp {t['pp_rank']}")
+    if not args.verify:
+        return 0
+    bad = 0
+    for f in m["files"]:
+        try:
+            verify_file(args.ckpt, f, checksum=True)
+            print(f"verified {f['path']}: ok")
+        except (CheckpointError, OSError) as e:
+            bad += 1
+            print(f"verify FAILED: {e}")
+    print(f"verify: {len(m['files']) - bad} of {len(m['files'])} files ok")
+    return 1 if bad else 0

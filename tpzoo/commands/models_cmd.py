@@ -1,0 +1,36 @@
+"""`tpzoo models`: the named configs of the registry, with parameter counts and the HF source of each."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--family", help="only this family (gpt2, llama, mistral, qwen2, ...)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+
+
+def _count(n: int) -> str:
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def run(args) -> int:
+    from tpzoo.models.registry import list_configs
+
+    rows = [(name, cfg) for name, cfg in list_configs().items() if not args.family or cfg.family == args.family]
+    if args.json:
+        for name, cfg in rows:
+            print(json.dumps({"name": name, "family": cfg.family, "parameters": cfg.num_parameters(),
+                              "layers": cfg.num_layers, "hidden": cfg.hidden_size, "heads": cfg.num_heads,
+                              "kv_heads": cfg.num_kv_heads, "vocab": cfg.vocab_size, "hf_source": cfg.hf_source}))
+        return 0
+    print(f"{'name':16s} {'family':8s} {'params':>8s} {'layers':>6s} {'hidden':>6s} {'heads':>5s} {'kv':>3s} "
+          f"{'vocab':>7s}  hf source")
+    for name, cfg in rows:
+        print(f"{name:16s} {cfg.family:8s} {_count(cfg.num_parameters()):>8s} {cfg.num_layers:>6d} "
+              f"{cfg.hidden_size:>6d} {cfg.num_heads:>5d} {cfg.num_kv_heads:>3d} {cfg.vocab_size:>7d}  "
+              f"{cfg.hf_source or '-'}")
+    return 0
