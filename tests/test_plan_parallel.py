@@ -3,7 +3,6 @@ parallelism, every recompute mode), with the torch reference kernels and with th
 interpreter, in a dedicated pool of rank processes started with TRITON_INTERPRET=1: the flag must be set before
 Triton loads in a process, and never in the shared pools or in pytest's own process); and the collective volume
 of a training step, call for call and byte for byte, against count_collectives()."""
-import os
 
 import pytest
 import torch
@@ -71,15 +70,7 @@ def test_activation_bytes_tp2_reference_kernels():
 def interpreter_ranks():
     """Two rank processes in which Triton runs interpreted (the flag is inherited at spawn only)."""
     pytest.importorskip("triton")
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        pool = RankPool(2)
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    pool = RankPool(2, env={"TRITON_INTERPRET": "1"})
     yield pool
     pool.close()
 

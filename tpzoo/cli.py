@@ -13,6 +13,16 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("tpzoo.commands.demo", "TP demo on CPU: parallel layers against their dense twins"),
     "preprocess": ("tpzoo.commands.preprocess", "tokenize a corpus once into a memory-mapped token store"),
+    "pretrain": ("tpzoo.commands.pretrain", "train a model (default: a tiny GPT on the stdlib, tp=2, ~2 min on CPU)"),
+    "finetune": ("tpzoo.commands.finetune", "supervised fine-tuning on JSONL from a tpzoo checkpoint or HF dir"),
+    "plot": ("tpzoo.commands.plot", "plot loss and learning-rate curves of a run (metrics.jsonl) to a PNG"),
+    "models": ("tpzoo.commands.models_cmd", "list the named model configs (parameters, HF source)"),
+    "convert": ("tpzoo.commands.convert", "convert checkpoints: from-hf (HF -> tpzoo sharded) / to-hf"),
+    "reshard": ("tpzoo.commands.reshard", "rewrite a tpzoo checkpoint at another (tp, pp) layout"),
+    "inspect": ("tpzoo.commands.inspect", "show (and --verify) a tpzoo checkpoint"),
+    "eval": ("tpzoo.commands.eval", "loss and perplexity of a text file (tp/pp, torchrun or self-spawned)"),
+    "generate": ("tpzoo.commands.generate", "generate text with a KV cache (tp, torchrun or self-spawned)"),
+    "plan": ("tpzoo.commands.plan", "rank parallel layouts of a model on a cluster: memory, step time, MFU"),
 }
 
 

@@ -27,7 +27,8 @@ class RankFailure(AssertionError):
     pass
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results, collective_timeout: float) -> None:
+def _worker(rank: int, world_size: int, port: int, tasks, results, collective_timeout: float, env: dict) -> None:
+    os.environ.update(env)  # before anything imports torch or triton (TRITON_INTERPRET is read at import time)
     import torch
     import torch.distributed as dist
 
@@ -61,7 +62,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, collective_ti
 
 
 class RankPool:
-    def __init__(self, world_size: int, collective_timeout: float = 60.0):
+    def __init__(self, world_size: int, collective_timeout: float = 60.0, env: dict | None = None):
         import torch.distributed as dist
 
         ctx = mp.get_context("spawn")
@@ -73,7 +74,7 @@ class RankPool:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         port = self.store.port
         self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results,
-                                                        collective_timeout), daemon=True)
+                                                        collective_timeout, dict(env or {})), daemon=True)
                       for r in range(world_size)]
         for p in self.procs:
             p.start()
@@ -131,18 +132,23 @@ class RankPool:
                 p.join(timeout=5)
 
 
-_POOLS: dict[int, RankPool] = {}
+_POOLS: dict[tuple, RankPool] = {}
 
 
-def run_on_ranks(world_size: int, fn, *args, timeout: float | None = None, **kwargs) -> list:
-    """Run fn(*args, **kwargs) on `world_size` gloo ranks; return the per-rank results in rank order."""
-    pool = _POOLS.get(world_size)
+def run_on_ranks(world_size: int, fn, *args, timeout: float | None = None, pool_env: dict | None = None,
+                 **kwargs) -> list:
+    """Run fn(*args, **kwargs) on `world_size` gloo ranks; return the per-rank results in rank order.
+
+    `pool_env`: environment variables the worker processes start with (a separate pool per distinct env),
+    e.g. {"TRITON_INTERPRET": "1"}, which Triton only honours when set before it is first imported."""
+    key = (world_size, tuple(sorted((pool_env or {}).items())))
+    pool = _POOLS.get(key)
     if pool is None or not pool.alive:
-        pool = _POOLS[world_size] = RankPool(world_size)
+        pool = _POOLS[key] = RankPool(world_size, env=pool_env)
     try:
         return pool.run(fn, *args, timeout=timeout, **kwargs)
     except RankFailure:
-        _POOLS.pop(world_size, None)
+        _POOLS.pop(key, None)
         raise
 
 

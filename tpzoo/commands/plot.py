@@ -1,0 +1,62 @@
+"""`tpzoo plot RUN_DIR [--out FILE.png]`: loss (and held-out loss) and learning rate per step, from a run's
+metrics.jsonl (written with --log-dir, or into --save by default), as one PNG (matplotlib, Agg backend: no display
+needed)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="directory holding metrics.jsonl (a run's --log-dir or --save)")
+    p.add_argument("--out", default=None, help="output PNG (default: RUN_DIR/curves.png)")
+
+
+def plot(run_dir: str, out: str | None = None) -> str:
+    """Write the PNG and return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tpzoo.train.metrics import read_metrics
+
+    rows = read_metrics(run_dir)
+    if not rows:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no rows")
+    steps = [r["step"] for r in rows]
+    loss = [float(r["loss"]) for r in rows]
+    fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[2, 1])
+    ax_loss.plot(steps, loss, label="train loss", linewidth=1)
+    evals = [(r["step"], float(r["eval_loss"])) for r in rows if r.get("eval_loss") is not None]
+    if evals:
+        ax_loss.plot(*zip(*evals), "o-", label="held-out loss")
+    ax_loss.set_ylabel("loss (nats/token)")
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+    ax_lr.plot(steps, [r["lr"] for r in rows], color="tab:orange", linewidth=1)
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_xlabel("step")
+    ax_lr.grid(alpha=0.3)
+    fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
+    fig.tight_layout()
+    out = out or os.path.join(run_dir, "curves.png")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def run(args) -> int:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("tpzoo plot: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return 2
+    try:
+        out = plot(args.run_dir, args.out)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"tpzoo plot: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,254 @@
+"""The training loop: `train(config) -> result`, on every rank, at any (tp, pp, dp).
+
+One optimizer step: the step's micro-batches (global batch / (micro batch * dp) per dp rank) go through
+`tpzoo.pipeline.forward_backward` with loss scale 1 / (non-ignored tokens of the whole global batch), so the summed
+gradients are those of the global mean loss at every layout; `finalize_grads` does the TP and tied-embedding
+reductions, the optimizer the fp32 data-parallel reduction (all-reduce, or reduce-scatter under ZeRO-1), the
+global norm, clipping and AdamW. A NaN/inf loss or norm skips the update (same decision on every rank: both are
+global values); `max_skips` in a row stop the run without saving, so the last good checkpoint stays the newest.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import tpzoo
+from tpzoo.data import IGNORE_INDEX, micro_batches_per_step
+from tpzoo.parallel import comm
+from tpzoo.parallel.state import get_state, is_initialized
+from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward
+
+from . import checkpointing as ckpt
+from .config import TrainConfig
+from .data import build_datasets, make_loader, resolve_tokenizer
+from .generate import generate
+from .lr import lr_at
+from .metrics import MetricsLogger, Throughput, format_line, peak_memory_gb
+from .optim import DistributedAdamW
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run (or resume) a training run on this rank. Creates the tpzoo process groups unless they exist (then
+    their layout must match cfg); returns the same result dict on every rank."""
+    owns = not is_initialized()
+    if owns:
+        tpzoo.init_parallel(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp or None)
+    state = get_state()
+    if (state.tp, state.pp) != (cfg.tp, cfg.pp) or (cfg.dp and cfg.dp != state.dp):
+        raise ValueError(f"config asks for tp={cfg.tp} pp={cfg.pp} dp={cfg.dp or 'auto'}, but the process groups "
+                         f"are tp={state.tp} pp={state.pp} dp={state.dp}")
+    try:
+        trainer = Trainer(cfg)
+        try:
+            return trainer.run()
+        finally:
+            trainer.close()
+    finally:
+        if owns:
+            tpzoo.destroy_parallel()
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        s = get_state()
+        self.state, self.rank, self.world = s, s.rank, s.world_size
+        c = s.coords()
+        self.tp_rank, self.pp_rank, self.dp_rank, self.dp = c["tp"], c["pp"], c["dp"], s.dp
+        self.dp_group = s.groups["dp"]
+        self.is_main = self.rank == 0
+        self.n_micro = micro_batches_per_step(cfg.global_batch_size, cfg.micro_batch_size, self.dp)
+        _seed_everything(cfg.seed)
+
+        self.resume_dir = ckpt.resolve_resume(cfg)
+        if self.resume_dir is not None:
+            self.train_state = ckpt.read_train_state(self.resume_dir)
+            self.tokenizer = ckpt.load_tokenizer_of(self.resume_dir)
+            model_cfg = ckpt.model_config_of(self.resume_dir)
+        else:
+            self.train_state = None
+            self.tokenizer = resolve_tokenizer(cfg)
+            model_cfg = ckpt.resolve_model_config(cfg, self.tokenizer)
+        self.model_cfg = model_cfg
+        if self.tokenizer.vocab_size > model_cfg.vocab_size:
+            raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary is "
+                             f"{model_cfg.vocab_size}")
+        if model_cfg.position == "learned" and cfg.seq_len > model_cfg.max_position_embeddings:
+            raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
+                             f"{model_cfg.max_position_embeddings}")
+
+        # Built in fp32 so that a bf16 run's fp32 master weights start from the exact initial (or loaded) values.
+        self.chunks = build_model_chunks(model_cfg, sequence_parallel=cfg.sequence_parallel,
+                                         recompute=cfg.recompute, seed=cfg.seed,
+                                         virtual_stages=cfg.virtual_stages)
+        weights_from = self.resume_dir or (cfg.base or None)
+        if weights_from:
+            ckpt.load_weights(self.chunks, weights_from)
+        named, seen = [], set()
+        for chunk in self.chunks:
+            for name, p in chunk.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    named.append((name, p, chunk))
+        self.optimizer = DistributedAdamW(
+            named, model_dtype=DTYPES[cfg.dtype], zero1=cfg.zero1, dp_group=self.dp_group, dp_rank=self.dp_rank,
+            dp_size=self.dp, tp_rank=self.tp_rank, tp=s.tp, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+            weight_decay=cfg.weight_decay)
+
+        self.train_ds, self.eval_ds, self.data_desc = build_datasets(cfg, self.tokenizer)
+        self.loader = make_loader(self.train_ds, cfg, self.dp_rank, self.dp)
+        self.start_step, self.skips = 0, 0
+        if self.train_state is not None:
+            ckpt.load_optimizer(self.optimizer, self.resume_dir, self.train_state, self.chunks)
+            self.loader.load_state_dict(self.train_state["loader"])
+            self.start_step = int(self.train_state["step"])
+            self.skips = int(self.train_state.get("consecutive_skips", 0))
+            ckpt.load_rng(self.resume_dir, self.rank, self.world)
+        if self.start_step > cfg.steps:
+            raise ValueError(f"checkpoint {self.resume_dir} is at step {self.start_step}, past --steps {cfg.steps}")
+
+        self.log_dir = cfg.log_dir or cfg.save
+        self.logger = MetricsLogger(self.is_main, self.log_dir or None, cfg.steps, self.start_step,
+                                    cfg.progress and not cfg.quiet, resume=self.resume_dir is not None,
+                                    quiet=cfg.quiet)
+        self.throughput = Throughput(model_cfg.flops_per_token(cfg.seq_len), self.world, cfg.dtype)
+        self.tokens_per_step = cfg.global_batch_size * cfg.seq_len
+        if self.is_main and cfg.save:
+            ckpt.remove_stale_temp_dirs(cfg.save)
+
+    # -- one step -------------------------------------------------------------------------------------------
+    def _global_sum(self, values: list[float], group) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        if dist.get_world_size(group) > 1:
+            comm.all_reduce(t, group)
+        return t.tolist()
+
+    def train_step(self, step: int) -> dict:
+        """Optimizer step number `step` (1-based)."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        batches = [next(self.loader) for _ in range(self.n_micro)]
+        local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+        (tokens,) = self._global_sum([local_tokens], self.dp_group)
+        scale = 1.0 / max(tokens, 1.0)
+        if step in cfg.inject_nan_steps:
+            scale = float("nan")
+        self.optimizer.zero_grad()
+        out = forward_backward(self.chunks, batches, schedule=cfg.schedule, loss_scale=scale,
+                               label_smoothing=cfg.label_smoothing)
+        finalize_grads(self.chunks, dp_reduce=False)
+        self.optimizer.reduce_grads()
+        (loss_sum,) = self._global_sum([out["loss_sum"]], self.dp_group)
+        loss = loss_sum / max(tokens, 1.0)
+        grad_norm, bad = self.optimizer.global_grad_norm(flag=0.0 if math.isfinite(loss) else 1.0)
+        lr = lr_at(step - 1, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
+        skipped = bad > 0 or not math.isfinite(grad_norm)
+        if skipped:
+            self.skips += 1
+            self.logger.print(f"WARNING: step {step}: non-finite loss ({loss:.4g}) or grad norm ({grad_norm:.4g}): "
+                              f"update skipped ({self.skips} in a row; the run stops at {cfg.max_skips})")
+        else:
+            self.skips = 0
+            clip = cfg.clip_grad / (grad_norm + 1e-6) if cfg.clip_grad > 0 and grad_norm > cfg.clip_grad else 1.0
+            self.optimizer.step(lr, clip)
+        seconds = time.perf_counter() - t0
+        self.throughput.add(self.tokens_per_step, seconds)
+        return {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(tokens),
+                "step_time": seconds, "skipped": self.skips if skipped else 0}
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean loss over the held-out split's first eval_batches micro-batches per dp rank (None without one)."""
+        cfg = self.cfg
+        if self.eval_ds is None or len(self.eval_ds) < cfg.micro_batch_size * self.dp:
+            return None
+        loader = make_loader(self.eval_ds, cfg, self.dp_rank, self.dp, train=False)
+        batches = [b for _, b in zip(range(cfg.eval_batches), loader)]
+        loader.close()
+        for c in self.chunks:
+            c.eval()
+        out = forward_backward(self.chunks, batches, schedule=cfg.schedule, forward_only=True)
+        for c in self.chunks:
+            c.train()
+        loss_sum, tokens = self._global_sum([out["loss_sum"], out["tokens"]], self.dp_group)
+        return loss_sum / max(tokens, 1.0)
+
+    # -- the run --------------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        cfg = self.cfg
+        s = self.state
+        self.logger.print(
+            f"tpzoo {cfg.task}: model {self.model_cfg.name or cfg.model} "
+            f"({self.model_cfg.num_parameters() / 1e6:.2f}M params, vocab {self.model_cfg.vocab_size}) | "
+            f"tp={s.tp} pp={s.pp} dp={s.dp} sp={cfg.sequence_parallel} zero1={cfg.zero1} {cfg.dtype} | "
+            f"batch {cfg.global_batch_size}x{cfg.seq_len} ({self.n_micro} micro-batches of {cfg.micro_batch_size}"
+            f" per dp rank) | data {self.data_desc}"
+            + (f" | resumed from {self.resume_dir} at step {self.start_step}" if self.resume_dir else ""))
+        if cfg.resume and self.resume_dir is None:
+            self.logger.print(f"--resume: no checkpoint under {cfg.save!r} yet, starting at step 0")
+        history: list[dict] = []
+        window: list[dict] = []
+        status, saved, eval_loss = "ok", None, None
+        self.loader.reset_wait_stats()
+        for step in range(self.start_step + 1, cfg.steps + 1):
+            m = self.train_step(step)
+            window.append(m)
+            m.update(self.throughput.summary(), peak_mem_gb=peak_memory_gb(), data_wait=self.loader.wait_fraction)
+            if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+                m["eval_loss"] = eval_loss = self.evaluate()  # None without a held-out split
+            history.append(m)
+            self.logger.step(m)
+            if self.skips >= cfg.max_skips:
+                status = "diverged"
+                self.logger.print(f"step {step}: {self.skips} consecutive non-finite steps: stopping; the last good "
+                                  f"checkpoint is {ckpt.latest_checkpoint(cfg.save) if cfg.save else None}")
+                break
+            if step % cfg.log_interval == 0 or step == cfg.steps:
+                line = dict(m, loss=sum(w["loss"] for w in window) / len(window))
+                self.logger.print(format_line(line) + (f" | eval {m['eval_loss']:.4f}"
+                                                       if m.get("eval_loss") is not None else ""))
+                window.clear()
+                self.throughput.reset()
+                self.loader.reset_wait_stats()
+            if cfg.save and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
+                saved = self.save(step)
+        self.logger.close_bar()
+        if status == "ok" and eval_loss is not None:
+            self.logger.print(f"held-out loss: {eval_loss:.4f}")
+        result = {"status": status, "start_step": self.start_step, "steps": [m["step"] for m in history],
+                  "losses": [m["loss"] for m in history], "grad_norms": [m["grad_norm"] for m in history],
+                  "lrs": [m["lr"] for m in history], "eval_loss": eval_loss, "checkpoint": saved,
+                  "tokens_per_s": history[-1]["tokens_per_s"] if history else None, "sample": None}
+        if history:
+            self.logger.print(f"loss: first {history[0]['loss']:.4f} (step {history[0]['step']}) -> last "
+                              f"{history[-1]['loss']:.4f} (step {history[-1]['step']})")
+        if saved:
+            self.logger.print(f"checkpoint: {saved}")
+        if status == "ok" and cfg.sample_prompt and cfg.sample_tokens > 0:
+            text = generate(self.chunks, self.tokenizer, cfg.sample_prompt, cfg.sample_tokens,
+                            temperature=cfg.temperature, seed=cfg.seed, max_context=cfg.seq_len,
+                            sequence_parallel=cfg.sequence_parallel)
+            result["sample"] = cfg.sample_prompt + text
+            self.logger.print(f"sample ({'greedy' if cfg.temperature <= 0 else f'T={cfg.temperature}'}):\n"
+                              f"{'-' * 60}\n{cfg.sample_prompt}{text}\n{'-' * 60}")
+        return result
+
+    def save(self, step: int) -> str:
+        return ckpt.save_checkpoint(self, step)
+
+    def close(self) -> None:
+        self.loader.close()
+        self.logger.close()

@@ -1,0 +1,177 @@
+"""What a training run reports: throughput, TFLOP/s and MFU, peak memory, and where the numbers go (a progress bar
+and log lines on rank 0, metrics.jsonl, TensorBoard events when tensorboard is installed)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Dense peak TFLOP/s per device (no sparsity), by a substring of torch.cuda.get_device_name(); first match wins,
+# so more specific names come first. bf16 = tensor-core bf16; fp32 = what fp32 matmuls get by default (TF32
+# tensor cores are off by default in PyTorch, so plain fp32 FMA throughput).
+KNOWN_PEAK_TFLOPS = [
+    ("H200", {"bf16": 989.0, "fp32": 67.0}),
+    ("H100 PCIe", {"bf16": 756.0, "fp32": 51.0}),
+    ("H100", {"bf16": 989.0, "fp32": 67.0}),
+    ("GH200", {"bf16": 989.0, "fp32": 67.0}),
+    ("B200", {"bf16": 2250.0, "fp32": 80.0}),
+    ("A100", {"bf16": 312.0, "fp32": 19.5}),
+    ("A10G", {"bf16": 70.0, "fp32": 35.0}),
+    ("A10", {"bf16": 125.0, "fp32": 31.2}),
+    ("L40S", {"bf16": 362.0, "fp32": 91.6}),
+    ("L4", {"bf16": 121.0, "fp32": 30.3}),
+    ("RTX 4090", {"bf16": 165.2, "fp32": 82.6}),
+    ("RTX 3090", {"bf16": 71.0, "fp32": 35.6}),
+    ("V100", {"bf16": 0.0, "fp32": 15.7}),   # no bf16 tensor cores
+    ("T4", {"bf16": 0.0, "fp32": 8.1}),
+]
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return "cpu"
+
+
+def peak_tflops(dtype: str, name: str | None = None) -> float | None:
+    """The device's dense peak for `dtype` ('bf16' | 'fp32'), or None when unknown (every CPU)."""
+    name = name if name is not None else device_name()
+    for key, peaks in KNOWN_PEAK_TFLOPS:
+        if key in name:
+            return peaks.get(dtype) or None
+    return None
+
+
+def peak_memory_gb() -> float:
+    """Peak memory of this process: CUDA allocator peak on GPU, peak resident set size on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2 ** 30
+    try:
+        import resource
+
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        return kb / 2 ** 20 if sys.platform != "darwin" else kb / 2 ** 30
+    except ImportError:  # Windows
+        return float("nan")
+
+
+class Throughput:
+    """Tokens/s, TFLOP/s per device and MFU over a window of steps."""
+
+    def __init__(self, flops_per_token: float, world_size: int, dtype: str):
+        self.flops_per_token, self.world_size = flops_per_token, world_size
+        self.peak = peak_tflops(dtype)
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens, self.seconds = 0, 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+
+    def summary(self) -> dict:
+        tps = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        tflops = tps * self.flops_per_token / self.world_size / 1e12
+        return {"tokens_per_s": tps, "tflops_per_device": tflops,
+                "mfu": (tflops / self.peak) if self.peak else None}
+
+
+def format_line(m: dict) -> str:
+    """One human-readable log line from a metrics dict."""
+    mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") is not None else "n/a"
+    parts = [f"step {m['step']:>6d}", f"loss {m['loss']:.4f}", f"grad_norm {m['grad_norm']:.3f}",
+             f"lr {m['lr']:.2e}", f"tok/s {m['tokens_per_s']:,.0f}", f"TFLOP/s/dev {m['tflops_per_device']:.3f}",
+             f"MFU {mfu}", f"mem {m['peak_mem_gb']:.2f}GB", f"data_wait {100 * m['data_wait']:.1f}%"]
+    if m.get("skipped"):
+        parts.append(f"SKIPPED({m['skipped']})")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Rank 0 only (other ranks get a logger whose methods do nothing): progress bar, lines, jsonl, TensorBoard."""
+
+    def __init__(self, enabled: bool, log_dir: str | None, total_steps: int, start_step: int, progress: bool,
+                 resume: bool = False, quiet: bool = False):
+        self.enabled, self.quiet = enabled, quiet
+        self.jsonl = self.tb = self.bar = None
+        if not enabled:
+            return
+        if log_dir:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            # A resumed run appends: the curve in metrics.jsonl continues where the checkpoint left off (lines of
+            # steps after the checkpoint, from the interrupted run, are superseded by later lines of that step).
+            self.jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a" if resume else "w")
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(log_dir=log_dir, purge_step=start_step + 1 if resume else None)
+            except ImportError:  # tensorboard is optional
+                self.tb = None
+        if progress and sys.stderr.isatty():  # a bar redrawn with \r only makes sense on a terminal
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                            file=sys.stderr, mininterval=0.5)
+        self._t0 = time.perf_counter()
+
+    def step(self, m: dict) -> None:
+        if not self.enabled:
+            return
+        if self.jsonl:
+            self.jsonl.write(json.dumps({k: _jsonable(v) for k, v in m.items()}) + "\n")
+            self.jsonl.flush()
+        if self.tb:
+            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "eval_loss"):
+                if m.get(k) is not None and isinstance(m[k], (int, float)) and math.isfinite(m[k]):
+                    self.tb.add_scalar(f"train/{k}" if k != "eval_loss" else "eval/loss", m[k], m["step"])
+        if self.bar:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{m['lr']:.2e}", tok_s=f"{m['tokens_per_s']:,.0f}",
+                                 refresh=False)
+
+    def close_bar(self) -> None:
+        if self.bar:
+            self.bar.close()
+            self.bar = None
+
+    def print(self, text: str) -> None:
+        if not self.enabled or self.quiet:
+            return
+        if self.bar:
+            self.bar.write(text, file=sys.stdout)
+        else:
+            print(text, flush=True)
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.close()
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb:
+            self.tb.close()
+        self.bar = self.jsonl = self.tb = None
+
+
+def _jsonable(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no NaN/inf
+    return v
+
+
+def read_metrics(log_dir: str) -> list[dict]:
+    """The rows of metrics.jsonl, one per step; for a step logged twice (a run resumed from an earlier
+    checkpoint) the later row wins."""
+    rows: dict[int, dict] = {}
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                rows[int(r["step"])] = r
+    return [rows[s] for s in sorted(rows)]
