@@ -123,15 +123,12 @@ def _zero1_step(cfg, zero1):
     opt = DistributedAdamW([(n, p, model) for n, p in model.named_parameters()], model_dtype=torch.bfloat16,
                            zero1=zero1, dp_group=get_dp_group(), dp_rank=get_dp_rank(), dp_size=2)
     ids = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(get_dp_rank()))
+    opt.zero_grad()
     model(ids, labels=ids).sum().backward()
     opt.reduce_grads()
     opt.global_grad_norm()
     opt.step(lr=1e-3)
-    shard = opt.grad_owned.nbytes if opt.grad_owned.data_ptr() != opt.grad_flat.data_ptr() else 0
-    norm = opt.norm_weight.nbytes if opt.norm_weight is not None else 0
-    return {"params": opt.flat.nbytes, "master": opt.master.nbytes,
-            "optimizer": opt.exp_avg.nbytes + opt.exp_avg_sq.nbytes + norm,
-            "grads": sum(p.grad.nbytes for p in model.parameters()) + opt.grad_flat.nbytes + shard}
+    return opt.buffer_bytes()
 
 
 @pytest.mark.parametrize("zero1", [False, True], ids=["plain", "zero1"])

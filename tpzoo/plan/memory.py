@@ -119,18 +119,18 @@ class StateBytes:
 
 def state_bytes(count: ParamCount, training: TrainingSpec, tp: int = 1, dp: int = 1, head_copy: bool = False,
                 tp_rank: int | None = None) -> StateBytes:
-    """Bytes of one rank's training state under DistributedAdamW (module docstring). `head_copy`: this stage
-    holds the last stage's copy of a tied embedding. The norm-weight vector exists when some element does not
-    count once: on tp ranks > 0 (replicated parameters count on rank 0 only), with replicated kv heads, or with
-    a head copy; `tp_rank=None` means the worst rank."""
+    """Bytes of one rank's training state under DistributedAdamW (what its `buffer_bytes()` reports): the flat
+    weight buffer (model dtype, padded to a multiple of dp); gradients: the fp32 reduction buffer, plus a
+    model-dtype buffer holding the parameters' .grad views when the weights are not fp32, plus the
+    reduce-scattered shard under ZeRO-1; a separate fp32 master of the owned range (none for fp32 weights);
+    AdamW's two fp32 moments of the owned range. The layout arguments (tp, head_copy, tp_rank) do not change
+    these bytes: the global-norm bookkeeping keeps no per-element state."""
     n, e = count.numel, DTYPE_BYTES[training.dtype]
     padded = -(-max(n, 1) // dp) * dp
     shard = padded // dp
     owned = shard if training.zero1 else padded
-    grads = e * n + 4 * padded + (4 * shard if training.zero1 and dp > 1 else 0)
-    rank = (1 if tp > 1 else 0) if tp_rank is None else tp_rank
-    weighted = head_copy or (tp > 1 and (rank > 0 or count.replicated_kv > 0))
-    return StateBytes(e * padded, grads, 4 * owned if e < 4 else 0, 8 * owned + (4 * shard if weighted else 0))
+    grads = 4 * padded + (e * padded if e < 4 else 0) + (4 * shard if training.zero1 and dp > 1 else 0)
+    return StateBytes(e * padded, grads, 4 * owned if e < 4 else 0, 8 * owned)
 
 
 # -- activations --------------------------------------------------------------------------------------------
