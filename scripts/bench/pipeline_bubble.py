@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from mdsection import write_section  # noqa: E402 (a sibling script module)
+
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1))
 B, S = 4, 128
 
@@ -90,18 +92,6 @@ def table(rows: list[dict]) -> str:
         out.append(f"| {r['schedule']} | {r['v']} | {r['theory']:.3f} | {r['simulated']:.3f} | {r['measured']:.3f} "
                    f"| {r['step_s']:.2f} | {costs} | {r['peak']} |")
     return "\n".join(out) + "\n"
-
-
-def write_section(path: pathlib.Path, key: str, body: str) -> None:
-    """Replace this script's section of a shared markdown file (between its markers), or append it."""
-    begin, end = f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{begin}\n{body.rstrip()}\n{end}"
-    if begin in text and end in text:
-        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    path.write_text(text)
 
 
 def main(argv=None) -> None:

@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+from mdsection import write_section  # noqa: E402 (a sibling script module)
+
 B, S, LAYERS = 2, 128, 2
 
 
@@ -66,18 +68,6 @@ def table(rows) -> str:
                      f"{got[1]:,.0f} / {w[1] if w[1] == '-' else format(w[1], ',')} | "
                      f"{got[2] / 2**20:.3f} / {'-' if w[2] is None else format(w[2] / 2**20, '.3f')} |")
     return head + "\n".join(lines) + "\n"
-
-
-def write_section(path: pathlib.Path, key: str, body: str) -> None:
-    """Replace this script's section of a shared markdown file (between its markers), or append it."""
-    begin, end = f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{begin}\n{body.rstrip()}\n{end}"
-    if begin in text and end in text:
-        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    path.write_text(text)
 
 
 def main(argv=None) -> None:

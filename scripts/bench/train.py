@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from mdsection import write_section  # noqa: E402 (a sibling script module)
+
 HERE = os.path.abspath(__file__)
 
 
@@ -213,7 +215,7 @@ def driver(args) -> None:
     text = report(args, rows)
     print("\n" + text)
     if args.write:
-        write_section(args.write, text)
+        write_section(args.write, "train_vs_hf", "## Training step: tpzoo vs transformers (CPU)\n\n" + text)
 
 
 def report(args, rows) -> str:
@@ -248,21 +250,6 @@ def report(args, rows) -> str:
             out.append(f"| {r['tp']} | {name} | {median_tps:,.0f} | {r['tokens_per_s']:,.0f} | "
                        f"{r['step_s_median']:.3f} s | {r['peak_mem_mb']:,.0f} MB |")
     return "\n".join(out)
-
-
-BEGIN, END = "<!-- train_vs_hf:begin -->", "<!-- train_vs_hf:end -->"
-
-
-def write_section(path: str, body: str) -> None:
-    """Replace this benchmark's section of docs/benchmarks.md (or append it), leaving the others alone."""
-    section = f"{BEGIN}\n## Training step: tpzoo vs transformers (CPU)\n\n{body}\n{END}"
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    with open(path, "w") as f:
-        f.write(text)
 
 
 DEFAULTS = {"seq_len": 256, "batch": 4, "steps": 10, "warmup": 2}
