@@ -31,15 +31,14 @@ subset of *examples* (before packing, so no example is split between train and e
 """
 from __future__ import annotations
 
-import json
 import os
 import warnings
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
 from .packed import IGNORE_INDEX, PackedDataset
+from .sources import read_jsonl_records
 from .tokenizer import load_tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -68,17 +67,7 @@ def _check_record(record, where: str) -> dict:
 
 def load_sft_records(path: str | os.PathLike) -> list[dict]:
     """Validated records of an SFT JSONL file (blank lines skipped; errors name the file and line)."""
-    records = []
-    with Path(path).open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON: {e}") from e
-            records.append(_check_record(record, f"{path}:{lineno}"))
-    return records
+    return [_check_record(record, where) for where, record in read_jsonl_records(path)]
 
 
 def _template_segments(tok, messages: list[dict]) -> list[tuple[str, bool]]:

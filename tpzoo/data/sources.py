@@ -102,16 +102,27 @@ def read_jsonl(path: str | os.PathLike, text_field: str = "text") -> Iterator[st
                 if text:
                     yield text
             return
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SourceError(f"{path}:{lineno}: invalid JSON: {e}") from e
-            text = _field(record, text_field, f"{path}:{lineno}")
+        for where, record in _json_lines(f, path):
+            text = _field(record, text_field, where)
             if text:
                 yield text
+
+
+def _json_lines(f, path) -> Iterator[tuple[str, object]]:
+    """("file:line", parsed record) for every non-blank line of an open JSON-lines file."""
+    for lineno, line in enumerate(f, 1):
+        if not line.strip():
+            continue
+        try:
+            yield f"{path}:{lineno}", json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SourceError(f"{path}:{lineno}: invalid JSON: {e}") from e
+
+
+def read_jsonl_records(path: str | os.PathLike) -> Iterator[tuple[str, object]]:
+    """("file:line", record) for each record of a JSON-lines file; invalid JSON raises SourceError naming the line."""
+    with Path(path).open("r", encoding="utf-8") as f:
+        yield from _json_lines(f, path)
 
 
 def read_parquet(path: str | os.PathLike, text_field: str = "text", batch_size: int = 1024) -> Iterator[str]:
