@@ -4,9 +4,10 @@ import pytest
 import torch
 
 import tpzoo
-from tpzoo.models import Transformer, get_config
+from tpzoo.models import get_config
 from tpzoo.parallel import count_collectives, get_pp_rank, get_tp_rank
 from tpzoo.parallel.data_parallel import allreduce_gradients
+from tpzoo.plan.measure import tp_layer_collectives
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward, sum_tied_embedding_grads
 from tpzoo.testing import run_on_ranks
 
@@ -51,11 +52,7 @@ def layer_collectives(cfg, tp: int, sp: bool, recompute: str = "none") -> dict:
     no head): {kind: (calls, elements, sent_bytes)}."""
     tpzoo.init_parallel(tp=tp)
     try:
-        model = Transformer(cfg, pre_process=False, post_process=False, sequence_parallel=sp, recompute=recompute)
-        x = torch.randn(B, S // tp if sp else S, cfg.hidden_size, requires_grad=True)
-        with count_collectives() as c:
-            model(hidden=x).square().sum().backward()
-        return {k: (s.calls, s.elements, s.sent_bytes) for (k, g), s in c.stats.items() if g == "tp"}
+        return tp_layer_collectives(cfg, B, S, sequence_parallel=sp, recompute=recompute)
     finally:
         tpzoo.destroy_parallel()
 

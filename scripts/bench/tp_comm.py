@@ -17,8 +17,6 @@ import argparse
 import pathlib
 import sys
 
-import torch
-
 from mdsection import write_section  # noqa: E402 (a sibling script module)
 
 B, S, LAYERS = 2, 128, 2
@@ -34,18 +32,12 @@ def bench_config():
 def measure(tp: int, sp: bool, recompute: str) -> dict:
     """{kind: (calls, elements, sent bytes)} over the TP group, per layer per micro-batch, on this rank."""
     import tpzoo
-    from tpzoo.models import Transformer
-    from tpzoo.parallel import count_collectives
+    from tpzoo.plan.measure import tp_layer_collectives
 
-    cfg = bench_config()
     tpzoo.init_parallel(tp=tp)
     try:
-        model = Transformer(cfg, pre_process=False, post_process=False, sequence_parallel=sp, recompute=recompute)
-        x = torch.randn(B, S // tp if sp else S, cfg.hidden_size, requires_grad=True)
-        with count_collectives() as c:
-            model(hidden=x).square().sum().backward()
-        return {k: (s.calls / LAYERS, s.elements / LAYERS, s.sent_bytes / LAYERS)
-                for (k, g), s in sorted(c.stats.items()) if g == "tp"}
+        counts = tp_layer_collectives(bench_config(), B, S, sequence_parallel=sp, recompute=recompute)
+        return {k: (calls / LAYERS, elements / LAYERS, sent / LAYERS) for k, (calls, elements, sent) in counts.items()}
     finally:
         tpzoo.destroy_parallel()
 

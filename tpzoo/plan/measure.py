@@ -114,3 +114,20 @@ def forward_activation_bytes(model, micro_batch: int, seq_len: int, *, hooks: bo
                     labels=labels if model.post_process else None)
         out = out.sum() if model.post_process else out
     return r.total
+
+
+def tp_layer_collectives(cfg, micro_batch: int, seq_len: int, *, sequence_parallel: bool = False,
+                         recompute: str = "none") -> dict:
+    """Collectives over the TP group of one forward + backward through cfg.num_layers layers (no embedding, no
+    head) at the current layout: {kind: (calls, elements, sent_bytes)}, the ground truth for the per-layer
+    communication analysis. Call after tpzoo.init_parallel(tp=...)."""
+    from tpzoo.models import Transformer
+    from tpzoo.parallel import count_collectives, get_tp_size
+
+    model = Transformer(cfg, pre_process=False, post_process=False, sequence_parallel=sequence_parallel,
+                        recompute=recompute)
+    local_seq = seq_len // get_tp_size() if sequence_parallel else seq_len
+    x = torch.randn(micro_batch, local_seq, cfg.hidden_size, requires_grad=True)
+    with count_collectives() as c:
+        model(hidden=x).square().sum().backward()
+    return {k: (s.calls, s.elements, s.sent_bytes) for (k, g), s in sorted(c.stats.items()) if g == "tp"}
