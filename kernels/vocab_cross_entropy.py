@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from tpzoo.parallel import comm
+from tpzoo.parallel.cross_entropy import loss_from_sums
 from tpzoo.parallel.state import get_tp_group, get_tp_rank, get_tp_size
 
 from . import launch
@@ -106,12 +107,8 @@ class CrossEntropyFunction(torch.autograd.Function):
             comm.all_reduce(sums, group)
         target_logit, sum_exp, sum_shifted = sums.unbind(0)
 
-        log_z = sum_exp.log()
-        loss = log_z - target_logit
-        if label_smoothing > 0:
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - sum_shifted / vocab_size)
-        ignored = tgt == ignore_index
-        loss = loss.masked_fill(ignored, 0.0)
+        loss, log_z, ignored = loss_from_sums(target_logit, sum_exp, sum_shifted, tgt, ignore_index,
+                                              label_smoothing, vocab_size)
 
         ctx.save_for_backward(z2, tgt, m + log_z, ignored)
         ctx.layout = (n_real, local_vocab, start, vocab_size, label_smoothing)

@@ -17,6 +17,19 @@ from . import comm
 from .state import get_tp_group, get_tp_rank, get_tp_size
 
 
+def loss_from_sums(target_logit, sum_exp, sum_shifted, target, ignore_index: int, label_smoothing: float,
+                   vocab_size: int):
+    """Per-token loss from the all-reduced sums (all relative to the global row max): the target logit, the
+    sum of exponentials and the sum of real logits. Returns (loss, log Z, ignored mask); shared by the torch
+    path and the Triton kernel's wrapper."""
+    log_z = sum_exp.log()
+    loss = log_z - target_logit
+    if label_smoothing > 0:
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - sum_shifted / vocab_size)
+    ignored = target == ignore_index
+    return loss.masked_fill(ignored, 0.0), log_z, ignored
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index, label_smoothing, vocab_size, group):
@@ -47,12 +60,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             comm.all_reduce(sums, group)
         target_logit, sum_exp, sum_shifted = sums[0], sums[1], sums[2]
 
-        log_z = sum_exp.log()
-        loss = log_z - target_logit
-        if label_smoothing > 0:
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - sum_shifted / vocab_size)
-        ignored = target == ignore_index
-        loss = loss.masked_fill(ignored, 0.0)
+        loss, log_z, ignored = loss_from_sums(target_logit, sum_exp, sum_shifted, target, ignore_index,
+                                              label_smoothing, vocab_size)
 
         exp.div_(sum_exp.unsqueeze(-1))  # softmax, reused for the gradient
         ctx.save_for_backward(exp, in_shard, local_target, ignored)
