@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 
 def under_torchrun() -> bool:
@@ -31,7 +30,3 @@ def run_multirank(fn, args, nproc: int) -> None:
     from tpzoo.parallel.state import _free_port
 
     mp.start_processes(_spawned, args=(nproc, _free_port(), fn, args), nprocs=nproc, start_method="spawn")
-
-
-def collective_timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("TPZOO_DIST_TIMEOUT", "600")))
