@@ -92,8 +92,7 @@ def test_optimizer_state_matches_distributed_adamw(dtype, zero1):
             opt = DistributedAdamW(named, model_dtype=torch_dtype, zero1=zero1, dp_rank=dp - 1, dp_size=dp,
                                    tp_rank=rank, tp=tp)
             count = stage_params(cfg, tp, pp, stage)
-            head_copy = bool(count.embedding) and stage == pp - 1 and stage != 0
-            est = state_bytes(count, training, tp, dp, head_copy, tp_rank=rank)
+            est = state_bytes(count, training, dp)
             got = opt.buffer_bytes()
             what = f"{cfg.name} tp={tp}/{rank} pp={pp}/{stage} dp={dp}"
             assert (est.params, est.master, est.optimizer, est.grads) == (

@@ -136,7 +136,7 @@ def test_training_state_of_a_real_dp2_step(zero1):
     from tpzoo.plan import TrainingSpec, stage_params, state_bytes
 
     for cfg in (get_config("nano-llama"), GQA):
-        est = state_bytes(stage_params(cfg, 1, 1, 0), TrainingSpec(S, 4, zero1=zero1), tp=1, dp=2)
+        est = state_bytes(stage_params(cfg, 1, 1, 0), TrainingSpec(S, 4, zero1=zero1), dp=2)
         for got in run_on_ranks(2, _zero1_step, cfg, zero1):
             assert got == {"params": est.params, "master": est.master, "optimizer": est.optimizer,
                            "grads": est.grads}, (cfg.name, zero1)

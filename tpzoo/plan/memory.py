@@ -117,14 +117,13 @@ class StateBytes:
     optimizer: int    # exp_avg + exp_avg_sq of the owned range (+ the norm-weight vector)
 
 
-def state_bytes(count: ParamCount, training: TrainingSpec, tp: int = 1, dp: int = 1, head_copy: bool = False,
-                tp_rank: int | None = None) -> StateBytes:
+def state_bytes(count: ParamCount, training: TrainingSpec, dp: int = 1) -> StateBytes:
     """Bytes of one rank's training state under DistributedAdamW (what its `buffer_bytes()` reports): the flat
     weight buffer (model dtype, padded to a multiple of dp); gradients: the fp32 reduction buffer, plus a
     model-dtype buffer holding the parameters' .grad views when the weights are not fp32, plus the
     reduce-scattered shard under ZeRO-1; a separate fp32 master of the owned range (none for fp32 weights);
-    AdamW's two fp32 moments of the owned range. The layout arguments (tp, head_copy, tp_rank) do not change
-    these bytes: the global-norm bookkeeping keeps no per-element state."""
+    AdamW's two fp32 moments of the owned range. Only the element count and dp matter: the global-norm
+    bookkeeping keeps no per-element state, so tp rank and a tied head copy change nothing here."""
     n, e = count.numel, DTYPE_BYTES[training.dtype]
     padded = -(-max(n, 1) // dp) * dp
     shard = padded // dp
@@ -222,8 +221,7 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
     e, k, p, v, t = training.act_bytes, training.kernels, layout.pp, layout.virtual_stages, layout.tp
     b, s, sp, pad = layout.micro_batch_size, training.seq_len, layout.sequence_parallel, training.vocab_padding_multiple
     count = stage_params(cfg, t, p, stage, v, pad)
-    head_copy = bool(count.embedding) and stage == p - 1 and stage != 0
-    st = state_bytes(count, training, t, layout.dp, head_copy)
+    st = state_bytes(count, training, layout.dp)
     m = num_micro_batches(layout, training)
     acts, grads = [], []
     for c, (lo, hi) in enumerate(stage_chunks(cfg, p, stage, v)):
