@@ -2,6 +2,7 @@
 
     python scripts/bench/convert.py                       # TinyLlama-1.1B shapes, fp32: a 4.4 GB checkpoint
     python scripts/bench/convert.py --dtype bf16 --layers 22 --dir /scratch/bench --keep
+    python scripts/bench/convert.py --out-dtype bf16      # every tensor read into memory and cast
 
 1. Writes a Hugging Face checkpoint of a llama-like config with random weights (sharded safetensors + index),
    streamed piece by piece, so generating it is memory-bounded too.
@@ -136,6 +137,8 @@ def main() -> None:
     p.add_argument("--shard-gb", type=float, default=2.0, help="HF input shard size (GB)")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--out-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="convert's --dtype: a change of dtype reads every tensor into memory (no kernel copy)")
     p.add_argument("--repeat", type=int, default=3, help="copy/convert runs each (alternating; medians compared)")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     args = p.parse_args()
@@ -151,7 +154,7 @@ def main() -> None:
         os.sync()  # the generator's dirty pages must not slow down what is measured next
         copies, converts = [], []
         convert = [sys.executable, "-m", "tpzoo", "convert", "from-hf", str(work / "hf"), str(work / "tpzoo"),
-                   "--tp", str(args.tp), "--pp", str(args.pp), "--quiet", "--force"]
+                   "--tp", str(args.tp), "--pp", str(args.pp), "--dtype", args.out_dtype, "--quiet", "--force"]
         for _ in range(args.repeat):  # alternating, each starting with no dirty pages of ours in the page cache
             copies.append(timed_copy(work / "hf", work / "copy"))
             shutil.rmtree(work / "copy")
@@ -165,7 +168,8 @@ def main() -> None:
         conv_ret, conv_dur = med(c[0] for c in converts), med(c[1] for c in converts)
         peak = max(c[2] for c in converts)
         result = {
-            "checkpoint_bytes": size, "dtype": args.dtype, "tp": args.tp, "pp": args.pp,
+            "checkpoint_bytes": size, "dtype": args.dtype, "out_dtype": args.out_dtype, "tp": args.tp,
+            "pp": args.pp,
             "generate_seconds": round(gen_seconds, 2),
             "copy_seconds": [round(c[0], 2) for c in copies], "copy_durable_seconds": [round(c[1], 2) for c in copies],
             "convert_seconds": [round(c[0], 2) for c in converts],

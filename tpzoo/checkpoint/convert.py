@@ -267,7 +267,7 @@ def _write_hf_files(source, plan, groups, names, out_dir: Path, progress: bool) 
 def _box_pieces(source, name: str, full: tuple, d: int, offset: int, extent: int, transposed: bool, dt):
     """The HF tensor full[offset:offset+extent along d] (transposed back when `transposed`, 2-d), in pieces of
     rows; byte ranges of the source files come as FileRuns when the dtype does not change."""
-    esize = torch.empty((), dtype=source.dtype(name)).element_size()
+    esize = source.dtype(name).itemsize
     box = [(0, n) for n in full]
     box[d] = (offset, extent)
     if transposed:  # the HF tensor's rows are the box's columns

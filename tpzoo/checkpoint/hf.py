@@ -199,7 +199,7 @@ class HFSource:
             parts = [self._hf(h).read_box(h, sub) for h, sub in pieces]
             parts = [p.t() for p in parts] if transposed else parts
             if not parts:
-                return torch.empty([k for _, k in box], dtype=self.dtype(name))
+                return torch.empty([k for _, k in box], dtype=self.dtype(name), device="cpu")
             return parts[0] if len(parts) == 1 else torch.cat(parts, dim=d)
         m = self._map(name)
         if self._cache is None or self._cache[0] != name:  # every tp rank's shard comes from one assembly
@@ -235,7 +235,8 @@ def concat_structure(m, shapes: list[tuple]):
     probes, offset = [], 0
     for shape in shapes:
         numel = math.prod(small[n] for n in shape)
-        probes.append(torch.arange(offset, offset + numel, dtype=torch.float64).reshape([small[n] for n in shape]))
+        probes.append(torch.arange(offset, offset + numel, dtype=torch.float64, device="cpu").reshape(
+            [small[n] for n in shape]))
         offset += numel
     try:
         out = m.to_tpzoo(probes)

@@ -4,28 +4,35 @@ The format (https://github.com/huggingface/safetensors): 8 bytes little-endian h
 JSON {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}, then the raw
 little-endian bytes of every tensor, back to back (offsets relative to the end of the header).
 
-Why not the `safetensors` package: `save_file` needs every tensor of a file in memory at once, and `safe_open`
-memory-maps the file, so every page a converter touches counts in its resident set. Here the header is computed
-from shapes first and the data is streamed in (in pieces if need be); reads are positioned reads (`os.preadv`)
-of exactly the bytes of a slice, into one buffer. Files written here load with `safetensors` and transformers.
+Headers are read and validated by the `safetensors` package (`safe_open`: names, dtypes, shapes, metadata, and
+the checks that the offsets cover the data without gaps or overlaps and that the file is exactly that long); its
+errors are re-raised naming the file. Opening only maps the file: the header's pages are all it touches.
+
+Tensor data is not read through `safetensors`, because of the conversion memory goal (peak RSS < 15 % of the
+checkpoint, scripts/bench/convert.py): `safe_open`'s default backend memory-maps the file, so every page a slice
+touches stays in the resident set until the file is closed (a converter reads every byte of every file), and its
+"pread" backend reads a whole tensor to return any slice of it. Measured on the bench's 4.4 GB checkpoint with
+--out-dtype bf16 (every tensor read into memory): docs/benchmarks.md. `save_file` needs every tensor of a file in
+memory at once, so the writer streams its own file (st_writer.py). Here reads are positioned reads (`os.preadv`)
+of exactly the bytes of a slice, into one buffer, and the byte ranges of a slice can be copied by the kernel
+instead (`byte_runs`). Files written here load with `safetensors` and transformers.
 """
 from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import math
 import os
 import struct
 import zlib
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's limit too
 SHORT_RUN = 256 * 1024  # byte runs shorter than this on average are read as one span (then gathered)
 COPY_MIN_RUN = 4096     # byte runs at least this long on average are copied by the kernel, not via memory
 MAX_SPAN_WASTE = 4      # read a span only when it is at most this many times the bytes wanted
@@ -42,7 +49,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def nbytes(dtype: torch.dtype, shape) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def tensor_bytes(t: torch.Tensor):
@@ -52,34 +59,27 @@ def tensor_bytes(t: torch.Tensor):
 
 
 def read_header(path) -> tuple[dict, int, dict]:
-    """(tensors {name: (dtype, shape, begin, end)}, data_start, metadata), after checking that the offsets are
-    consistent and that the file is long enough to hold them (a truncated file fails here, naming itself)."""
-    size = os.path.getsize(path)
+    """(tensors {name: (dtype, shape, begin, end)} in file order, data_start, metadata) of a file that
+    `safetensors` accepts; a truncated or corrupt file fails here, naming itself."""
+    path = str(path)
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+            entries = [(name, f.get_slice(name)) for name in f.offset_keys()]
+            entries = [(name, s.get_dtype(), tuple(s.get_shape())) for name, s in entries]
+    except SafetensorError as e:  # its messages do not say which file
+        raise SafetensorsError(f"{path}: not a valid safetensors file ({os.path.getsize(path)} bytes; truncated "
+                               f"or corrupt): {e}") from None
     with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise SafetensorsError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > min(MAX_HEADER, size - 8):
-            raise SafetensorsError(f"{path}: header length {n} exceeds the file ({size} bytes): truncated or corrupt")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise SafetensorsError(f"{path}: corrupt safetensors header: {e}") from None
-    metadata = header.pop("__metadata__", None) or {}
-    tensors, expected = {}, 0
-    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-        if info["dtype"] not in DTYPES:
-            raise SafetensorsError(f"{path}: tensor {name}: unsupported dtype {info['dtype']}")
-        dtype, shape = DTYPES[info["dtype"]], tuple(info["shape"])
-        begin, end = info["data_offsets"]
-        if begin != expected or end - begin != nbytes(dtype, shape):
-            raise SafetensorsError(f"{path}: tensor {name}: inconsistent data offsets {begin, end}")
-        expected = end
-        tensors[name] = (dtype, shape, begin, end)
-    if 8 + n + expected != size:
-        what = "truncated" if 8 + n + expected > size else "has trailing bytes"
-        raise SafetensorsError(f"{path}: file {what}: header describes {8 + n + expected} bytes, file has {size}")
+        (n,) = struct.unpack("<Q", f.read(8))
+    # safetensors has checked that the data is the tensors back to back, in offset_keys order, from offset 0.
+    tensors, begin = {}, 0
+    for name, code, shape in entries:
+        if code not in DTYPES:
+            raise SafetensorsError(f"{path}: tensor {name}: unsupported dtype {code}")
+        end = begin + nbytes(DTYPES[code], shape)
+        tensors[name] = (DTYPES[code], shape, begin, end)
+        begin = end
     return tensors, 8 + n, metadata
 
 
@@ -117,7 +117,7 @@ class SafetensorsReader:
         dtype, shape, begin, _ = self.tensors[name]
         if len(box) != len(shape) or any(s < 0 or n < 0 or s + n > d for (s, n), d in zip(box, shape)):
             raise IndexError(f"{self.path}: {name}: box {box} outside shape {shape}")
-        esize = torch.empty((), dtype=dtype).element_size()
+        esize = dtype.itemsize
         if any(n == 0 for _, n in box):
             return []
         if not shape:  # a scalar
@@ -140,7 +140,7 @@ class SafetensorsReader:
     def read_box(self, name: str, box: list[tuple[int, int]]) -> torch.Tensor:
         """The slice t[s0:s0+n0, s1:s1+n1, ...] as a new contiguous tensor; reads only its bytes."""
         runs = self.byte_runs(name, box)
-        out = torch.empty([n for _, n in box], dtype=self.tensors[name][0])
+        out = torch.empty([n for _, n in box], dtype=self.tensors[name][0], device="cpu")
         buf = out.reshape(-1).view(torch.uint8).numpy() if out.numel() else None
         useful, span_len = sum(n for _, n in runs), (runs[-1][0] + runs[-1][1] - runs[0][0] if runs else 0)
         if len(runs) > 1 and useful < SHORT_RUN * len(runs) and span_len <= MAX_SPAN_WASTE * useful:
@@ -169,7 +169,7 @@ class SafetensorsReader:
         if self._span is None or not (self._span[0] <= start and end <= self._span[0] + self._span[1]):
             self._span = None
             if self._span_buf is None or self._span_buf.numel() < end - start:
-                self._span_buf = torch.empty(end - start, dtype=torch.uint8)
+                self._span_buf = torch.empty(end - start, dtype=torch.uint8, device="cpu")
             self._pread(self._span_buf[: end - start].numpy(), start)
             self._span = (start, end - start)
         return self._span_buf[: self._span[1]], self._span[0]

@@ -1,0 +1,86 @@
+"""The functions tpzoo.kernels exports: each runs its Triton kernel when the dispatch seam says so (dispatch.py),
+its torch reference (reference.py) otherwise."""
+from __future__ import annotations
+
+import torch
+
+from . import dispatch, reference
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _triton(module: str, *tensors: torch.Tensor | None, ok: bool = True):
+    """The Triton module to use for this call, or None for the torch reference."""
+    ts = [t for t in tensors if t is not None]
+    if not ok or any(t.dtype not in _FLOATS or t.numel() == 0 for t in ts) or not dispatch.use_triton(*ts):
+        return None
+    return dispatch.load(module, *ts)
+
+
+def _is_vector(t: torch.Tensor | None, n: int) -> bool:
+    return t is None or tuple(t.shape) == (n,)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim; fp32 statistics; the result's dtype is that of
+    `weight * x` (x's dtype when they match)."""
+    k = _triton("norms", x, weight, ok=_is_vector(weight, x.shape[-1]))
+    return k.rms_norm(x, weight, eps) if k else reference.rms_norm(x, weight, eps)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """F.layer_norm over the last dim (fp32 statistics, result in x's dtype)."""
+    n = x.shape[-1]
+    k = _triton("norms", x, weight, bias, ok=_is_vector(weight, n) and _is_vector(bias, n))
+    return k.layer_norm(x, weight, bias, eps) if k else reference.layer_norm(x, weight, bias, eps)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` [b, s, heads, head_dim] by position (half-split "rotate_half" convention, as in HF Llama).
+
+    cos, sin: [s, head_dim // 2] or [b, s, head_dim // 2] (fp32), for the positions of x's tokens (so KV-cache
+    offsets and scaled frequencies are the caller's). cos/sin get no gradient on the Triton path; a cos/sin
+    that requires grad takes the reference.
+    """
+    ok = (x.dim() == 4 and x.shape[-1] % 2 == 0 and cos.shape == sin.shape and cos.dim() in (2, 3)
+          and cos.shape[-1] == x.shape[-1] // 2 and cos.shape[-2] == x.shape[1]
+          and (cos.dim() == 2 or cos.shape[0] in (1, x.shape[0]))
+          and not (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)))
+    k = _triton("rotary", x, cos, sin, ok=ok)
+    return k.apply_rotary(x, cos, sin) if k else reference.apply_rotary(x, cos, sin)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up; the backward recomputes silu from the saved inputs."""
+    k = _triton("activations", gate, up, ok=gate.shape == up.shape and gate.dtype == up.dtype)
+    return k.swiglu(gate, up) if k else reference.swiglu(gate, up)
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """gelu(x + bias), tanh approximation (GPT-2's "gelu_new"); the backward recomputes from the inputs."""
+    ok = _is_vector(bias, x.shape[-1]) and (bias is None or bias.dtype == x.dtype)
+    k = _triton("activations", x, bias, ok=ok)
+    return k.bias_gelu(x, bias) if k else reference.bias_gelu(x, bias)
+
+
+def cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                  label_smoothing: float = 0.0, vocab_size: int | None = None, group=None,
+                  inplace_backward: bool = False) -> torch.Tensor:
+    """Per-token loss (target's shape, 0 where ignored) over tensor-parallel vocab shards: the semantics of
+    tpzoo.parallel.vocab_parallel_cross_entropy (same two all-reduces over the TP group, padded entries past
+    `vocab_size` excluded, label smoothing over the real full vocabulary).
+
+    Triton path: one streaming pass over the logits in the forward (saving only the logits reference and one
+    fp32 per row), one in the backward writing the gradient in the logits' dtype; with
+    `inplace_backward=True` the gradient is written into the logits buffer itself (no new logits-sized
+    allocation; the logits must not be needed afterwards, and autograd's version counter enforces it).
+    """
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    if logits_shard.shape[:-1] != target.shape:
+        raise ValueError(f"logits {tuple(logits_shard.shape)} and target {tuple(target.shape)} do not match")
+    k = _triton("vocab_cross_entropy", logits_shard, ok=target.dtype in (torch.int64, torch.int32))
+    if k:
+        return k.cross_entropy(logits_shard, target, ignore_index, label_smoothing, vocab_size, group,
+                               inplace_backward)
+    return reference.cross_entropy(logits_shard, target, ignore_index, label_smoothing, vocab_size, group)
