@@ -29,7 +29,7 @@ def _exercise(dtype: torch.dtype) -> None:
         torch.autograd.grad(out, [a for a in ins if isinstance(a, torch.Tensor) and a.requires_grad],
                             torch.ones_like(out), allow_unused=True)
 
-    r = lambda *shape, dt=dtype: torch.randn(*shape, dtype=dt)  # noqa: E731
+    r = lambda *shape, dt=dtype: torch.randn(*shape, dtype=dt, device="cpu")  # noqa: E731
     for n in (64, launch.MAX_BLOCK + 64):
         fwd_bwd(norms.rms_norm, r(4, n), r(n), 1e-6)
         fwd_bwd(norms.layer_norm, r(4, n), r(n), r(n), 1e-5)
@@ -38,7 +38,7 @@ def _exercise(dtype: torch.dtype) -> None:
     fwd_bwd(activations.swiglu, r(4, 80), r(4, 80))
     fwd_bwd(activations.bias_gelu, r(4, 80), r(80))
     fwd_bwd(activations.bias_gelu, r(4, 80), None)
-    target = torch.randint(0, 50, (4,))
+    target = torch.randint(0, 50, (4,), device="cpu")
     fwd_bwd(vocab_cross_entropy.cross_entropy, r(4, 64), target, -100, 0.1, 50)
 
 

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from tpzoo.parallel import comm
 from tpzoo.parallel.cross_entropy import loss_from_sums
-from tpzoo.parallel.state import get_tp_group, get_tp_rank, get_tp_size
+from tpzoo.parallel.mappings import tp_layout
 
 from . import launch
 
@@ -70,18 +70,10 @@ def _ce_bwd(Z, DZ, TARGET, LSE, SCALE, stride_z, stride_dz, n_real, local_vocab,
         tl.store(dz_row + cols, g.to(DZ.dtype.element_ty), mask=cols < local_vocab)
 
 
-def _tp_layout(group):
-    """(size, rank, group) of the TP group, exactly as the reference resolves them."""
-    tp_size = get_tp_size() if group is None else dist.get_world_size(group)
-    tp_rank = get_tp_rank() if group is None else dist.get_rank(group)
-    group = group if group is not None or tp_size == 1 else get_tp_group()
-    return tp_size, tp_rank, group
-
-
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index, label_smoothing, vocab_size, group, inplace_backward):
-        tp_size, tp_rank, group = _tp_layout(group)
+        tp_size, tp_rank, group = tp_layout(group)
         local_vocab = logits.shape[-1]
         start = tp_rank * local_vocab
         vocab_size = vocab_size if vocab_size is not None else local_vocab * tp_size

@@ -1,5 +1,6 @@
 """Transformer blocks built only from tpzoo parallel layers. Reads like single-device code; the parallel
-layout is in the layer choices (column in, row out) and the sequence_parallel flag."""
+layout is in the layer choices (column in, row out), the sequence_parallel flag and the `dims` every block
+passes down (its TP size, rank and group)."""
 from __future__ import annotations
 
 import math
@@ -7,12 +8,13 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
 from tpzoo import kernels
-from tpzoo.parallel import ColumnParallelLinear, RowParallelLinear, ShardSpec, gather_from_sequence, mark_parallel
+from tpzoo.parallel import (ColumnParallelLinear, ParallelDims, ParallelLayoutError, RowParallelLinear, ShardSpec,
+                            gather_from_sequence, mark_parallel)
 from tpzoo.parallel.mappings import copy_to_tp
-from tpzoo.parallel.state import ParallelLayoutError, get_tp_size
 
 from .config import ModelConfig
 
@@ -23,10 +25,19 @@ class Norm(nn.Module):
     def __init__(self, cfg: ModelConfig, sequence_parallel: bool, dtype=None, device=None):
         super().__init__()
         self.kind, self.eps = cfg.norm, cfg.norm_eps
-        self.weight = mark_parallel(nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype, device=device)), None,
+        self.weight = mark_parallel(nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype, device=device)), None,
                                     sequence_parallel)
-        self.bias = (mark_parallel(nn.Parameter(torch.zeros(cfg.hidden_size, dtype=dtype, device=device)), None,
+        self.bias = (mark_parallel(nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype, device=device)), None,
                                    sequence_parallel) if cfg.norm == "layernorm" else None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight.device.type == "meta":
+            return
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+            if self.bias is not None:
+                self.bias.zero_()
 
     def forward(self, x):
         if self.kind == "rmsnorm":
@@ -37,7 +48,7 @@ class Norm(nn.Module):
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies of RoPE, with Llama 3.1 "llama3" scaling when the config asks for it."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
@@ -66,9 +77,10 @@ class ParallelAttention(nn.Module):
     """Causal self-attention with heads split over TP. Grouped-query attention: kv heads are split when tp
     divides them and replicated (each TP rank keeps the kv head its query heads use) when kv_heads < tp."""
 
-    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, dtype=None, device=None):
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, dims: ParallelDims, dtype=None, device=None):
         super().__init__()
-        tp = get_tp_size()
+        self.dims = dims
+        tp = dims.tp
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         if nh % tp:
             raise ParallelLayoutError(f"tp={tp} does not divide num_heads={nh}")
@@ -82,25 +94,23 @@ class ParallelAttention(nn.Module):
         spec = ShardSpec(0, parts=(nh * hd, nkv * hd, nkv * hd), replicas=(1, self.kv_replicas, self.kv_replicas),
                          block=hd)
         self.qkv = ColumnParallelLinear(cfg.hidden_size, (nh + 2 * nkv) * hd, bias=cfg.qkv_bias, shard_spec=spec,
-                                        init_method=init, dtype=dtype, device=device)
+                                        init_method=init, dtype=dtype, device=device, dims=dims)
         out_std = cfg.initializer_range / math.sqrt(2 * cfg.num_layers)  # GPT-2's scaled residual init
         self.out = RowParallelLinear(nh * hd, cfg.hidden_size, bias=cfg.out_bias, sequence_parallel=sequence_parallel,
                                      init_method=lambda t: nn.init.normal_(t, std=out_std), dtype=dtype,
-                                     device=device)
+                                     device=device, dims=dims)
         self.recompute_core = False
 
     def forward(self, x, cos, sin, kv_cache=None):
         # Enter the TP region once for q, k and v: all-gather the sequence (SP) or identity/all-reduce.
-        x = gather_from_sequence(x) if self.sequence_parallel else copy_to_tp(x)
-        b, s, _ = x.shape
-        q, k, v = F.linear(x, self.qkv.weight, self.qkv.bias).split(
-            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
-        q = q.view(b, s, self.heads, self.head_dim)
-        k = k.view(b, s, self.kv_heads, self.head_dim)
-        v = v.view(b, s, self.kv_heads, self.head_dim)
-        if cos is not None:
+        group = self.dims.tp_group
+        x = gather_from_sequence(x, -2, group) if self.sequence_parallel else copy_to_tp(x, group)
+        q, k, v = (rearrange(t, "b s (heads d) -> b s heads d", d=self.head_dim) for t in F.linear(
+            x, self.qkv.weight, self.qkv.bias).split(
+            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1))
+        if cos is not None:  # the rotary kernel takes [b, s, heads, d]; attention wants the heads first
             q, k = kernels.apply_rotary(q, cos, sin), kernels.apply_rotary(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, hd]
+        q, k, v = (rearrange(t, "b s heads d -> b heads s d") for t in (q, k, v))
         past = 0
         if kv_cache is not None:
             k, v, past = kv_cache.update(k, v)
@@ -108,8 +118,7 @@ class ParallelAttention(nn.Module):
             ctx = checkpoint(self._core, q, k, v, past, use_reentrant=False)
         else:
             ctx = self._core(q, k, v, past)
-        ctx = ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
-        return self.out(ctx)
+        return self.out(rearrange(ctx, "b heads s d -> b s (heads d)"))
 
     def _core(self, q, k, v, past: int):
         s_q, s_k = q.shape[2], k.shape[2]
@@ -129,7 +138,7 @@ class ParallelAttention(nn.Module):
 class ParallelMLP(nn.Module):
     """Column (h -> ffn, gate|up fused for SwiGLU) then row (ffn -> h)."""
 
-    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, dtype=None, device=None):
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, dims: ParallelDims, dtype=None, device=None):
         super().__init__()
         ffn, self.activation = cfg.ffn_hidden_size, cfg.activation
         init = lambda t: nn.init.normal_(t, std=cfg.initializer_range)  # noqa: E731
@@ -137,11 +146,11 @@ class ParallelMLP(nn.Module):
         spec = ShardSpec(0, parts=(ffn, ffn)) if gated else None
         self.fc_in = ColumnParallelLinear(cfg.hidden_size, 2 * ffn if gated else ffn, bias=cfg.mlp_bias,
                                           sequence_parallel=sequence_parallel, shard_spec=spec, init_method=init,
-                                          skip_bias_add=not gated, dtype=dtype, device=device)
+                                          skip_bias_add=not gated, dtype=dtype, device=device, dims=dims)
         out_std = cfg.initializer_range / math.sqrt(2 * cfg.num_layers)
         self.fc_out = RowParallelLinear(ffn, cfg.hidden_size, bias=cfg.mlp_bias, sequence_parallel=sequence_parallel,
                                         init_method=lambda t: nn.init.normal_(t, std=out_std), dtype=dtype,
-                                        device=device)
+                                        device=device, dims=dims)
 
     def forward(self, x):
         h = self.fc_in(x)
@@ -154,12 +163,12 @@ class ParallelMLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, sequence_parallel: bool = False, dtype=None, device=None):
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, dims: ParallelDims, dtype=None, device=None):
         super().__init__()
         self.attn_norm = Norm(cfg, sequence_parallel, dtype, device)
-        self.attn = ParallelAttention(cfg, sequence_parallel, dtype, device)
+        self.attn = ParallelAttention(cfg, sequence_parallel, dims, dtype, device)
         self.mlp_norm = Norm(cfg, sequence_parallel, dtype, device)
-        self.mlp = ParallelMLP(cfg, sequence_parallel, dtype, device)
+        self.mlp = ParallelMLP(cfg, sequence_parallel, dims, dtype, device)
 
     def forward(self, x, cos=None, sin=None, kv_cache=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, kv_cache)

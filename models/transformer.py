@@ -17,9 +17,9 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from tpzoo import kernels
-from tpzoo.parallel import (ColumnParallelLinear, VocabParallelEmbedding, gather_tp_tensor, mark_parallel,
-                            padded_vocab_size)
-from tpzoo.parallel.state import get_tp_rank, get_tp_size
+from tpzoo.parallel import (ColumnParallelLinear, ParallelDims, VocabParallelEmbedding, gather_tp_tensor,
+                            mark_parallel, mark_tied, padded_vocab_size)
+from tpzoo.parallel.state import get_dims
 
 from .blocks import Norm, TransformerBlock, rope_cos_sin, rope_inv_freq
 from .config import ModelConfig
@@ -28,55 +28,130 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @contextlib.contextmanager
-def _seeded(seed: int):
-    """Draw one module's initial weights from its own seed: the same weights whatever else this rank builds."""
-    with torch.random.fork_rng(devices=[]):
+def _seeded(seed: int, device: torch.device):
+    """Draw one module's initial weights from its own seed: the same weights whatever else this rank builds.
+    The generator is the device's (CPU: the CPU one), and every other RNG state is left as it was."""
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
 
 
+def _reset(module: nn.Module) -> None:
+    """reset_parameters() of every submodule that has one, in registration order."""
+    for m in module.modules():
+        if m is not module and hasattr(m, "reset_parameters") and not isinstance(m, nn.Embedding):
+            m.reset_parameters()
+
+
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, layers: tuple[int, int] | None = None, pre_process: bool = True,
-                 post_process: bool = True, sequence_parallel: bool = False, recompute: str = "none",
-                 seed: int = 0, vocab_padding_multiple: int = 1, dtype=None, device=None):
+    """One pipeline chunk (or the whole model) of a zoo family on this rank of `dims`.
+
+    Built the torchtitan way: every module is created on the meta device (no memory, no random draws), then
+    `materialize(device)` allocates it and `init_weights()` fills it (a checkpoint loader fills it instead). With
+    `device="meta"` the model stays unallocated; otherwise (default: dims.device) both steps run here.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, dims: ParallelDims | None = None, layers: tuple[int, int] | None = None,
+                 pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
+                 recompute: str = "none", seed: int = 0, vocab_padding_multiple: int = 1, dtype=None, device=None):
         super().__init__()
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+        self.dims = dims = get_dims(dims)
         self.cfg, self.sequence_parallel, self.recompute = cfg, sequence_parallel, recompute
-        self.pre_process, self.post_process = pre_process, post_process
+        self.pre_process, self.post_process, self.seed = pre_process, post_process, seed
         start, end = layers if layers is not None else (0, cfg.num_layers)
         self.layer_range = (start, end)
-        kw = {"dtype": dtype, "device": device}
-        init = lambda t: nn.init.normal_(t, std=cfg.initializer_range)  # noqa: E731
-        # Seeds per module (embedding, each layer, head) make the weights independent of tp and pp.
+        kw = {"dtype": dtype, "device": "meta"}
+        init = self._init_method
         if pre_process:
-            with _seeded(seed):
-                self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, vocab_padding_multiple,
-                                                    sequence_parallel, init, **kw)
-                if cfg.position == "learned":
-                    self.pos_embed = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size, **kw)
-                    if self.pos_embed.weight.device.type != "meta":
-                        init(self.pos_embed.weight.data)
-                    # Under SP each rank adds positions to its own sequence chunk: a partial gradient.
-                    mark_parallel(self.pos_embed.weight, None, sequence_parallel)
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, vocab_padding_multiple,
+                                                sequence_parallel, init, dims=dims, **kw)
+            if cfg.position == "learned":
+                # _weight given: nn.Embedding draws nothing at construction (init_weights does).
+                self.pos_embed = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
+                                              _weight=torch.empty(cfg.max_position_embeddings, cfg.hidden_size,
+                                                                  **kw))
+                # Under SP each rank adds positions to its own sequence chunk: a partial gradient.
+                mark_parallel(self.pos_embed.weight, None, sequence_parallel)
         self.layers = nn.ModuleDict()
         for i in range(start, end):
-            with _seeded(seed + 1 + i):
-                self.layers[str(i)] = TransformerBlock(cfg, sequence_parallel, **kw)
+            self.layers[str(i)] = TransformerBlock(cfg, sequence_parallel, dims, **kw)
             self.layers[str(i)].attn.recompute_core = recompute == "selective"
         if post_process:
             self.final_norm = Norm(cfg, sequence_parallel, **kw)
-            vocab_padded = padded_vocab_size(cfg.vocab_size, get_tp_size(), vocab_padding_multiple)
-            with _seeded(seed if cfg.tie_embeddings else seed + 1 + cfg.num_layers):
-                # Tied: the head is drawn exactly like the embedding, so a separate last-stage copy starts equal.
-                head_init = _embedding_init(init, cfg.vocab_size) if cfg.tie_embeddings else init
-                self.lm_head = ColumnParallelLinear(cfg.hidden_size, vocab_padded, bias=False,
-                                                    sequence_parallel=sequence_parallel, init_method=head_init, **kw)
+            vocab_padded = padded_vocab_size(cfg.vocab_size, dims.tp, vocab_padding_multiple)
+            # Tied: the head is drawn exactly like the embedding, so a separate last-stage copy starts equal.
+            head_init = _embedding_init(init, cfg.vocab_size) if cfg.tie_embeddings else init
+            self.lm_head = ColumnParallelLinear(cfg.hidden_size, vocab_padded, bias=False,
+                                                sequence_parallel=sequence_parallel, init_method=head_init, dims=dims,
+                                                **kw)
             if cfg.tie_embeddings and pre_process:
                 self.lm_head.weight = self.embed.weight
+        if cfg.tie_embeddings:  # declared here, so no one has to find tied weights by name
+            if pre_process:
+                mark_tied(self.embed.weight, "embedding", primary=True)
+            elif post_process:
+                mark_tied(self.lm_head.weight, "embedding", primary=False)
         if cfg.position == "rope":
-            inv_freq = rope_inv_freq(cfg)
-            self.register_buffer("inv_freq", inv_freq if device is None else inv_freq.to(device), persistent=False)
+            self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2, device="meta"), persistent=False)
+        device = torch.device(device) if device is not None else dims.device
+        if device.type != "meta":
+            self.materialize(device)
+            self.init_weights()
+
+    def _init_method(self, t: torch.Tensor) -> None:
+        nn.init.normal_(t, std=self.cfg.initializer_range)
+
+    # -- materialization ------------------------------------------------------------------------------------
+    def materialize(self, device) -> "Transformer":
+        """Meta -> uninitialized storage on `device` (weights still to be filled: init_weights() or a checkpoint),
+        and the derived buffers (rotary frequencies) computed there."""
+        device = torch.device(device)
+        # to_empty replaces meta parameters by new objects: that unties shared ones (a tied head) and drops the
+        # attributes the parallel layers set on them (tp_spec, tied_group...). Restore both.
+        owners: dict[int, tuple[list, dict]] = {}
+        for mod in self.modules():
+            for name, p in mod._parameters.items():
+                if p is not None:
+                    owners.setdefault(id(p), ([], dict(p.__dict__)))[0].append((mod, name))
+        self.to_empty(device=device)
+        for places, attrs in owners.values():
+            first_mod, first_name = places[0]
+            param = first_mod._parameters[first_name]
+            param.__dict__.update(attrs)
+            for mod, name in places[1:]:
+                mod._parameters[name] = param
+        if self.cfg.position == "rope":
+            self.inv_freq = rope_inv_freq(self.cfg).to(device)
+        return self
+
+    @torch.no_grad()
+    def init_weights(self) -> "Transformer":
+        """The layout-independent initialization: each module draws its full weights from its own seed (the
+        embedding from `seed`, layer i from seed + 1 + i, an untied head from seed + 1 + num_layers) and keeps its
+        shard, so one seed gives the same full model at every (tp, pp, virtual stages)."""
+        cfg, seed, device = self.cfg, self.seed, self.device
+        if self.pre_process:
+            with _seeded(seed, device):
+                self.embed.reset_parameters()
+                if cfg.position == "learned":
+                    self._init_method(self.pos_embed.weight)
+        for i, layer in self.layers.items():
+            with _seeded(seed + 1 + int(i), device):
+                _reset(layer)
+        if self.post_process:
+            self.final_norm.reset_parameters()
+            if not (cfg.tie_embeddings and self.pre_process):  # else the head is the embedding itself
+                with _seeded(seed if cfg.tie_embeddings else seed + 1 + cfg.num_layers, device):
+                    self.lm_head.reset_parameters()
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
 
     # -- helpers --------------------------------------------------------------------------------------------
     @property
@@ -90,22 +165,23 @@ class Transformer(nn.Module):
 
     def _seq_chunk(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of the sequence dim (-2) under sequence parallelism."""
-        if not self.sequence_parallel or get_tp_size() == 1:
+        if not self.sequence_parallel or self.dims.tp == 1:
             return t
-        return t.chunk(get_tp_size(), dim=-2)[get_tp_rank()]
+        return t.chunk(self.dims.tp, dim=-2)[self.dims.tp_rank]
 
     # -- forward --------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 kv_caches: list | None = None, label_smoothing: float = 0.0) -> torch.Tensor:
         """input_ids [b, s] on the first stage, else `hidden` from the previous stage (seq-sharded under SP)."""
+        tp = self.dims.tp
         seq_len = input_ids.shape[1] if input_ids is not None else hidden.shape[1] * (
-            get_tp_size() if self.sequence_parallel else 1)
+            tp if self.sequence_parallel else 1)
         ref = input_ids if input_ids is not None else hidden
         past = kv_caches[0].length if kv_caches else 0
-        if self.sequence_parallel and seq_len % get_tp_size():
+        if self.sequence_parallel and seq_len % tp:
             raise ValueError(f"sequence parallelism: sequence length {seq_len} is not divisible by "
-                             f"tp={get_tp_size()}; pad the sequence or turn sequence parallelism off")
+                             f"tp={tp}; pad the sequence or turn sequence parallelism off")
         positions = self._positions(ref, seq_len, past, position_ids)
         if self.pre_process:
             h = self.embed(input_ids)
@@ -128,12 +204,13 @@ class Transformer(nn.Module):
         logits = self.lm_head(self.final_norm(h))
         if labels is None:
             return logits
-        return kernels.cross_entropy(logits, labels, label_smoothing=label_smoothing, vocab_size=self.cfg.vocab_size)
+        return kernels.cross_entropy(logits, labels, label_smoothing=label_smoothing, vocab_size=self.cfg.vocab_size,
+                                     group=self.dims.tp_group)
 
     @torch.no_grad()
     def full_logits(self, logits_shard: torch.Tensor) -> torch.Tensor:
         """Gather the vocab shards and drop the padding: [b, s, vocab] (for sampling and comparisons)."""
-        return gather_tp_tensor(logits_shard, -1)[..., : self.cfg.vocab_size]
+        return gather_tp_tensor(logits_shard, -1, dims=self.dims)[..., : self.cfg.vocab_size]
 
 
 def _embedding_init(init, vocab_size: int):

@@ -1,6 +1,7 @@
 import os
 
 import pytest
+import torch
 
 # Several gloo ranks share two cores: keep each process single-threaded.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -12,3 +13,16 @@ def _shutdown_rank_pools():
     from tpzoo.testing import shutdown_pools
 
     shutdown_pools()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (scripts/gpu_check.sh runs them: pytest -m cuda)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (scripts/gpu_check.sh runs the cuda-marked tests)")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)

@@ -11,7 +11,8 @@ import torch
 
 import tpzoo
 from tpzoo.models import Transformer, get_config
-from tpzoo.parallel import get_dp_rank, get_dp_size, get_pp_rank, get_tp_rank, gather_tp_tensor, param_spec
+from tpzoo.parallel import (GradBuffer, get_dp_rank, get_dp_size, get_pp_rank, get_tp_rank, gather_tp_tensor,
+                            grad_of, param_spec)
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward
 from tpzoo.testing import run_on_ranks
 
@@ -79,19 +80,24 @@ def train_layout(cfg, layout: dict, steps: int = STEPS) -> dict:
     gradients of the first step, full parameters at the end."""
     tp, pp, dp = layout["tp"], layout.get("pp", 1), layout.get("dp", 1)
     steps = layout.get("steps", steps)
-    tpzoo.init_parallel(tp=tp, pp=pp, dp=dp)
+    dims = tpzoo.init_parallel(tp=tp, pp=pp, dp=dp)
     try:
-        chunks = build_model_chunks(cfg, sequence_parallel=layout.get("sp", False), seed=SEED,
+        chunks = build_model_chunks(cfg, dims, sequence_parallel=layout.get("sp", False), seed=SEED,
                                     recompute=layout.get("recompute", "none"), virtual_stages=layout.get("v", 1),
                                     boundaries=layout.get("boundaries"))
         params = list({id(p): p for c in chunks for p in c.parameters()}.values())
         opt = make_optimizer(params)
+        main_grads = GradBuffer(params, device=dims.device)  # fp32 main grads and the one DP reduction
         losses, grads, results = [], {}, []
         for step in range(steps):
             mbs, tokens = local_microbatches(cfg, step)
-            opt.zero_grad(set_to_none=True)
-            out = forward_backward(chunks, mbs, schedule=layout.get("schedule", "1f1b"), loss_scale=1.0 / tokens)
-            finalize_grads(chunks)
+            main_grads.zero()
+            out = forward_backward(chunks, mbs, dims, schedule=layout.get("schedule", "1f1b"),
+                                   loss_scale=1.0 / tokens)
+            finalize_grads(chunks, dims)
+            main_grads.reduce(dims.grad_group)
+            for p in params:
+                p.grad = p.main_grad  # what the SGD steps on
             losses.append(out["loss_sum"])
             results.append({k: out[k] for k in ("tokens", "peak_inflight")})
             if step == 0:
@@ -108,7 +114,7 @@ def train_layout(cfg, layout: dict, steps: int = STEPS) -> dict:
 def _gathered(chunks, cfg, grad: bool) -> dict:
     # reduce="first": after finalize_grads every copy of a replicated kv head already holds the summed gradient
     # (gather_tp_param(grad=True) sums the copies, which is right only before that sync).
-    return {n: _full(n, gather_tp_tensor(p.grad if grad else p, param_spec(p), reduce="first"), cfg)
+    return {n: _full(n, gather_tp_tensor(grad_of(p) if grad else p, param_spec(p), reduce="first"), cfg)
             for c in chunks for n, p in c.named_parameters()}
 
 

@@ -5,7 +5,7 @@ import torch
 
 import tpzoo
 from tpzoo.checkpoint import atomic_dir, convert_from_hf, convert_to_hf, load_model, read_manifest, save_model_shards
-from tpzoo.evaluation import pipeline_forward
+from tpzoo.pipeline import pipeline_forward
 from tpzoo.testing import run_on_ranks
 
 from checkpoint_helpers import KINDS, assert_bit_exact, ids, safetensors_dir, write_hf

@@ -1,5 +1,6 @@
-"""Greedy generation with a KV cache gives transformers' generate(do_sample=False) tokens at tp 1 and 2; sampling
-is identical on every TP rank; the CLI decodes with the tokenizer that travelled with the checkpoint."""
+"""Greedy generation through the pipeline executor gives transformers' generate(do_sample=False) tokens at tp 1
+and 2, pp 2 (KV cache per stage) and tp 2 with sequence parallelism (no cache: the padded context each step);
+sampling is identical on every rank; the CLI decodes with the tokenizer that travelled with the checkpoint."""
 import json
 
 import pytest
@@ -31,22 +32,24 @@ def cases(tmp_path_factory):
     return root, out
 
 
-def _generate_at(cases, tps):
+def _generate_at(cases, layouts):
     samples = []
-    for tp in tps:
-        tpzoo.init_parallel(tp=tp)
+    for tp, pp, sp in layouts:
+        dims = tpzoo.init_parallel(tp=tp, pp=pp)
         for kind, path, prompt, ref in cases:
-            model = load_model(path, device="cpu").eval()
-            got = generate(model, prompt, NEW_TOKENS, eos_token_id=model.cfg.eos_token_id)
-            assert torch.equal(got, ref), f"{kind} tp={tp}: {got.tolist()} vs transformers {ref.tolist()}"
+            model = load_model(path, dims, sequence_parallel=sp).eval()
+            cfg = model.cfg
+            got = generate(model, prompt, NEW_TOKENS, eos_token_id=cfg.eos_token_id)
+            what = f"{kind} tp={tp} pp={pp} sp={sp}"
+            assert torch.equal(got, ref), f"{what}: {got.tolist()} vs transformers {ref.tolist()}"
             samples.append(generate(model, prompt, 6, greedy=False, temperature=0.9, top_p=0.9, top_k=20, seed=3))
         tpzoo.destroy_parallel()
     return samples
 
 
-def test_greedy_matches_transformers_at_tp_1_and_2(cases):
+def test_greedy_matches_transformers_at_every_layout(cases):
     _, items = cases
-    per_rank = run_on_ranks(2, _generate_at, items, (1, 2))
+    per_rank = run_on_ranks(2, _generate_at, items, [(1, 1, False), (2, 1, False), (1, 2, False), (2, 1, True)])
     for a, b in zip(*per_rank):  # same seed, same tokens on every rank
         assert torch.equal(a, b)
 
@@ -64,5 +67,3 @@ def test_generate_command(cases, capsys):
         torch.tensor([result["prompt_ids"]]), max_new_tokens=6, do_sample=False)
     assert result["new_ids"] == ref[0, len(result["prompt_ids"]):].tolist()
     assert result["completion"] == tok.decode(result["new_ids"])
-    assert cli(["generate", ckpt, "--prompt", "x", "--pp", "2"]) == 2
-    assert "pp=1" in capsys.readouterr().err

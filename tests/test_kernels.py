@@ -246,7 +246,7 @@ def test_cross_entropy(interp, dtype, smoothing, layout, inplace, max_block):
     interp(check_cross_entropy, dtype, smoothing, layout, inplace, max_block)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled Triton kernels)")
+@pytest.mark.cuda
 def test_cuda():
     pytest.importorskip("triton")
     for dtype in DTYPES:

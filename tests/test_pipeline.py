@@ -5,7 +5,7 @@ import torch
 
 import tpzoo
 from tpzoo.models import Transformer, get_config
-from tpzoo.parallel import count_collectives, gather_tp_param, get_pp_rank, override_layout
+from tpzoo.parallel import ParallelDims, count_collectives, gather_tp_param, get_pp_rank
 from tpzoo.pipeline import (PartitionError, ScheduleError, SCHEDULES, build_model_chunks, bubble_fractions,
                             forward_backward, partition_layers, peak_inflight, plan, simulate, validate)
 from tpzoo.pipeline.weight_grad import backward_input
@@ -39,10 +39,10 @@ def test_partition_explicit_boundaries_and_errors():
 
 
 def test_model_chunks_follow_megatrons_interleaved_order():
-    # Chunk c of rank r is model stage c*pp + r; built on the meta device, no process group needed.
+    # Chunk c of rank r is model stage c*pp + r; built on the meta device for a virtual rank: no process group.
     for rank in range(2):
-        with override_layout(pp=(2, rank)):
-            chunks = build_model_chunks(LLAMA8, virtual_stages=2, device="meta")
+        chunks = build_model_chunks(LLAMA8, ParallelDims.for_rank(pp=2, pp_rank=rank), virtual_stages=2)
+        assert all(p.device.type == "meta" for c in chunks for p in c.parameters())  # virtual dims: meta
         assert [c.layer_range for c in chunks] == ([(0, 2), (4, 6)] if rank == 0 else [(2, 4), (6, 8)])
         assert [c.pre_process for c in chunks] == [rank == 0, False]
         assert [c.post_process for c in chunks] == [False, rank == 1]

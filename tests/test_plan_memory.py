@@ -1,6 +1,7 @@
 """The plan advisor's memory model against tpzoo itself, on CPU.
 
-Parameters: every rank's part, built with override_layout on the meta device (or for real), byte for byte.
+Parameters: every rank's part, built for a virtual rank (ParallelDims.for_rank) on the meta device (or for real),
+byte for byte.
 Training state: DistributedAdamW's buffers (with and without ZeRO-1, emulated dp/tp ranks), byte for byte.
 Activations: the storages a forward creates that are still alive when it returns (tpzoo.plan.measure), for
 the torch reference kernels here and the Triton kernels in test_plan_parallel.py (interpreter processes).
@@ -10,7 +11,7 @@ import torch
 
 from tpzoo.models import Transformer, get_config
 from tpzoo.models.config import ModelConfig
-from tpzoo.parallel.state import override_layout
+from tpzoo.parallel import ParallelDims
 from tpzoo.plan import (Layout, TrainingSpec, chunk_activation_bytes, chunk_layer_ranges, stage_chunks,
                         stage_params, state_bytes)
 from tpzoo.plan.measure import forward_activation_bytes
@@ -27,13 +28,14 @@ def cfg_of(c):
     return get_config(c) if isinstance(c, str) else c
 
 
-def build_stage(cfg, tp, rank, pp, stage, v=1, device="meta", dtype=torch.bfloat16, sp=False, pad=1):
-    """The chunks tpzoo.pipeline.build_model_chunks gives pipeline rank `stage`, tp rank `rank`."""
+def build_stage(cfg, tp, rank, pp, stage, v=1, device="meta", dtype=torch.bfloat16, sp=False, pad=1, dp=1):
+    """The chunks tpzoo.pipeline.build_model_chunks gives pipeline rank `stage`, tp rank `rank` (the last dp
+    rank of dp)."""
     ranges = chunk_layer_ranges(cfg, pp, v)
-    with override_layout(tp=(tp, rank), pp=(pp, stage)):
-        chunks = [Transformer(cfg, layers=ranges[c * pp + stage], pre_process=c * pp + stage == 0,
-                              post_process=c * pp + stage == pp * v - 1, sequence_parallel=sp,
-                              vocab_padding_multiple=pad, dtype=dtype, device=device) for c in range(v)]
+    dims = ParallelDims.for_rank(tp=tp, pp=pp, dp=dp, tp_rank=rank, pp_rank=stage, dp_rank=dp - 1, device=device)
+    chunks = [Transformer(cfg, dims=dims, layers=ranges[c * pp + stage], pre_process=c * pp + stage == 0,
+                          post_process=c * pp + stage == pp * v - 1, sequence_parallel=sp,
+                          vocab_padding_multiple=pad, dtype=dtype) for c in range(v)]
     if cfg.tie_embeddings and v > 1 and chunks[0].pre_process and chunks[-1].post_process:
         chunks[-1].lm_head.weight = chunks[0].embed.weight
     return chunks
@@ -87,10 +89,8 @@ def test_optimizer_state_matches_distributed_adamw(dtype, zero1):
     for name in ("nano-gpt", "nano-llama", GQA):
         cfg = cfg_of(name)
         for tp, rank, pp, stage, dp in [(1, 0, 1, 0, 1), (2, 1, 1, 0, 3), (2, 0, 2, 1, 4), (1, 0, 2, 1, 2)]:
-            chunks = build_stage(cfg, tp, rank, pp, stage, device="cpu", dtype=torch.float32)
-            named = [(n, p, ch) for ch in chunks for n, p in ch.named_parameters()]
-            opt = DistributedAdamW(named, model_dtype=torch_dtype, zero1=zero1, dp_rank=dp - 1, dp_size=dp,
-                                   tp_rank=rank, tp=tp)
+            chunks = build_stage(cfg, tp, rank, pp, stage, device="cpu", dtype=torch.float32, dp=dp)
+            opt = DistributedAdamW(unique_params(chunks), chunks[0].dims, model_dtype=torch_dtype, zero1=zero1)
             count = stage_params(cfg, tp, pp, stage)
             est = state_bytes(count, training, dp)
             got = opt.buffer_bytes()
@@ -105,21 +105,20 @@ def test_one_real_step_allocates_what_is_estimated():
     cfg = get_config("nano-llama")
     torch.manual_seed(0)
     model = Transformer(cfg)
-    named = [(n, p, model) for n, p in model.named_parameters()]
-    opt = DistributedAdamW(named, model_dtype=torch.bfloat16)
+    opt = DistributedAdamW(list(model.parameters()), model.dims, model_dtype=torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (2, 16))
-    opt.zero_grad()  # the parameters' .grad become views into the optimizer's gradient buffer
+    opt.zero_grad()
     model(ids, labels=ids).sum().backward()
     opt.reduce_grads()
     opt.step(lr=1e-3)
     est = state_bytes(stage_params(cfg, 1, 1, 0), TrainingSpec(seq_len=16, global_batch_size=2))
-    assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(p.grad is None and p.main_grad.dtype == torch.float32 for p in model.parameters())
     got = opt.buffer_bytes()
     assert (est.params, est.master, est.optimizer, est.grads) == (
         got["params"], got["master"], got["optimizer"], got["grads"])
     # every gradient lives inside the counted buffers: nothing was allocated beside them
-    grad_storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
-    assert len(grad_storages) == 1
+    grad_storages = {p.main_grad.untyped_storage().data_ptr() for p in model.parameters()}
+    assert grad_storages == {opt.grads.data.untyped_storage().data_ptr()}
 
 
 def measure_chunk(cfg, mode, *, layers=None, pre=True, post=True, b=2, s=16, hooks=False):

@@ -114,15 +114,13 @@ def test_collective_volume_of_a_step_equals_count_collectives(sp):
 
 def _zero1_step(cfg, zero1):
     """A real DistributedAdamW step on 2 data-parallel ranks (bf16 weights): every buffer it holds afterwards."""
-    from tpzoo.parallel import get_dp_group, get_dp_rank
     from tpzoo.train.optim import DistributedAdamW
 
-    tpzoo.init_parallel(tp=1)  # 2 ranks: dp=2
+    dims = tpzoo.init_parallel(tp=1)  # 2 ranks: dp=2
     torch.manual_seed(0)
-    model = Transformer(cfg)
-    opt = DistributedAdamW([(n, p, model) for n, p in model.named_parameters()], model_dtype=torch.bfloat16,
-                           zero1=zero1, dp_group=get_dp_group(), dp_rank=get_dp_rank(), dp_size=2)
-    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(get_dp_rank()))
+    model = Transformer(cfg, dims=dims)
+    opt = DistributedAdamW(list(model.parameters()), dims, model_dtype=torch.bfloat16, zero1=zero1)
+    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(dims.dp_rank))
     opt.zero_grad()
     model(ids, labels=ids).sum().backward()
     opt.reduce_grads()

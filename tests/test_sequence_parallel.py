@@ -6,9 +6,8 @@ import torch
 import tpzoo
 from tpzoo.models import get_config
 from tpzoo.parallel import count_collectives, get_pp_rank, get_tp_rank
-from tpzoo.parallel.data_parallel import allreduce_gradients
 from tpzoo.plan.measure import tp_layer_collectives
-from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward, sum_tied_embedding_grads
+from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward, sum_tied_grads
 from tpzoo.testing import run_on_ranks
 
 GPT8 = get_config("nano-gpt").replace(num_layers=8)
@@ -81,9 +80,8 @@ def _replicated_after_a_step(tp_reduce: bool):
         forward_backward(chunks, _microbatches(GPT8, 2), loss_scale=0.01)
         if tp_reduce:
             finalize_grads(chunks)
-        else:  # everything but the TP reduction of the partial gradients
-            sum_tied_embedding_grads(chunks)
-            allreduce_gradients([p for c in chunks for p in c.parameters()])
+        else:  # everything but the TP reduction of the partial gradients (dp = 1: no data-parallel sum)
+            sum_tied_grads(chunks)
         opt.step()
         sp_params = {n: p.detach().clone() for c in chunks for n, p in c.named_parameters()
                      if getattr(p, "sequence_parallel", False)}

@@ -1,25 +1,26 @@
 """Language-model evaluation: mean next-token loss and perplexity of a token stream, under tp, pp and dp.
 
 The stream is cut into windows of seq_len + 1 tokens with stride seq_len (consecutive windows share one
-token), so every token but the first is predicted exactly once. Pipeline stages run one after the other: each
-stage forwards and sends its hidden states to the next (point-to-point); the last stage computes the loss.
-Data-parallel replicas take every dp-th batch; the sums are reduced over the world at the end.
+token), so every token but the first is predicted exactly once. The batches run through the pipeline executor
+(forward only, the same executor and loss as training); data-parallel replicas take every dp-th batch and the
+sums are reduced over the data-parallel group at the end. Under sequence parallelism a window is padded on the
+right to a multiple of tp with ignored labels (causal attention: the padding changes no real position's loss).
 """
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.distributed as dist
 
 from tpzoo.parallel import comm
-from tpzoo.parallel import state as ps
+from tpzoo.parallel.dims import ParallelDims
+from tpzoo.pipeline import forward_backward
 
 IGNORE = -100
 
 
 def token_windows(tokens, seq_len: int) -> list[torch.Tensor]:
-    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    tokens = torch.as_tensor(tokens, dtype=torch.long, device="cpu")
     return [tokens[s: s + seq_len + 1] for s in range(0, max(1, len(tokens) - 1), seq_len)
             if len(tokens[s: s + seq_len + 1]) > 1]
 
@@ -34,49 +35,40 @@ def batches(windows: list[torch.Tensor], batch_size: int) -> list[torch.Tensor]:
     return out
 
 
-def pipeline_forward(model, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
-    """One forward through every pipeline stage; returns the last stage's output (per-token loss with labels,
-    else the logits shard) there, and None on the other stages."""
-    if ps.get_pp_size() == 1:
-        return model(input_ids, labels=labels)
-    b, s = input_ids.shape
-    dtype = next(model.parameters()).dtype
-    device = next(model.parameters()).device
-    hidden = None
-    if not model.pre_process:
-        hidden = torch.empty(b, s, model.cfg.hidden_size, dtype=dtype, device=device)
-        comm.batch_send_recv([], [(hidden, ps.get_pp_prev_rank())], ps.get_pp_group())
-    out = model(input_ids if model.pre_process else None, hidden=hidden,
-                labels=labels if model.post_process else None)
-    if not model.post_process:
-        comm.batch_send_recv([(out, ps.get_pp_next_rank())], [], ps.get_pp_group())
-        return None
-    return out
+def _as_chunks(model_or_chunks) -> list:
+    return list(model_or_chunks) if isinstance(model_or_chunks, (list, tuple)) else [model_or_chunks]
 
 
 @torch.no_grad()
-def evaluate(model, tokens, seq_len: int, batch_size: int = 1) -> dict:
-    """{"tokens", "loss", "perplexity"} of `tokens` (a list or 1-d tensor); collective over every rank."""
-    if getattr(model, "sequence_parallel", False):
-        raise ValueError("evaluate: load the model without sequence parallelism")
-    device = next(model.parameters()).device
-    all_batches = batches(token_windows(tokens, seq_len), batch_size)
-    dp, dp_rank = ps.get_dp_size(), ps.get_dp_rank()
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    count = 0
-    for i, batch in enumerate(all_batches):
-        if i % dp != dp_rank:
-            continue
-        batch = batch.to(device)
-        per_token = pipeline_forward(model, batch[:, :-1], labels=batch[:, 1:])
-        if per_token is not None:
-            loss_sum += per_token.double().sum().cpu()
-            count += batch[:, 1:].numel()
-    # Only one rank per (dp replica) contributes: the last stage's TP rank 0 (TP ranks hold the same loss).
-    contributes = model.post_process and ps.get_tp_rank() == 0
-    totals = torch.tensor([loss_sum.item(), float(count)] if contributes else [0.0, 0.0], dtype=torch.float64)
-    if ps.is_initialized() and dist.is_initialized() and dist.get_world_size() > 1:
-        comm.all_reduce(totals, None)
+def evaluate(model_or_chunks, tokens, seq_len: int, batch_size: int = 1, dims: ParallelDims | None = None) -> dict:
+    """{"tokens", "loss", "perplexity"} of `tokens` (a list or 1-d tensor) under this rank's model chunk(s);
+    collective over every rank of `dims` (default: the chunks' dims)."""
+    chunks = _as_chunks(model_or_chunks)
+    dims = dims or chunks[0].dims
+    multiple = dims.tp if any(c.sequence_parallel for c in chunks) else 1
+    device = chunks[0].device
+    replicas = dims.dp * dims.cp
+    mine = [b for i, b in enumerate(batches(token_windows(tokens, seq_len), batch_size))
+            if i % replicas == dims.dp_cp_rank]
+    loss_sum, count = 0.0, 0
+    # Micro-batches of one shape share one executor call (the pipeline streams them); a short tail runs alone.
+    for shape in sorted({tuple(b.shape) for b in mine}, reverse=True):
+        group = [_padded({"input_ids": b[:, :-1], "labels": b[:, 1:]}, multiple, device)
+                 for b in mine if tuple(b.shape) == shape]
+        out = forward_backward(chunks, group, dims, forward_only=True)
+        loss_sum, count = loss_sum + out["loss_sum"], count + out["tokens"]
+    totals = torch.tensor([loss_sum, float(count)], dtype=torch.float64, device=device)
+    comm.all_reduce(totals, dims.grad_group)
     n = int(totals[1].item())
     loss = totals[0].item() / max(n, 1)
     return {"tokens": n, "loss": loss, "perplexity": math.exp(loss) if n else float("nan")}
+
+
+
+def _padded(batch: dict, multiple: int, device) -> dict:
+    """Right-pad the sequence to a multiple of `multiple` (labels ignored there), on `device`."""
+    pad = -batch["input_ids"].shape[1] % multiple
+    if pad:
+        batch = {k: torch.nn.functional.pad(v, (0, pad), value=0 if k == "input_ids" else IGNORE)
+                 for k, v in batch.items()}
+    return {k: v.to(device) for k, v in batch.items()}

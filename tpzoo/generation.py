@@ -1,15 +1,21 @@
-"""Autoregressive generation with a KV cache, under tensor parallelism.
+"""Autoregressive generation under tensor and pipeline parallelism, through the pipeline executor.
 
-The vocabulary shards of the logits are gathered (`Transformer.full_logits`), so every TP rank holds the same
-full logits; the token chosen on TP rank 0 is then broadcast to the others, so the ranks stay in lockstep even
-if sampling were to differ between them (it does not: same seed, same logits).
+Every new token is one forward-only pass of the executor over this rank's chunks (tpzoo.pipeline.execute):
+  - with a KV cache per chunk (the default): the prompt once, then one token per step;
+  - without one (`use_cache=False`, and always under sequence parallelism, which cannot split a single-token
+    step over TP ranks): the whole context every step, padded on the right to a multiple of tp (causal
+    attention: the padding cannot change the logits of the real positions), in a window of `max_context`.
+The last stage gathers the vocabulary shards of the logits (`Transformer.full_logits`), so every TP rank holds
+the same full logits; the token chosen on TP rank 0 is broadcast to the TP group (lockstep even if sampling were
+to differ), then from the last pipeline stage to the whole pipeline, which feeds it to the first stage.
 """
 from __future__ import annotations
 
 import torch
 
 from tpzoo.parallel import comm
-from tpzoo.parallel import state as ps
+from tpzoo.parallel.dims import ParallelDims
+from tpzoo.pipeline import StepFunctions, execute
 
 
 def _eos_set(eos_token_id) -> set[int]:
@@ -35,45 +41,106 @@ def sample_next(logits: torch.Tensor, *, greedy: bool = True, temperature: float
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
+    # Sampled on the host with a CPU generator: the same draws whatever device the logits are on.
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 
-def _same_on_tp_ranks(tokens: torch.Tensor) -> torch.Tensor:
-    if ps.get_tp_size() == 1 or not ps.is_initialized():
-        return tokens
-    return comm.broadcast(tokens, src=ps.get_group_ranks("tp")[0], group=ps.get_tp_group())
+def _as_chunks(model_or_chunks) -> list:
+    return list(model_or_chunks) if isinstance(model_or_chunks, (list, tuple)) else [model_or_chunks]
+
+
+class _Decoder:
+    """One forward-only executor pass per token; the next token on every rank of the pipeline."""
+
+    def __init__(self, chunks, dims: ParallelDims, use_cache: bool, pick):
+        from tpzoo.models.transformer import new_kv_caches
+
+        self.chunks, self.dims, self.pick = chunks, dims, pick
+        self.caches = [new_kv_caches(c) for c in chunks] if use_cache else None
+        self.device = chunks[0].device
+
+    def next_tokens(self, ids: torch.Tensor, position: int) -> torch.Tensor:
+        """Run `ids` [b, s] through the pipeline; the token picked from the logits at `position`, [b]."""
+        picked = {}
+
+        def forward(index, chunk, batch, hidden):
+            return chunk(input_ids=batch["input_ids"] if chunk.pre_process else None, hidden=hidden,
+                         kv_caches=self.caches[index] if self.caches else None)
+
+        def last(mb, logits_shard, batch):
+            picked["token"] = self.pick(self.chunks[-1].full_logits(logits_shard[:, position])).contiguous()
+
+        execute(self.chunks, [{"input_ids": ids}], self.dims, StepFunctions(forward, last), forward_only=True)
+        dims = self.dims
+        token = picked.get("token")
+        if token is None:  # not the last stage: the token comes from there
+            token = torch.zeros(ids.shape[0], dtype=torch.long, device=self.device)
+        elif dims.tp > 1:  # the same token on every TP rank of the last stage
+            comm.broadcast(token, src=dims.ranks("tp")[0], group=dims.tp_group)
+        if dims.pp > 1:
+            comm.broadcast(token, src=dims.pp_peer(dims.pp - 1), group=dims.pp_group)
+        return token
 
 
 @torch.no_grad()
-def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, greedy: bool = True, temperature: float = 1.0,
-             top_p: float = 1.0, top_k: int = 0, seed: int | None = None, eos_token_id=None,
-             pad_token_id: int | None = None) -> torch.Tensor:
-    """input_ids [b, s] -> [b, s + n] (n <= max_new_tokens: stops once every row has produced an eos; finished
-    rows are padded with pad_token_id, as transformers does). The model must hold every layer (pp = 1)."""
-    from tpzoo.models.transformer import new_kv_caches
-
-    if not (model.pre_process and model.post_process):
-        raise ValueError("generate needs the whole model on one pipeline stage (pp=1); load it with pp=1")
-    if model.sequence_parallel:
-        raise ValueError("generate does not support sequence parallelism (decoding steps have length 1)")
-    device = next(model.parameters()).device
-    ids = input_ids.to(device)
+def generate(model_or_chunks, input_ids: torch.Tensor, max_new_tokens: int, *, dims: ParallelDims | None = None,
+             greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+             seed: int | None = None, eos_token_id=None, pad_token_id: int | None = None,
+             use_cache: bool | None = None, max_context: int | None = None) -> torch.Tensor:
+    """input_ids [b, s] -> [b, s + n] on the model's device (n <= max_new_tokens: stops once every row has
+    produced an eos; finished rows are padded with pad_token_id, as transformers does). Collective over the
+    model-parallel ranks (every one returns the same ids). `model_or_chunks`: this rank's Transformer or its
+    pipeline chunks. use_cache: default True unless the model uses sequence parallelism. max_context: with a
+    cache, generation stops there; without one, the context window slides (default: max positions)."""
+    chunks = _as_chunks(model_or_chunks)
+    dims = dims or chunks[0].dims
+    cfg = chunks[0].cfg
+    sp = any(c.sequence_parallel for c in chunks)
+    use_cache = not sp if use_cache is None else use_cache
+    if use_cache and sp:
+        raise ValueError("generate: a KV cache cannot run under sequence parallelism (a one-token step cannot be "
+                         "split over TP ranks); use use_cache=False or load the model without it")
+    max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    device = chunks[0].device
     eos = _eos_set(eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    caches = new_kv_caches(model)
+    generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
+    decoder = _Decoder(chunks, dims, use_cache, lambda logits: sample_next(
+        logits, greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator))
+    was_training = [c.training for c in chunks]
+    for c in chunks:
+        c.eval()
+    ids = input_ids.to(device)
     finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
+    eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)
     out = [ids]
-    step_input = ids
-    for _ in range(max_new_tokens):
-        logits = model.full_logits(model(step_input, kv_caches=caches)[:, -1:])[:, -1]
-        nxt = _same_on_tp_ranks(sample_next(logits, greedy=greedy, temperature=temperature, top_p=top_p,
-                                            top_k=top_k, generator=generator).contiguous())
-        if eos:
-            nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
-            finished |= torch.isin(nxt, torch.tensor(sorted(eos), device=device))
-        out.append(nxt[:, None])
-        step_input = nxt[:, None]
-        if eos and bool(finished.all()):
-            break
+    if use_cache:
+        max_new_tokens = max(0, min(max_new_tokens, max_context - ids.shape[1]))
+    try:
+        for step in range(max_new_tokens):
+            if use_cache:
+                nxt = decoder.next_tokens(ids if step == 0 else out[-1], -1)
+            else:
+                context, last = _window(torch.cat(out, dim=1), max_context, dims.tp if sp else 1, pad)
+                nxt = decoder.next_tokens(context, last)
+            if eos:
+                nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
+                finished |= torch.isin(nxt, eos_ids)
+            out.append(nxt[:, None])
+            if eos and bool(finished.all()):
+                break
+    finally:
+        for c, was in zip(chunks, was_training):
+            c.train(was)
     return torch.cat(out, dim=1)
+
+
+def _window(ids: torch.Tensor, max_context: int, multiple: int, pad: int) -> tuple[torch.Tensor, int]:
+    """The last tokens that fit the window (max_context rounded down to a multiple of `multiple`), right-padded
+    to a multiple of `multiple`, and the index of the last real position."""
+    ids = ids[:, -(max_context // multiple * multiple):]
+    n = ids.shape[1]
+    padded = -(-n // multiple) * multiple
+    if padded > n:
+        ids = torch.cat([ids, ids.new_full((ids.shape[0], padded - n), pad)], dim=1)
+    return ids, n - 1

@@ -47,15 +47,15 @@ def run_schedule(schedule: str, v: int, pp: int, m: int, steps: int) -> dict:
     for _ in range(m):
         ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
         mbs.append({"input_ids": ids, "labels": torch.roll(ids, -1, dims=1)})
-    tpzoo.init_parallel(pp=pp)
+    dims = tpzoo.init_parallel(pp=pp)
     try:
-        chunks = build_model_chunks(cfg, virtual_stages=v)
+        chunks = build_model_chunks(cfg, dims, virtual_stages=v)
         timelines, peak = [], 0
         for step in range(steps + 1):
             for c in chunks:
                 c.zero_grad(set_to_none=True)
             dist.barrier()  # start together: the span is measured across ranks (one machine, one clock)
-            out = forward_backward(chunks, mbs, schedule=schedule, loss_scale=1.0 / (m * B * S))
+            out = forward_backward(chunks, mbs, dims, schedule=schedule, loss_scale=1.0 / (m * B * S))
             if step:  # the first step pays one-off allocation costs
                 timelines.append(out["timeline"])
             peak = out["peak_inflight"]

@@ -70,25 +70,23 @@ def run_tpzoo(args, hf_dir: str, world: int) -> list[float]:
     import tpzoo
     from tpzoo.checkpoint import load_weights_into
     from tpzoo.models import from_hf_config
-    from tpzoo.parallel.state import get_state
-    from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward
+    from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward, materialize_chunks
     from tpzoo.train.optim import DistributedAdamW
 
-    tpzoo.init_parallel(tp=world)
+    dims = tpzoo.init_parallel(tp=world)
     cfg = from_hf_config(hf_dir)
-    chunks = build_model_chunks(cfg, sequence_parallel=args.sequence_parallel and world > 1)
+    chunks = build_model_chunks(cfg, dims, sequence_parallel=args.sequence_parallel and world > 1, device="meta")
+    materialize_chunks(chunks, dims.device, init=False)
     load_weights_into(chunks, hf_dir)
-    named = [(n, p, c) for c in chunks for n, p in c.named_parameters()]
-    s = get_state()
-    opt = DistributedAdamW(named, model_dtype=getattr(torch, args.dtype), tp_rank=s.coords()["tp"], tp=s.tp,
+    opt = DistributedAdamW([p for c in chunks for p in c.parameters()], dims, model_dtype=getattr(torch, args.dtype),
                            betas=(0.9, 0.95), weight_decay=0.1)
     times = []
     for ids in _batches(args, cfg.vocab_size, args.warmup + args.steps):
         t0 = time.perf_counter()
-        batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+        batch = {"input_ids": ids[:, :-1].to(dims.device), "labels": ids[:, 1:].to(dims.device)}
         opt.zero_grad()
-        forward_backward(chunks, [batch], loss_scale=1.0 / batch["labels"].numel())
-        finalize_grads(chunks, dp_reduce=False)
+        forward_backward(chunks, [batch], dims, loss_scale=1.0 / batch["labels"].numel())
+        finalize_grads(chunks, dims)
         opt.reduce_grads()
         norm, _ = opt.global_grad_norm()
         opt.step(1e-4, min(1.0, 1.0 / (norm + 1e-6)))

@@ -188,12 +188,10 @@ def atomic_dir(final, force: bool = False):
         yield Path(tmp)
         ok = True
     finally:
-        if dist is not None:
-            import torch
-
-            flag = torch.tensor([1 if ok else 0])
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            ok = bool(flag.item())
+        if dist is not None:  # an object collective: no tensor whose device must suit the backend
+            flags = [None] * dist.get_world_size()
+            dist.all_gather_object(flags, ok)
+            ok = all(flags)
         if dist is None or dist.get_rank() == 0:
             if ok:
                 _commit(Path(tmp), final)

@@ -1,7 +1,8 @@
 """What each (tp, pp) rank of a layout holds: pipeline chunks, parameter names, shard shapes and specs.
 
-The plan comes from building each chunk's Transformer on the meta device under `override_layout` (no memory, no
-process group), so it is by construction exactly what the model code creates at that layout.
+The plan comes from building each chunk's Transformer on the meta device for a virtual rank of the layout
+(`ParallelDims.for_rank`: no memory, no process group), so it is by construction exactly what the model code
+creates at that layout.
 
 `local_segments` states a shard as ranges of the full tensor (along the split dim), which is what lets any
 layout be read from any other by positioned reads of just the needed bytes.
@@ -14,7 +15,7 @@ import torch
 
 from tpzoo.parallel.layers import padded_vocab_size
 from tpzoo.parallel.sharding import ShardSpec
-from tpzoo.parallel.state import ParallelLayoutError, override_layout
+from tpzoo.parallel.dims import ParallelDims, ParallelLayoutError
 
 from .tensors import vocab_dims
 
@@ -119,11 +120,11 @@ class ChunkPlan:
     params: list[ParamInfo] = field(default_factory=list)
 
 
-def build_chunk(cfg, stage: dict, *, vocab_padding_multiple: int = 1, **kw):
-    """The Transformer of one manifest `stages` entry at the current (or overridden) layout."""
+def build_chunk(cfg, stage: dict, dims: ParallelDims | None = None, *, vocab_padding_multiple: int = 1, **kw):
+    """The Transformer of one manifest `stages` entry for the rank `dims` describes (default: the default dims)."""
     from tpzoo.models.transformer import Transformer
 
-    return Transformer(cfg, layers=tuple(stage["layers"]), pre_process=stage["pre_process"],
+    return Transformer(cfg, dims=dims, layers=tuple(stage["layers"]), pre_process=stage["pre_process"],
                        post_process=stage["post_process"], vocab_padding_multiple=vocab_padding_multiple, **kw)
 
 
@@ -149,8 +150,8 @@ def layout_plan(cfg, tp: int, stages: list[dict], vocab_padding_multiple: int = 
     plans = []
     pp = max(s["pp_rank"] for s in stages) + 1
     for st in stages:
-        with override_layout(tp=(tp, 0), pp=(pp, st["pp_rank"])):
-            model = build_chunk(cfg, st, vocab_padding_multiple=vocab_padding_multiple, device="meta")
+        dims = ParallelDims.for_rank(tp=tp, pp=pp, pp_rank=st["pp_rank"])
+        model = build_chunk(cfg, st, dims, vocab_padding_multiple=vocab_padding_multiple, device="meta")
         plans.append(ChunkPlan(st["pp_rank"], tuple(st["layers"]), st["pre_process"], st["post_process"],
                                param_infos(model, cfg, tp)))
     return plans

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from tpzoo.parallel import state as ps
+from tpzoo.parallel.dims import ParallelDims
+from tpzoo.parallel.state import get_dims
 
 from .format import CheckpointError, aux_files_in, copy_aux_files, make_manifest, shard_file_name, write_manifest
 from .layout import build_chunk, infer_padding_multiple, param_infos, partition, spec_to_json, stages_from_ranges
@@ -30,34 +31,6 @@ def _as_chunks(chunks_or_model) -> list[nn.Module]:
     return [chunks_or_model]
 
 
-def _materialize(model: nn.Module, cfg, device) -> None:
-    """Meta -> uninitialized storage on `device` (no random init: every parameter is loaded next), then
-    recompute the non-persistent buffers, which are derived from the config rather than stored."""
-    from tpzoo.models.blocks import rope_inv_freq
-
-    # to_empty replaces meta parameters by new objects: that unties shared ones (a tied head) and drops the
-    # attributes the parallel layers set on them (tp_spec, sequence_parallel...). Restore both.
-    owners: dict[int, tuple[list, dict]] = {}
-    for mod in model.modules():
-        for name, p in mod._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), ([], dict(p.__dict__)))[0].append((mod, name))
-    model.to_empty(device=device)
-    for places, attrs in owners.values():
-        first_mod, first_name = places[0]
-        param = first_mod._parameters[first_name]
-        param.__dict__.update(attrs)
-        for mod, name in places[1:]:
-            mod._parameters[name] = param
-    for mod in model.modules():
-        for name, buf in list(mod._buffers.items()):
-            if buf is None:
-                continue
-            if name != "inv_freq":
-                raise RuntimeError(f"load_model: no rule to rebuild buffer {name!r} of {type(mod).__name__}")
-            mod._buffers[name] = rope_inv_freq(cfg).to(device)
-
-
 def _stages_for(source, cfg, pp: int, virtual_stages: int | None) -> list[dict]:
     """The stored partition when the pipeline layout is unchanged (a resumed run keeps its stages), else the
     current partition for pp * virtual_stages chunks."""
@@ -67,49 +40,50 @@ def _stages_for(source, cfg, pp: int, virtual_stages: int | None) -> list[dict]:
     return stages_from_ranges(partition(cfg, pp, virtual_stages or 1), pp)
 
 
-def load_model(ckpt, *, sequence_parallel: bool = False, recompute: str = "none", dtype=None, device=None,
-               virtual_stages: int | None = None, stages: list[dict] | None = None,
+def load_model(ckpt, dims: ParallelDims | None = None, *, sequence_parallel: bool = False, recompute: str = "none",
+               dtype=None, device=None, virtual_stages: int | None = None, stages: list[dict] | None = None,
                vocab_padding_multiple: int | None = None, verify: bool = True):
-    """This rank's part of the model in `ckpt` at the current tpzoo.parallel layout: a Transformer, or a list of
-    chunks when this pipeline rank holds several (virtual stages). `ckpt` is a tpzoo checkpoint at any (tp, pp)
-    (only the slices this rank needs are read) or a Hugging Face checkpoint (converted on the fly).
-    dtype: default the checkpoint's; device: default the current accelerator, else CPU."""
+    """This rank's part of the model in `ckpt` at the layout `dims` (default: the default dims): a Transformer,
+    or a list of chunks when this pipeline rank holds several (virtual stages). `ckpt` is a tpzoo checkpoint at
+    any (tp, pp) (only the slices this rank needs are read) or a Hugging Face checkpoint (converted on the fly).
+    Each chunk is built on meta and filled straight into its device shards (no random init, no CPU copy of the
+    model). dtype: default the checkpoint's; device: default dims.device."""
+    from tpzoo.pipeline.partition import tie_chunks
+
+    dims = get_dims(dims)
     source = open_source(ckpt, verify=verify)
     try:
         cfg = source.cfg
-        tp, tp_rank, pp, pp_rank = ps.get_tp_size(), ps.get_tp_rank(), ps.get_pp_size(), ps.get_pp_rank()
-        stages = stages or _stages_for(source, cfg, pp, virtual_stages)
+        stages = stages or _stages_for(source, cfg, dims.pp, virtual_stages)
         multiple = vocab_padding_multiple or source.padding_multiple
         dtype = dtype or source.dtype("embed.weight")
-        device = torch.device(device) if device is not None else ps.get_device()
+        device = torch.device(device) if device is not None else dims.device
         chunks = []
-        for st in (s for s in stages if s["pp_rank"] == pp_rank):
-            model = build_chunk(cfg, st, vocab_padding_multiple=multiple, sequence_parallel=sequence_parallel,
+        for st in (s for s in stages if s["pp_rank"] == dims.pp_rank):
+            model = build_chunk(cfg, st, dims, vocab_padding_multiple=multiple, sequence_parallel=sequence_parallel,
                                 recompute=recompute, dtype=dtype, device="meta")
-            infos = param_infos(model, cfg, tp)
+            infos = param_infos(model, cfg, dims.tp)
             check_source(source, infos)
-            _materialize(model, cfg, device)
-            fill_params(model, source, infos, tp_rank, tp)
+            model.materialize(device)
+            fill_params(model, source, infos, dims.tp_rank, dims.tp)
             model.checkpoint_stages = stages  # how the layers were split, for the caller's pipeline schedule
             chunks.append(model)
     finally:
         source.close()
-    # pp == 1 with several chunks: embedding and head live on this rank, tied as in an unsplit model (and as
-    # tpzoo.pipeline.build_model_chunks does).
-    if cfg.tie_embeddings and len(chunks) > 1 and chunks[0].pre_process and chunks[-1].post_process:
-        chunks[-1].lm_head.weight = chunks[0].embed.weight
+    tie_chunks(chunks)
     return chunks[0] if len(chunks) == 1 else chunks
 
 
 def load_weights_into(model_or_chunks, ckpt, *, verify: bool = True) -> None:
-    """Overwrite the parameters of existing model chunks (this rank's, at the current layout) from `ckpt`."""
+    """Overwrite the parameters of existing model chunks (this rank's, at their layout) from `ckpt`."""
     source = open_source(ckpt, verify=verify)
     try:
         for chunk in _as_chunks(model_or_chunks):
-            infos = param_infos(chunk, chunk.cfg, ps.get_tp_size())
+            dims = chunk.dims
+            infos = param_infos(chunk, chunk.cfg, dims.tp)
             check_source(source, infos)
             with torch.no_grad():
-                fill_params(chunk, source, infos, ps.get_tp_rank(), ps.get_tp_size())
+                fill_params(chunk, source, infos, dims.tp_rank, dims.tp)
     finally:
         source.close()
 
@@ -169,13 +143,14 @@ def save_model_shards(chunks_or_model, out_dir, cfg=None, *, tokenizer=None, met
 
     chunks = _as_chunks(chunks_or_model)
     cfg = cfg or chunks[0].cfg
+    dims = chunks[0].dims
     out_dir = Path(out_dir)
-    tp, tp_rank, pp, pp_rank = ps.get_tp_size(), ps.get_tp_rank(), ps.get_pp_size(), ps.get_pp_rank()
+    tp, tp_rank, pp, pp_rank = dims.tp, dims.tp_rank, dims.pp, dims.pp_rank
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
     mine: dict = {}
     try:
-        if ps.get_dp_rank() == 0 and ps.get_cp_rank() == 0:
+        if dims.dp_rank == 0 and dims.cp_rank == 0:
             mine = _write_own_shard(chunks, cfg, out_dir, dtype, tp, tp_rank, pp_rank, checksum)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         if not distributed:

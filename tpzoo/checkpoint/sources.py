@@ -169,7 +169,7 @@ def shard_pieces(source, info: ParamInfo, rank: int, tp: int, max_bytes: int | N
     else:
         segments = local_segments(spec, info.padded if info.vocab_dim == d else full[d], rank, tp)
     dtype = source.dtype(info.name)
-    esize = torch.empty((), dtype=dtype).element_size()
+    esize = dtype.itemsize
     real = full[d]  # rows at or past it are vocab padding
 
     def read(box, runs_ok: bool) -> list:
@@ -185,7 +185,7 @@ def shard_pieces(source, info: ParamInfo, rank: int, tp: int, max_bytes: int | N
         if n - have:
             shape = [b[1] for b in box]
             shape[d] = n - have
-            parts.append(torch.zeros(shape, dtype=dtype))
+            parts.append(torch.zeros(shape, dtype=dtype, device="cpu"))
         return parts
 
     whole = [(0, n) for n in full]

@@ -27,7 +27,7 @@ def _demo(args) -> None:
     up = ColumnParallelLinear(hidden, 4 * hidden, sequence_parallel=sp)
     down = RowParallelLinear(4 * hidden, hidden, sequence_parallel=sp)
     head = ColumnParallelLinear(hidden, emb.num_embeddings_padded, bias=False, sequence_parallel=sp)
-    ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(1), device="cpu").to(state.device)
     target = ids.roll(-1, dims=1)
 
     with count_collectives() as counter:

@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK with CUDA, else cpu), cpu, cuda, cuda:N")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="shard activations along the sequence over the TP ranks")
 
 
 def _worker(args) -> None:
@@ -34,18 +37,19 @@ def _worker(args) -> None:
 
     from ._common import encode, load_tokenizer
 
-    state = tpzoo.init_parallel(tp=args.tp, pp=args.pp)
+    dims = tpzoo.init_parallel(tp=args.tp, pp=args.pp, device=args.device)
     try:
-        model = load_model(args.ckpt, virtual_stages=1, dtype=parse_dtype(args.dtype)).eval()
+        model = load_model(args.ckpt, dims, sequence_parallel=args.sequence_parallel, virtual_stages=1,
+                           dtype=parse_dtype(args.dtype)).eval()
         tokenizer = load_tokenizer(args.tokenizer or args.ckpt)
         with open(args.text_file, encoding="utf-8") as f:
             ids = encode(tokenizer, f.read(), special_tokens=args.bos)
         if args.max_tokens:
             ids = ids[: args.max_tokens]
         seq_len = args.seq_len or min(1024, model.cfg.max_position_embeddings)
-        result = evaluate(model, ids, seq_len, args.batch_size)
-        if state.rank == 0:
-            print(json.dumps({**result, "seq_len": seq_len, "tp": args.tp, "pp": args.pp, "dp": state.dp,
+        result = evaluate(model, ids, seq_len, args.batch_size, dims)
+        if dims.rank == 0:
+            print(json.dumps({**result, "seq_len": seq_len, "tp": args.tp, "pp": args.pp, "dp": dims.dp,
                               "checkpoint": str(args.ckpt)}), flush=True)
     finally:
         tpzoo.destroy_parallel()

@@ -1,10 +1,11 @@
-"""`tpzoo generate CKPT --prompt "..." --max-new-tokens K`: decode with a KV cache, under tensor parallelism.
+"""`tpzoo generate CKPT --prompt "..." --max-new-tokens K`: decode with a KV cache, under tensor and pipeline
+parallelism.
 
     tpzoo generate ckpt/ --prompt "Once upon a time" --max-new-tokens 50 --tp 2          # greedy
     tpzoo generate ckpt/ --prompt "..." --temperature 0.8 --top-p 0.95 --seed 1
-    torchrun --nproc-per-node 2 -m tpzoo generate ckpt/ --prompt "..." --tp 2
+    torchrun --nproc-per-node 4 -m tpzoo generate ckpt/ --prompt "..." --tp 2 --pp 2
 
-pp must be 1 (the whole model on each TP group). Prints the prompt and its continuation, or --json.
+Prints the prompt and its continuation, or --json.
 """
 from __future__ import annotations
 
@@ -27,8 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--tokenizer", help="tokenizer spec (default: the checkpoint's)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size: only 1 is supported")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK with CUDA, else cpu), cpu, cuda, cuda:N")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="shard activations along the sequence over the TP ranks; decoding then runs without a KV cache")
     p.add_argument("--json", action="store_true", help="print one JSON line (ids and text)")
 
 
@@ -50,17 +54,19 @@ def _worker(args) -> None:
 
     from ._common import decode, encode, load_tokenizer
 
-    state = tpzoo.init_parallel(tp=args.tp)
+    dims = tpzoo.init_parallel(tp=args.tp, pp=args.pp, device=args.device)
     try:
-        model = load_model(args.ckpt, dtype=parse_dtype(args.dtype)).eval()
+        model = load_model(args.ckpt, dims, sequence_parallel=args.sequence_parallel, virtual_stages=1,
+                           dtype=parse_dtype(args.dtype)).eval()
+        cfg = model.cfg
         tokenizer = load_tokenizer(args.tokenizer or args.ckpt)
         prompt_ids = encode(tokenizer, args.prompt, special_tokens=True)
         sample = args.temperature is not None and not args.greedy
-        out = generate(model, torch.tensor([prompt_ids]), args.max_new_tokens, greedy=not sample,
-                       temperature=args.temperature or 1.0, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                       eos_token_id=None if args.ignore_eos else _eos(args.ckpt, model.cfg))
+        out = generate(model, torch.tensor([prompt_ids], device="cpu"), args.max_new_tokens, dims=dims,
+                       greedy=not sample, temperature=args.temperature or 1.0, top_p=args.top_p, top_k=args.top_k,
+                       seed=args.seed, eos_token_id=None if args.ignore_eos else _eos(args.ckpt, cfg))
         new_ids = out[0, len(prompt_ids):].tolist()
-        if state.rank == 0:
+        if dims.rank == 0:
             text = decode(tokenizer, new_ids)
             if args.json:
                 print(json.dumps({"prompt_ids": prompt_ids, "new_ids": new_ids, "completion": text}), flush=True)
@@ -75,13 +81,10 @@ def run(args) -> int:
 
     from .launch import run_multirank, under_torchrun
 
-    if args.pp != 1:
-        return fail("generate", ValueError(f"generate runs with pp=1 (got --pp {args.pp}); every TP group holds "
-                                           f"the whole model, so use --tp to split it instead"))
     if not under_torchrun():
         try:
             open_source(args.ckpt, verify=False).close()
         except (CheckpointError, *USER_ERRORS) as e:
             return fail("generate", e)
-    run_multirank(_worker, args, args.tp)
+    run_multirank(_worker, args, args.tp * args.pp)
     return 0

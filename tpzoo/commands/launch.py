@@ -11,8 +11,10 @@ def under_torchrun() -> bool:
 def _spawned(rank: int, world_size: int, port: int, fn, args) -> None:
     import torch.distributed as dist
 
+    # TORCHELASTIC_USE_AGENT_STORE: every rank joins the store the parent already listens on (as under torchrun,
+    # whose agent holds it), so no rank has to bind a port that another process may have taken meanwhile.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), TORCHELASTIC_USE_AGENT_STORE="True")
     try:
         fn(args)
     finally:
@@ -25,8 +27,11 @@ def run_multirank(fn, args, nproc: int) -> None:
     if under_torchrun() or nproc == 1:
         fn(args)
         return
+    import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from tpzoo.parallel.state import _free_port
-
-    mp.start_processes(_spawned, args=(nproc, _free_port(), fn, args), nprocs=nproc, start_method="spawn")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the OS picks a free port
+    try:
+        mp.start_processes(_spawned, args=(nproc, store.port, fn, args), nprocs=nproc, start_method="spawn")
+    finally:
+        del store

@@ -14,6 +14,8 @@ given ``load_state_dict(state)`` yields exactly the batches an uninterrupted loa
 state may be loaded with another ``dp_size`` / ``micro_batch_size`` when ``consumed`` is a multiple of the new
 global micro-batch.
 
+Batches are host (CPU) tensors, pinned with ``pin_memory=True`` so the copy to a GPU can overlap compute.
+
 Prefetch. With ``prefetch > 0`` a daemon thread fills a bounded queue of ready batches; ``wait_seconds`` is the
 time the consumer spent blocked waiting for a batch and ``wait_fraction`` that time over the wall time since the
 loader started (or since ``reset_wait_stats()``), for logging whether the input pipeline keeps up.
@@ -62,7 +64,7 @@ class ResumableLoader:
 
     def __init__(self, dataset, micro_batch_size: int, *, dp_rank: int = 0, dp_size: int = 1, seed: int = 0,
                  shuffle: bool = True, num_epochs: int | None = None, prefetch: int = 2,
-                 collate: Callable[[list[dict]], dict] = collate_long):
+                 collate: Callable[[list[dict]], dict] = collate_long, pin_memory: bool = False):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
         if micro_batch_size < 1:
@@ -70,6 +72,8 @@ class ResumableLoader:
         self.dataset, self.micro_batch_size = dataset, micro_batch_size
         self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
         self.num_epochs, self.prefetch, self.collate = num_epochs, prefetch, collate
+        # Pinned (page-locked) host batches let the trainer's copy to a GPU run asynchronously (non_blocking).
+        self.pin_memory = pin_memory
         self.num_samples = len(dataset)
         self.global_micro_batch = micro_batch_size * dp_size
         self.samples_per_epoch = self.num_samples // self.global_micro_batch * self.global_micro_batch
@@ -103,6 +107,8 @@ class ResumableLoader:
         start = consumed + self.dp_rank * self.micro_batch_size
         indices = self._order_for(epoch)[start:start + self.micro_batch_size]
         batch = self.collate([self.dataset[int(i)] for i in indices])
+        if self.pin_memory:
+            batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         return batch, self._normalize(epoch, consumed + self.global_micro_batch)
 
     def __len__(self) -> int:

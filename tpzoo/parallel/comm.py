@@ -10,6 +10,9 @@ Byte conventions (per rank, per call), with p the group size:
                  all_gather and reduce_scatter (p-1)/p * payload, send the tensor, recv 0,
                  broadcast the tensor on the source rank (0 elsewhere), all_to_all (p-1)/p * payload.
 This is how Megatron's papers count volume: an all-reduce costs one reduce-scatter plus one all-gather.
+
+A group of size one (SELF_GROUP included) costs nothing and is not counted. CUDA tensors over a gloo group
+(several ranks sharing one GPU, see tpzoo.parallel.device) are staged through host memory.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .dims import SELF_GROUP
 from .state import group_name
 
 
@@ -77,66 +81,96 @@ def _record(kind: str, group, t: torch.Tensor, sent_fraction: float) -> None:
         c.record(kind, group, t.numel(), t.element_size(), sent_fraction)
 
 
-def _size(group) -> int:
+def group_size(group) -> int:
+    if group is SELF_GROUP:
+        return 1
     return dist.get_world_size(group)
+
+
+_BACKENDS: dict = {}
+
+
+def _via_host(t: torch.Tensor, group) -> bool:
+    """gloo cannot run most collectives on CUDA tensors: when several ranks share one GPU (gloo chosen for CUDA,
+    see tpzoo.parallel.device), tensors are staged through host memory. Never true on CPU or with NCCL."""
+    if not t.is_cuda:
+        return False
+    key = id(group)
+    if key not in _BACKENDS:
+        _BACKENDS[key] = dist.get_backend(group)
+    return _BACKENDS[key] == "gloo"
 
 
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce; returns t."""
-    p = _size(group)
+    p = group_size(group)
     if p == 1:
         return t
     _record("all_reduce", group, t, 2 * (p - 1) / p)
+    if _via_host(t, group):
+        host = t.cpu()
+        dist.all_reduce(host, op=op, group=group)
+        return t.copy_(host)
     dist.all_reduce(t, op=op, group=group)
     return t
 
 
 def all_gather(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """Concatenate every rank's `t` along `dim` (rank order)."""
-    p = _size(group)
+    p = group_size(group)
     if p == 1:
         return t
     dim = dim % t.dim()
     moved = t.movedim(dim, 0).contiguous()
-    out = torch.empty((p * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
+    host = _via_host(t, group)
+    out = torch.empty((p * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype,
+                      device="cpu" if host else t.device)
     _record("all_gather", group, out, (p - 1) / p)
-    _all_gather_flat(out, moved, group=group)
-    return out.movedim(0, dim)
+    _all_gather_flat(out, moved.cpu() if host else moved, group=group)
+    return (out.to(t.device) if host else out).movedim(0, dim)
 
 
 def reduce_scatter(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """Sum over ranks, then keep this rank's chunk of `dim`."""
-    p = _size(group)
+    p = group_size(group)
     if p == 1:
         return t
     dim = dim % t.dim()
     if t.shape[dim] % p != 0:
         raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} is not divisible by group size {p}")
     moved = t.movedim(dim, 0).contiguous()
-    out = torch.empty((moved.shape[0] // p,) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
+    host = _via_host(t, group)
+    out = torch.empty((moved.shape[0] // p,) + tuple(moved.shape[1:]), dtype=t.dtype,
+                      device="cpu" if host else t.device)
     _record("reduce_scatter", group, moved, (p - 1) / p)
-    _reduce_scatter_flat(out, moved, group=group)
-    return out.movedim(0, dim)
+    _reduce_scatter_flat(out, moved.cpu() if host else moved, group=group)
+    return (out.to(t.device) if host else out).movedim(0, dim)
 
 
 def broadcast(t: torch.Tensor, src: int, group=None) -> torch.Tensor:
-    if _size(group) == 1:
+    if group_size(group) == 1:
         return t
     _record("broadcast", group, t, 1.0 if dist.get_rank() == src else 0.0)
+    if _via_host(t, group):
+        host = t.cpu()
+        dist.broadcast(host, src=src, group=group)
+        return t.copy_(host)
     dist.broadcast(t, src=src, group=group)
     return t
 
 
 def all_to_all(t: torch.Tensor, group) -> torch.Tensor:
     """Split dim 0 into p chunks, send chunk i to rank i, concatenate what arrives along dim 0."""
-    p = _size(group)
+    p = group_size(group)
     if p == 1:
         return t
     t = t.contiguous()
-    out = torch.empty_like(t)
+    host = _via_host(t, group)
+    src = t.cpu() if host else t
+    out = torch.empty_like(src)
     _record("all_to_all", group, t, (p - 1) / p)
-    dist.all_to_all_single(out, t, group=group)
-    return out
+    dist.all_to_all_single(out, src, group=group)
+    return out.to(t.device) if host else out
 
 
 def batch_send_recv(sends: list[tuple], recvs: list[tuple], group=None, wait: bool = True) -> list:
@@ -146,22 +180,49 @@ def batch_send_recv(sends: list[tuple], recvs: list[tuple], group=None, wait: bo
     ranks (a pipeline sends activations one way and gradients the other way on the same pair). With
     `wait=False` the requests are returned instead of waited on (the caller must keep the tensors alive and wait);
     schedules use this to overlap transfers with compute."""
-    ops = []
+    ops, copy_back, staged_sends = [], [], []
     for entry in sends:
         t, peer, tag = (*entry, 0)[:3]
         t = t.contiguous()
         _record("send", group, t, 1.0)
+        if _via_host(t, group):
+            t = t.cpu()
+            staged_sends.append(t)  # kept alive until the send completes
         ops.append(dist.P2POp(dist.isend, t, peer, group, tag))
     for entry in recvs:
         t, peer, tag = (*entry, 0)[:3]
         _record("recv", group, t, 0.0)
+        if _via_host(t, group):
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            copy_back.append((host, t))
+            t = host
         ops.append(dist.P2POp(dist.irecv, t, peer, group, tag))
     reqs = dist.batch_isend_irecv(ops) if ops else []
+    if copy_back or staged_sends:
+        reqs = [_HostStagedWork(reqs, copy_back, staged_sends)]
     if wait:
         for req in reqs:
             req.wait()
         return []
     return reqs
+
+
+class _HostStagedWork:
+    """Requests whose received host buffers are copied to their device tensors when waited on."""
+
+    def __init__(self, works: list, copy_back: list, keep: list):
+        self.works, self.copy_back, self.keep = works, copy_back, keep
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        for host, dev in self.copy_back:
+            dev.copy_(host)
+        self.copy_back, self.keep = [], []
+        return True
+
+    def is_completed(self) -> bool:
+        return not self.copy_back and all(w.is_completed() for w in self.works)
 
 
 def split_along(t: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .state import get_tp_group, get_tp_rank, get_tp_size
+from .mappings import tp_layout
 
 
 def loss_from_sums(target_logit, sum_exp, sum_shifted, target, ignore_index: int, label_smoothing: float,
@@ -33,9 +33,7 @@ def loss_from_sums(target_logit, sum_exp, sum_shifted, target, ignore_index: int
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index, label_smoothing, vocab_size, group):
-        tp_size = get_tp_size() if group is None else dist.get_world_size(group)
-        tp_rank = get_tp_rank() if group is None else dist.get_rank(group)
-        group = group if group is not None or tp_size == 1 else get_tp_group()
+        tp_size, tp_rank, group = tp_layout(group)
         local_vocab = logits.shape[-1]
         start = tp_rank * local_vocab
         vocab_size = vocab_size if vocab_size is not None else local_vocab * tp_size

@@ -6,6 +6,10 @@ sequence chunk, whose gradients must be summed over the tensor-parallel group).
 
 Initialization is layout independent: the full ("master") weight is drawn from the same generator on every
 rank, and each rank keeps its slice, so a seed gives the same full weight at every tp.
+
+Every layer takes `dims` (a ParallelDims: its TP size, rank and group; default: the default dims) and `device`
+(default: dims.device). Built on "meta", a layer holds no memory and draws nothing: `to_empty()` then
+`reset_parameters()` materializes it exactly as a direct build would.
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ import torch.nn.functional as F
 from .mappings import (copy_to_tp, gather_from_sequence, gather_from_tp, reduce_from_tp,
                        reduce_scatter_to_sequence, scatter_to_tp)
 from .sharding import ShardSpec, shard
-from .state import divide, get_tp_rank, get_tp_size
+from .dims import ParallelDims, divide
+from .state import get_dims
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -37,6 +42,16 @@ def mark_parallel(param: nn.Parameter, spec: ShardSpec | int | None, sequence_pa
     return param
 
 
+def mark_tied(param: nn.Parameter, group: str, primary: bool) -> nn.Parameter:
+    """Declare `param` one copy of a weight stored on several ranks (a tied embedding: the first pipeline stage's
+    input embedding and the last stage's output head). `group` names the ParallelDims group of the ranks that
+    hold a copy; their gradients are summed over it so the copies stay equal, and only the `primary` copy counts
+    toward the gradient norm."""
+    param.tied_group = group
+    param.tied_primary = primary
+    return param
+
+
 def _init_shard(local: torch.Tensor, full_shape: tuple, spec: ShardSpec, init_method: InitMethod,
                 rank: int, size: int) -> None:
     """Draw the full weight, keep this rank's shard (identical full weight at any tp for one RNG state).
@@ -50,7 +65,8 @@ def _init_shard(local: torch.Tensor, full_shape: tuple, spec: ShardSpec, init_me
     for part in spec.parts or (full_shape[dim],):
         shape = list(full_shape)
         shape[dim] = part
-        piece = torch.empty(shape, dtype=torch.float32)
+        # Drawn on the layer's device (its generator): a CPU draw of a large model's full weights would be slow.
+        piece = torch.empty(shape, dtype=torch.float32, device=local.device)
         init_method(piece)
         pieces.append(piece)
     master = torch.cat(pieces, dim=dim)
@@ -68,9 +84,10 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
                  sequence_parallel: bool = False, init_method: InitMethod | None = None, sequence_dim: int = -2,
                  skip_bias_add: bool = False, shard_spec: ShardSpec | None = None, dtype: torch.dtype | None = None,
-                 device=None):
+                 device=None, dims: ParallelDims | None = None):
         super().__init__()
-        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.dims = get_dims(dims)
+        self.tp_size, self.tp_rank = self.dims.tp, self.dims.tp_rank
         self.in_features, self.out_features = in_features, out_features
         # skip_bias_add: forward returns x A^T only, so a fused kernel can add the bias (bias + GeLU in one pass).
         self.skip_bias_add = skip_bias_add
@@ -84,7 +101,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError("ColumnParallelLinear: gather_output and sequence_parallel cannot both be set")
         self.gather_output, self.sequence_parallel, self.sequence_dim = gather_output, sequence_parallel, sequence_dim
         self.init_method = init_method or normal_init()
-        kw = {"dtype": dtype, "device": device}
+        kw = {"dtype": dtype, "device": device if device is not None else self.dims.device}
         self.weight = mark_parallel(nn.Parameter(torch.empty(self.out_per_rank, in_features, **kw)), self.shard_spec)
         self.bias = (mark_parallel(nn.Parameter(torch.empty(self.out_per_rank, **kw)), self.shard_spec)
                      if bias else None)
@@ -97,12 +114,13 @@ class ColumnParallelLinear(nn.Module):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.dims.tp_group
         if self.sequence_parallel:
-            x = gather_from_sequence(x, self.sequence_dim)
+            x = gather_from_sequence(x, self.sequence_dim, group)
         else:
-            x = copy_to_tp(x)
+            x = copy_to_tp(x, group)
         y = F.linear(x, self.weight, None if self.skip_bias_add else self.bias)
-        return gather_from_tp(y) if self.gather_output else y
+        return gather_from_tp(y, group) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (local {self.out_per_rank}), tp={self.tp_size}, "
@@ -116,9 +134,10 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
                  sequence_parallel: bool = False, init_method: InitMethod | None = None, sequence_dim: int = -2,
-                 dtype: torch.dtype | None = None, device=None):
+                 dtype: torch.dtype | None = None, device=None, dims: ParallelDims | None = None):
         super().__init__()
-        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.dims = get_dims(dims)
+        self.tp_size, self.tp_rank = self.dims.tp, self.dims.tp_rank
         self.in_features, self.out_features = in_features, out_features
         self.in_per_rank = divide(in_features, self.tp_size, "RowParallelLinear in_features / tp")
         if sequence_parallel and not input_is_parallel:
@@ -126,7 +145,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel, self.sequence_parallel, self.sequence_dim = (input_is_parallel, sequence_parallel,
                                                                              sequence_dim)
         self.init_method = init_method or normal_init()
-        kw = {"dtype": dtype, "device": device}
+        kw = {"dtype": dtype, "device": device if device is not None else self.dims.device}
         self.weight = mark_parallel(nn.Parameter(torch.empty(out_features, self.in_per_rank, **kw)), 1)
         # The bias is replicated; under sequence parallelism each rank adds it to its own sequence chunk only,
         # so its gradient is partial and must be summed over the tensor-parallel group.
@@ -141,10 +160,12 @@ class RowParallelLinear(nn.Module):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.dims.tp_group
         if not self.input_is_parallel:
-            x = scatter_to_tp(x)
+            x = scatter_to_tp(x, group)
         y = F.linear(x, self.weight)
-        y = reduce_scatter_to_sequence(y, self.sequence_dim) if self.sequence_parallel else reduce_from_tp(y)
+        y = (reduce_scatter_to_sequence(y, self.sequence_dim, group) if self.sequence_parallel
+             else reduce_from_tp(y, group))
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
@@ -168,9 +189,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_multiple: int = 1,
                  sequence_parallel: bool = False, init_method: InitMethod | None = None, sequence_dim: int = -2,
-                 dtype: torch.dtype | None = None, device=None):
+                 dtype: torch.dtype | None = None, device=None, dims: ParallelDims | None = None):
         super().__init__()
-        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.dims = get_dims(dims)
+        self.tp_size, self.tp_rank = self.dims.tp, self.dims.tp_rank
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.num_embeddings_padded = padded_vocab_size(num_embeddings, self.tp_size, padding_multiple)
         self.per_rank = self.num_embeddings_padded // self.tp_size
@@ -178,8 +200,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = self.vocab_start + self.per_rank
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         self.init_method = init_method or normal_init()
-        self.weight = mark_parallel(nn.Parameter(torch.empty(self.per_rank, embedding_dim, dtype=dtype,
-                                                             device=device)), 0)
+        self.weight = mark_parallel(nn.Parameter(torch.empty(
+            self.per_rank, embedding_dim, dtype=dtype, device=device if device is not None else self.dims.device)), 0)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -198,8 +220,8 @@ class VocabParallelEmbedding(nn.Module):
             local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
             out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence(out, self.sequence_dim)
-        return reduce_from_tp(out)
+            return reduce_scatter_to_sequence(out, self.sequence_dim, self.dims.tp_group)
+        return reduce_from_tp(out, self.dims.tp_group)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings} (padded {self.num_embeddings_padded}, local {self.per_rank}), "

@@ -12,6 +12,8 @@
 `gather_from_sequence` reduce-scatters its gradient because the tensor it produces feeds a column-parallel
 matmul on every rank: each rank holds a partial gradient of the full sequence, and the sum belongs to the owner
 of each sequence chunk. With tensor parallelism of size 1 every function is the identity.
+
+`group`: the tensor-parallel group to use (layers pass their dims' tp_group); None = the default dims'.
 """
 from __future__ import annotations
 
@@ -19,17 +21,27 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .state import get_tp_group, get_tp_rank, get_tp_size
+from .dims import SELF_GROUP
+from .state import get_dims
+
+
+def tp_layout(group) -> tuple[int, int, object]:
+    """(size, rank, group) of a tensor-parallel group argument: None = the default dims' TP group."""
+    if group is None:
+        dims = get_dims()
+        return dims.tp, dims.tp_rank, (dims.tp_group if dims.tp > 1 else SELF_GROUP)
+    if group is SELF_GROUP:
+        return 1, 0, group
+    return dist.get_world_size(group), dist.get_rank(group), group
 
 
 def _tp_group(group):
-    return get_tp_group() if group is None else group
+    return tp_layout(group)[2]
 
 
 def _rank_size(group):
-    if group is None:
-        return get_tp_rank(), get_tp_size()
-    return dist.get_rank(group), dist.get_world_size(group)
+    size, rank, _ = tp_layout(group)
+    return rank, size
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .state import ParallelLayoutError
+from .dims import ParallelLayoutError
 
 
 @dataclass(frozen=True)

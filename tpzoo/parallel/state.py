@@ -1,30 +1,24 @@
-"""Process groups and rank layout.
+"""init_parallel: create this rank's process groups and device, as a ParallelDims that is also the default.
 
-Megatron's rank order: tensor parallel varies fastest, then context parallel, then data parallel, then
-pipeline parallel. So global rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)), and the
-ranks of one tensor-parallel group are neighbours (on one node, where the bandwidth is).
+Everything in tpzoo takes a `dims` argument; when it is omitted, the default is the ParallelDims of the last
+`init_parallel()` (or, before any, a single CPU process). That keeps the simple public API:
+
+    tpzoo.init_parallel(tp=2)               # under torchrun --nproc-per-node 2
+    layer = ColumnParallelLinear(512, 2048)  # uses the default dims: tp=2, this rank's device
+
+The functions at the end (get_tp_size(), ...) read the default dims, for scripts; library code passes dims.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
-import itertools
 import os
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-
-class ParallelLayoutError(ValueError):
-    """A parallel layout that cannot work (degrees that do not divide, a world size that does not match)."""
-
-
-def divide(numerator: int, denominator: int, what: str = "value") -> int:
-    """numerator / denominator, or a clear error when it does not divide evenly."""
-    if denominator <= 0 or numerator % denominator != 0:
-        raise ParallelLayoutError(f"{what}: {numerator} is not divisible by {denominator}")
-    return numerator // denominator
+from .device import default_backend, local_rank, resolve_device
+from .dims import (SELF_GROUP, ParallelDims, ParallelLayoutError, check_layout, divide,  # noqa: F401 - re-exported
+                   local_dims)
 
 
 def default_timeout() -> datetime.timedelta:
@@ -32,70 +26,26 @@ def default_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get("TPZOO_DIST_TIMEOUT", "600")))
 
 
-@dataclass
-class ParallelState:
-    tp: int
-    pp: int
-    cp: int
-    dp: int
-    rank: int
-    world_size: int
-    groups: dict = field(default_factory=dict)  # name -> ProcessGroup (this rank's)
-    group_ranks: dict = field(default_factory=dict)  # name -> list of global ranks in this rank's group
-    owns_default_group: bool = False
-
-    def coords(self, rank: int | None = None) -> dict:
-        r = self.rank if rank is None else rank
-        tp_rank = r % self.tp
-        cp_rank = (r // self.tp) % self.cp
-        dp_rank = (r // (self.tp * self.cp)) % self.dp
-        pp_rank = r // (self.tp * self.cp * self.dp)
-        return {"tp": tp_rank, "cp": cp_rank, "dp": dp_rank, "pp": pp_rank}
-
-    def rank_of(self, tp: int, cp: int, dp: int, pp: int) -> int:
-        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
-
-
-_STATE: ParallelState | None = None
+_DIMS: ParallelDims | None = None
+_LOCAL: ParallelDims | None = None    # the default before init_parallel: one CPU process
 _GROUP_NAMES: dict = {}  # ProcessGroup -> short name, for the collective counter
 
 
-def check_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None) -> int:
-    """Validate degrees against a world size and return dp (inferred when None)."""
-    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
-        if not isinstance(value, int) or value < 1:
-            raise ParallelLayoutError(f"{name} must be a positive integer, got {value!r}")
-    model_parallel = tp * pp * cp
-    if world_size % model_parallel != 0:
-        raise ParallelLayoutError(
-            f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {model_parallel}"
-        )
-    inferred = world_size // model_parallel
-    if dp is None:
-        return inferred
-    if dp != inferred:
-        raise ParallelLayoutError(
-            f"tp*pp*cp*dp = {tp}*{pp}*{cp}*{dp} = {model_parallel * dp} does not equal world size {world_size}"
-        )
-    return dp
+def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, *, device=None,
+                  backend: str | None = None, timeout: datetime.timedelta | None = None) -> ParallelDims:
+    """Create the tp/cp/dp/pp process groups of this rank and choose its device; return them as ParallelDims
+    (also the default dims from now on).
 
-
-def _default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, *, backend: str | None = None,
-                  timeout: datetime.timedelta | None = None) -> ParallelState:
-    """Create the tp/cp/dp/pp process groups of this rank.
-
-    Works under torchrun (reads RANK/WORLD_SIZE/MASTER_ADDR), after an explicit
+    Works under torchrun (reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR), after an explicit
     ``torch.distributed.init_process_group``, or as a single process with no environment (world size 1).
-    The layout is checked before any collective is issued.
-    """
-    global _STATE
-    if _STATE is not None:
+    `device`: 'auto' (default: cuda:LOCAL_RANK with CUDA, else cpu), 'cpu', 'cuda', 'cuda:N'. `backend`: default
+    nccl for CUDA, gloo for CPU (and for GPUs shared by several ranks). The layout is checked before any
+    collective is issued."""
+    global _DIMS
+    if _DIMS is not None:
         raise RuntimeError("init_parallel() was already called; call destroy_parallel() first")
     timeout = timeout or default_timeout()
+    device = resolve_device(device)
     owns = False
     if dist.is_initialized():
         world_size, rank = dist.get_world_size(), dist.get_rank()
@@ -104,171 +54,94 @@ def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, 
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         dp = check_layout(world_size, tp, pp, cp, dp)
-        if world_size == 1:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        backend = backend or _default_backend()
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
+        backend = backend or default_backend(device)
+        if backend == "nccl" and device.type != "cuda":
+            raise ValueError(f"backend nccl needs a CUDA device, got {device}")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        kw = {"device_id": device} if backend == "nccl" else {}
+        if world_size == 1:  # one process: an in-memory store, no port to pick (and lose to another process)
+            kw["store"] = dist.HashStore()
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout, **kw)
         owns = True
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
-    state = ParallelState(tp=tp, pp=pp, cp=cp, dp=dp, rank=rank, world_size=world_size, owns_default_group=owns)
-    sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+    dims = ParallelDims(tp=tp, pp=pp, cp=cp, dp=dp, rank=rank, world_size=world_size, device=device,
+                        owns_default_group=owns)
     # Every rank must create every group, in the same order (new_group is collective over the world).
-    for name, varying in (("tp", ("tp",)), ("cp", ("cp",)), ("dp", ("dp",)), ("pp", ("pp",)),
-                          ("dp_cp", ("dp", "cp")), ("mp", ("tp", "pp"))):
-        for ranks in _enumerate_groups(state, sizes, varying):
-            group = dist.new_group(ranks=ranks, timeout=timeout) if world_size > 1 else dist.group.WORLD
-            if rank in ranks:
-                state.groups[name] = group
-                state.group_ranks[name] = ranks
-                _GROUP_NAMES[group] = name
-    # First and last pipeline stage of each pipeline: they hold the tied input/output embeddings.
-    for ranks in _enumerate_groups(state, sizes, ("pp",)):
-        emb_ranks = sorted({ranks[0], ranks[-1]})
-        group = dist.new_group(ranks=emb_ranks, timeout=timeout) if world_size > 1 else dist.group.WORLD
-        if rank in emb_ranks:
-            state.groups["embedding"] = group
-            state.group_ranks["embedding"] = emb_ranks
-            _GROUP_NAMES[group] = "embedding"
+    for name, ranks in dims.enumerate_groups():
+        group = dist.new_group(ranks=ranks, timeout=timeout) if world_size > 1 else dist.group.WORLD
+        if rank in ranks:
+            dims.groups[name] = group
+            dims.group_ranks[name] = ranks
+            _GROUP_NAMES[group] = name
     _GROUP_NAMES.setdefault(dist.group.WORLD, "world")
-    _STATE = state
-    return state
-
-
-def _enumerate_groups(state: ParallelState, sizes: dict, varying: tuple) -> list[list[int]]:
-    """All groups whose members differ only in the `varying` coordinates, as sorted rank lists."""
-    fixed = [k for k in ("tp", "cp", "dp", "pp") if k not in varying]
-    groups = []
-    for fixed_vals in itertools.product(*(range(sizes[k]) for k in fixed)):
-        base = dict(zip(fixed, fixed_vals))
-        members = []
-        for var_vals in itertools.product(*(range(sizes[k]) for k in varying)):
-            c = {**base, **dict(zip(varying, var_vals))}
-            members.append(state.rank_of(c["tp"], c["cp"], c["dp"], c["pp"]))
-        groups.append(sorted(members))
-    return groups
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    _DIMS = dims
+    return dims
 
 
 def destroy_parallel() -> None:
     """Forget the layout; destroy the default group too when init_parallel created it."""
-    global _STATE
-    state, _STATE = _STATE, None
-    if state is None:
+    global _DIMS
+    dims, _DIMS = _DIMS, None
+    if dims is None:
         return
-    for name, group in state.groups.items():
+    for group in dims.groups.values():
         _GROUP_NAMES.pop(group, None)
-        if state.world_size > 1 and group is not dist.group.WORLD:
+        if dims.world_size > 1 and group is not dist.group.WORLD:
             try:
                 dist.destroy_process_group(group)
             except (ValueError, RuntimeError):
                 pass  # already gone with the default group
-    if state.owns_default_group and dist.is_initialized():
+    if dims.owns_default_group and dist.is_initialized():
         dist.destroy_process_group()
 
 
 def is_initialized() -> bool:
-    return _STATE is not None
+    return _DIMS is not None
 
 
-def get_state() -> ParallelState:
-    if _STATE is None:
-        raise RuntimeError("tpzoo parallel state is not initialized: call tpzoo.init_parallel() first")
-    return _STATE
+def get_dims(dims: ParallelDims | None = None) -> ParallelDims:
+    """`dims` itself when given, else the default: init_parallel's, or a single CPU process before it."""
+    global _LOCAL
+    if dims is not None:
+        return dims
+    if _DIMS is not None:
+        return _DIMS
+    if _LOCAL is None:
+        _LOCAL = local_dims("cpu")
+    return _LOCAL
 
 
 def group_name(group) -> str:
     if group is None:
         return "world"
+    if group is SELF_GROUP:
+        return "self"
     return _GROUP_NAMES.get(group, f"group{id(group) % 10000}")
 
 
-# --- queries -----------------------------------------------------------------------------------------------
-# When nothing is initialized, every size is 1 and every rank 0: single-process code runs unchanged.
+# --- the default dims' values, for scripts (library code takes dims) --------------------------------------------
 
-_OVERRIDE: dict | None = None  # {"tp": (size, rank), ...}: see override_layout()
-
-
-def _size(name: str) -> int:
-    if _OVERRIDE is not None and name in _OVERRIDE:
-        return _OVERRIDE[name][0]
-    return getattr(_STATE, name) if _STATE is not None else 1
-
-
-def _rank(name: str) -> int:
-    if _OVERRIDE is not None and name in _OVERRIDE:
-        return _OVERRIDE[name][1]
-    return _STATE.coords()[name] if _STATE is not None else 0
-
-
-@contextlib.contextmanager
-def override_layout(**sizes_and_ranks: tuple[int, int]):
-    """Make size/rank queries answer as rank r of a layout of size n, e.g. override_layout(tp=(4, 1)).
-
-    For building a rank's part of a model on the meta device in one process (to learn its parameter names,
-    shapes and shard specs: checkpoint conversion and the plan advisor) without any process group. Nothing
-    may communicate inside."""
-    global _OVERRIDE
-    previous = _OVERRIDE
-    _OVERRIDE = {**(previous or {}), **sizes_and_ranks}
-    try:
-        yield
-    finally:
-        _OVERRIDE = previous
+def get_tp_size() -> int: return get_dims().tp
+def get_tp_rank() -> int: return get_dims().tp_rank
+def get_tp_group(): return get_dims().tp_group
+def get_pp_size() -> int: return get_dims().pp
+def get_pp_rank() -> int: return get_dims().pp_rank
+def get_pp_group(): return get_dims().pp_group
+def get_dp_size() -> int: return get_dims().dp
+def get_dp_rank() -> int: return get_dims().dp_rank
+def get_dp_group(): return get_dims().dp_group
+def get_cp_size() -> int: return get_dims().cp
+def get_cp_rank() -> int: return get_dims().cp_rank
+def get_cp_group(): return get_dims().cp_group
+def get_device() -> torch.device: return get_dims().device
+def get_group_ranks(name: str) -> list[int]: return get_dims().ranks(name)
 
 
-def _group(name: str):
-    return get_state().groups[name]
-
-
-def get_tp_size() -> int: return _size("tp")
-def get_tp_rank() -> int: return _rank("tp")
-def get_tp_group(): return _group("tp")
-def get_pp_size() -> int: return _size("pp")
-def get_pp_rank() -> int: return _rank("pp")
-def get_pp_group(): return _group("pp")
-def get_dp_size() -> int: return _size("dp")
-def get_dp_rank() -> int: return _rank("dp")
-def get_dp_group(): return _group("dp")
-def get_cp_size() -> int: return _size("cp")
-def get_cp_rank() -> int: return _rank("cp")
-def get_cp_group(): return _group("cp")
-def get_mp_group(): return _group("mp")
-def get_embedding_group(): return get_state().groups.get("embedding")
-
-
-def get_group_ranks(name: str) -> list[int]:
-    return list(get_state().group_ranks[name])
-
-
-def is_pipeline_first_stage() -> bool:
-    return get_pp_rank() == 0
-
-
-def is_pipeline_last_stage() -> bool:
-    return get_pp_rank() == get_pp_size() - 1
-
-
-def get_pp_next_rank() -> int:
-    ranks = get_group_ranks("pp")
-    return ranks[(get_pp_rank() + 1) % len(ranks)]
-
-
-def get_pp_prev_rank() -> int:
-    ranks = get_group_ranks("pp")
-    return ranks[(get_pp_rank() - 1) % len(ranks)]
-
-
-def get_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+__all__ = ["ParallelDims", "ParallelLayoutError", "SELF_GROUP", "check_layout", "default_timeout", "destroy_parallel",
+           "divide", "get_cp_group", "get_cp_rank", "get_cp_size", "get_device", "get_dims", "get_dp_group",
+           "get_dp_rank", "get_dp_size", "get_group_ranks", "get_pp_group", "get_pp_rank", "get_pp_size",
+           "get_tp_group", "get_tp_rank", "get_tp_size", "group_name", "init_parallel", "is_initialized",
+           "local_rank"]

@@ -1,4 +1,13 @@
-"""forward_backward: run one training step's micro-batches through this rank's chunks in a schedule's order."""
+"""The pipeline executor: one function runs a schedule's actions for training, eval and generation.
+
+    execute(chunks, microbatches, dims, step, schedule="1f1b", forward_only=False)
+
+`step` (a StepFunctions) says what one micro-batch computes on one chunk; the executor decides the order (the
+schedule's actions for this rank), moves activations and gradients between stages (tagged point-to-point, no
+shape handshake), runs the backward passes and records a timeline. Training (`forward_backward` below: the
+language-model loss), eval (tpzoo.evaluation) and generation (tpzoo.generation, with KV caches per chunk) are
+three StepFunctions over this one loop.
+"""
 from __future__ import annotations
 
 import time
@@ -6,71 +15,78 @@ import time
 import torch
 
 from tpzoo.parallel import comm
-from tpzoo.parallel.state import get_group_ranks, get_pp_group, get_pp_rank, get_pp_size, get_tp_size
+from tpzoo.parallel.dims import ParallelDims
+from tpzoo.parallel.state import get_dims
 
 from . import schedule_1f1b, schedule_gpipe, schedule_interleaved, schedule_zero_bubble
 from .actions import Action, ScheduleError
 from .p2p import BACKWARD, FORWARD, StageComm
-from .stage import StageRunner
+from .stage import StageRunner, StepFunctions
 
 SCHEDULES = {"gpipe": schedule_gpipe, "1f1b": schedule_1f1b, "interleaved": schedule_interleaved,
              "zb": schedule_zero_bubble}
+
+
+def forward_order(p: int, m: int, v: int) -> list[Action]:
+    """Forward-only order for any m: micro-batches in groups of p, each group through chunk 0, then chunk 1, ...
+    (interleaving's forward order), so every stage streams micro-batches and nothing waits in a cycle."""
+    out = []
+    for g in range(0, m, p):
+        out += [Action("F", c, mb) for c in range(v) for mb in range(g, min(g + p, m))]
+    return out
 
 
 def plan(schedule: str, rank: int, p: int, m: int, v: int, forward_only: bool = False) -> list[Action]:
     """This rank's ordered actions."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
+    if forward_only:
+        return forward_order(p, m, v)
     if p == 1:
         # One stage: no pipeline to fill, every schedule is the plain loop (one micro-batch alive at a time).
         acts = []
         for mb in range(m):
             acts += [Action("F", c, mb) for c in range(v)] + [Action("B", c, mb) for c in reversed(range(v))]
-    else:
-        if v > 1 and schedule != "interleaved":
-            raise ScheduleError(f"schedule {schedule!r} runs one model chunk per rank, got {v}: build the chunks "
-                                f"with virtual_stages=1 or use schedule='interleaved'")
-        acts = SCHEDULES[schedule].actions(rank, p, m, v)
-    return [a for a in acts if a.kind == "F"] if forward_only else acts
+        return acts
+    if v > 1 and schedule != "interleaved":
+        raise ScheduleError(f"schedule {schedule!r} runs one model chunk per rank, got {v}: build the chunks "
+                            f"with virtual_stages=1 or use schedule='interleaved'")
+    return SCHEDULES[schedule].actions(rank, p, m, v)
 
 
-def _activation_spec(chunks, microbatches) -> tuple[tuple, torch.dtype, torch.device]:
-    """Shape, dtype and device of the activations between stages, from the micro-batch shape alone."""
+def activation_shape(chunks, microbatches, dims: ParallelDims) -> tuple:
+    """Shape of the activations between stages, from the micro-batch shape alone (every rank knows it)."""
     shape = tuple(microbatches[0]["input_ids"].shape)
     for i, batch in enumerate(microbatches):
         for key in ("input_ids", "labels"):
-            if tuple(batch[key].shape) != shape:
+            if key in batch and tuple(batch[key].shape) != shape:
                 raise ValueError(f"micro-batch {i}: {key} has shape {tuple(batch[key].shape)}, expected {shape} "
                                  f"(every micro-batch of a step must have the same shape)")
     b, s = shape
     chunk = chunks[0]
-    tp = get_tp_size()
     # Checked here, on every rank, before any transfer: a stage that raised alone would leave its neighbours
     # waiting for a message that never comes.
-    if chunk.sequence_parallel and s % tp:
-        raise ValueError(f"sequence parallelism: sequence length {s} is not divisible by tp={tp}; pad the "
+    if chunk.sequence_parallel and s % dims.tp:
+        raise ValueError(f"sequence parallelism: sequence length {s} is not divisible by tp={dims.tp}; pad the "
                          f"sequence or turn sequence parallelism off")
-    s_local = s // tp if chunk.sequence_parallel else s
-    param = next(p for p in chunk.parameters() if p.is_floating_point())
-    return (b, s_local, chunk.cfg.hidden_size), param.dtype, param.device
+    s_local = s // dims.tp if chunk.sequence_parallel else s
+    return (b, s_local, chunk.cfg.hidden_size)
 
 
-def forward_backward(chunks, microbatches: list[dict], *, schedule: str = "1f1b", forward_only: bool = False,
-                     loss_scale: float = 1.0, label_smoothing: float = 0.0) -> dict:
-    """Forward (and backward, unless forward_only) of every micro-batch through this rank's chunks.
-
-    Gradients accumulate into .grad (scaled by loss_scale); call finalize_grads afterwards. Returns loss_sum
-    (per-token losses summed over the micro-batches, unscaled, the same on every pipeline rank), tokens
-    (non-ignored labels), timeline [(kind, micro-batch, t_start, t_end)] of this rank's compute (perf_counter
-    seconds; kind F, B (the whole backward, or only the input gradient for "zb") and W) and peak_inflight."""
+def execute(chunks, microbatches: list[dict], dims: ParallelDims | None, step: StepFunctions, *,
+            schedule: str = "1f1b", forward_only: bool = False) -> dict:
+    """Run every micro-batch through this rank's chunks in the schedule's order (collective over the pipeline).
+    Returns timeline [(kind, micro-batch, t_start, t_end)] of this rank's compute (perf_counter seconds; kind F,
+    B (the whole backward, or only the input gradient for "zb") and W) and peak_inflight."""
     if not microbatches:
-        raise ValueError("forward_backward needs at least one micro-batch")
-    p, rank, v, m = get_pp_size(), get_pp_rank(), len(chunks), len(microbatches)
+        raise ValueError("the pipeline executor needs at least one micro-batch")
+    dims = get_dims(dims)
+    p, rank, v, m = dims.pp, dims.pp_rank, len(chunks), len(microbatches)
     actions = plan(schedule, rank, p, m, v, forward_only)
-    shape, dtype, device = _activation_spec(chunks, microbatches)
-    stage_comm = StageComm(v, m, shape, dtype, device)
-    runners = [StageRunner(c, i, stage_comm, microbatches, loss_scale=loss_scale, label_smoothing=label_smoothing,
-                           forward_only=forward_only) for i, c in enumerate(chunks)]
+    param = next(q for q in chunks[0].parameters() if q.is_floating_point())
+    stage_comm = StageComm(dims, v, m, activation_shape(chunks, microbatches, dims), param.dtype, param.device)
+    runners = [StageRunner(c, i, stage_comm, microbatches, step, forward_only=forward_only)
+               for i, c in enumerate(chunks)]
     split = any(a.kind == "W" for a in actions)
     timeline, peak = [], 0
     with torch.set_grad_enabled(not forward_only):
@@ -88,11 +104,7 @@ def forward_backward(chunks, microbatches: list[dict], *, schedule: str = "1f1b"
             timeline.append((a.kind, a.microbatch, t0, time.perf_counter()))
             peak = max(peak, sum(r.inflight for r in runners))
     stage_comm.finish()
-    loss_sum = sum(r.loss_sum for r in runners)
-    if p > 1:  # only the last stage computed the loss: share it with the whole pipeline
-        loss_sum = comm.broadcast(loss_sum.clone(), src=get_group_ranks("pp")[-1], group=get_pp_group())
-    tokens = sum(int((b["labels"] != -100).sum()) for b in microbatches)
-    return {"loss_sum": float(loss_sum), "tokens": tokens, "timeline": timeline, "peak_inflight": peak}
+    return {"timeline": timeline, "peak_inflight": peak}
 
 
 def _post_recvs(actions: list[Action], runners: list[StageRunner], stage_comm: StageComm) -> None:
@@ -102,3 +114,75 @@ def _post_recvs(actions: list[Action], runners: list[StageRunner], stage_comm: S
             stage_comm.post_recv(FORWARD, a.chunk, a.microbatch)
         elif a.kind == "B" and not r.last:
             stage_comm.post_recv(BACKWARD, a.chunk, a.microbatch)
+
+
+def pipeline_forward(model_or_chunks, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                     dims: ParallelDims | None = None):
+    """One forward of one batch through every pipeline stage (the executor, forward only): on the last stage
+    the per-token loss (with labels) or the logits shard, None on the other stages."""
+    chunks = list(model_or_chunks) if isinstance(model_or_chunks, (list, tuple)) else [model_or_chunks]
+    dims = dims or chunks[0].dims
+    batch = {"input_ids": input_ids} if labels is None else {"input_ids": input_ids, "labels": labels}
+    result = {}
+
+    def forward(index, chunk, batch, hidden):
+        device = chunk.device
+        return chunk(input_ids=batch["input_ids"].to(device) if chunk.pre_process else None, hidden=hidden,
+                     labels=labels.to(device) if labels is not None and chunk.post_process else None)
+
+    def last(mb, output, batch):
+        result["out"] = output
+
+    execute(chunks, [batch], dims, StepFunctions(forward, last), forward_only=True)
+    return result.get("out")
+
+
+# -- the language-model loss: training and eval ------------------------------------------------------------------
+
+def lm_forward(label_smoothing: float = 0.0):
+    """The forward of one chunk for a {"input_ids", "labels"} batch: per-token loss on the last model stage."""
+    def forward(index, chunk, batch, hidden):
+        device = chunk.device
+        return chunk(input_ids=batch["input_ids"].to(device, non_blocking=True) if chunk.pre_process else None,
+                     hidden=hidden, labels=batch["labels"].to(device, non_blocking=True) if chunk.post_process else None,
+                     label_smoothing=label_smoothing)
+    return forward
+
+
+class LossSum:
+    """Last stage: sums the per-token losses on the device (no host sync per micro-batch) and returns the
+    backward's starting point, the scaled sum."""
+
+    def __init__(self, device, scale: float | None):
+        self.total = torch.zeros((), dtype=torch.float64, device=device)
+        self.scale = scale
+
+    def __call__(self, mb, per_token, batch):
+        self.total += per_token.detach().double().sum()
+        # The caller's scale (1 / tokens of the global batch) makes the accumulated gradient that of the global
+        # mean loss, whatever the split into micro-batches and ranks.
+        return None if self.scale is None else per_token.sum() * self.scale
+
+    def shared(self, dims: ParallelDims) -> float:
+        """The sum on every pipeline rank (only the last stage computed it)."""
+        total = self.total
+        if dims.pp > 1:
+            total = comm.broadcast(total.clone(), src=dims.pp_peer(dims.pp - 1), group=dims.pp_group)
+        return float(total)
+
+
+def forward_backward(chunks, microbatches: list[dict], dims: ParallelDims | None = None, *,
+                     schedule: str = "1f1b", forward_only: bool = False, loss_scale: float = 1.0,
+                     label_smoothing: float = 0.0) -> dict:
+    """Forward (and backward, unless forward_only) of every micro-batch through this rank's chunks: the
+    language-model loss through `execute`.
+
+    Gradients accumulate (scaled by loss_scale) into each parameter's gradient (main_grad when a GradBuffer is
+    attached); call finalize_grads afterwards. Returns loss_sum (per-token losses summed over the micro-batches,
+    unscaled, the same on every pipeline rank), tokens (non-ignored labels), timeline and peak_inflight."""
+    dims = get_dims(dims)
+    losses = LossSum(chunks[0].device, None if forward_only else loss_scale)
+    out = execute(chunks, microbatches, dims, StepFunctions(lm_forward(label_smoothing), losses),
+                  schedule=schedule, forward_only=forward_only)
+    tokens = int(sum((b["labels"] != -100).sum() for b in microbatches))
+    return {"loss_sum": losses.shared(dims), "tokens": tokens, **out}

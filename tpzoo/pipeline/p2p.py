@@ -15,20 +15,21 @@ import torch
 import torch.distributed as dist
 
 from tpzoo.parallel import comm
-from tpzoo.parallel.state import get_group_ranks, get_pp_group, get_pp_rank, get_pp_size
+from tpzoo.parallel.dims import ParallelDims
 
 FORWARD, BACKWARD = 0, 1
 _WARMED_UP: set = set()  # NCCL: pp groups whose communicator a collective of all members has created
 
 
 class StageComm:
-    def __init__(self, num_chunks: int, num_microbatches: int, shape: tuple, dtype: torch.dtype, device):
-        self.p, self.rank = get_pp_size(), get_pp_rank()
+    def __init__(self, dims: ParallelDims, num_chunks: int, num_microbatches: int, shape: tuple,
+                 dtype: torch.dtype, device):
+        self.p, self.rank = dims.pp, dims.pp_rank
         self.v, self.m = num_chunks, num_microbatches
         self.last_stage = self.p * self.v - 1
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
-        self.ranks = get_group_ranks("pp") if self.p > 1 else None
-        self.group = get_pp_group() if self.p > 1 else None
+        self.ranks = dims.ranks("pp") if self.p > 1 else None
+        self.group = dims.pp_group if self.p > 1 else None
         self._posted: dict = {}  # (direction, stage, mb) -> (buffer, request or None)
         self._sends: list = []   # (request, tensor): keep each sent tensor alive until its send completes
         self._local: dict = {}   # messages between two chunks of this rank (pp == 1): no transport needed

@@ -6,7 +6,8 @@ rank 0 -> 1 -> ... -> pp-1 -> 0 -> ... v times, so the pipeline is a ring.
 """
 from __future__ import annotations
 
-from tpzoo.parallel.state import get_pp_rank, get_pp_size
+from tpzoo.parallel.dims import ParallelDims
+from tpzoo.parallel.state import get_dims
 
 
 class PartitionError(ValueError):
@@ -69,26 +70,45 @@ def partition_layers(cfg, pp: int, boundaries: list[int] | None = None,
     return out
 
 
-def build_model_chunks(cfg, *, sequence_parallel: bool = False, recompute: str = "none", seed: int = 0,
-                       virtual_stages: int = 1, boundaries: list[int] | None = None, vocab_padding_multiple: int = 1,
-                       dtype=None, device=None) -> list:
-    """This rank's model chunks (len == virtual_stages) for the current tpzoo.init_parallel layout.
+def build_model_chunks(cfg, dims: ParallelDims | None = None, *, sequence_parallel: bool = False,
+                       recompute: str = "none", seed: int = 0, virtual_stages: int = 1,
+                       boundaries: list[int] | None = None, vocab_padding_multiple: int = 1, dtype=None,
+                       device=None) -> list:
+    """This rank's model chunks (len == virtual_stages) at `dims` (default: the default dims).
 
     Chunk c is model stage c*pp + pp_rank; the first model stage embeds, the last one has the final norm and head.
     Weights are layout independent (per-module seeds in Transformer), so any (tp, pp, v) starts from the same
-    full model. A tied head on another stage starts equal to the embedding; finalize_grads keeps them equal."""
+    full model. A tied head on another stage starts equal to the embedding; finalize_grads keeps them equal.
+    `device="meta"` builds them unallocated (then Transformer.materialize + init_weights, or a checkpoint)."""
     from tpzoo.models import Transformer  # models depend on tpzoo.parallel, not the reverse: import late
 
-    pp, rank = get_pp_size(), get_pp_rank()
+    dims = get_dims(dims)
+    pp, rank = dims.pp, dims.pp_rank
     ranges = partition_layers(cfg, pp, boundaries, virtual_stages)
     last = len(ranges) - 1
     chunks = []
     for c in range(virtual_stages):
         stage = c * pp + rank
-        chunks.append(Transformer(cfg, layers=ranges[stage], pre_process=stage == 0, post_process=stage == last,
+        chunks.append(Transformer(cfg, dims=dims, layers=ranges[stage], pre_process=stage == 0,
+                                  post_process=stage == last,
                                   sequence_parallel=sequence_parallel, recompute=recompute, seed=seed,
                                   vocab_padding_multiple=vocab_padding_multiple, dtype=dtype, device=device))
-    # pp == 1 with several chunks: first and last stage live on this rank, so tie them like an unsplit model.
-    if cfg.tie_embeddings and len(chunks) > 1 and chunks[0].pre_process and chunks[-1].post_process:
+    return tie_chunks(chunks)
+
+
+def tie_chunks(chunks: list) -> list:
+    """pp == 1 with several chunks: the first and last model stage live on this rank, so the head is the
+    embedding itself, as in an unsplit model."""
+    if chunks[0].cfg.tie_embeddings and len(chunks) > 1 and chunks[0].pre_process and chunks[-1].post_process:
         chunks[-1].lm_head.weight = chunks[0].embed.weight
     return chunks
+
+
+def materialize_chunks(chunks: list, device, *, init: bool = True) -> list:
+    """Allocate chunks built on meta on `device` and (init) give them the layout-independent initial weights;
+    without init their weights are left to a checkpoint loader."""
+    for chunk in chunks:
+        chunk.materialize(device)
+        if init:
+            chunk.init_weights()
+    return tie_chunks(chunks)

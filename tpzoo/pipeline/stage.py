@@ -1,10 +1,14 @@
 """One model chunk inside a pipeline: runs its forward, backward and weight-gradient passes for a micro-batch.
 
-State kept between passes, per micro-batch: the stage input (a leaf that requires grad, so its gradient can be
-sent back) and the stage output (on the last stage: the scaled loss); between zero-bubble's B and W, the W still
-owed (see weight_grad.py).
+What a forward computes is the caller's (a StepFunctions: training loss, eval loss, generation logits); this
+module only keeps the state between passes, per micro-batch: the stage input (a leaf that requires grad, so its
+gradient can be sent back) and the stage output (on the last stage: the scalar to backpropagate); between
+zero-bubble's B and W, the W still owed (see weight_grad.py).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -12,17 +16,28 @@ from .p2p import BACKWARD, FORWARD, StageComm
 from .weight_grad import backward_input
 
 
+@dataclass
+class StepFunctions:
+    """The per-micro-batch callbacks of the executor (Megatron's forward_step_func, split in two):
+
+    forward(chunk_index, chunk, batch, hidden) -> output
+        run one chunk: `hidden` is the previous stage's activation (None on the first model stage, where the
+        batch's input_ids enter); the output goes to the next stage, or to `last` on the last model stage.
+    last(microbatch, output, batch) -> scalar tensor or None
+        on the last model stage: consume the output (accumulate a loss, keep logits...) and return the scalar the
+        backward starts from (None when running forward only)."""
+    forward: Callable
+    last: Callable
+
+
 class StageRunner:
-    def __init__(self, chunk, index: int, comm: StageComm, microbatches: list[dict], *, loss_scale: float,
-                 label_smoothing: float, forward_only: bool):
+    def __init__(self, chunk, index: int, comm: StageComm, microbatches: list[dict], step: StepFunctions, *,
+                 forward_only: bool):
         self.chunk, self.index, self.comm = chunk, index, comm
         self.first, self.last = chunk.pre_process, chunk.post_process
-        self.microbatches = microbatches
-        self.loss_scale, self.label_smoothing, self.forward_only = loss_scale, label_smoothing, forward_only
+        self.microbatches, self.step, self.forward_only = microbatches, step, forward_only
         self.params = [p for p in chunk.parameters() if p.requires_grad]
-        self.device = comm.device
         self.saved: dict[int, list] = {}  # mb -> [stage input or None, stage output, W owed (zero-bubble)]
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # no host sync per micro-batch
 
     def wait_input(self, kind: str, mb: int):
         """Block until the message an action needs has arrived (idle time, kept out of the timeline): the
@@ -37,14 +52,9 @@ class StageRunner:
         batch = self.microbatches[mb]
         if x is not None and not self.forward_only:
             x.requires_grad_()
-        out = self.chunk(input_ids=batch["input_ids"].to(self.device) if self.first else None, hidden=x,
-                         labels=batch["labels"].to(self.device) if self.last else None,
-                         label_smoothing=self.label_smoothing)
+        out = self.step.forward(self.index, self.chunk, batch, x)
         if self.last:
-            self.loss_sum += out.detach().double().sum()
-            # Backward starts from the scaled sum: the caller's scale (1 / tokens of the global batch) makes the
-            # accumulated gradient that of the global mean loss, whatever the split into micro-batches and ranks.
-            out = out.sum() * self.loss_scale
+            out = self.step.last(mb, out, batch)
         else:
             self.comm.send(FORWARD, self.index, mb, out)
         if not self.forward_only:

@@ -19,6 +19,8 @@ from collections import defaultdict
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from tpzoo.parallel.data_parallel import accumulate_grad
+
 
 def _reverse_edges(root) -> dict:
     """node -> the nodes that pass it gradient (its consumers in the forward), for the graph below root."""
@@ -85,12 +87,8 @@ class WeightGrad:
 
 def _accumulate(params, grads) -> None:
     for p, g in zip(params, grads):
-        if g is None:
-            continue
-        if p.grad is None:
-            p.grad = g.clone()  # a copy: autograd may hand the same tensor to two parameters
-        else:
-            p.grad.add_(g)
+        if g is not None:
+            accumulate_grad(p, g)
 
 
 def backward_input(out: torch.Tensor, grad, x: torch.Tensor, params: list) -> tuple[torch.Tensor, WeightGrad]:

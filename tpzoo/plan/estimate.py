@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from tpzoo.models.config import ModelConfig
-from tpzoo.parallel.state import ParallelLayoutError
+from tpzoo.parallel.dims import ParallelLayoutError
 
 from .memory import MemoryBreakdown, local_dims, stage_memory, stage_params
 from .schedule import bubble_time

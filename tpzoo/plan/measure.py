@@ -95,20 +95,19 @@ def forward_activation_bytes(model, micro_batch: int, seq_len: int, *, hooks: bo
     """Bytes one micro-batch's forward through `model` (a tpzoo Transformer chunk) leaves for its backward,
     held the way tpzoo.pipeline's engine holds them: the received input (non-first chunks, seq-sharded under
     sequence parallelism), the output (a middle chunk), or the summed loss (the last chunk)."""
-    from tpzoo.parallel.state import get_tp_size
-
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)
     cfg = model.cfg
-    ids = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), generator=g)
-    labels = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), generator=g)
     param = next(model.parameters())
+    ids = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), generator=g, device="cpu").to(param.device)
+    labels = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), generator=g, device="cpu").to(param.device)
     kept = [ids, labels] + list(model.parameters())
     meter = saved_tensor_bytes(kept) if hooks else live_activation_bytes(kept)
     with meter as r:
         hidden = None
         if not model.pre_process:  # what the engine receives: created now, as its receive buffer would be
-            s_local = seq_len // get_tp_size() if model.sequence_parallel else seq_len
-            hidden = torch.randn(micro_batch, s_local, cfg.hidden_size, generator=g).to(param.dtype)
+            s_local = seq_len // model.dims.tp if model.sequence_parallel else seq_len
+            hidden = torch.randn(micro_batch, s_local, cfg.hidden_size, generator=g, device="cpu").to(
+                param.device, param.dtype)
             hidden.requires_grad_()
         out = model(ids if model.pre_process else None, hidden=hidden,
                     labels=labels if model.post_process else None)
@@ -117,17 +116,17 @@ def forward_activation_bytes(model, micro_batch: int, seq_len: int, *, hooks: bo
 
 
 def tp_layer_collectives(cfg, micro_batch: int, seq_len: int, *, sequence_parallel: bool = False,
-                         recompute: str = "none") -> dict:
+                         recompute: str = "none", dims=None) -> dict:
     """Collectives over the TP group of one forward + backward through cfg.num_layers layers (no embedding, no
-    head) at the current layout: {kind: (calls, elements, sent_bytes)}, the ground truth for the per-layer
-    communication analysis. Call after tpzoo.init_parallel(tp=...)."""
+    head) at `dims` (default: the default dims): {kind: (calls, elements, sent_bytes)}, the ground truth for
+    the per-layer communication analysis."""
     from tpzoo.models import Transformer
-    from tpzoo.parallel import count_collectives, get_tp_size
+    from tpzoo.parallel import count_collectives
 
-    model = Transformer(cfg, pre_process=False, post_process=False, sequence_parallel=sequence_parallel,
+    model = Transformer(cfg, dims=dims, pre_process=False, post_process=False, sequence_parallel=sequence_parallel,
                         recompute=recompute)
-    local_seq = seq_len // get_tp_size() if sequence_parallel else seq_len
-    x = torch.randn(micro_batch, local_seq, cfg.hidden_size, requires_grad=True)
+    local_seq = seq_len // model.dims.tp if sequence_parallel else seq_len
+    x = torch.randn(micro_batch, local_seq, cfg.hidden_size, device=model.device, requires_grad=True)
     with count_collectives() as c:
         model(hidden=x).square().sum().backward()
     return {k: (s.calls, s.elements, s.sent_bytes) for (k, g), s in sorted(c.stats.items()) if g == "tp"}

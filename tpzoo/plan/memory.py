@@ -22,12 +22,11 @@ input, e*h/d per token (the paper's 2sbh). How many micro-batches a stage holds 
 schedule (plan/schedule.py).
 
 Training state, as tpzoo.train.optim.DistributedAdamW allocates it (tested against it): one flat parameter
-buffer in the model dtype padded to a multiple of dp (P elements); the parameters' own .grad in the model dtype
-(N elements); an fp32 flat gradient buffer (P); fp32 master (16-bit models), exp_avg and exp_avg_sq over the
-owned range (P, or P/dp under ZeRO-1); under ZeRO-1 with dp > 1 the reduce-scattered fp32 gradient shard
-(P/dp); an fp32 norm-weight vector over this rank's 1/dp slice when some elements do not count once in the
-gradient norm (tp > 1: replicated parameters count on tp rank 0 only; a tied head copy on the last stage).
-So 20 bytes per element in bf16 without ZeRO-1 (Megatron: 18, it accumulates into fp32 main grads directly).
+buffer in the model dtype padded to a multiple of dp (P elements); the fp32 main-gradient buffer (P) that every
+micro-batch's gradients are added into as autograd produces them (Megatron's main_grad: no 16-bit .grad is kept);
+fp32 master (16-bit models), exp_avg and exp_avg_sq over the owned range (P, or P/dp under ZeRO-1); under ZeRO-1
+with dp > 1 the reduce-scattered fp32 gradient shard (P/dp). So 18 bytes per element in bf16 without ZeRO-1
+(Megatron's figure), 16 in fp32.
 """
 from __future__ import annotations
 
@@ -112,23 +111,23 @@ def stage_params(cfg: ModelConfig, tp: int, pp: int, stage: int, virtual_stages:
 @dataclass(frozen=True)
 class StateBytes:
     params: int       # the flat parameter buffer (model dtype, padded)
-    grads: int        # parameters' .grad + fp32 flat gradient buffer (+ its ZeRO-1 shard)
+    grads: int        # fp32 main gradients (+ the ZeRO-1 reduce-scattered shard)
     master: int       # fp32 master weights of the owned range (16-bit models)
-    optimizer: int    # exp_avg + exp_avg_sq of the owned range (+ the norm-weight vector)
+    optimizer: int    # exp_avg + exp_avg_sq of the owned range
 
 
 def state_bytes(count: ParamCount, training: TrainingSpec, dp: int = 1) -> StateBytes:
     """Bytes of one rank's training state under DistributedAdamW (what its `buffer_bytes()` reports): the flat
-    weight buffer (model dtype, padded to a multiple of dp); gradients: the fp32 reduction buffer, plus a
-    model-dtype buffer holding the parameters' .grad views when the weights are not fp32, plus the
-    reduce-scattered shard under ZeRO-1; a separate fp32 master of the owned range (none for fp32 weights);
-    AdamW's two fp32 moments of the owned range. Only the element count and dp matter: the global-norm
-    bookkeeping keeps no per-element state, so tp rank and a tied head copy change nothing here."""
+    weight buffer (model dtype, padded to a multiple of dp); gradients: the fp32 main-gradient buffer that
+    micro-batches accumulate into (no 16-bit .grad is kept), plus the reduce-scattered shard under ZeRO-1; a
+    separate fp32 master of the owned range (none for fp32 weights); AdamW's two fp32 moments of the owned
+    range. Only the element count and dp matter: the global-norm bookkeeping keeps no per-element state, so tp
+    rank and a tied head copy change nothing here."""
     n, e = count.numel, DTYPE_BYTES[training.dtype]
     padded = -(-max(n, 1) // dp) * dp
     shard = padded // dp
     owned = shard if training.zero1 else padded
-    grads = 4 * padded + (e * padded if e < 4 else 0) + (4 * shard if training.zero1 and dp > 1 else 0)
+    grads = 4 * padded + (4 * shard if training.zero1 and dp > 1 else 0)
     return StateBytes(e * padded, grads, 4 * owned if e < 4 else 0, 8 * owned)
 
 

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from tpzoo.models.config import ModelConfig
-from tpzoo.parallel.state import ParallelLayoutError
+from tpzoo.parallel.dims import ParallelLayoutError
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 RECOMPUTE = ("none", "selective", "full")

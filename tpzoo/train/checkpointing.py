@@ -135,32 +135,33 @@ def load_weights(chunks, path) -> None:
 
 # -- saving ------------------------------------------------------------------------------------------------------------
 
-def _rng_state() -> dict:
+def _rng_state(device: torch.device) -> dict:
     np_state = np.random.get_state()
     py = random.getstate()
     out = {"torch": torch.get_rng_state().tolist(),
            "numpy": {"key": np_state[1].tolist(), "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
                      "gauss": float(np_state[4])},
            "python": {"version": py[0], "state": list(py[1]), "gauss": py[2]}}
-    if torch.cuda.is_available():
-        out["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    if device.type == "cuda":  # this rank's GPU generator (dropout, sampling on the device)
+        out["cuda"] = torch.cuda.get_rng_state(device).tolist()
     return out
 
 
-def load_rng(path, rank: int, world_size: int) -> None:
-    """Restore this rank's RNG states (only when the world size is the one saved: ranks must correspond)."""
+def load_rng(path, rank: int, world_size: int, device: torch.device) -> None:
+    """Restore this rank's RNG states, CPU and its device's (only when the world size is the one saved: ranks
+    must correspond)."""
     f = Path(path) / "rng" / f"rank-{rank:05d}.json"
     state = read_train_state(path)
     if not f.is_file() or state.get("world_size") != world_size:
         return
     s = json.loads(f.read_text())
-    torch.set_rng_state(torch.tensor(s["torch"], dtype=torch.uint8))
+    torch.set_rng_state(torch.tensor(s["torch"], dtype=torch.uint8, device="cpu"))
     n = s["numpy"]
     np.random.set_state(("MT19937", np.array(n["key"], dtype=np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     py = s["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
-    if "cuda" in s and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(x, dtype=torch.uint8) for x in s["cuda"]])
+    if "cuda" in s and device.type == "cuda" and s["cuda"] and not isinstance(s["cuda"][0], list):
+        torch.cuda.set_rng_state(torch.tensor(s["cuda"], dtype=torch.uint8, device="cpu"), device)
 
 
 def _maybe_die_for_test(stage: str) -> None:
@@ -188,9 +189,9 @@ def save_checkpoint(trainer, step: int) -> str:
                 save_model_shards(trainer.chunks, tmp / "optim" / kind, trainer.model_cfg)
             del full
         (tmp / "rng").mkdir(exist_ok=True)
-        (tmp / "rng" / f"rank-{trainer.rank:05d}.json").write_text(json.dumps(_rng_state()))
+        (tmp / "rng" / f"rank-{trainer.rank:05d}.json").write_text(json.dumps(_rng_state(trainer.device)))
         if trainer.rank == 0:
-            s = trainer.state
+            s = trainer.dims
             state = {"format": FORMAT, "version": 1, "step": step, "optimizer_steps": opt.step_count,
                      "consecutive_skips": trainer.skips, "loader": trainer.loader.state_dict(),
                      "layout": {"tp": s.tp, "pp": s.pp, "dp": s.dp, "virtual_stages": cfg.virtual_stages,
@@ -226,7 +227,7 @@ def load_optimizer(opt, path, state: dict, chunks) -> None:
                 opt.sync_master_from_params()
                 continue
             raise FileNotFoundError(f"checkpoint {path} has no optimizer state {kind} ({d})")
-        full = torch.zeros(opt.padded, dtype=torch.float32)
+        full = torch.zeros(opt.padded, dtype=torch.float32, device=opt.device)
         with opt.params_viewing(full):
             load_weights_into(chunks, d)
         opt.load_full_state(kind, full)

@@ -61,6 +61,8 @@ class ParallelSection:
                         choices=("none", "selective", "full"))
     zero1: bool = _f(False, "ZeRO-1 distributed optimizer: optimizer state sharded over dp, gradients "
                             "reduce-scattered, updated weights all-gathered")
+    device: str = _f("auto", "where each rank computes: auto (cuda:LOCAL_RANK when CUDA is available, else cpu), "
+                             "cpu, cuda or cuda:N")
 
 
 @dataclass

@@ -4,7 +4,12 @@ One optimizer step: the step's micro-batches (global batch / (micro batch * dp) 
 `tpzoo.pipeline.forward_backward` with loss scale 1 / (non-ignored tokens of the whole global batch), so the summed
 gradients are those of the global mean loss at every layout; `finalize_grads` does the TP and tied-embedding
 reductions, the optimizer the fp32 data-parallel reduction (all-reduce, or reduce-scatter under ZeRO-1), the
-global norm, clipping and AdamW. A NaN/inf loss or norm skips the update (same decision on every rank: both are
+global norm, clipping and AdamW.
+
+Device. The trainer owns it: `init_parallel(device=cfg.device)` picks it once (cuda:LOCAL_RANK when CUDA is
+available, else cpu; --device overrides), the model chunks are built on meta and materialized there (then
+initialized, or filled from --base / the checkpoint being resumed), and the optimizer's buffers, the batches
+(pinned host memory, non-blocking copies) and every scalar that is all-reduced live on it. A NaN/inf loss or norm skips the update (same decision on every rank: both are
 global values); `max_skips` in a row stop the run without saving, so the last good checkpoint stays the newest.
 """
 from __future__ import annotations
@@ -15,13 +20,12 @@ import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 import tpzoo
 from tpzoo.data import IGNORE_INDEX, micro_batches_per_step
-from tpzoo.parallel import comm
-from tpzoo.parallel.state import get_state, is_initialized
-from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward
+from tpzoo.parallel import ParallelDims, comm, resolve_device
+from tpzoo.parallel.state import get_dims, is_initialized
+from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward, materialize_chunks
 
 from . import checkpointing as ckpt
 from .config import TrainConfig
@@ -39,13 +43,16 @@ def train(cfg: TrainConfig) -> dict:
     their layout must match cfg); returns the same result dict on every rank."""
     owns = not is_initialized()
     if owns:
-        tpzoo.init_parallel(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp or None)
-    state = get_state()
-    if (state.tp, state.pp) != (cfg.tp, cfg.pp) or (cfg.dp and cfg.dp != state.dp):
-        raise ValueError(f"config asks for tp={cfg.tp} pp={cfg.pp} dp={cfg.dp or 'auto'}, but the process groups "
-                         f"are tp={state.tp} pp={state.pp} dp={state.dp}")
+        tpzoo.init_parallel(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp or None, device=cfg.device)
+    dims = get_dims()
     try:
-        trainer = Trainer(cfg)
+        if (dims.tp, dims.pp) != (cfg.tp, cfg.pp) or (cfg.dp and cfg.dp != dims.dp):
+            raise ValueError(f"config asks for tp={cfg.tp} pp={cfg.pp} dp={cfg.dp or 'auto'}, but the process "
+                             f"groups are tp={dims.tp} pp={dims.pp} dp={dims.dp}")
+        if cfg.device != "auto" and resolve_device(cfg.device) != dims.device:
+            raise ValueError(f"config asks for device {cfg.device}, but the parallel runtime computes on "
+                             f"{dims.device}")
+        trainer = Trainer(cfg, dims)
         try:
             return trainer.run()
         finally:
@@ -62,13 +69,11 @@ def _seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig):
-        self.cfg = cfg
-        s = get_state()
-        self.state, self.rank, self.world = s, s.rank, s.world_size
-        c = s.coords()
-        self.tp_rank, self.pp_rank, self.dp_rank, self.dp = c["tp"], c["pp"], c["dp"], s.dp
-        self.dp_group = s.groups["dp"]
+    def __init__(self, cfg: TrainConfig, dims: ParallelDims):
+        self.cfg, self.dims, self.device = cfg, dims, dims.device
+        self.rank, self.world = dims.rank, dims.world_size
+        self.tp_rank, self.pp_rank, self.dp_rank, self.dp = dims.tp_rank, dims.pp_rank, dims.dp_rank, dims.dp
+        self.dp_group = dims.dp_group
         self.is_main = self.rank == 0
         self.n_micro = micro_batches_per_step(cfg.global_batch_size, cfg.micro_batch_size, self.dp)
         _seed_everything(cfg.seed)
@@ -90,33 +95,30 @@ class Trainer:
             raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
                              f"{model_cfg.max_position_embeddings}")
 
-        # Built in fp32 so that a bf16 run's fp32 master weights start from the exact initial (or loaded) values.
-        self.chunks = build_model_chunks(model_cfg, sequence_parallel=cfg.sequence_parallel,
+        # Built on meta, then materialized on the device: initialized there, or filled straight from the
+        # checkpoint (each rank reads only its slices). In fp32, so that a bf16 run's fp32 master weights start
+        # from the exact initial (or loaded) values.
+        self.chunks = build_model_chunks(model_cfg, dims, sequence_parallel=cfg.sequence_parallel,
                                          recompute=cfg.recompute, seed=cfg.seed,
-                                         virtual_stages=cfg.virtual_stages)
+                                         virtual_stages=cfg.virtual_stages, device="meta")
         weights_from = self.resume_dir or (cfg.base or None)
+        materialize_chunks(self.chunks, self.device, init=not weights_from)
         if weights_from:
             ckpt.load_weights(self.chunks, weights_from)
-        named, seen = [], set()
-        for chunk in self.chunks:
-            for name, p in chunk.named_parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    named.append((name, p, chunk))
         self.optimizer = DistributedAdamW(
-            named, model_dtype=DTYPES[cfg.dtype], zero1=cfg.zero1, dp_group=self.dp_group, dp_rank=self.dp_rank,
-            dp_size=self.dp, tp_rank=self.tp_rank, tp=s.tp, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-            weight_decay=cfg.weight_decay)
+            [p for chunk in self.chunks for p in chunk.parameters()], dims, model_dtype=DTYPES[cfg.dtype],
+            zero1=cfg.zero1, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
         self.train_ds, self.eval_ds, self.data_desc = build_datasets(cfg, self.tokenizer)
-        self.loader = make_loader(self.train_ds, cfg, self.dp_rank, self.dp)
+        self.pin = self.device.type == "cuda"
+        self.loader = make_loader(self.train_ds, cfg, self.dp_rank, self.dp, pin_memory=self.pin)
         self.start_step, self.skips = 0, 0
         if self.train_state is not None:
             ckpt.load_optimizer(self.optimizer, self.resume_dir, self.train_state, self.chunks)
             self.loader.load_state_dict(self.train_state["loader"])
             self.start_step = int(self.train_state["step"])
             self.skips = int(self.train_state.get("consecutive_skips", 0))
-            ckpt.load_rng(self.resume_dir, self.rank, self.world)
+            ckpt.load_rng(self.resume_dir, self.rank, self.world, self.device)
         if self.start_step > cfg.steps:
             raise ValueError(f"checkpoint {self.resume_dir} is at step {self.start_step}, past --steps {cfg.steps}")
 
@@ -124,32 +126,35 @@ class Trainer:
         self.logger = MetricsLogger(self.is_main, self.log_dir or None, cfg.steps, self.start_step,
                                     cfg.progress and not cfg.quiet, resume=self.resume_dir is not None,
                                     quiet=cfg.quiet)
-        self.throughput = Throughput(model_cfg.flops_per_token(cfg.seq_len), self.world, cfg.dtype)
+        self.throughput = Throughput(model_cfg.flops_per_token(cfg.seq_len), self.world, cfg.dtype, self.device)
         self.tokens_per_step = cfg.global_batch_size * cfg.seq_len
         if self.is_main and cfg.save:
             ckpt.remove_stale_temp_dirs(cfg.save)
 
     # -- one step -------------------------------------------------------------------------------------------
     def _global_sum(self, values: list[float], group) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
-        if dist.get_world_size(group) > 1:
-            comm.all_reduce(t, group)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
+        comm.all_reduce(t, group)
         return t.tolist()
+
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device, non_blocking=self.pin) for k, v in batch.items()}
 
     def train_step(self, step: int) -> dict:
         """Optimizer step number `step` (1-based)."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        batches = [next(self.loader) for _ in range(self.n_micro)]
-        local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+        host = [next(self.loader) for _ in range(self.n_micro)]
+        local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in host)  # counted on the host copy
+        batches = [self._to_device(b) for b in host]
         (tokens,) = self._global_sum([local_tokens], self.dp_group)
         scale = 1.0 / max(tokens, 1.0)
         if step in cfg.inject_nan_steps:
             scale = float("nan")
         self.optimizer.zero_grad()
-        out = forward_backward(self.chunks, batches, schedule=cfg.schedule, loss_scale=scale,
+        out = forward_backward(self.chunks, batches, self.dims, schedule=cfg.schedule, loss_scale=scale,
                                label_smoothing=cfg.label_smoothing)
-        finalize_grads(self.chunks, dp_reduce=False)
+        finalize_grads(self.chunks, self.dims)
         self.optimizer.reduce_grads()
         (loss_sum,) = self._global_sum([out["loss_sum"]], self.dp_group)
         loss = loss_sum / max(tokens, 1.0)
@@ -175,12 +180,12 @@ class Trainer:
         cfg = self.cfg
         if self.eval_ds is None or len(self.eval_ds) < cfg.micro_batch_size * self.dp:
             return None
-        loader = make_loader(self.eval_ds, cfg, self.dp_rank, self.dp, train=False)
-        batches = [b for _, b in zip(range(cfg.eval_batches), loader)]
+        loader = make_loader(self.eval_ds, cfg, self.dp_rank, self.dp, train=False, pin_memory=self.pin)
+        batches = [self._to_device(b) for _, b in zip(range(cfg.eval_batches), loader)]
         loader.close()
         for c in self.chunks:
             c.eval()
-        out = forward_backward(self.chunks, batches, schedule=cfg.schedule, forward_only=True)
+        out = forward_backward(self.chunks, batches, self.dims, schedule=cfg.schedule, forward_only=True)
         for c in self.chunks:
             c.train()
         loss_sum, tokens = self._global_sum([out["loss_sum"], out["tokens"]], self.dp_group)
@@ -189,11 +194,12 @@ class Trainer:
     # -- the run --------------------------------------------------------------------------------------------
     def run(self) -> dict:
         cfg = self.cfg
-        s = self.state
+        s = self.dims
         self.logger.print(
             f"tpzoo {cfg.task}: model {self.model_cfg.name or cfg.model} "
             f"({self.model_cfg.num_parameters() / 1e6:.2f}M params, vocab {self.model_cfg.vocab_size}) | "
-            f"tp={s.tp} pp={s.pp} dp={s.dp} sp={cfg.sequence_parallel} zero1={cfg.zero1} {cfg.dtype} | "
+            f"tp={s.tp} pp={s.pp} dp={s.dp} sp={cfg.sequence_parallel} zero1={cfg.zero1} {cfg.dtype} on "
+            f"{self.device} | "
             f"batch {cfg.global_batch_size}x{cfg.seq_len} ({self.n_micro} micro-batches of {cfg.micro_batch_size}"
             f" per dp rank) | data {self.data_desc}"
             + (f" | resumed from {self.resume_dir} at step {self.start_step}" if self.resume_dir else ""))
@@ -206,7 +212,8 @@ class Trainer:
         for step in range(self.start_step + 1, cfg.steps + 1):
             m = self.train_step(step)
             window.append(m)
-            m.update(self.throughput.summary(), peak_mem_gb=peak_memory_gb(), data_wait=self.loader.wait_fraction)
+            m.update(self.throughput.summary(), peak_mem_gb=peak_memory_gb(self.device),
+                     data_wait=self.loader.wait_fraction)
             if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
                 m["eval_loss"] = eval_loss = self.evaluate()  # None without a held-out split
             history.append(m)
@@ -238,9 +245,8 @@ class Trainer:
         if saved:
             self.logger.print(f"checkpoint: {saved}")
         if status == "ok" and cfg.sample_prompt and cfg.sample_tokens > 0:
-            text = generate(self.chunks, self.tokenizer, cfg.sample_prompt, cfg.sample_tokens,
-                            temperature=cfg.temperature, seed=cfg.seed, max_context=cfg.seq_len,
-                            sequence_parallel=cfg.sequence_parallel)
+            text = generate(self.chunks, self.dims, self.tokenizer, cfg.sample_prompt, cfg.sample_tokens,
+                            temperature=cfg.temperature, seed=cfg.seed, max_context=cfg.seq_len)
             result["sample"] = cfg.sample_prompt + text
             self.logger.print(f"sample ({'greedy' if cfg.temperature <= 0 else f'T={cfg.temperature}'}):\n"
                               f"{'-' * 60}\n{cfg.sample_prompt}{text}\n{'-' * 60}")

@@ -32,10 +32,11 @@ KNOWN_PEAK_TFLOPS = [
 ]
 
 
-def device_name() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    return "cpu"
+def device_name(device: torch.device | None = None) -> str:
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
 
 
 def peak_tflops(dtype: str, name: str | None = None) -> float | None:
@@ -47,10 +48,10 @@ def peak_tflops(dtype: str, name: str | None = None) -> float | None:
     return None
 
 
-def peak_memory_gb() -> float:
-    """Peak memory of this process: CUDA allocator peak on GPU, peak resident set size on CPU."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2 ** 30
+def peak_memory_gb(device: torch.device | None = None) -> float:
+    """Peak memory of this rank: the CUDA allocator's peak on its GPU, else the process's peak resident set."""
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
     try:
         import resource
 
@@ -63,9 +64,9 @@ def peak_memory_gb() -> float:
 class Throughput:
     """Tokens/s, TFLOP/s per device and MFU over a window of steps."""
 
-    def __init__(self, flops_per_token: float, world_size: int, dtype: str):
+    def __init__(self, flops_per_token: float, world_size: int, dtype: str, device: torch.device | None = None):
         self.flops_per_token, self.world_size = flops_per_token, world_size
-        self.peak = peak_tflops(dtype)
+        self.peak = peak_tflops(dtype, device_name(device))
         self.reset()
 
     def reset(self) -> None:

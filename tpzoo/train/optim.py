@@ -1,13 +1,16 @@
-"""AdamW over one flat buffer, with mixed precision, ZeRO-1 and a global gradient norm that counts every
-parameter element once.
+"""AdamW over one flat buffer, with Megatron-style mixed precision, ZeRO-1 and a global gradient norm that counts
+every parameter element once.
 
 Layout. This rank's parameters (its TP shards of its pipeline chunks, each distinct Parameter once) are laid end
-to end in one flat buffer of `model_dtype`, padded to a multiple of dp; the Parameters become views into it, so
-publishing updated weights is one copy (or one all-gather under ZeRO-1) instead of one per tensor.
+to end in one flat buffer of `model_dtype` on the runtime's device, padded to a multiple of dp; the Parameters
+become views into it, so publishing updated weights is one copy (or one all-gather under ZeRO-1) instead of one
+per tensor. The gradients live in a GradBuffer with the same layout (tpzoo.parallel.data_parallel): fp32 main
+gradients that autograd's results are added into as soon as each is ready, so micro-batches accumulate in fp32
+and no 16-bit gradient is kept.
 
-Precision. Gradients are copied into an fp32 flat buffer before the data-parallel reduction, so the reduction,
-the norm and the update all run in fp32. With bf16 weights a separate fp32 master copy is updated and cast back;
-with fp32 weights the flat buffer itself is the master.
+Memory per parameter, bf16 without ZeRO-1: 2 (weights) + 4 (fp32 main grad) + 4 (fp32 master) + 8 (Adam
+moments) = 18 bytes, Megatron's figure; fp32 weights are their own master: 16. ZeRO-1 divides the master and
+moments by dp and adds the reduce-scattered fp32 gradient shard (4/dp).
 
 ZeRO-1. Without it every dp rank all-reduces the whole gradient and updates the whole buffer. With it, dp rank d
 owns the contiguous range [d*S, (d+1)*S) (S = padded size / dp): gradients are reduce-scattered, only that range
@@ -15,9 +18,9 @@ has optimizer state (and fp32 master), and the updated range is all-gathered. Bo
 element-wise arithmetic on the same reduced gradients, so they give the same weights.
 
 Global norm. Sum of squares over every distinct element of the model: a TP-replicated parameter (norms, biases
-under TP) is counted on TP rank 0 only, a kv head replicated over k TP ranks with weight 1/k per copy, the tied
-output embedding of the last stage not at all (its gradient equals the first stage's embedding gradient), and
-each dp rank sums only its 1/dp slice of the (identical) reduced gradients. One all-reduce over the world.
+under TP) is counted on TP rank 0 only, a kv head replicated over k TP ranks with weight 1/k per copy, a tied
+weight's secondary copies (the last stage's head) not at all, and each dp rank sums only its 1/dp slice of the
+(identical) reduced gradients. One all-reduce over the world.
 """
 from __future__ import annotations
 
@@ -25,17 +28,14 @@ import contextlib
 import math
 
 import torch
-import torch.distributed as dist
-import torch.nn as nn
 
-from tpzoo.parallel import comm
+from tpzoo.parallel import GradBuffer, ParallelDims, comm
 from tpzoo.parallel.utils import param_spec
 
 
-def count_weight(name: str, param: nn.Parameter, model: nn.Module, tp_rank: int, tp: int):
+def count_weight(param: torch.nn.Parameter, tp_rank: int, tp: int):
     """How much each element of `param` counts toward the global norm: a float, or a tensor of param's shape."""
-    cfg = getattr(model, "cfg", None)
-    if name == "lm_head.weight" and cfg is not None and cfg.tie_embeddings and not model.pre_process:
+    if not getattr(param, "tied_primary", True):
         return 0.0
     spec = param_spec(param)
     if spec.dim is None:
@@ -43,7 +43,7 @@ def count_weight(name: str, param: nn.Parameter, model: nn.Module, tp_rank: int,
     if not spec.replicas or max(spec.replicas) == 1:
         return 1.0
     dim = spec.dim % param.dim()
-    weights = torch.cat([torch.full(((size * rep) // tp,), 1.0 / rep)
+    weights = torch.cat([torch.full(((size * rep) // tp,), 1.0 / rep, device="cpu")
                          for size, rep in zip(spec.parts, spec.replicas)])
     shape = [1] * param.dim()
     shape[dim] = -1
@@ -67,29 +67,23 @@ def _complement(ranges: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
 class DistributedAdamW:
     """AdamW (torch.optim.AdamW's arithmetic) over a flat buffer; see the module docstring.
 
-    named_params: [(global name, Parameter, the chunk module it belongs to)], each Parameter once.
-    """
+    params: this rank's Parameters (a tied one listed twice is taken once); dims: the layout (device, dp group)."""
 
-    def __init__(self, named_params: list, *, model_dtype: torch.dtype = torch.float32, zero1: bool = False,
-                 dp_group=None, dp_rank: int = 0, dp_size: int = 1, tp_rank: int = 0, tp: int = 1,
-                 betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
-                 bucket_elems: int = 1 << 24):
-        self.names = [n for n, _, _ in named_params]
-        self.params = [p for _, p, _ in named_params]
-        self.zero1, self.dp_group, self.dp_rank, self.dp_size = zero1, dp_group, dp_rank, dp_size
+    def __init__(self, params, dims: ParallelDims, *, model_dtype: torch.dtype = torch.float32, zero1: bool = False,
+                 betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0, bucket_elems: int = 1 << 24):
+        self.dims, self.device = dims, dims.device
+        self.dp_size, self.dp_rank = dims.dp * dims.cp, dims.dp_cp_rank
+        self.zero1 = zero1
         self.betas, self.eps, self.weight_decay, self.bucket_elems = betas, eps, weight_decay, bucket_elems
         self.model_dtype, self.step_count = model_dtype, 0
-        self.offsets, off = [], 0
-        for p in self.params:
-            self.offsets.append(off)
-            off += p.numel()
-        self.numel = off
-        self.padded = -(-max(off, 1) // dp_size) * dp_size
-        self.shard = self.padded // dp_size
-        self.slice = (dp_rank * self.shard, (dp_rank + 1) * self.shard)   # this rank's 1/dp (norm, ZeRO state)
+        self.grads = GradBuffer(params, device=self.device, pad_to=self.dp_size)
+        self.params, self.offsets = self.grads.params, self.grads.offsets
+        self.numel, self.padded = self.grads.numel, self.grads.padded
+        self.shard = self.padded // self.dp_size
+        self.slice = (self.dp_rank * self.shard, (self.dp_rank + 1) * self.shard)  # this rank's 1/dp (norm, ZeRO)
         self.owned = self.slice if zero1 else (0, self.padded)
 
-        full_master = torch.zeros(self.padded, dtype=torch.float32)
+        full_master = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
         for p, o in zip(self.params, self.offsets):
             full_master[o:o + p.numel()] = p.detach().reshape(-1).float()
         self.flat = full_master.to(model_dtype) if model_dtype != torch.float32 else full_master
@@ -100,30 +94,24 @@ class DistributedAdamW:
         # fp32 weights: the flat buffer is the master (a view); bf16: a separate fp32 copy of the owned range.
         self.master = self.flat[lo:hi] if model_dtype == torch.float32 else full_master[lo:hi].clone()
         del full_master
-        self.exp_avg = torch.zeros(hi - lo, dtype=torch.float32)
-        self.exp_avg_sq = torch.zeros(hi - lo, dtype=torch.float32)
-        # Gradients: the parameters' .grad are views of `grad_model` (autograd accumulates into them in place), so
-        # with fp32 weights the fp32 reduction buffer IS the gradient storage (no copy, no second model-sized
-        # buffer); with bf16 weights it is one cast-copy into the fp32 buffer.
-        self.grad_flat = torch.zeros(self.padded, dtype=torch.float32)
-        self.grad_model = self.grad_flat if model_dtype == torch.float32 else torch.zeros(self.padded,
-                                                                                       dtype=model_dtype)
-        self.grad_owned = self.grad_flat if not zero1 else None
-        self.norm_runs = self._norm_weights(named_params, tp_rank, tp)
+        self.exp_avg = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
+        self.exp_avg_sq = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
+        self.grad_owned = None  # the reduced fp32 gradients of the owned range, after reduce_grads()
+        self.norm_runs = self._norm_weights(dims.tp_rank, dims.tp)
         self.decay_ranges = self._decay_ranges()
         self.no_decay_ranges = _complement(self.decay_ranges, hi - lo)
 
     # -- construction helpers -------------------------------------------------------------------------------
-    def _norm_weights(self, named_params, tp_rank: int, tp: int) -> list[tuple[int, int, float]]:
+    def _norm_weights(self, tp_rank: int, tp: int) -> list[tuple[int, int, float]]:
         """The weights of `count_weight` over this rank's slice, as runs (start, end, weight) of equal weight
         (a few per parameter), so the norm is a handful of dot products with no model-sized temporary."""
         lo, hi = self.slice
-        w = torch.ones(hi - lo)
-        for (name, p, model), o in zip(named_params, self.offsets):
+        w = torch.ones(hi - lo, device="cpu")
+        for p, o in zip(self.params, self.offsets):
             a, b = max(o, lo), min(o + p.numel(), hi)
             if a >= b:
                 continue
-            cw = count_weight(name, p, model, tp_rank, tp)
+            cw = count_weight(p, tp_rank, tp)
             if isinstance(cw, float):
                 w[a - lo:b - lo] = cw
             else:
@@ -144,49 +132,34 @@ class DistributedAdamW:
                     ranges.append((a - lo, b - lo))
         return ranges
 
-    # -- one step -------------------------------------------------------------------------------------------
-    def _grad_view(self, i: int) -> torch.Tensor:
-        p, o = self.params[i], self.offsets[i]
-        return self.grad_model[o:o + p.numel()].view(p.shape)
+    @property
+    def dp_group(self):
+        """The gradient-reduction group (dp x cp); looked up when first used, so an optimizer can be built for a
+        virtual rank (memory planning tests) without process groups."""
+        return self.dims.grad_group
 
+    # -- one step -------------------------------------------------------------------------------------------
     def zero_grad(self) -> None:
-        """Zero the gradient buffer and (re)attach every parameter's .grad as a view of it."""
-        self.grad_model.zero_()
-        for i, p in enumerate(self.params):
-            o = self.offsets[i]
-            if p.grad is None or p.grad.data_ptr() != self.grad_model[o:].data_ptr():
-                p.grad = self._grad_view(i)
+        self.grads.zero()
+        self.grad_owned = None
 
     def reduce_grads(self) -> None:
-        """Sum the gradients over dp into the fp32 buffer (all-reduce, or reduce-scatter under ZeRO-1). Call after
-        the TP / tied-embedding reductions (finalize_grads with dp_reduce=False)."""
-        for i, p in enumerate(self.params):  # a .grad that someone replaced (or removed) is copied back in
-            o = self.offsets[i]
-            if p.grad is None:
-                self.grad_model[o:o + p.numel()].zero_()
-            elif p.grad.data_ptr() != self.grad_model[o:].data_ptr():
-                self.grad_model[o:o + p.numel()].copy_(p.grad.reshape(-1))
-        g = self.grad_flat
-        if self.grad_model is not g:
-            g.copy_(self.grad_model)
-        if self.dp_size == 1:
-            self.grad_owned = g
-        elif self.zero1:
-            self.grad_owned = comm.reduce_scatter(g, self.dp_group)
-        else:
-            for start in range(0, self.padded, self.bucket_elems):  # buckets bound the collective's buffers
-                comm.all_reduce(g[start:start + self.bucket_elems], self.dp_group)
-            self.grad_owned = g
+        """Sum the main gradients over dp (all-reduce, or reduce-scatter under ZeRO-1): the GradBuffer's one
+        reduction path. Call after the TP / tied-weight reductions (finalize_grads)."""
+        self.grad_owned = self.grads.reduce(self.dp_group, shard=self.zero1, bucket_elems=self.bucket_elems)
 
     def global_grad_norm(self, flag: float = 0.0) -> tuple[float, float]:
         """(global L2 norm of the reduced gradients, world sum of `flag`): one all-reduce over every rank."""
         lo, hi = self.slice
         g = self.grad_owned if self.zero1 else self.grad_owned[lo:hi]
-        local = sum(w * torch.dot(g[a:b], g[a:b]).double() for a, b, w in self.norm_runs)
-        t = torch.stack([torch.as_tensor(local, dtype=torch.float64), torch.tensor(float(flag), dtype=torch.float64)])
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
+        for a, b, w in self.norm_runs:
+            local += w * torch.dot(g[a:b], g[a:b]).double()
+        t = torch.stack([local, torch.tensor(float(flag), dtype=torch.float64, device=self.device)])
+        if self.dims.world_size > 1:
             comm.all_reduce(t, None)
-        return math.sqrt(max(t[0].item(), 0.0)) if math.isfinite(t[0].item()) else float("nan"), t[1].item()
+        total, flags = t.tolist()
+        return math.sqrt(max(total, 0.0)) if math.isfinite(total) else float("nan"), flags
 
     @torch.no_grad()
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
@@ -199,7 +172,7 @@ class DistributedAdamW:
         if _FUSED is not None:
             # torch's fused AdamW kernel: one pass over memory instead of seven (about 8x faster on CPU); called
             # once for the decayed ranges and once for the rest, each a list of views of the flat buffers.
-            step = torch.tensor(float(self.step_count))
+            step = torch.tensor(float(self.step_count), device=self.device)
             for wd, ranges in ((self.weight_decay, self.decay_ranges), (0.0, self.no_decay_ranges)):
                 if ranges:
                     views = [[t[a:b] for a, b in ranges] for t in (self.master, g, self.exp_avg, self.exp_avg_sq)]
@@ -232,13 +205,11 @@ class DistributedAdamW:
     def buffer_bytes(self) -> dict[str, int]:
         """Bytes this optimizer holds, by kind (what a memory planner should count):
         params  the flat weight buffer (model dtype, padded to a multiple of dp);
-        grads   the fp32 reduction buffer, plus the model-dtype buffer the parameters' .grad views live in when
-                the weights are not fp32, plus the reduce-scattered shard under ZeRO-1 (dp > 1);
+        grads   the fp32 main-gradient buffer, plus the reduce-scattered shard under ZeRO-1 (dp > 1);
         master  the separate fp32 master of the owned range (0 with fp32 weights: the weights are the master);
         optimizer  exp_avg + exp_avg_sq of the owned range."""
         zero1_shard = self.shard * 4 if self.zero1 and self.dp_size > 1 else 0
-        grads = self.grad_flat.nbytes + (self.grad_model.nbytes if self.grad_model is not self.grad_flat else 0)
-        return {"params": self.flat.nbytes, "grads": grads + zero1_shard,
+        return {"params": self.flat.nbytes, "grads": self.grads.nbytes() + zero1_shard,
                 "master": 0 if self.master_is_flat else self.master.nbytes,
                 "optimizer": self.exp_avg.nbytes + self.exp_avg_sq.nbytes}
 

@@ -1,0 +1,232 @@
+"""ParallelDims: the parallel layout of one rank, passed to everything that needs it.
+
+One small object holds the degrees (tp, cp, dp, pp; ep reserved), this rank's coordinates, its process groups and
+the device this rank computes on. Models, layers, schedules, the executor and the trainer take it explicitly
+(torchtitan's ParallelDims, Megatron's explicit tp_group); `tpzoo.init_parallel()` builds the real one and also
+makes it the default for the simple public API (`ColumnParallelLinear(512, 2048)` without dims).
+
+Megatron's rank order: tensor parallel varies fastest, then context parallel, then data parallel, then pipeline
+parallel: rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)), so the ranks of one tensor-parallel
+group are neighbours (on one node, where the bandwidth is).
+
+`ParallelDims.virtual(tp=4, pp=2, tp_rank=1, pp_rank=0)` describes one rank of a layout without any process
+group, to build that rank's part of a model on the meta device in one process (checkpoint conversion, the plan
+advisor, tests): sizes and coordinates answer, and asking for a group of size > 1 raises.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+AXES = ("tp", "cp", "dp", "pp")  # fastest first
+
+
+class ParallelLayoutError(ValueError):
+    """A parallel layout that cannot work (degrees that do not divide, a world size that does not match)."""
+
+
+class _SelfGroup:
+    """The group of one process: every collective over it is the identity. Stands for any group of size 1, so
+    single-rank code needs neither torch.distributed nor a special case at each call."""
+
+    def __repr__(self) -> str:
+        return "SELF_GROUP"
+
+
+SELF_GROUP = _SelfGroup()
+
+
+def divide(numerator: int, denominator: int, what: str = "value") -> int:
+    """numerator / denominator, or a clear error when it does not divide evenly."""
+    if denominator <= 0 or numerator % denominator != 0:
+        raise ParallelLayoutError(f"{what}: {numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+def check_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None) -> int:
+    """Validate degrees against a world size and return dp (inferred when None)."""
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
+        if not isinstance(value, int) or value < 1:
+            raise ParallelLayoutError(f"{name} must be a positive integer, got {value!r}")
+    model_parallel = tp * pp * cp
+    if world_size % model_parallel != 0:
+        raise ParallelLayoutError(
+            f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {model_parallel}")
+    inferred = world_size // model_parallel
+    if dp is None:
+        return inferred
+    if dp != inferred:
+        raise ParallelLayoutError(
+            f"tp*pp*cp*dp = {tp}*{pp}*{cp}*{dp} = {model_parallel * dp} does not equal world size {world_size}")
+    return dp
+
+
+# Groups every rank creates, by name -> the coordinates that vary within one group.
+GROUP_AXES = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp_cp": ("dp", "cp"),
+              "mp": ("tp", "pp")}
+
+
+@dataclass(eq=False)
+class ParallelDims:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    groups: dict = field(default_factory=dict)       # name -> this rank's ProcessGroup (real dims only)
+    group_ranks: dict = field(default_factory=dict)  # name -> the global ranks of this rank's group
+    ep: int = 1                                      # expert parallelism: reserved (carved out of dp x cp)
+    virtual: bool = False                            # True: no process groups (see module docstring)
+    owns_default_group: bool = False                 # init_parallel created torch.distributed's default group
+
+    def __post_init__(self):
+        self.device = torch.device(self.device)
+        if self.ep != 1:
+            raise ParallelLayoutError(f"expert parallelism (ep={self.ep}) is not implemented yet")
+
+    # -- construction ---------------------------------------------------------------------------------------
+    @classmethod
+    def for_rank(cls, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1, *, tp_rank: int = 0, pp_rank: int = 0,
+                 cp_rank: int = 0, dp_rank: int = 0, device="meta") -> "ParallelDims":
+        """One rank of a layout, with no process group: for building that rank's model part in one process."""
+        for name, size, r in (("tp", tp, tp_rank), ("pp", pp, pp_rank), ("cp", cp, cp_rank), ("dp", dp, dp_rank)):
+            if not 0 <= r < size:
+                raise ParallelLayoutError(f"{name} rank {r} is outside a {name} size of {size}")
+        dims = cls(tp=tp, pp=pp, cp=cp, dp=dp, world_size=tp * pp * cp * dp, device=device, virtual=True)
+        dims.rank = dims.rank_of(tp=tp_rank, cp=cp_rank, dp=dp_rank, pp=pp_rank)
+        dims.group_ranks = {name: ranks for name, ranks in dims.enumerate_groups() if dims.rank in ranks}
+        return dims
+
+    def sizes(self) -> dict:
+        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
+
+    def rank_of(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+
+    def coords(self, rank: int | None = None) -> dict:
+        r = self.rank if rank is None else rank
+        return {"tp": r % self.tp, "cp": (r // self.tp) % self.cp, "dp": (r // (self.tp * self.cp)) % self.dp,
+                "pp": r // (self.tp * self.cp * self.dp)}
+
+    def enumerate_groups(self) -> list[tuple[str, list[int]]]:
+        """(name, sorted ranks) of every group of every name, in the order each rank must create them (group
+        creation is collective over the world): tp, cp, dp, pp, dp_cp, mp, then the embedding groups (first and
+        last stage of each pipeline: they hold the tied input/output embeddings)."""
+        out = []
+        for name, varying in GROUP_AXES.items():
+            out += [(name, ranks) for ranks in self._groups_varying(varying)]
+        for ranks in self._groups_varying(("pp",)):
+            out.append(("embedding", sorted({ranks[0], ranks[-1]})))
+        return out
+
+    def _groups_varying(self, varying: tuple) -> list[list[int]]:
+        sizes = self.sizes()
+        fixed = [k for k in AXES if k not in varying]
+        groups = []
+        for fixed_vals in itertools.product(*(range(sizes[k]) for k in fixed)):
+            base = dict(zip(fixed, fixed_vals))
+            members = [self.rank_of(**{**base, **dict(zip(varying, vals))})
+                       for vals in itertools.product(*(range(sizes[k]) for k in varying))]
+            groups.append(sorted(members))
+        return groups
+
+    # -- coordinates ----------------------------------------------------------------------------------------
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords()["cp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords()["dp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords()["pp"]
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """Position in the data x context parallel group (the gradient-reduction group; cp varies fastest)."""
+        return self.cp_rank + self.cp * self.dp_rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def ranks(self, name: str) -> list[int]:
+        """Global ranks of this rank's group `name` (this rank alone for a size-1 group)."""
+        if name in self.group_ranks:
+            return list(self.group_ranks[name])
+        if self.group_size(name) == 1:
+            return [self.rank]
+        raise KeyError(f"no {name!r} group on rank {self.rank}")
+
+    def pp_peer(self, stage: int) -> int:
+        """Global rank of the pipeline rank `stage % pp` in this rank's pipeline."""
+        return self.ranks("pp")[stage % self.pp]
+
+    # -- groups ---------------------------------------------------------------------------------------------
+    def group_size(self, name: str) -> int:
+        if name == "embedding":
+            return len(self.group_ranks.get("embedding", [self.rank]))
+        return {"dp_cp": self.dp * self.cp, "mp": self.tp * self.pp, "world": self.world_size}.get(
+            name, self.sizes().get(name, 1))
+
+    def group(self, name: str):
+        """This rank's process group `name` (tp, cp, dp, pp, dp_cp, mp, embedding, world); SELF_GROUP for a group
+        of one. Virtual dims have no groups: asking for one of size > 1 is an error (nothing may communicate)."""
+        if self.group_size(name) == 1:
+            return SELF_GROUP
+        if self.virtual:
+            raise RuntimeError(f"virtual ParallelDims (tp={self.tp} pp={self.pp} cp={self.cp} dp={self.dp}) has "
+                               f"no process groups: a model built for another rank cannot communicate")
+        if name == "world":
+            import torch.distributed as dist
+
+            return dist.group.WORLD
+        return self.groups[name]
+
+    @property
+    def tp_group(self):
+        return self.group("tp")
+
+    @property
+    def pp_group(self):
+        return self.group("pp")
+
+    @property
+    def dp_group(self):
+        return self.group("dp")
+
+    @property
+    def cp_group(self):
+        return self.group("cp")
+
+    @property
+    def grad_group(self):
+        """Where gradients are summed: the data-parallel ranks (times context parallel when cp > 1)."""
+        return self.group("dp_cp")
+
+    @property
+    def embedding_group(self):
+        return self.group("embedding")
+
+    def describe(self) -> str:
+        return (f"tp={self.tp} pp={self.pp} cp={self.cp} dp={self.dp} rank {self.rank}/{self.world_size} "
+                f"on {self.device}")
+
+
+def local_dims(device="cpu") -> ParallelDims:
+    """A single process holding everything (no torch.distributed needed)."""
+    return ParallelDims(device=device)
