@@ -167,3 +167,12 @@ def test_layout_chunks_follow_tpzoo_partition():
     assert list(chunk_layer_ranges(cfg, 16)) == partition_layers(cfg, 16)
     assert stage_chunks(cfg, 4, 1, 2) == tuple(partition_layers(cfg, 4, virtual_stages=2)[1::4])
     assert Layout(tp=8, pp=16, dp=128).gpus == 16384
+
+
+def test_plan_reports_megatrons_18_bytes_per_parameter_in_bf16():
+    from tpzoo.plan.memory import state_bytes_per_param
+
+    spec = dict(seq_len=16, global_batch_size=8)
+    assert state_bytes_per_param(TrainingSpec(**spec)) == "18 B/param"  # 2 weights + 4 main grads + 4 + 8
+    assert state_bytes_per_param(TrainingSpec(**spec, dtype="fp32")) == "16 B/param"
+    assert state_bytes_per_param(TrainingSpec(**spec, zero1=True)) == "6 + 16/dp B/param"

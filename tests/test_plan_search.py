@@ -132,6 +132,7 @@ def test_cli_table(capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "tpzoo plan: llama-3-8b" in out and "tokens/s" in out and "MFU" in out
+    assert "bf16, ZeRO-1 off (training state 18 B/param)" in out
     assert "needs" in out and "GiB > 80 GiB" in out
     rows = [line for line in out.splitlines() if line.strip()[:2].strip().isdigit()]
     assert len(rows) == 3

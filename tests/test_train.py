@@ -60,7 +60,7 @@ def test_config_toml_sections_flat_keys_and_flags(tmp_path):
     with pytest.raises(ValueError, match="unknown config key"):
         load_config(None, {"learning_rate": 1})
     with pytest.raises(ValueError, match="dtype must be one of"):
-        load_config(None, {"dtype": "fp16"})
+        load_config(None, {"dtype": "fp8"})
     bad = tmp_path / "bad.toml"
     bad.write_text("[optim]\ntp = 2\n")
     with pytest.raises(ValueError, match=r"\[optim\] has no key 'tp'"):
@@ -182,6 +182,28 @@ def test_nan_steps_are_skipped_then_the_run_stops(store, tmp_path):
                                      inject_nan_steps=[3, 4]))[0]
     assert r["status"] == "diverged" and r["steps"] == [1, 2, 3, 4]
     assert sorted(p.name for p in Path(save).glob("step_*")) == ["step_00000002"]  # the last good one
+
+
+def test_fp16_scales_the_loss_and_skips_overflows_without_diverging(store, tmp_path):
+    """fp16 weights: the loss curve follows fp32's; injected overflows (NaN gradients with a finite loss) skip
+    the update and, after hysteresis 2, halve the loss scale, without counting as divergence; the scale
+    travels in the checkpoint."""
+    import json
+
+    from tpzoo.train.metrics import read_metrics
+
+    fp32 = run_on_ranks(2, _train, tiny(store, tp=2, steps=5))[0]
+    save = tmp_path / "fp16"
+    r = run_on_ranks(2, _train, tiny(store, tp=2, steps=5, dtype="fp16", max_skips=1, inject_nan_steps=[2, 3],
+                                     save=str(save)))[0]
+    assert r["status"] == "ok"
+    assert r["losses"][0] == pytest.approx(fp32["losses"][0], abs=1e-2)  # same weights, rounded to fp16
+    rows = read_metrics(str(save))
+    assert [row["loss_scale"] for row in rows] == [2.0 ** 16] * 3 + [2.0 ** 15] * 2
+    assert [row["skipped"] for row in rows] == [0] * 5 and math.isnan(float(rows[1]["grad_norm"]))
+    assert r["losses"][-1] < r["losses"][0]
+    state = json.loads((save / "step_00000005" / "train_state.json").read_text())
+    assert state["loss_scaler"]["scale"] == 2.0 ** 15 and state["loss_scaler"]["clean_steps"] == 2
 
 
 # -- checkpoints and resume -------------------------------------------------------------------------------------------

@@ -38,18 +38,23 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
+def flat_layout(params, pad_to: int = 1) -> tuple[list, list[int], int, int]:
+    """(each distinct Parameter once, in order; its offset in a flat buffer; elements; elements padded to a
+    multiple of pad_to): the layout the GradBuffer and the optimizer's flat buffers share."""
+    unique = list({id(p): p for p in params}.values())
+    offsets, off = [], 0
+    for p in unique:
+        offsets.append(off)
+        off += p.numel()
+    return unique, offsets, off, -(-max(off, 1) // pad_to) * pad_to
+
+
 class GradBuffer:
     """fp32 main gradients of `params` (each distinct Parameter once, in order) in one flat buffer on `device`,
     padded to a multiple of `pad_to` (the dp size, so ZeRO-1 can split it evenly)."""
 
     def __init__(self, params, *, device, pad_to: int = 1):
-        self.params = list({id(p): p for p in params}.values())
-        self.offsets, off = [], 0
-        for p in self.params:
-            self.offsets.append(off)
-            off += p.numel()
-        self.numel = off
-        self.padded = -(-max(off, 1) // pad_to) * pad_to
+        self.params, self.offsets, self.numel, self.padded = flat_layout(params, pad_to)
         self.data = torch.zeros(self.padded, dtype=torch.float32, device=device)
         self._hooks = []
         for p, o in zip(self.params, self.offsets):

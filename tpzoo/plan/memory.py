@@ -131,6 +131,21 @@ def state_bytes(count: ParamCount, training: TrainingSpec, dp: int = 1) -> State
     return StateBytes(e * padded, grads, 4 * owned if e < 4 else 0, 8 * owned)
 
 
+def state_bytes_per_param(training: TrainingSpec) -> str:
+    """What one parameter costs in training state (weights, fp32 main grads, master, AdamW moments), as `tpzoo
+    plan` prints it: "18 B/param" in bf16, "6 + 16/dp B/param" in bf16 with ZeRO-1 (derived from state_bytes)."""
+    n = 1 << 20
+
+    def per_param(dp: int) -> float:
+        b = state_bytes(ParamCount(n, 0, 0, 0, 0, 0), training, dp)
+        return (b.params + b.grads + b.master + b.optimizer) / n
+
+    if not training.zero1:
+        return f"{per_param(1):g} B/param"
+    sharded = 4 * (per_param(2) - per_param(4))
+    return f"{per_param(2) - sharded / 2:g} + {sharded:g}/dp B/param"
+
+
 # -- activations --------------------------------------------------------------------------------------------
 def _norm_saved(cfg: ModelConfig, e: int, kernels: str) -> int:
     """Bytes per token a norm saves: its input and fp32 row statistics (the torch RMSNorm saves an fp32 copy

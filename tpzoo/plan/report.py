@@ -7,6 +7,7 @@ import json
 from tpzoo.models.config import ModelConfig
 
 from .estimate import GIB, Estimate
+from .memory import state_bytes_per_param
 from .spec import ClusterSpec, TrainingSpec
 
 
@@ -24,7 +25,8 @@ def header(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, consi
             f"({cluster.gpus_per_node}/node) of {cluster.gpu_memory_gib:g} GiB, {cluster.gpu_tflops:g} TFLOP/s, "
             f"intra-node {cluster.intra_node_gbps:g} GB/s, inter-node {cluster.inter_node_gbps:g} GB/s\n"
             f"seq {training.seq_len}, global batch {training.global_batch_size} ({tokens:,} tokens/step), "
-            f"{training.dtype}, ZeRO-1 {'on' if training.zero1 else 'off'}, {training.kernels} kernels, "
+            f"{training.dtype}, ZeRO-1 {'on' if training.zero1 else 'off'} "
+            f"(training state {state_bytes_per_param(training)}), {training.kernels} kernels, "
             f"efficiency {cluster.efficiency:g}, reserve {cluster.reserve_gib:g} GiB; "
             f"{considered} layouts, {fitting} fit")
 

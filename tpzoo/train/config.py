@@ -45,8 +45,9 @@ class ModelSection:
     base: str = _f("", "initial weights: a tpzoo checkpoint or a Hugging Face model directory (fine-tuning, "
                        "continued pretraining); the model config and, unless --tokenizer, the tokenizer come "
                        "from it")
-    dtype: str = _f("fp32", "'fp32' or 'bf16' (bf16 weights and activations; fp32 master weights, gradient "
-                            "reduction and optimizer state)", choices=("fp32", "bf16"))
+    dtype: str = _f("fp32", "'fp32', 'bf16' or 'fp16' (16-bit weights and activations; fp32 master weights, main "
+                            "gradients and optimizer state; fp16 adds dynamic loss scaling)",
+                    choices=("fp32", "bf16", "fp16"))
 
 
 @dataclass

@@ -31,11 +31,12 @@ from . import checkpointing as ckpt
 from .config import TrainConfig
 from .data import build_datasets, make_loader, resolve_tokenizer
 from .generate import generate
+from .loss_scale import DynamicLossScaler
 from .lr import lr_at
 from .metrics import MetricsLogger, Throughput, format_line, peak_memory_gb
 from .optim import DistributedAdamW
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -113,11 +114,15 @@ class Trainer:
         self.pin = self.device.type == "cuda"
         self.loader = make_loader(self.train_ds, cfg, self.dp_rank, self.dp, pin_memory=self.pin)
         self.start_step, self.skips = 0, 0
+        # fp16: gradients would underflow without a loss scale (bf16 and fp32 have fp32's exponent range)
+        self.scaler = DynamicLossScaler() if cfg.dtype == "fp16" else None
         if self.train_state is not None:
             ckpt.load_optimizer(self.optimizer, self.resume_dir, self.train_state, self.chunks)
             self.loader.load_state_dict(self.train_state["loader"])
             self.start_step = int(self.train_state["step"])
             self.skips = int(self.train_state.get("consecutive_skips", 0))
+            if self.scaler is not None and self.train_state.get("loss_scaler"):
+                self.scaler = DynamicLossScaler.from_state(self.train_state["loss_scaler"])
             ckpt.load_rng(self.resume_dir, self.rank, self.world, self.device)
         if self.start_step > cfg.steps:
             raise ValueError(f"checkpoint {self.resume_dir} is at step {self.start_step}, past --steps {cfg.steps}")
@@ -148,7 +153,8 @@ class Trainer:
         local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in host)  # counted on the host copy
         batches = [self._to_device(b) for b in host]
         (tokens,) = self._global_sum([local_tokens], self.dp_group)
-        scale = 1.0 / max(tokens, 1.0)
+        loss_scale = self.scaler.scale if self.scaler else 1.0
+        scale = loss_scale / max(tokens, 1.0)
         if step in cfg.inject_nan_steps:
             scale = float("nan")
         self.optimizer.zero_grad()
@@ -159,20 +165,33 @@ class Trainer:
         (loss_sum,) = self._global_sum([out["loss_sum"]], self.dp_group)
         loss = loss_sum / max(tokens, 1.0)
         grad_norm, bad = self.optimizer.global_grad_norm(flag=0.0 if math.isfinite(loss) else 1.0)
+        grad_norm /= loss_scale  # the norm of the true (unscaled) gradients
         lr = lr_at(step - 1, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
         skipped = bad > 0 or not math.isfinite(grad_norm)
-        if skipped:
+        # fp16 with a finite loss: the gradients overflowed at this loss scale. Expected now and then: skip the
+        # step and let the scaler back off, without counting it as divergence (until the scale cannot shrink).
+        overflow = skipped and bad == 0 and self.scaler is not None and loss_scale > self.scaler.min_scale
+        if overflow:
+            self.scaler.update(True)
+            self.logger.print(f"step {step}: fp16 gradient overflow at loss scale {loss_scale:g}: update skipped, "
+                              f"scale now {self.scaler.scale:g}")
+        elif skipped:
             self.skips += 1
             self.logger.print(f"WARNING: step {step}: non-finite loss ({loss:.4g}) or grad norm ({grad_norm:.4g}): "
                               f"update skipped ({self.skips} in a row; the run stops at {cfg.max_skips})")
         else:
             self.skips = 0
             clip = cfg.clip_grad / (grad_norm + 1e-6) if cfg.clip_grad > 0 and grad_norm > cfg.clip_grad else 1.0
-            self.optimizer.step(lr, clip)
+            self.optimizer.step(lr, clip / loss_scale)  # unscale and clip in the update's one pass
+            if self.scaler:
+                self.scaler.update(False)
         seconds = time.perf_counter() - t0
         self.throughput.add(self.tokens_per_step, seconds)
-        return {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(tokens),
-                "step_time": seconds, "skipped": self.skips if skipped else 0}
+        m = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(tokens),
+             "step_time": seconds, "skipped": self.skips if skipped and not overflow else 0}
+        if self.scaler:
+            m["loss_scale"] = loss_scale
+        return m
 
     @torch.no_grad()
     def evaluate(self) -> float | None:

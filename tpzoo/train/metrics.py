@@ -40,7 +40,9 @@ def device_name(device: torch.device | None = None) -> str:
 
 
 def peak_tflops(dtype: str, name: str | None = None) -> float | None:
-    """The device's dense peak for `dtype` ('bf16' | 'fp32'), or None when unknown (every CPU)."""
+    """The device's dense peak for `dtype` ('bf16' | 'fp16' | 'fp32'), or None when unknown (every CPU). fp16
+    tensor cores run at the bf16 rate on the GPUs listed (V100, which has no bf16, is fp32-only here)."""
+    dtype = "bf16" if dtype == "fp16" else dtype
     name = name if name is not None else device_name()
     for key, peaks in KNOWN_PEAK_TFLOPS:
         if key in name:

@@ -30,6 +30,7 @@ import math
 import torch
 
 from tpzoo.parallel import GradBuffer, ParallelDims, comm
+from tpzoo.parallel.data_parallel import flat_layout
 from tpzoo.parallel.utils import param_spec
 
 
@@ -76,9 +77,7 @@ class DistributedAdamW:
         self.zero1 = zero1
         self.betas, self.eps, self.weight_decay, self.bucket_elems = betas, eps, weight_decay, bucket_elems
         self.model_dtype, self.step_count = model_dtype, 0
-        self.grads = GradBuffer(params, device=self.device, pad_to=self.dp_size)
-        self.params, self.offsets = self.grads.params, self.grads.offsets
-        self.numel, self.padded = self.grads.numel, self.grads.padded
+        self.params, self.offsets, self.numel, self.padded = flat_layout(params, self.dp_size)
         self.shard = self.padded // self.dp_size
         self.slice = (self.dp_rank * self.shard, (self.dp_rank + 1) * self.shard)  # this rank's 1/dp (norm, ZeRO)
         self.owned = self.slice if zero1 else (0, self.padded)
@@ -96,6 +95,8 @@ class DistributedAdamW:
         del full_master
         self.exp_avg = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
         self.exp_avg_sq = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
+        # Last, once the parameters' old storage is freed: the same layout as `flat`, element for element.
+        self.grads = GradBuffer(self.params, device=self.device, pad_to=self.dp_size)
         self.grad_owned = None  # the reduced fp32 gradients of the owned range, after reduce_grads()
         self.norm_runs = self._norm_weights(dims.tp_rank, dims.tp)
         self.decay_ranges = self._decay_ranges()
