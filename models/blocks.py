@@ -12,6 +12,7 @@ from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
 from tpzoo import kernels
+from tpzoo.errors import ConfigError
 from tpzoo.parallel import (ColumnParallelLinear, ParallelDims, ParallelLayoutError, RowParallelLinear, ShardSpec,
                             gather_from_sequence, mark_parallel)
 from tpzoo.parallel.mappings import copy_to_tp
@@ -64,7 +65,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         between = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         return torch.where(between, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled).float()
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+    raise ConfigError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,6 +5,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from tpzoo.errors import ConfigError
+
 
 @dataclass
 class ModelConfig:
@@ -41,14 +43,14 @@ class ModelConfig:
             self.num_kv_heads = self.num_heads
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
-                raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+                raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
             self.head_dim = self.hidden_size // self.num_heads
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
+            raise ConfigError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
         for attr, allowed in (("norm", ("rmsnorm", "layernorm")), ("activation", ("swiglu", "gelu_tanh")),
                               ("position", ("rope", "learned"))):
             if getattr(self, attr) not in allowed:
-                raise ValueError(f"{attr} must be one of {allowed}, got {getattr(self, attr)!r}")
+                raise ConfigError(f"{attr} must be one of {allowed}, got {getattr(self, attr)!r}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -58,7 +60,7 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
-            raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
+            raise ConfigError(f"unknown ModelConfig fields: {sorted(unknown)}")
         return cls(**d)
 
     def to_json(self) -> str:

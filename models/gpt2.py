@@ -1,6 +1,8 @@
 """GPT-2: learned positions, LayerNorm, biases everywhere, tanh GeLU, tied embeddings, HF Conv1D weights."""
 from __future__ import annotations
 
+from tpzoo.errors import ConfigError
+
 from .config import ModelConfig
 from .hf_mapping import same, transposed
 from .registry import Family, register_family
@@ -10,7 +12,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     h = hf["n_embd"]
     act = hf.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
-        raise ValueError(f"GPT-2 with activation {act!r} is not supported (tpzoo implements the tanh GeLU)")
+        raise ConfigError(f"GPT-2 with activation {act!r} is not supported (tpzoo implements the tanh GeLU)")
     return ModelConfig(
         family="gpt2", vocab_size=hf["vocab_size"], hidden_size=h, num_layers=hf["n_layer"],
         num_heads=hf["n_head"], ffn_hidden_size=hf.get("n_inner") or 4 * h,

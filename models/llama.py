@@ -2,6 +2,8 @@
 attention; Mistral adds a sliding window, Qwen2 adds q/k/v biases. One mapping serves all three."""
 from __future__ import annotations
 
+from tpzoo.errors import ConfigError
+
 from .config import ModelConfig
 from .hf_mapping import concatenated, same
 from .registry import Family, register_family
@@ -21,7 +23,7 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
 def _config_from_hf(family: str, hf: dict) -> ModelConfig:
     act = hf.get("hidden_act", "silu")
     if act != "silu":
-        raise ValueError(f"{family} with hidden_act {act!r} is not supported (tpzoo implements SwiGLU)")
+        raise ConfigError(f"{family} with hidden_act {act!r} is not supported (tpzoo implements SwiGLU)")
     theta, scaling = _rope(hf)
     window = hf.get("sliding_window") if family == "mistral" or hf.get("use_sliding_window") else None
     return ModelConfig(

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from tpzoo.errors import ConfigError
+
 from .config import ModelConfig
 
 
@@ -34,7 +36,7 @@ def register_family(family: Family) -> Family:
 def get_family(name: str) -> Family:
     _load_builtin()
     if name not in FAMILIES:
-        raise KeyError(f"unknown model family {name!r}; known: {sorted(FAMILIES)}")
+        raise ConfigError(f"unknown model family {name!r}; known: {sorted(FAMILIES)}")
     return FAMILIES[name]
 
 
@@ -46,7 +48,7 @@ def family_for_hf(hf_config: dict) -> Family:
             return fam
     archs = hf_config.get("architectures")
     supported = sorted(t for f in FAMILIES.values() for t in f.hf_model_types)
-    raise ValueError(f"unsupported architecture: model_type={model_type!r} architectures={archs}; "
+    raise ConfigError(f"unsupported architecture: model_type={model_type!r} architectures={archs}; "
                      f"tpzoo supports model types {supported}")
 
 
@@ -59,7 +61,7 @@ def register_config(name: str, config: ModelConfig) -> ModelConfig:
 def get_config(name: str) -> ModelConfig:
     _load_builtin()
     if name not in CONFIGS:
-        raise KeyError(f"unknown model {name!r}; `tpzoo models` lists the known names")
+        raise ConfigError(f"unknown model {name!r}; `tpzoo models` lists the known names")
     return CONFIGS[name].replace()  # a copy: callers may change it
 
 

@@ -17,8 +17,9 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from tpzoo import kernels
-from tpzoo.parallel import (ColumnParallelLinear, ParallelDims, VocabParallelEmbedding, gather_tp_tensor,
-                            mark_parallel, mark_tied, padded_vocab_size)
+from tpzoo.errors import ConfigError
+from tpzoo.parallel import (ColumnParallelLinear, ParallelDims, VocabParallelEmbedding, gather_tp_tensor, mark_parallel,
+                            mark_tied, padded_vocab_size)
 from tpzoo.parallel.state import get_dims
 
 from .blocks import Norm, TransformerBlock, rope_cos_sin, rope_inv_freq
@@ -58,7 +59,7 @@ class Transformer(nn.Module):
                  recompute: str = "none", seed: int = 0, vocab_padding_multiple: int = 1, dtype=None, device=None):
         super().__init__()
         if recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+            raise ConfigError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         self.dims = dims = get_dims(dims)
         self.cfg, self.sequence_parallel, self.recompute = cfg, sequence_parallel, recompute
         self.pre_process, self.post_process, self.seed = pre_process, post_process, seed
@@ -180,7 +181,7 @@ class Transformer(nn.Module):
         ref = input_ids if input_ids is not None else hidden
         past = kv_caches[0].length if kv_caches else 0
         if self.sequence_parallel and seq_len % tp:
-            raise ValueError(f"sequence parallelism: sequence length {seq_len} is not divisible by "
+            raise ConfigError(f"sequence parallelism: sequence length {seq_len} is not divisible by "
                              f"tp={tp}; pad the sequence or turn sequence parallelism off")
         positions = self._positions(ref, seq_len, past, position_ids)
         if self.pre_process:

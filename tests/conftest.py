@@ -17,6 +17,7 @@ def _shutdown_rank_pools():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (scripts/gpu_check.sh runs them: pytest -m cuda)")
+    config.addinivalue_line("markers", "faults: the fault and bad-input suite (runs alone with pytest -m faults)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -100,4 +100,4 @@ def test_finetune_from_a_hf_directory_padded_examples(sft_file, tmp_path):
 def test_finetune_cli_requires_a_base(tmp_path):
     out = subprocess.run([sys.executable, "-m", "tpzoo", "finetune", "--data", "x.jsonl"], capture_output=True,
                          text=True, cwd=tmp_path, timeout=120)
-    assert out.returncode == 2 and "--base" in out.stdout
+    assert out.returncode == 2 and "tpzoo finetune: error: --base" in out.stderr and "Traceback" not in out.stderr

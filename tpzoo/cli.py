@@ -3,11 +3,15 @@
 Commands register here by name -> (module, one-line help). A command module defines
 `add_arguments(parser)` and `run(args) -> int | None`; it is imported only when its command runs, so
 `tpzoo --help` stays fast and a command's heavy imports never slow the others.
+
+A user error (tpzoo.errors) raised by a command becomes one line `tpzoo <command>: error: ...` and exit status 2
+(`--debug` or TPZOO_DEBUG=1 adds the traceback); anything else is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -34,13 +38,24 @@ def main(argv: list[str] | None = None) -> int:
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
+        p.add_argument("--debug", action="store_true", help="show the traceback of an error (also TPZOO_DEBUG=1)")
         if name == wanted:  # only the chosen command's module is imported
             importlib.import_module(module).add_arguments(p)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 1
-    rc = importlib.import_module(args._module).run(args)
+    from tpzoo.errors import debug_enabled, is_user_error, report
+
+    if debug_enabled(args):
+        os.environ["TPZOO_DEBUG"] = "1"  # ranks spawned from here inherit it
+    try:
+        rc = importlib.import_module(args._module).run(args)
+    except Exception as e:  # noqa: BLE001 - user errors become one line; bugs propagate with their traceback
+        if not is_user_error(e):
+            raise
+        name = " ".join(filter(None, (args.command, getattr(args, "direction", None))))
+        return report(name, e, debug=debug_enabled(args))
     return int(rc or 0)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from tpzoo.errors import ConfigError
 from tpzoo.parallel import comm
 from tpzoo.parallel.dims import ParallelDims
 from tpzoo.pipeline import StepFunctions, execute
@@ -98,7 +99,7 @@ def generate(model_or_chunks, input_ids: torch.Tensor, max_new_tokens: int, *, d
     sp = any(c.sequence_parallel for c in chunks)
     use_cache = not sp if use_cache is None else use_cache
     if use_cache and sp:
-        raise ValueError("generate: a KV cache cannot run under sequence parallelism (a one-token step cannot be "
+        raise ConfigError("generate: a KV cache cannot run under sequence parallelism (a one-token step cannot be "
                          "split over TP ranks); use use_cache=False or load the model without it")
     max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
     device = chunks[0].device

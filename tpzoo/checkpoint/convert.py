@@ -17,15 +17,16 @@ from pathlib import Path
 
 import torch
 
+from tpzoo.errors import ConfigError
 from tpzoo.parallel.sharding import ShardSpec
 
-from .format import (atomic_dir, aux_files_in, copy_aux_files, make_manifest, shard_file_name, write_manifest)
 from . import sources
+from .format import atomic_dir, aux_files_in, copy_aux_files, make_manifest, shard_file_name, write_manifest
 from .hf import HFSource, concat_structure, hf_config_for
 from .layout import ParamInfo, empty_meta, layout_plan, partition, spec_to_json, stages_from_ranges
 from .safetensors_io import COPY_MIN_RUN, dtype_name, nbytes
-from .st_writer import FileRuns, SafetensorsWriter
 from .sources import CheckpointSource, check_source, shard_pieces
+from .st_writer import FileRuns, SafetensorsWriter
 
 DTYPE_ARGS = {"auto": None, "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
               "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -36,7 +37,7 @@ def parse_dtype(value) -> torch.dtype | None:
     if value is None or isinstance(value, torch.dtype):
         return value
     if value not in DTYPE_ARGS:
-        raise ValueError(f"dtype must be one of {sorted(DTYPE_ARGS)}, got {value!r}")
+        raise ConfigError(f"dtype must be one of {sorted(DTYPE_ARGS)}, got {value!r}")
     return DTYPE_ARGS[value]
 
 
@@ -165,7 +166,7 @@ def parse_size(value) -> int:
         return value
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", str(value), re.I)
     if not m:
-        raise ValueError(f"not a size: {value!r} (e.g. 5GB, 500MiB)")
+        raise ConfigError(f"not a size: {value!r} (e.g. 5GB, 500MiB)")
     unit = m.group(2).upper().rstrip("B")
     scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
              "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]

@@ -15,6 +15,8 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from tpzoo.errors import UserError
+
 from .safetensors_io import CHECKSUMS, DTYPES, SafetensorsError, file_checksum, read_header
 
 FORMAT_NAME = "tpzoo-checkpoint"
@@ -28,7 +30,7 @@ AUX_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json
 AUX_SUFFIXES = (".tiktoken",)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that is incomplete, corrupt, or unsafe to read."""
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from tpzoo.errors import UserError
+
 from .format import CheckpointError, safe_path
 from .safetensors_io import SafetensorsReader
 
@@ -128,14 +130,14 @@ class HFSource:
 
     def _hf(self, hf_name: str):
         if hf_name not in self.where:
-            raise KeyError(f"HF checkpoint {self.root} is missing tensor {hf_name!r}")
+            raise CheckpointError(f"HF checkpoint {self.root} is missing tensor {hf_name!r}")
         return self._reader(self.where[hf_name])
 
     def check(self, names) -> None:
         """Every HF tensor the given tpzoo tensors need is present (one error listing all that are not)."""
         missing = sorted({h for n in names for h in self._map(n).hf if h not in self.where})
         if missing:
-            raise KeyError(f"HF checkpoint {self.root} is missing tensor(s) {missing[:8]}"
+            raise CheckpointError(f"HF checkpoint {self.root} is missing tensor(s) {missing[:8]}"
                            f"{' ...' if len(missing) > 8 else ''} ({len(missing)} in all)")
 
     def _map(self, name: str):
@@ -168,7 +170,7 @@ class HFSource:
         for h, want in zip(m.hf, m.to_hf(torch.empty(full_shape, device="meta"))):
             got = tuple(self._hf(h).shape(h))
             if got != tuple(want.shape):
-                raise ValueError(f"shape mismatch for HF tensor {h} (tpzoo {name}): the checkpoint has {got}, the "
+                raise CheckpointError(f"shape mismatch for HF tensor {h} (tpzoo {name}): the checkpoint has {got}, the "
                                  f"config implies {tuple(want.shape)}")
 
     def dtype(self, name: str) -> torch.dtype:
@@ -264,7 +266,7 @@ def hf_config_for(cfg, dtype: torch.dtype | None) -> dict:
     if orig:
         try:
             same = _comparable(from_hf_config(orig)) == _comparable(cfg)
-        except (ValueError, KeyError):
+        except (ValueError, KeyError, UserError):
             same = False
     hf = dict(orig) if same else to_hf_config(cfg)
     if dtype is not None:

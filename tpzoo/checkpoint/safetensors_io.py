@@ -29,6 +29,8 @@ import zlib
 import torch
 from safetensors import SafetensorError, safe_open
 
+from tpzoo.errors import UserError
+
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
@@ -38,7 +40,7 @@ COPY_MIN_RUN = 4096     # byte runs at least this long on average are copied by 
 MAX_SPAN_WASTE = 4      # read a span only when it is at most this many times the bytes wanted
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(UserError, ValueError):
     """A file that is not valid safetensors (truncated, corrupt header, inconsistent offsets)."""
 
 
@@ -113,7 +115,7 @@ class SafetensorsReader:
         """(file offset, length) of the bytes of t[s0:s0+n0, s1:s1+n1, ...], in row-major order, adjacent runs
         merged: one run for a range of whole rows, one per row for a range of columns."""
         if name not in self.tensors:
-            raise KeyError(f"{self.path}: no tensor {name!r}")
+            raise SafetensorsError(f"{self.path}: no tensor {name!r}")
         dtype, shape, begin, _ = self.tensors[name]
         if len(box) != len(shape) or any(s < 0 or n < 0 or s + n > d for (s, n), d in zip(box, shape)):
             raise IndexError(f"{self.path}: {name}: box {box} outside shape {shape}")

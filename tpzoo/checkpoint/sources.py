@@ -57,12 +57,12 @@ class CheckpointSource:
             return name
         if self.aliases.get(name) in self.tensors:
             return self.aliases[name]
-        raise KeyError(f"checkpoint {self.root} has no tensor {name!r}")
+        raise CheckpointError(f"checkpoint {self.root} has no tensor {name!r}")
 
     def check(self, names) -> None:
         missing = [n for n in names if n not in self.tensors and self.aliases.get(n) not in self.tensors]
         if missing:
-            raise KeyError(f"checkpoint {self.root} is missing tensor(s) {missing[:8]} ({len(missing)} in all)")
+            raise CheckpointError(f"checkpoint {self.root} is missing tensor(s) {missing[:8]} ({len(missing)} in all)")
 
     def full_shape(self, name: str) -> tuple:
         return tuple(self.tensors[self.resolve(name)]["shape"])
@@ -72,7 +72,7 @@ class CheckpointSource:
 
     def check_shape(self, name: str, full_shape: tuple) -> None:
         if self.full_shape(name) != tuple(full_shape):
-            raise ValueError(f"shape mismatch for {name}: the checkpoint has {self.full_shape(name)}, the model "
+            raise CheckpointError(f"shape mismatch for {name}: the checkpoint has {self.full_shape(name)}, the model "
                              f"(config) expects {tuple(full_shape)}")
 
     def _reader(self, tp_rank: int, pp_rank: int) -> SafetensorsReader:

@@ -11,6 +11,8 @@ import torch.nn as nn
 
 from tpzoo.parallel.sharding import ShardSpec, shard, unshard
 
+from .format import CheckpointError
+
 
 def vocab_dims(cfg) -> dict[str, int]:
     """tpzoo tensor name -> the dim that is padded to the padded vocab (embedding and head rows)."""
@@ -55,7 +57,7 @@ def load_full_tensors(model: nn.Module, get_full: Callable[[str], torch.Tensor],
         spec = getattr(param, "tp_spec", ShardSpec(None))
         local = shard_full(full, spec, tp_rank, tp, vdims.get(name), _padded_rows(param, spec, tp))
         if local.shape != param.shape:
-            raise ValueError(f"{name}: shard shape {tuple(local.shape)} does not match the model's "
+            raise CheckpointError(f"{name}: shard shape {tuple(local.shape)} does not match the model's "
                              f"{tuple(param.shape)} (wrong config or tp?)")
         with torch.no_grad():
             param.copy_(local)
@@ -72,7 +74,7 @@ def hf_to_full(cfg, hf_tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[st
     for m in get_family(cfg.family).hf_tensor_map(cfg):
         missing = [n for n in m.hf if n not in hf_tensors]
         if missing:
-            raise KeyError(f"HF checkpoint is missing tensor(s) {missing} (needed for {m.name})")
+            raise CheckpointError(f"HF checkpoint is missing tensor(s) {missing} (needed for {m.name})")
         yield m.name, m.to_tpzoo([hf_tensors[n] for n in m.hf])
 
 

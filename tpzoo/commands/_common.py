@@ -1,16 +1,5 @@
-"""Small helpers shared by the checkpoint commands: one error style, tokenizer loading."""
+"""Small helpers shared by the commands: tokenizer loading, encoding and decoding. (Errors: tpzoo.errors.)"""
 from __future__ import annotations
-
-import sys
-
-# The errors a user can cause (bad path, bad layout, corrupt checkpoint): reported in one line, exit code 2.
-USER_ERRORS = (FileExistsError, FileNotFoundError, KeyError, ValueError, OSError)
-
-
-def fail(command: str, err: BaseException) -> int:
-    msg = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
-    print(f"tpzoo {command}: error: {msg}", file=sys.stderr)
-    return 2
 
 
 def load_tokenizer(spec):

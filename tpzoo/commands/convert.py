@@ -9,8 +9,6 @@ import argparse
 import json
 import time
 
-from ._common import USER_ERRORS, fail
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="direction", metavar="{from-hf,to-hf}", required=True)
@@ -38,21 +36,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from tpzoo.checkpoint import CheckpointError, convert_from_hf, convert_to_hf
+    from tpzoo.checkpoint import convert_from_hf, convert_to_hf
 
     start = time.time()
-    try:
-        if args.direction == "from-hf":
-            m = convert_from_hf(args.src, args.dst, tp=args.tp, pp=args.pp, dtype=args.dtype, force=args.force,
-                                vocab_padding_multiple=args.vocab_multiple, virtual_stages=args.virtual_stages,
-                                progress=not args.quiet, checksum=args.checksum)
-            summary = {"dst": args.dst, "tp": m["tp"], "pp": m["pp"], "dtype": m["dtype"],
-                       "files": len(m["files"]), "bytes": sum(f["bytes"] for f in m["files"])}
-        else:
-            files = convert_to_hf(args.src, args.dst, force=args.force, max_shard_size=args.max_shard_size,
-                                  dtype=args.dtype, verify=not args.no_verify, progress=not args.quiet)
-            summary = {"dst": args.dst, "files": files}
-    except (CheckpointError, *USER_ERRORS) as e:
-        return fail(f"convert {args.direction}", e)
+    if args.direction == "from-hf":
+        m = convert_from_hf(args.src, args.dst, tp=args.tp, pp=args.pp, dtype=args.dtype, force=args.force,
+                            vocab_padding_multiple=args.vocab_multiple, virtual_stages=args.virtual_stages,
+                            progress=not args.quiet, checksum=args.checksum)
+        summary = {"dst": args.dst, "tp": m["tp"], "pp": m["pp"], "dtype": m["dtype"],
+                   "files": len(m["files"]), "bytes": sum(f["bytes"] for f in m["files"])}
+    else:
+        files = convert_to_hf(args.src, args.dst, force=args.force, max_shard_size=args.max_shard_size,
+                              dtype=args.dtype, verify=not args.no_verify, progress=not args.quiet)
+        summary = {"dst": args.dst, "files": files}
     print(json.dumps({**summary, "seconds": round(time.time() - start, 3)}))
     return 0

@@ -16,8 +16,16 @@ def _demo(args) -> None:
     import torch.nn.functional as F
 
     import tpzoo
-    from tpzoo.parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, count_collectives,
-                                gather_tp_param, get_tp_rank, get_tp_size, vocab_parallel_cross_entropy)
+    from tpzoo.parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        count_collectives,
+        gather_tp_param,
+        get_tp_rank,
+        get_tp_size,
+        vocab_parallel_cross_entropy,
+    )
 
     state = tpzoo.init_parallel(tp=args.tp)
     torch.manual_seed(args.seed)
@@ -70,5 +78,4 @@ def _demo(args) -> None:
 def run(args) -> int:
     from .launch import run_multirank
 
-    run_multirank(_demo, args, args.tp)
-    return 0
+    return run_multirank(_demo, args, args.tp, "demo")

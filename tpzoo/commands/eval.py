@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from ._common import USER_ERRORS, fail
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("ckpt", help="tpzoo checkpoint or HF model directory")
@@ -56,15 +54,11 @@ def _worker(args) -> None:
 
 
 def run(args) -> int:
-    from tpzoo.checkpoint import CheckpointError, open_source
+    from tpzoo.checkpoint import open_source
 
     from .launch import run_multirank, under_torchrun
 
     if not under_torchrun():  # check what can be checked before starting any rank
-        try:
-            open_source(args.ckpt, verify=False).close()
-            open(args.text_file, encoding="utf-8").close()
-        except (CheckpointError, *USER_ERRORS) as e:
-            return fail("eval", e)
-    run_multirank(_worker, args, args.tp * args.pp)
-    return 0
+        open_source(args.ckpt, verify=False).close()
+        open(args.text_file, encoding="utf-8").close()
+    return run_multirank(_worker, args, args.tp * args.pp, "eval")

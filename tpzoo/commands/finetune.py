@@ -20,11 +20,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from tpzoo.errors import ConfigError
     from tpzoo.train.config import config_from_args
 
     cfg = config_from_args(args, DEFAULTS)
     if not cfg.base and not cfg.resume and not args.print_config:
-        print("tpzoo finetune: error: --base PATH (a tpzoo checkpoint or a Hugging Face model directory) is "
-              "required (or --resume)")
-        return 2
+        raise ConfigError("--base PATH (a tpzoo checkpoint or a Hugging Face model directory) is required "
+                          "(or --resume)")
     return pretrain.run(args, DEFAULTS)

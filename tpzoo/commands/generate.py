@@ -13,8 +13,6 @@ import argparse
 import json
 from pathlib import Path
 
-from ._common import USER_ERRORS, fail
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("ckpt", help="tpzoo checkpoint or HF model directory")
@@ -77,14 +75,10 @@ def _worker(args) -> None:
 
 
 def run(args) -> int:
-    from tpzoo.checkpoint import CheckpointError, open_source
+    from tpzoo.checkpoint import open_source
 
     from .launch import run_multirank, under_torchrun
 
-    if not under_torchrun():
-        try:
-            open_source(args.ckpt, verify=False).close()
-        except (CheckpointError, *USER_ERRORS) as e:
-            return fail("generate", e)
-    run_multirank(_worker, args, args.tp * args.pp)
-    return 0
+    if not under_torchrun():  # check what can be checked before starting any rank
+        open_source(args.ckpt, verify=False).close()
+    return run_multirank(_worker, args, args.tp * args.pp, "generate")

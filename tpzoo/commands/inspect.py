@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from ._common import USER_ERRORS, fail
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("ckpt", help="tpzoo checkpoint directory")
@@ -27,11 +25,8 @@ def run(args) -> int:
     from tpzoo.checkpoint import CheckpointError, read_manifest, verify_file
     from tpzoo.models.config import ModelConfig
 
-    try:
-        m = read_manifest(args.ckpt)
-        cfg = ModelConfig.from_dict(m["model_config"])
-    except (CheckpointError, *USER_ERRORS) as e:
-        return fail("inspect", e)
+    m = read_manifest(args.ckpt)
+    cfg = ModelConfig.from_dict(m["model_config"])
     if args.json:
         print(json.dumps({**m, "files": [{k: v for k, v in f.items() if k != "tensors"} for f in m["files"]]},
                          indent=1))

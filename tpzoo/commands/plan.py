@@ -58,11 +58,12 @@ def load_model(spec: str):
 
 
 def run(args) -> int:
+    from tpzoo.errors import ConfigError
     from tpzoo.plan import ClusterSpec, TrainingSpec, search
     from tpzoo.plan.report import header, table, to_json
 
+    cfg = load_model(args.model)
     try:
-        cfg = load_model(args.model)
         cluster = ClusterSpec(gpus=args.gpus, gpu_memory_gib=args.gpu_memory, gpus_per_node=args.gpus_per_node,
                               gpu_tflops=args.gpu_tflops, intra_node_gbps=args.intra_node_bw,
                               inter_node_gbps=args.inter_node_bw, efficiency=args.efficiency,
@@ -70,9 +71,8 @@ def run(args) -> int:
         training = TrainingSpec(seq_len=args.seq_len, global_batch_size=args.global_batch_size, dtype=args.dtype,
                                 zero1=args.zero1, vocab_padding_multiple=args.vocab_padding_multiple,
                                 kernels=args.kernels)
-    except (KeyError, ValueError, OSError) as exc:
-        print(f"tpzoo plan: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:  # the specs check their own fields
+        raise ConfigError(str(exc)) from None
     estimates = search(cfg, cluster, training, args.max_micro_batch, tp=args.tp, pp=args.pp,
                        recompute=args.recompute)
     if args.json:

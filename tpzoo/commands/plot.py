@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
+
+from tpzoo.errors import DataError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,7 +25,7 @@ def plot(run_dir: str, out: str | None = None) -> str:
 
     rows = read_metrics(run_dir)
     if not rows:
-        raise ValueError(f"{run_dir}/metrics.jsonl has no rows")
+        raise DataError(f"{run_dir}/metrics.jsonl has no rows")
     steps = [r["step"] for r in rows]
     loss = [float(r["loss"]) for r in rows]
     fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[2, 1])
@@ -48,15 +49,12 @@ def plot(run_dir: str, out: str | None = None) -> str:
 
 
 def run(args) -> int:
+    from tpzoo.errors import UserError
+
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print("tpzoo plot: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
-        return 2
-    try:
-        out = plot(args.run_dir, args.out)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"tpzoo plot: error: {e}", file=sys.stderr)
-        return 2
+        raise UserError("matplotlib is not installed (pip install matplotlib, or tpzoo[plot])") from None
+    out = plot(args.run_dir, args.out)
     print(f"wrote {out}")
     return 0

@@ -32,8 +32,7 @@ def run(args) -> int:
     from tpzoo.data import default_corpus, iter_documents, load_tokenizer, preprocess
 
     if Path(args.out).exists() and not args.force:
-        print(f"preprocess: error: output {args.out} already exists (pass --force to replace it)", file=sys.stderr)
-        return 2
+        raise FileExistsError(f"output {args.out} already exists (pass --force to replace it)")
     sources = args.data if args.data else [str(p) for p in default_corpus()]
     if not args.data:
         print(f"preprocess: no --data given; using the standard library corpus ({len(sources)} files)",
@@ -52,11 +51,8 @@ def run(args) -> int:
         store = preprocess(iter_documents(sources, text_field=args.text_field), tokenizer, args.out,
                            append_eos=not args.no_eos, prepend_bos=args.bos, force=args.force,
                            sources=args.data or ["<stdlib>"], on_progress=on_progress)
-    except (FileExistsError, FileNotFoundError, ValueError) as e:
+    finally:
         bar.close()
-        print(f"preprocess: error: {e}", file=sys.stderr)
-        return 2
-    bar.close()
     seconds = time.perf_counter() - t0
     nbytes = store.num_tokens * store.dtype.itemsize
     print(f"preprocess: {store.num_docs} docs, {store.num_tokens} tokens, {nbytes} bytes ({store.dtype.name}), "

@@ -36,23 +36,14 @@ def _rank_main(cfg) -> None:
         sys.exit(1)
 
 
-def run_config(cfg) -> int:
-    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
-
+def run_config(cfg, command: str = "pretrain") -> int:
     from .launch import run_multirank, under_torchrun
 
     nproc = cfg.tp * cfg.pp * (cfg.dp or 1)
     try:
-        run_multirank(_rank_main, cfg, 1 if under_torchrun() else nproc)
-    except ProcessExitedException as e:  # a rank exited non-zero (divergence: its message is above)
-        print(f"tpzoo {cfg.task}: a rank failed: {e}")
-        return 1
-    except ProcessRaisedException as e:  # a rank raised: its traceback is in the message
-        print(f"tpzoo {cfg.task}: a rank raised an error:\n{e}")
-        return 1
-    except SystemExit as e:
+        return run_multirank(_rank_main, cfg, 1 if under_torchrun() else nproc, command)
+    except SystemExit as e:  # one rank in this process: its exit status (1: diverged, 2: a user error)
         return int(e.code or 0)
-    return 0
 
 
 def run(args, defaults: dict | None = None) -> int:
@@ -62,4 +53,4 @@ def run(args, defaults: dict | None = None) -> int:
     if args.print_config:
         print(cfg.to_toml())
         return 0
-    return run_config(cfg)
+    return run_config(cfg, getattr(args, "command", None) or "pretrain")

@@ -6,8 +6,6 @@ import argparse
 import json
 import time
 
-from ._common import USER_ERRORS, fail
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="tpzoo checkpoint directory")
@@ -25,15 +23,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from tpzoo.checkpoint import CheckpointError, reshard
+    from tpzoo.checkpoint import reshard
 
     start = time.time()
-    try:
-        m = reshard(args.src, args.dst, tp=args.tp, pp=args.pp, dtype=args.dtype, force=args.force,
-                    virtual_stages=args.virtual_stages, vocab_padding_multiple=args.vocab_multiple,
-                    verify=not args.no_verify, progress=not args.quiet, checksum=args.checksum)
-    except (CheckpointError, *USER_ERRORS) as e:
-        return fail("reshard", e)
+    m = reshard(args.src, args.dst, tp=args.tp, pp=args.pp, dtype=args.dtype, force=args.force,
+                virtual_stages=args.virtual_stages, vocab_padding_multiple=args.vocab_multiple,
+                verify=not args.no_verify, progress=not args.quiet, checksum=args.checksum)
     print(json.dumps({"dst": args.dst, "tp": m["tp"], "pp": m["pp"], "files": len(m["files"]),
                       "bytes": sum(f["bytes"] for f in m["files"]), "seconds": round(time.time() - start, 3)}))
     return 0

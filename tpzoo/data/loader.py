@@ -31,6 +31,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from tpzoo.errors import ConfigError, DataError
+
 __all__ = ["ResumableLoader", "micro_batches_per_step", "collate_long"]
 
 _END = object()
@@ -39,11 +41,11 @@ _END = object()
 def micro_batches_per_step(global_batch_size: int, micro_batch_size: int, dp_size: int) -> int:
     """Micro-batches each data-parallel rank runs per optimizer step (gradient-accumulation steps)."""
     if min(global_batch_size, micro_batch_size, dp_size) < 1:
-        raise ValueError(f"batch sizes must be positive: global={global_batch_size} micro={micro_batch_size} "
+        raise ConfigError(f"batch sizes must be positive: global={global_batch_size} micro={micro_batch_size} "
                          f"dp={dp_size}")
     per_step = micro_batch_size * dp_size
     if global_batch_size % per_step:
-        raise ValueError(f"global batch size {global_batch_size} is not divisible by micro_batch_size "
+        raise ConfigError(f"global batch size {global_batch_size} is not divisible by micro_batch_size "
                          f"{micro_batch_size} x dp_size {dp_size} = {per_step}")
     return global_batch_size // per_step
 
@@ -78,7 +80,7 @@ class ResumableLoader:
         self.global_micro_batch = micro_batch_size * dp_size
         self.samples_per_epoch = self.num_samples // self.global_micro_batch * self.global_micro_batch
         if self.samples_per_epoch == 0:
-            raise ValueError(f"dataset has {self.num_samples} samples, fewer than one global micro-batch "
+            raise DataError(f"dataset has {self.num_samples} samples, fewer than one global micro-batch "
                              f"(micro_batch_size {micro_batch_size} x dp_size {dp_size})")
         self.epoch, self.consumed = 0, 0
         self._order_epoch, self._order = None, None
@@ -128,11 +130,11 @@ class ResumableLoader:
     def load_state_dict(self, state: dict) -> None:
         for key in ("seed", "shuffle", "num_samples"):
             if key in state and state[key] != getattr(self, key):
-                raise ValueError(f"loader state has {key}={state[key]!r} but this loader has "
+                raise DataError(f"loader state has {key}={state[key]!r} but this loader has "
                                  f"{getattr(self, key)!r}: the data or its order changed since the checkpoint")
         epoch, consumed = int(state["epoch"]), int(state["consumed_in_epoch"])
         if consumed % self.global_micro_batch:
-            raise ValueError(f"cannot resume at sample {consumed} of epoch {epoch}: not a multiple of "
+            raise ConfigError(f"cannot resume at sample {consumed} of epoch {epoch}: not a multiple of "
                              f"micro_batch_size x dp_size = {self.global_micro_batch}")
         self._stop_thread()
         self.epoch, self.consumed = self._normalize(epoch, consumed)

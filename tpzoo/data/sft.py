@@ -37,6 +37,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tpzoo.errors import ConfigError, DataError
+
 from .packed import IGNORE_INDEX, PackedDataset
 from .sources import read_jsonl_records
 from .tokenizer import load_tokenizer
@@ -49,20 +51,20 @@ __all__ = ["load_sft_records", "encode_sft_example", "split_records", "PaddedSFT
 
 def _check_record(record, where: str) -> dict:
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if "messages" in record:
         msgs = record["messages"]
         if not isinstance(msgs, list) or not msgs:
-            raise ValueError(f"{where}: 'messages' must be a non-empty list")
+            raise DataError(f"{where}: 'messages' must be a non-empty list")
         for m in msgs:
             if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise ValueError(f"{where}: each message needs 'role' in {ROLES} and a string 'content': {m!r}")
+                raise DataError(f"{where}: each message needs 'role' in {ROLES} and a string 'content': {m!r}")
         if not any(m["role"] == "assistant" for m in msgs):
-            raise ValueError(f"{where}: no assistant message (nothing to train on)")
+            raise DataError(f"{where}: no assistant message (nothing to train on)")
         return record
     if isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
         return record
-    raise ValueError(f"{where}: expected {{'prompt', 'response'}} strings or 'messages'; got keys {sorted(record)}")
+    raise DataError(f"{where}: expected {{'prompt', 'response'}} strings or 'messages'; got keys {sorted(record)}")
 
 
 def load_sft_records(path: str | os.PathLike) -> list[dict]:
@@ -79,14 +81,14 @@ def _template_segments(tok, messages: list[dict]) -> list[tuple[str, bool]]:
         prompt = tok.apply_chat_template(messages[:i], add_generation_prompt=True) if i else ""
         full = tok.apply_chat_template(messages[:i + 1])
         if not prompt.startswith(done) or not full.startswith(prompt):
-            raise ValueError("the chat template does not render conversations prefix by prefix (turn "
+            raise DataError("the chat template does not render conversations prefix by prefix (turn "
                              f"{i} changes earlier text), so prompt tokens cannot be masked exactly; "
                              "use template='fallback'")
         segments += [(prompt[len(done):], False), (full[len(prompt):], True)]
         done = full
     rest = tok.apply_chat_template(messages)
     if not rest.startswith(done):
-        raise ValueError("the chat template renders the whole conversation differently from its prefixes")
+        raise DataError("the chat template renders the whole conversation differently from its prefixes")
     segments.append((rest[len(done):], False))
     return segments
 
@@ -96,9 +98,9 @@ def encode_sft_example(record: dict, tokenizer, *, template: str = "auto",
     """Token ids of one record and, per token, whether the loss is taken on it (see the module docstring)."""
     tok = load_tokenizer(tokenizer)
     if tok.eos_id is None:
-        raise ValueError(f"{tok!r} has no eos token")
+        raise ConfigError(f"{tok!r} has no eos token")
     if template not in ("auto", "fallback", "raw"):
-        raise ValueError(f"template must be 'auto', 'fallback' or 'raw', got {template!r}")
+        raise ConfigError(f"template must be 'auto', 'fallback' or 'raw', got {template!r}")
     _check_record(record, "record")
     ids: list[int] = [tok.bos_id] if prepend_bos and tok.bos_id is not None else []
     mask: list[bool] = [False] * len(ids)
@@ -110,7 +112,7 @@ def encode_sft_example(record: dict, tokenizer, *, template: str = "auto",
 
     if template == "raw":
         if "messages" in record:
-            raise ValueError("template='raw' takes prompt/response records, not messages")
+            raise DataError("template='raw' takes prompt/response records, not messages")
         add(record["prompt"], False)
         add(record["response"], True)
     else:
@@ -138,7 +140,7 @@ def split_records(records: list, eval_fraction: float, seed: int = 0) -> tuple[l
     At least one record is held out when ``eval_fraction > 0`` and there are two or more records.
     """
     if not 0.0 <= eval_fraction < 1.0:
-        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+        raise ConfigError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
     n = len(records)
     n_eval = int(round(n * eval_fraction))
     if eval_fraction > 0 and n_eval == 0 and n >= 2:
@@ -152,7 +154,7 @@ class PaddedSFTDataset:
 
     def __init__(self, examples: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int):
         if pad_id is None:
-            raise ValueError("padding needs a pad id (the tokenizer has neither pad nor eos)")
+            raise ConfigError("padding needs a pad id (the tokenizer has neither pad nor eos)")
         self.seq_len, self.pad_id = seq_len, pad_id
         self.examples, self.num_dropped, self.num_truncated = [], 0, 0
         for ids, mask in examples:

@@ -27,6 +27,8 @@ import sysconfig
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from tpzoo.errors import DataError
+
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py")
 JSON_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
@@ -37,7 +39,7 @@ __all__ = ["iter_documents", "expand_paths", "default_corpus", "read_text_file",
            "read_hub_dataset", "SourceError", "SUPPORTED_SUFFIXES"]
 
 
-class SourceError(ValueError):
+class SourceError(DataError):
     """A data source that cannot be read (bad record, unsupported file, unreachable hub dataset)."""
 
 

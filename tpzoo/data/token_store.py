@@ -26,6 +26,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from tpzoo.errors import ConfigError, DataError
+
 from .tokenizer import load_tokenizer
 
 FORMAT = "tpzoo-token-store"
@@ -81,9 +83,9 @@ def preprocess(documents: Iterable[str], tokenizer, out_dir: str | os.PathLike, 
     if out_dir.exists() and not force:
         raise FileExistsError(f"token store output {out_dir} already exists (pass force=True / --force to replace)")
     if append_eos and tok.eos_id is None:
-        raise ValueError(f"{tok!r} has no eos token; pass append_eos=False")
+        raise ConfigError(f"{tok!r} has no eos token; pass append_eos=False")
     if prepend_bos and tok.bos_id is None:
-        raise ValueError(f"{tok!r} has no bos token; pass prepend_bos=False")
+        raise ConfigError(f"{tok!r} has no bos token; pass prepend_bos=False")
     dtype = token_dtype(tok.vocab_size)
     prefix = [tok.bos_id] if prepend_bos else []
     suffix = [tok.eos_id] if append_eos else []
@@ -101,7 +103,7 @@ def preprocess(documents: Iterable[str], tokenizer, out_dir: str | os.PathLike, 
                 lengths = np.fromiter((len(ids) for ids in encoded), dtype=np.int64, count=len(encoded))
                 flat = np.fromiter((i for ids in encoded for i in ids), dtype=np.int64, count=int(lengths.sum()))
                 if flat.size and (flat.min() < 0 or flat.max() >= tok.vocab_size):
-                    raise ValueError(f"token id {int(flat.max())} outside the vocabulary (size {tok.vocab_size})")
+                    raise DataError(f"token id {int(flat.max())} outside the vocabulary (size {tok.vocab_size})")
                 flat.astype(dtype).tofile(tf)
                 (num_tokens + np.cumsum(lengths)).astype("<i8").tofile(of)
                 num_tokens += int(flat.size)
@@ -153,7 +155,7 @@ class TokenStore:
             raise FileNotFoundError(f"not a token store (no {INDEX_FILE}): {self.path}")
         self.metadata = json.loads(index_path.read_text())
         if self.metadata.get("format") != FORMAT or self.metadata.get("version") != VERSION:
-            raise ValueError(f"{index_path}: unsupported format {self.metadata.get('format')!r} "
+            raise DataError(f"{index_path}: unsupported format {self.metadata.get('format')!r} "
                              f"version {self.metadata.get('version')!r}")
         self.dtype = np.dtype(self.metadata["dtype"]).newbyteorder("<")
         self.num_tokens = int(self.metadata["num_tokens"])
@@ -161,13 +163,13 @@ class TokenStore:
         tokens_path = self.path / TOKENS_FILE
         expected = self.num_tokens * self.dtype.itemsize
         if tokens_path.stat().st_size != expected:
-            raise ValueError(f"{tokens_path}: {tokens_path.stat().st_size} bytes, index.json says {expected}")
+            raise DataError(f"{tokens_path}: {tokens_path.stat().st_size} bytes, index.json says {expected}")
         # np.memmap cannot map an empty file; an empty store gets an empty in-memory array instead.
         self.tokens = (np.memmap(tokens_path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
                        if self.num_tokens else np.zeros(0, dtype=self.dtype))
         self.doc_offsets = np.load(self.path / OFFSETS_FILE, mmap_mode="r")
         if self.doc_offsets.shape != (self.num_docs + 1,):
-            raise ValueError(f"{self.path / OFFSETS_FILE}: shape {self.doc_offsets.shape}, "
+            raise DataError(f"{self.path / OFFSETS_FILE}: shape {self.doc_offsets.shape}, "
                              f"expected ({self.num_docs + 1},)")
 
     def __len__(self) -> int:

@@ -22,6 +22,8 @@ import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from tpzoo.errors import ConfigError, DataError
+
 BYTE_MARKER = "tpzoo_tokenizer.json"
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -156,14 +158,14 @@ def load_tokenizer(spec) -> ByteTokenizer | HFTokenizer:
         if kind == "byte":
             marker = json.loads((directory / BYTE_MARKER).read_text())
             if marker.get("type") != "byte":
-                raise ValueError(f"{directory / BYTE_MARKER}: unknown tokenizer type {marker.get('type')!r}")
+                raise DataError(f"{directory / BYTE_MARKER}: unknown tokenizer type {marker.get('type')!r}")
             return ByteTokenizer()
         from transformers import AutoTokenizer
 
         hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         return HFTokenizer(hf, spec=str(directory.resolve()))
     if path.exists():
-        raise ValueError(f"tokenizer spec {spec!r} is a file; give 'byte' or the directory that holds it")
+        raise ConfigError(f"tokenizer spec {spec!r} is a file; give 'byte' or the directory that holds it")
     from transformers import AutoTokenizer
 
     try:  # a hub name that is already in the local Hugging Face cache; never downloads

@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from tpzoo.errors import ConfigError
+
 
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
@@ -33,17 +35,17 @@ def resolve_device(requested=None) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError as e:
-        raise ValueError(f"device {requested!r}: {e} (expected auto, cpu, cuda or cuda:N)") from None
+        raise ConfigError(f"device {requested!r}: {e} (expected auto, cpu, cuda or cuda:N)") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {requested!r} was asked for but CUDA is not available on this machine "
+            raise ConfigError(f"device {requested!r} was asked for but CUDA is not available on this machine "
                              f"(use --device cpu, or auto)")
         index = device.index if device.index is not None else local_rank() % torch.cuda.device_count()
         if index >= torch.cuda.device_count():
-            raise ValueError(f"device cuda:{index} does not exist ({torch.cuda.device_count()} visible GPUs)")
+            raise ConfigError(f"device cuda:{index} does not exist ({torch.cuda.device_count()} visible GPUs)")
         return torch.device("cuda", index)
     if device.type not in ("cpu", "meta"):
-        raise ValueError(f"device {requested!r}: tpzoo runs on cpu or cuda")
+        raise ConfigError(f"device {requested!r}: tpzoo runs on cpu or cuda")
     return device
 
 

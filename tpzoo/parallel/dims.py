@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tpzoo.errors import UserError
+
 AXES = ("tp", "cp", "dp", "pp")  # fastest first
 
 
-class ParallelLayoutError(ValueError):
+class ParallelLayoutError(UserError, ValueError):
     """A parallel layout that cannot work (degrees that do not divide, a world size that does not match)."""
 
 

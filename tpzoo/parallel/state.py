@@ -16,9 +16,10 @@ import os
 import torch
 import torch.distributed as dist
 
+from tpzoo.errors import ConfigError
+
 from .device import default_backend, local_rank, resolve_device
-from .dims import (SELF_GROUP, ParallelDims, ParallelLayoutError, check_layout, divide,  # noqa: F401 - re-exported
-                   local_dims)
+from .dims import SELF_GROUP, ParallelDims, ParallelLayoutError, check_layout, divide, local_dims  # noqa: F401 - re-exported
 
 
 def default_timeout() -> datetime.timedelta:
@@ -56,7 +57,7 @@ def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, 
         dp = check_layout(world_size, tp, pp, cp, dp)
         backend = backend or default_backend(device)
         if backend == "nccl" and device.type != "cuda":
-            raise ValueError(f"backend nccl needs a CUDA device, got {device}")
+            raise ConfigError(f"backend nccl needs a CUDA device, got {device}")
         if device.type == "cuda":
             torch.cuda.set_device(device)
         kw = {"device_id": device} if backend == "nccl" else {}

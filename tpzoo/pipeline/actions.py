@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tpzoo.errors import UserError
+
 
 @dataclass(frozen=True)
 class Action:
@@ -22,7 +24,7 @@ class Action:
         return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
 
-class ScheduleError(ValueError):
+class ScheduleError(UserError, ValueError):
     """A schedule that cannot run: wrong micro-batch count for it, or an order that would deadlock."""
 
 

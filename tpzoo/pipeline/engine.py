@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from tpzoo.errors import ConfigError
 from tpzoo.parallel import comm
 from tpzoo.parallel.dims import ParallelDims
 from tpzoo.parallel.state import get_dims
@@ -39,7 +40,7 @@ def forward_order(p: int, m: int, v: int) -> list[Action]:
 def plan(schedule: str, rank: int, p: int, m: int, v: int, forward_only: bool = False) -> list[Action]:
     """This rank's ordered actions."""
     if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
+        raise ConfigError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
     if forward_only:
         return forward_order(p, m, v)
     if p == 1:
@@ -67,7 +68,7 @@ def activation_shape(chunks, microbatches, dims: ParallelDims) -> tuple:
     # Checked here, on every rank, before any transfer: a stage that raised alone would leave its neighbours
     # waiting for a message that never comes.
     if chunk.sequence_parallel and s % dims.tp:
-        raise ValueError(f"sequence parallelism: sequence length {s} is not divisible by tp={dims.tp}; pad the "
+        raise ConfigError(f"sequence parallelism: sequence length {s} is not divisible by tp={dims.tp}; pad the "
                          f"sequence or turn sequence parallelism off")
     s_local = s // dims.tp if chunk.sequence_parallel else s
     return (b, s_local, chunk.cfg.hidden_size)

@@ -6,11 +6,12 @@ rank 0 -> 1 -> ... -> pp-1 -> 0 -> ... v times, so the pipeline is a ring.
 """
 from __future__ import annotations
 
+from tpzoo.errors import UserError
 from tpzoo.parallel.dims import ParallelDims
 from tpzoo.parallel.state import get_dims
 
 
-class PartitionError(ValueError):
+class PartitionError(UserError, ValueError):
     """A layer split that cannot work (empty stage, fewer layers than stages, malformed boundaries)."""
 
 

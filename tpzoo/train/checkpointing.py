@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tpzoo.checkpoint.format import atomic_dir, is_checkpoint, read_manifest
+from tpzoo.checkpoint.format import CheckpointError, atomic_dir, is_checkpoint, read_manifest
 
 STATE_FILE = "train_state.json"
 LATEST_FILE = "latest"
@@ -97,7 +97,7 @@ def remove_stale_temp_dirs(save_dir) -> None:
 def read_train_state(path) -> dict:
     state = json.loads((Path(path) / STATE_FILE).read_text())
     if state.get("format") != FORMAT:
-        raise ValueError(f"{path}/{STATE_FILE}: not a tpzoo training state")
+        raise CheckpointError(f"{path}/{STATE_FILE}: not a tpzoo training state")
     return state
 
 

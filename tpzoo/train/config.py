@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import tomllib
 from dataclasses import dataclass, field
 from typing import Any
+
+import tomllib
+
+from tpzoo.errors import ConfigError
 
 
 def _f(default, help: str, **kw):
@@ -158,7 +161,7 @@ class TrainConfig:
 
     def set(self, name: str, value: Any) -> None:
         if name not in _FIELD_SECTION:
-            raise ValueError(f"unknown config key {name!r}; known: {', '.join(sorted(_FIELD_SECTION))}")
+            raise ConfigError(f"unknown config key {name!r}; known: {', '.join(sorted(_FIELD_SECTION))}")
         setattr(self._sections[_FIELD_SECTION[name]], name, _coerce(name, value))
 
     def update(self, values: dict) -> "TrainConfig":
@@ -206,7 +209,7 @@ def _coerce(name: str, value: Any) -> Any:
     elif t is bool:
         if isinstance(value, str):
             if value.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-                raise ValueError(f"{name}: expected a boolean, got {value!r}")
+                raise ConfigError(f"{name}: expected a boolean, got {value!r}")
             value = value.lower() in ("1", "true", "yes", "on")
         value = bool(value)
     elif t is float and isinstance(value, (int, str)) and not isinstance(value, bool):
@@ -214,10 +217,10 @@ def _coerce(name: str, value: Any) -> Any:
     elif t is int and isinstance(value, str):
         value = int(value)
     elif not isinstance(value, t) or (t is int and isinstance(value, bool)):
-        raise ValueError(f"{name}: expected {t.__name__}, got {value!r}")
+        raise ConfigError(f"{name}: expected {t.__name__}, got {value!r}")
     choices = f.metadata.get("choices")
     if choices and value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+        raise ConfigError(f"{name} must be one of {choices}, got {value!r}")
     return value
 
 
@@ -228,7 +231,7 @@ def _flatten(d: dict, where: str) -> dict:
         if k in SECTIONS and isinstance(v, dict):
             for kk, vv in v.items():
                 if _FIELD_SECTION.get(kk) != k:
-                    raise ValueError(f"{where}: [{k}] has no key {kk!r}")
+                    raise ConfigError(f"{where}: [{k}] has no key {kk!r}")
                 flat[kk] = vv
         else:
             flat[k] = v

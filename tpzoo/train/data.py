@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from tpzoo.data import (PackedDataset, ResumableLoader, TokenStore, build_sft_datasets, default_corpus,
-                        iter_documents, load_tokenizer, preprocess)
+from tpzoo.data import (PackedDataset, ResumableLoader, TokenStore, build_sft_datasets, default_corpus, iter_documents,
+                        load_tokenizer, preprocess)
+from tpzoo.errors import ConfigError
 
 
 def resolve_tokenizer(cfg):
@@ -68,7 +69,7 @@ def build_datasets(cfg, tokenizer):
     """(train dataset, held-out dataset or None, description) for cfg.task."""
     if cfg.task == "sft":
         if len(cfg.data) != 1:
-            raise ValueError("fine-tuning needs exactly one SFT JSONL file: --data PATH.jsonl")
+            raise ConfigError("fine-tuning needs exactly one SFT JSONL file: --data PATH.jsonl")
         sets = build_sft_datasets(cfg.data[0], tokenizer, cfg.seq_len, packing=cfg.packing,
                                   eval_fraction=cfg.eval_fraction, seed=cfg.seed, template=cfg.template)
         return sets.train, sets.eval, f"SFT {cfg.data[0]} ({'packed' if cfg.packing else 'padded'})"

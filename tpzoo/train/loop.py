@@ -23,6 +23,7 @@ import torch
 
 import tpzoo
 from tpzoo.data import IGNORE_INDEX, micro_batches_per_step
+from tpzoo.errors import ConfigError
 from tpzoo.parallel import ParallelDims, comm, resolve_device
 from tpzoo.parallel.state import get_dims, is_initialized
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward, materialize_chunks
@@ -48,10 +49,10 @@ def train(cfg: TrainConfig) -> dict:
     dims = get_dims()
     try:
         if (dims.tp, dims.pp) != (cfg.tp, cfg.pp) or (cfg.dp and cfg.dp != dims.dp):
-            raise ValueError(f"config asks for tp={cfg.tp} pp={cfg.pp} dp={cfg.dp or 'auto'}, but the process "
+            raise ConfigError(f"config asks for tp={cfg.tp} pp={cfg.pp} dp={cfg.dp or 'auto'}, but the process "
                              f"groups are tp={dims.tp} pp={dims.pp} dp={dims.dp}")
         if cfg.device != "auto" and resolve_device(cfg.device) != dims.device:
-            raise ValueError(f"config asks for device {cfg.device}, but the parallel runtime computes on "
+            raise ConfigError(f"config asks for device {cfg.device}, but the parallel runtime computes on "
                              f"{dims.device}")
         trainer = Trainer(cfg, dims)
         try:
@@ -90,10 +91,10 @@ class Trainer:
             model_cfg = ckpt.resolve_model_config(cfg, self.tokenizer)
         self.model_cfg = model_cfg
         if self.tokenizer.vocab_size > model_cfg.vocab_size:
-            raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary is "
+            raise ConfigError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary is "
                              f"{model_cfg.vocab_size}")
         if model_cfg.position == "learned" and cfg.seq_len > model_cfg.max_position_embeddings:
-            raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
+            raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
                              f"{model_cfg.max_position_embeddings}")
 
         # Built on meta, then materialized on the device: initialized there, or filled straight from the
@@ -125,7 +126,7 @@ class Trainer:
                 self.scaler = DynamicLossScaler.from_state(self.train_state["loss_scaler"])
             ckpt.load_rng(self.resume_dir, self.rank, self.world, self.device)
         if self.start_step > cfg.steps:
-            raise ValueError(f"checkpoint {self.resume_dir} is at step {self.start_step}, past --steps {cfg.steps}")
+            raise ConfigError(f"checkpoint {self.resume_dir} is at step {self.start_step}, past --steps {cfg.steps}")
 
         self.log_dir = cfg.log_dir or cfg.save
         self.logger = MetricsLogger(self.is_main, self.log_dir or None, cfg.steps, self.start_step,

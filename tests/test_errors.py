@@ -1,0 +1,40 @@
+"""User errors end in one line `tpzoo <command>: error: ...` and exit status 2, once per job however many ranks
+hit them; --debug adds the traceback; a bug keeps its traceback."""
+import subprocess
+import sys
+
+import pytest
+
+from checkpoint_helpers import write_hf
+
+pytestmark = pytest.mark.faults
+
+
+def tpzoo(*args, cwd, env=None):
+    import os
+
+    return subprocess.run([sys.executable, "-m", "tpzoo", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+def one_error_line(proc, command: str, *needles: str) -> str:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(f"tpzoo {command}: error: ")]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+def test_an_unknown_model_is_one_line(tmp_path):
+    one_error_line(tpzoo("plan", "--model", "no-such-model", "--gpus", "8", "--gpu-memory", "80", "--seq-len", "8",
+                         "--global-batch-size", "8", cwd=tmp_path), "plan", "unknown model 'no-such-model'")
+
+
+def test_an_error_on_every_rank_is_reported_once_and_debug_shows_the_traceback(tmp_path):
+    write_hf("llama", tmp_path / "hf")  # 8 heads: tp=3 cannot split them, on each of the 3 ranks
+    args = ("generate", str(tmp_path / "hf"), "--prompt", "x", "--tp", "3", "--device", "cpu")
+    one_error_line(tpzoo(*args, cwd=tmp_path), "generate", "tp=3 does not divide num_heads=8")
+    debug = tpzoo(*args, "--debug", cwd=tmp_path)
+    assert debug.returncode == 2 and "Traceback" in debug.stderr and "ParallelLayoutError" in debug.stderr
