@@ -9,6 +9,7 @@ tokenizer defaults to the one that travels with the checkpoint. Extra ranks unde
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 
 
@@ -24,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK with CUDA, else cpu), cpu, cuda, cuda:N")
+    p.add_argument("--dist-timeout", type=float, default=600.0,
+                   help="seconds a rank may wait on another before the job fails naming it (default 600)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="shard activations along the sequence over the TP ranks")
 
@@ -35,7 +38,8 @@ def _worker(args) -> None:
 
     from ._common import encode, load_tokenizer
 
-    dims = tpzoo.init_parallel(tp=args.tp, pp=args.pp, device=args.device)
+    dims = tpzoo.init_parallel(tp=args.tp, pp=args.pp, device=args.device,
+                               timeout=datetime.timedelta(seconds=args.dist_timeout))
     try:
         model = load_model(args.ckpt, dims, sequence_parallel=args.sequence_parallel, virtual_stages=1,
                            dtype=parse_dtype(args.dtype)).eval()

@@ -67,6 +67,8 @@ class ParallelSection:
                             "reduce-scattered, updated weights all-gathered")
     device: str = _f("auto", "where each rank computes: auto (cuda:LOCAL_RANK when CUDA is available, else cpu), "
                              "cpu, cuda or cuda:N")
+    dist_timeout: float = _f(600.0, "seconds a rank may wait on another (a collective, a stalled or dead rank) before "
+                                    "the job fails naming the rank")
 
 
 @dataclass
@@ -107,6 +109,8 @@ class CheckpointSection:
     save: str = _f("runs/pretrain", "checkpoint directory (step_NNNNNNNN subdirectories); '' = do not save")
     save_every: int = _f(0, "save every N steps (0 = only at the end)")
     keep_last: int = _f(3, "keep the newest K checkpoints (0 = keep all)")
+    overwrite: bool = _f(False, "start a fresh run in a --save directory that already holds a run (its checkpoints "
+                                "and metrics are moved aside, see docs/reliability.md)")
     resume: str = _f("", "'' = start fresh; 'latest' (or the bare flag) = newest checkpoint under --save; or "
                          "a checkpoint directory", nargs="?", const="latest")
 

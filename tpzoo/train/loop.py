@@ -14,6 +14,7 @@ global values); `max_skips` in a row stop the run without saving, so the last go
 """
 from __future__ import annotations
 
+import datetime
 import math
 import random
 import time
@@ -45,7 +46,8 @@ def train(cfg: TrainConfig) -> dict:
     their layout must match cfg); returns the same result dict on every rank."""
     owns = not is_initialized()
     if owns:
-        tpzoo.init_parallel(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp or None, device=cfg.device)
+        tpzoo.init_parallel(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp or None, device=cfg.device,
+                            timeout=datetime.timedelta(seconds=cfg.dist_timeout))
     dims = get_dims()
     try:
         if (dims.tp, dims.pp) != (cfg.tp, cfg.pp) or (cfg.dp and cfg.dp != dims.dp):
