@@ -101,7 +101,7 @@ def _pretrain_args(a, model: str, dtype: str, seq: int, micro: int, steps: int, 
     return ["pretrain", "--model", model, "--dtype", dtype, "--seq-len", str(seq), "--micro-batch-size", str(micro),
             "--global-batch-size", str(micro), "--steps", str(steps), "--warmup-steps", "2", "--save", "",
             "--sample-prompt", "", "--log-dir", str(log_dir), "--log-interval", "5", "--eval-fraction", "0",
-            "--no-progress", "--data-cache", str(log_dir.parent / "data"), "--seed", "0", *data]
+            "--no-progress", "--data-cache", str(log_dir.parent / "data"), "--seed", "0", "--overwrite", *data]
 
 
 def _metrics(log_dir: Path) -> list[dict]:

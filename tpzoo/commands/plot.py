@@ -1,6 +1,6 @@
 """`tpzoo plot RUN_DIR [--out FILE.png]`: loss (and held-out loss) and learning rate per step, from a run's
 metrics.jsonl (written with --log-dir, or into --save by default), as one PNG (matplotlib, Agg backend: no display
-needed)."""
+needed). A torn line in metrics.jsonl (a crashed run, or one still writing) is skipped with a warning."""
 from __future__ import annotations
 
 import argparse
@@ -23,9 +23,9 @@ def plot(run_dir: str, out: str | None = None) -> str:
 
     from tpzoo.train.metrics import read_metrics
 
-    rows = read_metrics(run_dir)
+    rows = [r for r in read_metrics(run_dir) if "loss" in r and "lr" in r]  # torn lines are already skipped
     if not rows:
-        raise DataError(f"{run_dir}/metrics.jsonl has no rows")
+        raise DataError(f"{os.path.join(run_dir, 'metrics.jsonl')} has no rows with a loss and a learning rate")
     steps = [r["step"] for r in rows]
     loss = [float(r["loss"]) for r in rows]
     fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[2, 1])

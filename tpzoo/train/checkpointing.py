@@ -11,12 +11,19 @@
     SAVE/latest                                     name of the newest complete checkpoint
 
 No pickle anywhere: tensors are safetensors, everything else JSON. A checkpoint is written into a temporary
-sibling directory and renamed into place only when every rank has finished (tpzoo.checkpoint.atomic_dir), so a
-crash mid-save leaves the previous checkpoints intact; `latest` is replaced atomically after the rename; older
-checkpoints beyond --keep-last are deleted only then.
+sibling directory and renamed into place only when every rank has finished (atomic_dir's protocol), so a crash
+mid-save leaves the previous checkpoints intact; `latest` is replaced atomically after the rename; older
+checkpoints beyond --keep-last are deleted only then. The temporary directory records its writer (rank 0's pid
+and host, tpzoo.checkpoint.atomic), so a starting run deletes only the temporary directories whose writer is
+gone, never one that a live run writes.
+
+Resuming (`--resume auto`) takes the newest checkpoint that passes the header checks (checkpoint_problem: the
+train state parses, the manifests and shard headers of the weights and of every optimizer state agree); each
+one skipped is reported with its reason.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -29,13 +36,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tpzoo.checkpoint.atomic import read_owner, writer_gone
 from tpzoo.checkpoint.format import CheckpointError, atomic_dir, is_checkpoint, read_manifest
+
+from . import rundir
 
 STATE_FILE = "train_state.json"
 LATEST_FILE = "latest"
 FORMAT = "tpzoo-train-state"
 STEP_DIR = re.compile(r"^step_(\d+)$")
+TEMP_DIR = re.compile(r"^\.step_\d+\.tmp-")  # a save in progress, or one that crashed (atomic_dir's temporary)
 KILL_ENV = "TPZOO_TEST_KILL_DURING_SAVE"  # testing aid: SIGKILL this process midway through its N-th save
+FULL_DISK_ENV = "TPZOO_TEST_FULL_DISK_DURING_SAVE"  # testing aid: ENOSPC midway through the N-th save
 
 _saves_in_this_process = 0
 
@@ -66,38 +78,138 @@ def latest_checkpoint(save_dir) -> Path | None:
     return found[-1] if found else None
 
 
-def resolve_resume(cfg) -> Path | None:
-    """The checkpoint to resume from: --resume latest -> newest under --save (None: none yet, start fresh);
-    --resume DIR -> DIR itself, or the newest checkpoint inside it."""
+def _newest_first(save_dir) -> list[Path]:
+    """Every step_N directory under save_dir (complete or damaged), newest first: the one `latest` names (the
+    most recent save, even when a resumed run went back to an earlier step), then by step, descending."""
+    d = Path(save_dir)
+    if not d.is_dir():
+        return []
+    found = sorted(((int(m.group(1)), p) for p in d.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()),
+                   reverse=True)
+    order = [p for _, p in found]
+    pointer = d / LATEST_FILE
+    try:
+        named = d / pointer.read_text().strip() if pointer.is_file() else None
+    except (OSError, UnicodeDecodeError):
+        named = None
+    if named in order:
+        order.remove(named)
+        order.insert(0, named)
+    return order
+
+
+def _check_model_dir(path: Path) -> None:
+    """The header checks of one model-format directory (the weights, or one optimizer state): the manifest, and
+    every shard file present with its recorded size and a header listing its recorded tensors (no checksum:
+    that would read every byte). Raises CheckpointError / OSError naming the file."""
+    from tpzoo.checkpoint import open_source, verify_file
+
+    if not is_checkpoint(path):
+        raise CheckpointError(f"{path} has no manifest.json")
+    source = open_source(path, verify=False)
+    try:
+        for entry in source.manifest["files"]:
+            verify_file(path, entry, checksum=False)
+        for name in source.manifest.get("aux_files", []):
+            if not (path / name).is_file():
+                raise CheckpointError(f"{path / name} is missing (listed in the manifest)")
+    finally:
+        source.close()
+
+
+def checkpoint_problem(path) -> str | None:
+    """Why a training checkpoint cannot be resumed from (one line naming the file), or None when it passes the
+    header checks: train_state.json parses, the weights and every optimizer state it lists check out."""
+    from tpzoo.errors import message
+
+    path = Path(path)
+    try:
+        state = read_train_state(path)
+        for key in ("step", "optimizer_steps", "loader", "optimizer_state"):
+            if key not in state:
+                raise CheckpointError(f"{path / STATE_FILE} has no {key!r}")
+        _check_model_dir(path)
+        for kind in state["optimizer_state"]:
+            _check_model_dir(path / "optim" / str(kind))
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError) as e:
+        return message(e)
+    return None
+
+
+def newest_intact_checkpoint(save_dir, say=rundir.warn) -> Path | None:
+    """The newest checkpoint under save_dir that passes checkpoint_problem; each one skipped is reported through
+    `say` with its reason. None when there is none at all; CheckpointError when there are some but every one is
+    damaged."""
+    candidates = _newest_first(save_dir)
+    first = None
+    for p in candidates:
+        problem = checkpoint_problem(p)
+        if problem is None:
+            return p
+        first = first or (p, problem)
+        say(f"--resume: skipping {p}: {problem}")
+    if first is None:
+        return None
+    raise CheckpointError(f"--resume: no intact checkpoint under {save_dir}: all {len(candidates)} are damaged "
+                          f"(the newest, {first[0].name}: {first[1]})")
+
+
+def resolve_resume(cfg, say=rundir.warn) -> Path | None:
+    """The checkpoint to resume from: --resume auto (or its aliases 'latest' and the bare flag) -> the newest
+    intact one under --save (None: none yet, start fresh); --resume DIR -> DIR itself when it is a checkpoint
+    (refused with the reason when damaged), or the newest intact one inside it. Skipped ones go to `say`."""
     if not cfg.resume:
         return None
-    if cfg.resume == "latest":
-        return latest_checkpoint(cfg.save) if cfg.save else None
+    if cfg.resume in rundir.RESUME_NEWEST:
+        return newest_intact_checkpoint(cfg.save, say) if cfg.save else None
     p = Path(cfg.resume)
     if is_train_checkpoint(p):
+        problem = checkpoint_problem(p)
+        if problem:
+            raise CheckpointError(f"--resume {cfg.resume}: {problem}")
         return p
-    inner = latest_checkpoint(p) if p.is_dir() else None
+    inner = newest_intact_checkpoint(p, say) if p.is_dir() else None
     if inner is None:
         raise FileNotFoundError(f"--resume {cfg.resume}: not a training checkpoint (no {STATE_FILE}) and no "
                                 f"checkpoint under it")
     return inner
 
 
-def remove_stale_temp_dirs(save_dir) -> None:
-    """Temporary directories left by a save that crashed (their names start with '.step_')."""
+def remove_stale_temp_dirs(save_dir) -> list[Path]:
+    """Delete the temporary directories of saves whose writer is gone (crashed, killed: this host, and its pid no
+    longer runs). Any other (a live writer, another host, an unknown one) is left in place with a warning.
+    Returns those deleted."""
     d = Path(save_dir)
-    if d.is_dir():
-        for p in d.iterdir():
-            if p.name.startswith(".step_") and ".tmp-" in p.name and p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
+    removed = []
+    if not d.is_dir():
+        return removed
+    for p in sorted(d.iterdir()):
+        if not TEMP_DIR.match(p.name) or not p.is_dir() or p.is_symlink():
+            continue
+        owner = read_owner(p)
+        if writer_gone(owner):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+        elif owner is None:
+            rundir.warn(f"left {p} in place: a temporary save directory whose writer is unknown; delete it if no "
+                        f"run is writing it")
+        else:
+            rundir.warn(f"left {p} in place: a save in progress by pid {owner['pid']} on host {owner['host']}")
+    return removed
 
 
 # -- model config, tokenizer, weights -------------------------------------------------------------------------------
 
 def read_train_state(path) -> dict:
-    state = json.loads((Path(path) / STATE_FILE).read_text())
-    if state.get("format") != FORMAT:
-        raise CheckpointError(f"{path}/{STATE_FILE}: not a tpzoo training state")
+    f = Path(path) / STATE_FILE
+    if not f.is_file():
+        raise CheckpointError(f"{path}: no {STATE_FILE}")
+    try:
+        state = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f}: corrupt ({e})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{f}: not a tpzoo training state")
     return state
 
 
@@ -164,10 +276,13 @@ def load_rng(path, rank: int, world_size: int, device: torch.device) -> None:
         torch.cuda.set_rng_state(torch.tensor(s["cuda"], dtype=torch.uint8, device="cpu"), device)
 
 
-def _maybe_die_for_test(stage: str) -> None:
-    target = os.environ.get(KILL_ENV)
-    if target and int(target) == _saves_in_this_process and stage == "model-written":
+def _maybe_die_for_test(stage: str, where: Path) -> None:
+    if stage != "model-written":
+        return
+    if os.environ.get(KILL_ENV) and int(os.environ[KILL_ENV]) == _saves_in_this_process:
         os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get(FULL_DISK_ENV) and int(os.environ[FULL_DISK_ENV]) == _saves_in_this_process:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where))
 
 
 def save_checkpoint(trainer, step: int) -> str:
@@ -181,7 +296,7 @@ def save_checkpoint(trainer, step: int) -> str:
     final = save_dir / f"step_{step:08d}"
     with atomic_dir(final, force=True) as tmp:
         save_model_shards(trainer.chunks, tmp, trainer.model_cfg, tokenizer=trainer.tokenizer)
-        _maybe_die_for_test("model-written")
+        _maybe_die_for_test("model-written", tmp)
         for kind in opt.state_kinds():  # one state at a time: at most one model-sized gathered copy in memory
             full = opt.full_state(kind)  # all-gather over dp under ZeRO-1 (every rank, same order)
             (tmp / "optim" / kind).mkdir(parents=True, exist_ok=True)

@@ -25,11 +25,12 @@ import torch
 import tpzoo
 from tpzoo.data import IGNORE_INDEX, micro_batches_per_step
 from tpzoo.errors import ConfigError
-from tpzoo.parallel import ParallelDims, comm, resolve_device
+from tpzoo.parallel import ParallelDims, comm, resolve_device, watchdog
 from tpzoo.parallel.state import get_dims, is_initialized
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward, materialize_chunks
 
 from . import checkpointing as ckpt
+from . import rundir
 from .config import TrainConfig
 from .data import build_datasets, make_loader, resolve_tokenizer
 from .generate import generate
@@ -44,6 +45,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) a training run on this rank. Creates the tpzoo process groups unless they exist (then
     their layout must match cfg); returns the same result dict on every rank."""
+    cfg.validate(get_dims().world_size if is_initialized() else None)  # the Python API checks what the CLI does
     owns = not is_initialized()
     if owns:
         tpzoo.init_parallel(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp or None, device=cfg.device,
@@ -74,6 +76,16 @@ def _seed_everything(seed: int) -> None:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, dims: ParallelDims):
+        # First of all, a run directory has one owner: rank 0 locks --save (and --log-dir), refuses a fresh run
+        # into a used one, picks the checkpoint to resume; every rank learns the outcome before doing any work.
+        self.run_dir = rundir.claim(cfg, dims)
+        try:
+            self._setup(cfg, dims)
+        except BaseException:
+            self.run_dir.release()  # the lock goes with a run that failed to start
+            raise
+
+    def _setup(self, cfg: TrainConfig, dims: ParallelDims) -> None:
         self.cfg, self.dims, self.device = cfg, dims, dims.device
         self.rank, self.world = dims.rank, dims.world_size
         self.tp_rank, self.pp_rank, self.dp_rank, self.dp = dims.tp_rank, dims.pp_rank, dims.dp_rank, dims.dp
@@ -82,7 +94,7 @@ class Trainer:
         self.n_micro = micro_batches_per_step(cfg.global_batch_size, cfg.micro_batch_size, self.dp)
         _seed_everything(cfg.seed)
 
-        self.resume_dir = ckpt.resolve_resume(cfg)
+        self.resume_dir = self.run_dir.resume_from
         if self.resume_dir is not None:
             self.train_state = ckpt.read_train_state(self.resume_dir)
             self.tokenizer = ckpt.load_tokenizer_of(self.resume_dir)
@@ -136,8 +148,6 @@ class Trainer:
                                     quiet=cfg.quiet)
         self.throughput = Throughput(model_cfg.flops_per_token(cfg.seq_len), self.world, cfg.dtype, self.device)
         self.tokens_per_step = cfg.global_batch_size * cfg.seq_len
-        if self.is_main and cfg.save:
-            ckpt.remove_stale_temp_dirs(cfg.save)
 
     # -- one step -------------------------------------------------------------------------------------------
     def _global_sum(self, values: list[float], group) -> list[float]:
@@ -232,6 +242,7 @@ class Trainer:
         status, saved, eval_loss = "ok", None, None
         self.loader.reset_wait_stats()
         for step in range(self.start_step + 1, cfg.steps + 1):
+            watchdog.note(f"step {step}")  # what a stall report says this rank was doing
             m = self.train_step(step)
             window.append(m)
             m.update(self.throughput.summary(), peak_mem_gb=peak_memory_gb(self.device),
@@ -278,5 +289,8 @@ class Trainer:
         return ckpt.save_checkpoint(self, step)
 
     def close(self) -> None:
-        self.loader.close()
-        self.logger.close()
+        try:
+            self.loader.close()
+            self.logger.close()
+        finally:
+            self.run_dir.release()

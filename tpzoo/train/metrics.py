@@ -107,9 +107,10 @@ class MetricsLogger:
             return
         if log_dir:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
-            # A resumed run appends: the curve in metrics.jsonl continues where the checkpoint left off (lines of
-            # steps after the checkpoint, from the interrupted run, are superseded by later lines of that step).
-            self.jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a" if resume else "w")
+            # Always appended, never truncated: a resumed run continues the curve (rows of steps after the
+            # checkpoint, from the interrupted run, are superseded by later rows of that step), and a fresh run
+            # only gets here once tpzoo.train.rundir has made sure the directory holds no other run's metrics.
+            self.jsonl = JsonlAppender(os.path.join(log_dir, "metrics.jsonl"))
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -127,8 +128,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         if self.jsonl:
-            self.jsonl.write(json.dumps({k: _jsonable(v) for k, v in m.items()}) + "\n")
-            self.jsonl.flush()
+            self.jsonl.write_row({k: _jsonable(v) for k, v in m.items()})
         if self.tb:
             for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "eval_loss"):
                 if m.get(k) is not None and isinstance(m[k], (int, float)) and math.isfinite(m[k]):
@@ -162,6 +162,37 @@ class MetricsLogger:
         self.bar = self.jsonl = self.tb = None
 
 
+class JsonlAppender:
+    """A JSON-lines file written one whole line per write() system call, in append mode: a crash can tear at
+    most the last line, and a reader never sees half of a line that was written before. On open, a torn last
+    line left by an earlier writer is ended with a newline, so that the new rows start on a line of their own
+    (the torn bytes stay, and readers skip them with a warning)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        size = os.path.getsize(path)
+        if size:
+            with open(path, "rb") as f:
+                f.seek(size - 1)
+                torn = f.read(1) != b"\n"
+            if torn:
+                self._write(b"\n")
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:  # a regular file takes it all at once unless the disk is full (then write raises)
+            view = view[os.write(self.fd, view):]
+
+    def write_row(self, row: dict) -> None:
+        self._write((json.dumps(row) + "\n").encode())
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 def _jsonable(v):
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)  # JSON has no NaN/inf
@@ -170,11 +201,21 @@ def _jsonable(v):
 
 def read_metrics(log_dir: str) -> list[dict]:
     """The rows of metrics.jsonl, one per step; for a step logged twice (a run resumed from an earlier
-    checkpoint) the later row wins."""
+    checkpoint) the later row wins. A line that is not a row (a torn last line from a crash or from a run still
+    writing, or one an earlier crash tore) is skipped with a warning naming the file and the line."""
+    from .rundir import warn
+
+    path = os.path.join(log_dir, "metrics.jsonl")
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")  # the last item is b"" when the file ends with a newline, else torn
     rows: dict[int, dict] = {}
-    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
-        for line in f:
-            if line.strip():
-                r = json.loads(line)
-                rows[int(r["step"])] = r
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            r = json.loads(raw)
+            rows[int(r["step"])] = r
+        except (ValueError, KeyError, TypeError):
+            what = "a torn last line (an interrupted write)" if number == len(lines) else "not a metrics row"
+            warn(f"{path} line {number}: {what}: skipped")
     return [rows[s] for s in sorted(rows)]
