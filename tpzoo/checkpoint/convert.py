@@ -5,7 +5,8 @@ byte ranges that a shard takes unchanged are copied by the kernel (st_writer.Fil
 exact slices. Fused (q|k|v, gate|up) and transposed (GPT-2) tensors are read slice by slice from their HF parts
 (hf.concat_structure); only a mapping of another kind is assembled whole, one tensor at a time. So memory stays
 near a few pieces (`sources.PIECE_BYTES`). Output goes to a temporary directory renamed into place when complete
-(format.atomic_dir).
+(atomic.atomic_dir); what an earlier, killed conversion into the same destination left is removed first.
+Sources run the structural check on opening (structure.py), so a damaged input fails before any output.
 """
 from __future__ import annotations
 
@@ -132,7 +133,7 @@ def convert_from_hf(src, dst, *, tp: int = 1, pp: int = 1, dtype="auto", force: 
     _return_freed_memory()
     source = HFSource(src)
     try:
-        with atomic_dir(dst, force) as tmp:
+        with atomic_dir(dst, force, clean_stale=True) as tmp:
             return write_checkpoint(source, tmp, tp=tp, pp=pp, virtual_stages=virtual_stages,
                                     dtype=parse_dtype(dtype), vocab_padding_multiple=vocab_padding_multiple,
                                     metadata={"source": str(src), "source_format": "huggingface"},
@@ -150,7 +151,7 @@ def reshard(src, dst, *, tp: int, pp: int, dtype="auto", force: bool = False, vi
     _return_freed_memory()
     source = CheckpointSource(src, verify=verify)
     try:
-        with atomic_dir(dst, force) as tmp:
+        with atomic_dir(dst, force, clean_stale=True) as tmp:
             meta = {**source.manifest.get("metadata", {}), "resharded_from": {"tp": source.tp, "pp": source.pp}}
             return write_checkpoint(source, tmp, tp=tp, pp=pp, virtual_stages=virtual_stages,
                                     dtype=parse_dtype(dtype), aux_names=source.manifest.get("aux_files", []),
@@ -182,7 +183,7 @@ def convert_to_hf(src, dst, *, force: bool = False, max_shard_size="5GB", dtype=
     if Path(dst).exists() and not force:
         raise FileExistsError(f"{dst} already exists (pass --force to replace it)")
     _return_freed_memory()
-    source = CheckpointSource(src, verify=verify) if Path(src, "manifest.json").is_file() else HFSource(src)
+    source = sources.open_source(src, verify=verify)
     dtype = parse_dtype(dtype)
     try:
         cfg = source.cfg
@@ -197,7 +198,7 @@ def convert_to_hf(src, dst, *, force: bool = False, max_shard_size="5GB", dtype=
         groups = _group_files([(h, dt, s) for _, _, dt, hs, _ in plan for h, s in hs], parse_size(max_shard_size))
         names = (["model.safetensors"] if len(groups) == 1 else
                  [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
-        with atomic_dir(dst, force) as tmp:
+        with atomic_dir(dst, force, clean_stale=True) as tmp:
             written = _write_hf_files(source, plan, groups, names, tmp, progress)
             weight_map = {h: names[i] for i, g in enumerate(groups) for h, _, _ in g}
             if len(groups) > 1:

@@ -2,22 +2,22 @@
 
 Specified in docs/checkpoint-format.md. This module reads and writes the manifest, checks every path in it
 (nothing may point outside the checkpoint directory), verifies shard files (size, header, checksum), copies the
-tokenizer files that travel with a checkpoint, and offers `atomic_dir` (write into a temporary sibling, rename
-into place only once complete).
+tokenizer files that travel with a checkpoint, and re-exports `atomic_dir` (atomic.py: write into a temporary
+sibling, rename into place only once complete). Field types: schema.py; consistency with the model config and the
+shard headers: structure.py.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import tempfile
-import uuid
 from pathlib import Path
 
 from tpzoo.errors import UserError
 
+from .atomic import atomic_dir, is_temp_dir  # noqa: F401 - atomic_dir: re-exported (tpzoo.train imports it here)
 from .safetensors_io import CHECKSUMS, DTYPES, SafetensorsError, file_checksum, read_header
+from .schema import SchemaError, check_schema
 
 FORMAT_NAME = "tpzoo-checkpoint"
 FORMAT_VERSION = 1
@@ -39,7 +39,15 @@ def shard_file_name(tp_rank: int, pp_rank: int) -> str:
 
 
 def is_checkpoint(path) -> bool:
-    return (Path(path) / MANIFEST_NAME).is_file()
+    """A directory with a manifest, and not the temporary directory of an unfinished write (atomic.py)."""
+    return (Path(path) / MANIFEST_NAME).is_file() and not is_temp_dir(path)
+
+
+def refuse_temp_dir(path) -> None:
+    """Readers call this first: an unfinished write may hold a complete-looking manifest and weights."""
+    if is_temp_dir(path):
+        raise CheckpointError(f"{path} is the temporary directory of a conversion or save that did not finish "
+                              f"(killed?): not a checkpoint; the next write into the same destination removes it")
 
 
 def safe_path(root, rel: str, what: str = "manifest entry") -> Path:
@@ -65,31 +73,39 @@ def write_manifest(directory, manifest: dict) -> None:
 
 
 def read_manifest(directory) -> dict:
-    """The manifest of a checkpoint directory, with its structure and every path checked."""
+    """The manifest of a checkpoint directory, with every field's type and every path checked (errors name the
+    manifest file and the field)."""
     directory = Path(directory)
+    refuse_temp_dir(directory)
     path = directory / MANIFEST_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{directory} is not a tpzoo checkpoint: no {MANIFEST_NAME}")
     try:
-        m = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: corrupt manifest: {e}") from None
-    if m.get("format") != FORMAT_NAME:
-        raise CheckpointError(f"{path}: not a tpzoo checkpoint manifest (format={m.get('format')!r})")
-    if m.get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format version {m['format_version']} is newer than this tpzoo reads "
+        m = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt manifest (not valid JSON): {e}") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
+        found = m.get("format") if isinstance(m, dict) else type(m).__name__
+        raise CheckpointError(f"{path}: not a tpzoo checkpoint manifest (format={found!r})")
+    version = m.get("format_version", 1)
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format version {version} is newer than this tpzoo reads "
                               f"({FORMAT_VERSION}); upgrade tpzoo")
-    for key in ("model_config", "tp", "pp", "stages", "tensors", "files", "vocab"):
-        if key not in m:
-            raise CheckpointError(f"{path}: manifest has no {key!r}")
+    try:
+        check_schema(m)
+    except SchemaError as e:
+        raise CheckpointError(f"{path}: corrupt manifest: {e}") from None
     for f in m["files"]:
         safe_path(directory, f["path"], "shard file")
     for name in m.get("aux_files", []):
         safe_path(directory, name, "auxiliary file")
-    ranks = {(f["tp_rank"], f["pp_rank"]) for f in m["files"]}
+    ranks = [(f["tp_rank"], f["pp_rank"]) for f in m["files"]]
     missing = [(t, p) for t in range(m["tp"]) for p in range(m["pp"]) if (t, p) not in ranks]
     if missing:
         raise CheckpointError(f"{path}: manifest lists no shard file for (tp_rank, pp_rank) {missing}")
+    twice = sorted({r for r in ranks if ranks.count(r) > 1})
+    if twice:
+        raise CheckpointError(f"{path}: manifest lists several shard files for (tp_rank, pp_rank) {twice}")
     return m
 
 
@@ -116,9 +132,14 @@ def verify_file(directory, entry: dict, checksum: bool = True) -> Path:
         raise CheckpointError(f"shard file {path}: {e}") from None
     for name, info in entry["tensors"].items():
         got = tensors.get(name)
-        if got is None or list(got[1]) != list(info["shape"]) or got[0] != DTYPES[info["dtype"]]:
-            raise CheckpointError(f"shard file {path}: tensor {name} differs from the manifest "
-                                  f"({info} vs {got and (got[0], got[1])})")
+        if got is None:
+            raise CheckpointError(f"shard file {path}: no tensor {name} in its header (the manifest lists it)")
+        if got[0] != DTYPES[info["dtype"]]:
+            raise CheckpointError(f"shard file {path}: tensor {name} is {got[0]} in its header, "
+                                  f"{DTYPES[info['dtype']]} in the manifest")
+        if list(got[1]) != list(info["shape"]):
+            raise CheckpointError(f"shard file {path}: tensor {name} has shape {list(got[1])} in its header, "
+                                  f"{list(info['shape'])} in the manifest")
     if set(tensors) != set(entry["tensors"]):
         extra = sorted(set(tensors) - set(entry["tensors"]))
         raise CheckpointError(f"shard file {path}: tensors not in the manifest: {extra[:5]}")
@@ -149,77 +170,6 @@ def copy_aux_files(src_dir, dst_dir, names: list[str] | None = None) -> list[str
     for name in names:
         shutil.copyfile(safe_path(src_dir, name, "auxiliary file"), Path(dst_dir) / name)
     return list(names)
-
-
-# --- atomic output ---------------------------------------------------------------------------------------------
-
-def _dist_world():
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
-
-
-def _broadcast(obj, dist):
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-@contextlib.contextmanager
-def atomic_dir(final, force: bool = False):
-    """Yield a fresh temporary directory next to `final`; on success rename it to `final` (replacing an existing
-    one only with force, and only now that the new one is complete); on failure delete it, leaving `final`
-    untouched. Under torch.distributed every rank must enter it (rank 0 does the file system work; all ranks
-    get the same temporary path, and the rename happens only if every rank succeeded)."""
-    final = Path(final)
-    dist = _dist_world()
-    tmp, err = None, None
-    if dist is None or dist.get_rank() == 0:
-        if final.exists() and not force:
-            err = f"{final} already exists (pass --force / force=True to replace it)"
-        else:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            tmp = tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent)
-            os.chmod(tmp, 0o777 & ~_umask())
-    if dist is not None:
-        tmp, err = _broadcast((tmp, err), dist)
-    if err:
-        raise FileExistsError(err)
-    ok = False
-    try:
-        yield Path(tmp)
-        ok = True
-    finally:
-        if dist is not None:  # an object collective: no tensor whose device must suit the backend
-            flags = [None] * dist.get_world_size()
-            dist.all_gather_object(flags, ok)
-            ok = all(flags)
-        if dist is None or dist.get_rank() == 0:
-            if ok:
-                _commit(Path(tmp), final)
-            else:
-                shutil.rmtree(tmp, ignore_errors=True)
-        if dist is not None:
-            dist.barrier()
-
-
-def _commit(tmp: Path, final: Path) -> None:
-    if not final.exists() and not final.is_symlink():
-        os.rename(tmp, final)
-        return
-    old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
-    os.rename(final, old)
-    os.rename(tmp, final)
-    if old.is_dir() and not old.is_symlink():
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        old.unlink()
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def make_manifest(cfg, *, tp: int, pp: int, stages: list[dict], tensors: dict, files: list[dict],

@@ -15,7 +15,7 @@ import torch
 
 from tpzoo.errors import UserError
 
-from .format import CheckpointError, safe_path
+from .format import CheckpointError, refuse_temp_dir, safe_path
 from .safetensors_io import SafetensorsReader
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
@@ -27,9 +27,17 @@ class TorchFileReader:
     def __init__(self, path):
         self.path = str(path)
         try:
-            self.state = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:  # legacy (non-zip) files cannot be memory-mapped
-            self.state = torch.load(self.path, map_location="cpu", weights_only=True)
+            try:
+                self.state = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # legacy (non-zip) files cannot be memory-mapped
+                self.state = torch.load(self.path, map_location="cpu", weights_only=True)
+        except OSError:
+            raise
+        except Exception as e:  # noqa: BLE001 - unpickling a damaged file fails in many ways; all mean the same
+            raise CheckpointError(f"{self.path}: not a readable PyTorch weights file (truncated or corrupt?): "
+                                  f"{type(e).__name__}: {e}") from None
+        if not isinstance(self.state, dict) or not all(isinstance(v, torch.Tensor) for v in self.state.values()):
+            raise CheckpointError(f"{self.path}: not a state dict of tensors")
 
     def keys(self):
         return self.state.keys()
@@ -60,14 +68,33 @@ def _download(repo_id: str) -> Path:
                                 f"failed (offline? unknown or gated repository?): {type(e).__name__}: {e}") from e
 
 
+def read_json(path: Path, what: str) -> dict:
+    """A JSON object from `path`; anything else is a CheckpointError naming the file."""
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt {what} (not valid JSON): {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: corrupt {what}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def _weights_from_index(root: Path, index: Path) -> dict[str, Path]:
-    weight_map = json.loads(index.read_text())["weight_map"]
-    return {name: safe_path(root, fname, f"{index.name} entry") for name, fname in weight_map.items()}
+    weight_map = read_json(index, "weights index").get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CheckpointError(f"{index}: corrupt weights index: no 'weight_map' object of tensor name -> file")
+    where = {name: safe_path(root, fname, f"{index.name} entry") for name, fname in weight_map.items()}
+    for name, path in where.items():
+        if not path.is_file():
+            raise CheckpointError(f"{index}: tensor {name} is in {path.name}, which is missing")
+    return where
 
 
 def locate_hf(src) -> tuple[Path, dict[str, Path] | list[Path]]:
     """(directory, {tensor: file} from an index, or the list of weight files)."""
     p = Path(src)
+    if p.exists():
+        refuse_temp_dir(p if p.is_dir() else p.parent)
     if not p.exists():
         if re.fullmatch(r"[\w.-]+/[\w.-]+", str(src)):
             p = _download(str(src))
@@ -105,12 +132,15 @@ class HFSource:
         config = self.root / "config.json"
         if not config.is_file():
             raise FileNotFoundError(f"{self.root} has no config.json (needed to know the architecture)")
-        self.hf_config = json.loads(config.read_text())
+        self.hf_config = read_json(config, "config.json")
         self.cfg = from_hf_config(self.hf_config)  # a clear error for an unsupported architecture
         self.maps = {m.name: m for m in get_family(self.cfg.family).hf_tensor_map(self.cfg)}
         self._readers: dict[Path, object] = {}
         if isinstance(weights, dict):
             self.where = dict(weights)
+            for name, path in self.where.items():  # every header now: a corrupt file or a wrong index fails here
+                if name not in self._reader(path).keys():
+                    raise CheckpointError(f"{path}: has no tensor {name}, which the weights index puts there")
         else:
             self.where = {}
             for path in weights:

@@ -90,6 +90,7 @@ class SafetensorsReader:
 
     def __init__(self, path):
         self.path = str(path)
+        self._fd = None  # set before anything can fail: __del__ runs even when __init__ raised
         self.tensors, self.data_start, self.metadata = read_header(self.path)
         self._fd = os.open(self.path, os.O_RDONLY)
         self._span: tuple[int, int] | None = None  # (file offset, length) of the bytes in _span_buf

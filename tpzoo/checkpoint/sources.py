@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 
-from .format import CheckpointError, file_entry, is_checkpoint, read_manifest, verify_file
+from .format import CheckpointError, file_entry, is_checkpoint, read_manifest, refuse_temp_dir, verify_file
 from .layout import ParamInfo, local_segments, spec_from_json
 from .safetensors_io import COPY_MIN_RUN, DTYPES, SafetensorsReader
 from .st_writer import FileRuns
+from .structure import check_structure
 
 PIECE_BYTES = 16 << 20  # memory per piece while streaming: bounded whatever the tensor size
 
@@ -31,8 +32,10 @@ def tied_aliases(cfg) -> dict[str, str]:
 
 
 class CheckpointSource:
-    """A tpzoo checkpoint directory. Shard files are verified (size, header, checksum with verify=True) the first
-    time they are read, so a corrupt or truncated file is reported, by name, before any of it is used."""
+    """A tpzoo checkpoint directory. Opening it runs the structural check (structure.py: the manifest against
+    itself, the model config and every shard file's size and header), with or without verify; a shard file's
+    checksum (verify=True) is checked the first time it is read. So a damaged checkpoint is reported, naming the
+    file or tensor, before any of it is used."""
 
     kind = "tpzoo"
 
@@ -42,6 +45,7 @@ class CheckpointSource:
         self.root = Path(path)
         self.manifest = m = read_manifest(self.root)
         self.cfg = ModelConfig.from_dict(m["model_config"])
+        check_structure(self.root, m)
         self.tp, self.pp, self.stages = m["tp"], m["pp"], m["stages"]
         self.vocab_padded = m["vocab"]["padded"]
         self.padding_multiple = m["vocab"].get("padding_multiple", 1)
@@ -141,9 +145,11 @@ class CheckpointSource:
 
 
 def open_source(path, verify: bool = True):
-    """A tpzoo checkpoint (a directory with manifest.json) or a Hugging Face checkpoint (anything else)."""
+    """A tpzoo checkpoint (a directory with manifest.json) or a Hugging Face checkpoint (anything else). Never
+    the temporary directory of an unfinished write, whatever it holds."""
     from .hf import HFSource
 
+    refuse_temp_dir(path)
     return CheckpointSource(path, verify) if is_checkpoint(path) else HFSource(path)
 
 

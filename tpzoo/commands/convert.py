@@ -1,7 +1,9 @@
 """`tpzoo convert from-hf SRC DST --tp N --pp M` and `tpzoo convert to-hf SRC DST` (docs/checkpoint-format.md).
 
 Streaming (bounded memory, progress bar on stderr), atomic (a temporary directory renamed into place when
-complete; an existing DST is refused unless --force, and replaced only once the new one is complete).
+complete; an existing DST is refused unless --force, and replaced only once the new one is complete; what a killed
+conversion into DST left is removed first, with a message). The source's structure (manifest, headers) is checked
+before anything is written (docs/checkpoint-format.md, "Verification and safety").
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument("dst", help="output HF model directory")
     b.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     b.add_argument("--max-shard-size", default="5GB", help="split model.safetensors above this (default 5GB)")
-    b.add_argument("--no-verify", action="store_true", help="skip the checksum check of the shard files")
+    b.add_argument("--no-verify", action="store_true",
+                   help="skip the shard files' checksums (the header checks always run)")
     b.add_argument("--force", action="store_true", help="replace DST if it exists")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
 

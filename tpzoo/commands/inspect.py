@@ -1,14 +1,18 @@
-"""`tpzoo inspect CKPT [--verify]`: a checkpoint's layout, config, files and tensors; --verify checks every
-shard file against the manifest (size, header, checksum) and exits 1 naming each bad file."""
+"""`tpzoo inspect CKPT [--verify]`: a checkpoint's layout, config, files and tensors, then its structural check
+(tpzoo/checkpoint/structure.py: the manifest against its shard specs, the model config and every shard file's
+size and header); --verify adds every file's checksum. Each problem is one line naming the tensor or file, and
+the exit status is 1 when there is any. A manifest that cannot be read at all is a user error (status 2)."""
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("ckpt", help="tpzoo checkpoint directory")
-    p.add_argument("--verify", action="store_true", help="check every shard file's size, header and checksum")
+    p.add_argument("--verify", action="store_true",
+                   help="also check every shard file's checksum (reads every byte; the header checks always run)")
     p.add_argument("--no-tensors", action="store_true", help="do not list the tensors")
     p.add_argument("--json", action="store_true", help="print the manifest (without per-file tensor lists)")
 
@@ -22,7 +26,7 @@ def _size(n: float) -> str:
 
 
 def run(args) -> int:
-    from tpzoo.checkpoint import CheckpointError, read_manifest, verify_file
+    from tpzoo.checkpoint import read_manifest
     from tpzoo.models.config import ModelConfig
 
     m = read_manifest(args.ckpt)
@@ -32,10 +36,10 @@ def run(args) -> int:
                          indent=1))
     else:
         v = m["vocab"]
-        print(f"checkpoint {args.ckpt} ({m['format']} v{m['format_version']})")
+        print(f"checkpoint {args.ckpt} ({m['format']} v{m.get('format_version', 1)})")
         print(f"model: {cfg.family} {cfg.name or ''} layers={cfg.num_layers} hidden={cfg.hidden_size} "
               f"heads={cfg.num_heads} kv_heads={cfg.num_kv_heads} ffn={cfg.ffn_hidden_size} vocab={v['size']} "
-              f"(padded {v['padded']}) parameters={cfg.num_parameters():,} dtype={m['dtype']}")
+              f"(padded {v['padded']}) parameters={cfg.num_parameters():,} dtype={m.get('dtype')}")
         print(f"layout: tp={m['tp']} pp={m['pp']} virtual_stages={m.get('virtual_stages', 1)}")
         for st in m["stages"]:
             ends = [n for n, flag in (("embedding", st["pre_process"]), ("head", st["post_process"])) if flag]
@@ -53,15 +57,31 @@ def run(args) -> int:
             for name, t in m["tensors"].items():
                 split = "replicated" if t["split"] is None else f"split dim {t['split']['dim']}"
                 print(f"  {name:40s} {str(tuple(t['shape'])):18s} {t['dtype']:5s} {split:12s} pp {t['pp_rank']}")
-    if not args.verify:
-        return 0
+    return _check(args.ckpt, m, checksum=args.verify, out=sys.stderr if args.json else sys.stdout)
+
+
+def _check(ckpt, m: dict, checksum: bool, out) -> int:
+    """Print every structural problem (and with checksum, every file's verdict); 1 if any, else 0."""
+    from tpzoo.checkpoint import CheckpointError, verify_file
+    from tpzoo.checkpoint.structure import manifest_problems, missing_aux_files, unlisted_shard_files
+
+    word = "verify" if checksum else "check"
+    problems = manifest_problems(ckpt, m)
+    problems += [f"{p}: a shard file the manifest does not list (readers ignore it; two layouts mixed?)"
+                 for p in unlisted_shard_files(ckpt, m)]
+    problems += missing_aux_files(ckpt, m)
+    for p in problems:
+        print(f"{word} FAILED: {p}", file=out)
     bad = 0
     for f in m["files"]:
         try:
-            verify_file(args.ckpt, f, checksum=True)
-            print(f"verified {f['path']}: ok")
+            verify_file(ckpt, f, checksum=checksum)
+            if checksum:
+                print(f"verified {f['path']}: ok", file=out)
         except (CheckpointError, OSError) as e:
             bad += 1
-            print(f"verify FAILED: {e}")
-    print(f"verify: {len(m['files']) - bad} of {len(m['files'])} files ok")
-    return 1 if bad else 0
+            print(f"{word} FAILED: {e}", file=out)
+    what = "size, header and checksum" if checksum else "size and header; --verify adds the checksums"
+    print(f"{word}: {len(m['files']) - bad} of {len(m['files'])} files ok ({what}), "
+          f"{len(problems)} manifest problem(s)", file=out)
+    return 1 if bad or problems else 0

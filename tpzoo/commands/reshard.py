@@ -16,7 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--vocab-multiple", type=int, default=None,
                    help="vocabulary padding multiple of the output (default: the source's)")
-    p.add_argument("--no-verify", action="store_true", help="skip the checksum check of the source files")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the source files' checksums (the header checks always run)")
     p.add_argument("--checksum", default="crc32", choices=["crc32", "sha256"], help="shard file checksum")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
