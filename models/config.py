@@ -3,9 +3,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 from dataclasses import dataclass, field
 
 from tpzoo.errors import ConfigError
+
+
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "num_kv_heads", "head_dim",
+                  "max_position_embeddings", "sliding_window")
+_OPTIONAL = ("num_kv_heads", "head_dim", "sliding_window")  # None = derived / off
 
 
 @dataclass
@@ -39,6 +45,16 @@ class ModelConfig:
     extra: dict = field(default_factory=dict)  # family-specific HF fields kept for the round trip
 
     def __post_init__(self):
+        # Shapes first: a zero or a string from a hand-edited config.json would otherwise surface as a division
+        # by zero or a TypeError deep inside model construction.
+        for attr in _POSITIVE_INTS:
+            value = getattr(self, attr)
+            if value is None and attr in _OPTIONAL:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ConfigError(f"{attr} must be a positive integer, got {value!r}")
+        if not isinstance(self.norm_eps, numbers.Real) or not self.norm_eps > 0:
+            raise ConfigError(f"norm_eps must be > 0, got {self.norm_eps!r}")
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         if self.head_dim is None:

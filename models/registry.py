@@ -61,7 +61,11 @@ def register_config(name: str, config: ModelConfig) -> ModelConfig:
 def get_config(name: str) -> ModelConfig:
     _load_builtin()
     if name not in CONFIGS:
-        raise ConfigError(f"unknown model {name!r}; `tpzoo models` lists the known names")
+        import difflib
+
+        close = difflib.get_close_matches(str(name), CONFIGS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"unknown model {name!r}{hint}; `tpzoo models` lists the known names")
     return CONFIGS[name].replace()  # a copy: callers may change it
 
 
@@ -71,15 +75,31 @@ def list_configs() -> dict[str, ModelConfig]:
 
 
 def from_hf_config(config) -> ModelConfig:
-    """A ModelConfig from a HF config.json path, a directory holding one, or its dict."""
+    """A ModelConfig from a HF config.json path, a directory holding one, or its dict. Every error about a file
+    names it: missing, not JSON, not an object, an unsupported architecture, a missing or bad field."""
     import json
     import os
 
-    if isinstance(config, (str, os.PathLike)):
-        path = os.path.join(config, "config.json") if os.path.isdir(config) else config
-        with open(path) as f:
-            config = json.load(f)
-    return family_for_hf(config).config_from_hf(config)
+    if not isinstance(config, (str, os.PathLike)):
+        return family_for_hf(config).config_from_hf(config)
+    path = os.path.join(config, "config.json") if os.path.isdir(config) else os.fspath(config)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in {config} (a Hugging Face model directory needs one)"
+                                if os.path.isdir(config) else f"{config}: no such file or directory")
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f"{path}:{e.lineno}:{e.colno}" if isinstance(e, json.JSONDecodeError) else path
+        raise ConfigError(f"{where}: invalid JSON in a Hugging Face config: {getattr(e, 'msg', e)}") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(hf).__name__}")
+    try:
+        return family_for_hf(hf).config_from_hf(hf)
+    except KeyError as e:
+        raise ConfigError(f"{path}: missing field {e.args[0]!r}") from None
+    except (ConfigError, TypeError, ValueError) as e:  # a bad value (ModelConfig names the field)
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def to_hf_config(config: ModelConfig) -> dict:

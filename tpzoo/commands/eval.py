@@ -58,11 +58,13 @@ def _worker(args) -> None:
 
 
 def run(args) -> int:
-    from tpzoo.checkpoint import open_source
+    """Preflight (tpzoo.train.preflight: sizes, the checkpoint's config against the layout, the text file),
+    then the ranks: here before spawning them, or first thing on each rank under torchrun."""
+    from tpzoo.train.preflight import check_eval, in_rank
 
     from .launch import run_multirank, under_torchrun
 
-    if not under_torchrun():  # check what can be checked before starting any rank
-        open_source(args.ckpt, verify=False).close()
-        open(args.text_file, encoding="utf-8").close()
+    if under_torchrun():
+        return run_multirank(in_rank(check_eval, _worker), args, 1, "eval")
+    check_eval(args)
     return run_multirank(_worker, args, args.tp * args.pp, "eval")

@@ -38,9 +38,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _eos(ckpt, cfg):
+    from tpzoo.errors import DataError
+
     gen = Path(ckpt) / "generation_config.json"
     if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
+        try:
+            eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+        except (ValueError, AttributeError) as e:  # invalid JSON, not UTF-8, or not an object
+            raise DataError(f"{gen}: not a valid generation config ({e})") from None
         if eos is not None:
             return eos
     return cfg.eos_token_id
@@ -79,10 +84,13 @@ def _worker(args) -> None:
 
 
 def run(args) -> int:
-    from tpzoo.checkpoint import open_source
+    """Preflight (tpzoo.train.preflight: sizes, the checkpoint's config against the layout),
+    then the ranks: here before spawning them, or first thing on each rank under torchrun."""
+    from tpzoo.train.preflight import check_generate, in_rank
 
     from .launch import run_multirank, under_torchrun
 
-    if not under_torchrun():  # check what can be checked before starting any rank
-        open_source(args.ckpt, verify=False).close()
+    if under_torchrun():
+        return run_multirank(in_rank(check_generate, _worker), args, 1, "generate")
+    check_generate(args)
     return run_multirank(_worker, args, args.tp * args.pp, "generate")

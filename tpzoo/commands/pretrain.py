@@ -37,11 +37,19 @@ def _rank_main(cfg) -> None:
 
 
 def run_config(cfg, command: str = "pretrain") -> int:
+    """Preflight (tpzoo.train.preflight: the config against the model, the layout and the files), then the ranks.
+    Without torchrun the check runs here, before any rank is spawned; under torchrun each rank runs it first."""
+    from tpzoo.train.preflight import check_train, in_rank
+
     from .launch import run_multirank, under_torchrun
 
-    nproc = cfg.tp * cfg.pp * (cfg.dp or 1)
+    if under_torchrun():
+        fn, nproc = in_rank(check_train, _rank_main), 1
+    else:
+        check_train(cfg)
+        fn, nproc = _rank_main, cfg.tp * cfg.pp * (cfg.dp or 1)
     try:
-        return run_multirank(_rank_main, cfg, 1 if under_torchrun() else nproc, command)
+        return run_multirank(fn, cfg, nproc, command)
     except SystemExit as e:  # one rank in this process: its exit status (1: diverged, 2: a user error)
         return int(e.code or 0)
 

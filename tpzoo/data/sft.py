@@ -68,8 +68,14 @@ def _check_record(record, where: str) -> dict:
 
 
 def load_sft_records(path: str | os.PathLike) -> list[dict]:
-    """Validated records of an SFT JSONL file (blank lines skipped; errors name the file and line)."""
-    return [_check_record(record, where) for where, record in read_jsonl_records(path)]
+    """Validated records of an SFT JSONL file (blank lines skipped; errors name the file and line, or the byte
+    offset of invalid UTF-8). A file without a record is an error: training on it could only fail later, with a
+    message about samples rather than the file."""
+    records = [_check_record(record, where) for where, record in read_jsonl_records(path)]
+    if not records:
+        blank = os.path.getsize(path) > 0
+        raise DataError(f"{path}: empty file" + (" (only blank lines, no records)" if blank else ""))
+    return records
 
 
 def _template_segments(tok, messages: list[dict]) -> list[tuple[str, bool]]:

@@ -4,11 +4,11 @@ A *document* is one string. Sources are read lazily, one document (or one Parque
 corpus of any size streams through `tpzoo.data.preprocess` in bounded memory.
 
   - text files (``.txt .text .md .rst .py``): the whole file is one document (UTF-8; undecodable bytes become
-    U+FFFD). Reading whole files is deliberate: the ``datasets`` "text" builder would make every *line* a
-    document.
+    U+FFFD, with a warning naming the file, line and byte offset of the first). Reading whole files is
+    deliberate: the ``datasets`` "text" builder would make every *line* a document.
   - JSON lines (``.jsonl``, ``.json`` with one object per line, or ``.json`` holding one array of objects): each
-    record's ``text_field`` (default ``"text"``) is a document; a record without the field is an error naming
-    the file and line.
+    record's ``text_field`` (default ``"text"``) is a document; a record without the field, invalid JSON and
+    invalid UTF-8 are errors naming the file and line (and the column, or the byte offset).
   - Parquet (``.parquet``): column ``text_field`` of every row, read batch by batch with pyarrow.
   - a directory: every file with one of the suffixes above, recursively, in sorted path order; hidden files and
     directories are skipped.
@@ -24,6 +24,7 @@ import itertools
 import json
 import os
 import sysconfig
+import warnings
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -47,7 +48,7 @@ def _is_hidden(path: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
-def _looks_local(spec: str) -> bool:
+def is_local_spec(spec: str) -> bool:
     """A spec that names a local path even when it does not exist (so a typo is not sent to the hub)."""
     return (spec.startswith(("/", "./", "../", "~", ".")) or spec.lower().endswith(SUPPORTED_SUFFIXES)
             or Path(spec).expanduser().exists())
@@ -75,9 +76,22 @@ def expand_paths(paths: Iterable[str | os.PathLike]) -> list[Path]:
     return files
 
 
+def utf8_error(path, raw: bytes, e: UnicodeDecodeError, base: int = 0, line: int | None = None) -> str:
+    """'PATH:LINE: invalid UTF-8 (byte 0xff at byte offset N)' for a decode error at raw[e.start] (raw starts at
+    file offset `base`; its line is counted when not given)."""
+    line = line if line is not None else raw.count(b"\n", 0, e.start) + 1
+    return f"{path}:{line}: invalid UTF-8 (byte 0x{raw[e.start]:02x} at byte offset {base + e.start})"
+
+
 def read_text_file(path: str | os.PathLike) -> Iterator[str]:
-    """The whole file as one document (nothing when it is empty)."""
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    """The whole file as one document (nothing when it is empty). Undecodable bytes become U+FFFD, with a
+    warning naming the file, line and byte offset of the first (one stray byte should not stop a corpus)."""
+    raw = Path(path).read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        warnings.warn(f"{utf8_error(path, raw, e)}; undecodable bytes replaced with U+FFFD", stacklevel=2)
+        text = raw.decode("utf-8", errors="replace")
     if text:
         yield text
 
@@ -95,11 +109,11 @@ def _field(record, field: str, where: str) -> str:
 def read_jsonl(path: str | os.PathLike, text_field: str = "text") -> Iterator[str]:
     """``record[text_field]`` of every record of a JSON-lines file (or of a .json file holding one array)."""
     path = Path(path)
-    with path.open("r", encoding="utf-8") as f:
-        head = f.read(4096).lstrip()
+    with path.open("rb") as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
         f.seek(0)
-        if head.startswith("["):  # one JSON array: parsed whole (use JSON lines for large corpora)
-            for i, record in enumerate(json.load(f)):
+        if head.startswith(b"["):  # one JSON array: parsed whole (use JSON lines for large corpora)
+            for i, record in enumerate(_json_array(f.read(), path)):
                 text = _field(record, text_field, f"{path} [{i}]")
                 if text:
                     yield text
@@ -110,20 +124,43 @@ def read_jsonl(path: str | os.PathLike, text_field: str = "text") -> Iterator[st
                 yield text
 
 
+def _json_array(raw: bytes, path) -> list:
+    """A whole-file JSON array; errors name the file, line and column (or the byte offset of invalid UTF-8)."""
+    try:
+        records = json.loads(raw.decode("utf-8-sig"))
+    except UnicodeDecodeError as e:
+        raise SourceError(utf8_error(path, raw, e)) from None
+    except json.JSONDecodeError as e:
+        raise SourceError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+    if not isinstance(records, list):
+        raise SourceError(f"{path}: expected a JSON array of records or one JSON object per line")
+    return records
+
+
 def _json_lines(f, path) -> Iterator[tuple[str, object]]:
-    """("file:line", parsed record) for every non-blank line of an open JSON-lines file."""
-    for lineno, line in enumerate(f, 1):
+    """("file:line", parsed record) for every non-blank line of a JSON-lines file open in binary mode. Errors name
+    the file and line: invalid JSON (and its column), invalid UTF-8 (and its byte offset in the file)."""
+    offset = 0
+    for lineno, raw in enumerate(f, 1):
+        start, offset = offset, offset + len(raw)
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise SourceError(utf8_error(path, raw, e, base=start, line=lineno)) from None
+        if lineno == 1:
+            line = line.removeprefix("\ufeff")  # a UTF-8 byte-order mark, as some editors write
         if not line.strip():
             continue
-        try:
-            yield f"{path}:{lineno}", json.loads(line)
+        try:  # without the newline, an unterminated record's column is its line's end, not "line 2, column 1"
+            yield f"{path}:{lineno}", json.loads(line.rstrip("\r\n"))
         except json.JSONDecodeError as e:
-            raise SourceError(f"{path}:{lineno}: invalid JSON: {e}") from e
+            raise SourceError(f"{path}:{lineno}:{e.colno}: invalid JSON: {e.msg}") from None
 
 
 def read_jsonl_records(path: str | os.PathLike) -> Iterator[tuple[str, object]]:
-    """("file:line", record) for each record of a JSON-lines file; invalid JSON raises SourceError naming the line."""
-    with Path(path).open("r", encoding="utf-8") as f:
+    """("file:line", record) for each record of a JSON-lines file; invalid JSON or UTF-8 raises SourceError
+    naming the line."""
+    with Path(path).open("rb") as f:
         yield from _json_lines(f, path)
 
 
@@ -178,7 +215,7 @@ def iter_documents(sources, text_field: str = "text") -> Iterator[str]:
         sources = [sources]
     for spec in sources:
         s = os.fspath(spec)
-        if s.startswith("hf:") or not _looks_local(s):
+        if s.startswith("hf:") or not is_local_spec(s):
             yield from read_hub_dataset(s, text_field)
             continue
         for path in expand_paths([s]):

@@ -27,7 +27,8 @@ from tpzoo.errors import ConfigError, DataError
 BYTE_MARKER = "tpzoo_tokenizer.json"
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "load_tokenizer", "train_bpe", "BYTE_MARKER"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "has_tokenizer", "load_tokenizer", "peek_vocab_size", "train_bpe",
+           "BYTE_MARKER"]
 
 
 class ByteTokenizer:
@@ -137,6 +138,58 @@ def _tokenizer_dir(path: Path) -> tuple[str, Path] | None:
     return None
 
 
+def has_tokenizer(path) -> bool:
+    """Whether a directory holds tokenizer files (at its top level or in tokenizer/), without loading them."""
+    path = Path(path)
+    return path.is_dir() and _tokenizer_dir(path) is not None
+
+
+def _read_byte_marker(path: Path) -> dict:
+    try:
+        marker = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: corrupt tokenizer marker (not JSON: {e})") from None
+    kind = marker.get("type") if isinstance(marker, dict) else None
+    if kind != "byte":
+        raise DataError(f"{path}: unknown tokenizer type {kind!r}")
+    return marker
+
+
+def peek_vocab_size(spec) -> int | None:
+    """The vocabulary size of a tokenizer spec, found without loading it (no transformers import), or None when
+    that is not cheap: 259 for the byte tokenizer; for a Hugging Face tokenizer.json, the number of distinct ids
+    of its vocabulary and added tokens (at most ``len(tokenizer)``, so a check against it never refuses a
+    tokenizer that would fit). Used to check a run before its ranks start."""
+    if hasattr(spec, "vocab_size"):
+        return int(spec.vocab_size)
+    if str(spec) == "byte":
+        return ByteTokenizer.vocab_size
+    path = Path(str(spec)).expanduser()
+    found = _tokenizer_dir(path) if path.is_dir() else None
+    if found is None:
+        return None
+    kind, directory = found
+    if kind == "byte":
+        _read_byte_marker(directory / BYTE_MARKER)
+        return ByteTokenizer.vocab_size
+    file = directory / "tokenizer.json"
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{file}: corrupt tokenizer file (not JSON: {e})") from None
+    vocab = (data.get("model") or {}).get("vocab") if isinstance(data, dict) else None
+    if isinstance(vocab, dict):
+        ids = {i for i in vocab.values() if isinstance(i, int)}
+    elif isinstance(vocab, list):  # Unigram: [[piece, score], ...], the id is the position
+        ids = set(range(len(vocab)))
+    else:
+        return None
+    ids |= {t["id"] for t in data.get("added_tokens") or [] if isinstance(t, dict) and isinstance(t.get("id"), int)}
+    return len(ids)
+
+
 def load_tokenizer(spec) -> ByteTokenizer | HFTokenizer:
     """A tokenizer from ``"byte"``, a tokenizer/checkpoint/token-store directory, or a locally cached hub name.
 
@@ -156,9 +209,7 @@ def load_tokenizer(spec) -> ByteTokenizer | HFTokenizer:
                 f"{', '.join(HF_TOKENIZER_FILES)} (Hugging Face), at its top level or in {path / 'tokenizer'}")
         kind, directory = found
         if kind == "byte":
-            marker = json.loads((directory / BYTE_MARKER).read_text())
-            if marker.get("type") != "byte":
-                raise DataError(f"{directory / BYTE_MARKER}: unknown tokenizer type {marker.get('type')!r}")
+            _read_byte_marker(directory / BYTE_MARKER)
             return ByteTokenizer()
         from transformers import AutoTokenizer
 

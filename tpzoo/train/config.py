@@ -7,19 +7,26 @@ sections below or put any key at the top level, and each field is the flag `--fi
     [parallel]                       # == tp = 2 at the top level == --tp 2
     tp = 2
 
-The help text of every field lives in its metadata, so `--help`, docs/training.md's reference table
-(`describe_config()`) and the code cannot disagree.
+The help text and the valid range of every field live in its metadata (`ge`/`gt`/`le`/`lt`, `choices`), so
+`--help`, docs/training.md's reference table (`describe_config()`), the checks and the code cannot disagree.
+Every value is checked when it is set (type, range, choices; tpzoo.train.config_values), naming the field, the
+value and where it came from (`run.toml:7`, `--lr`); `TrainConfig.validate()` checks the combinations of fields;
+tpzoo.train.preflight checks the config against the model and the files before any rank starts.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
-
-import tomllib
+from typing import Any, Callable
 
 from tpzoo.errors import ConfigError
+
+from .config_values import check_value, range_text, read_toml, suggest
+
+# tpzoo.pipeline.SCHEDULES' names, spelled out so that reading a config does not import the pipeline (a test
+# keeps the two equal).
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb")
 
 
 def _f(default, help: str, **kw):
@@ -33,18 +40,19 @@ class RunSection:
     task: str = _f("pretrain", "'pretrain' (packed text corpus) or 'sft' (JSONL prompt/response or chat messages, "
                                "loss only on response tokens)", choices=("pretrain", "sft"))
     steps: int = _f(150, "total optimizer steps of the run (a resumed run continues to this total; it also sets "
-                         "the LR schedule, so a resumed run follows the same curve)")
-    seed: int = _f(1234, "seed for the weights (layout independent), the data order and sampling")
+                         "the LR schedule, so a resumed run follows the same curve)", ge=1)
+    seed: int = _f(1234, "seed for the weights (layout independent), the data order and sampling", ge=0)
     max_skips: int = _f(5, "stop after this many consecutive steps skipped for a NaN/inf loss or grad norm "
-                           "(the last good checkpoint is kept)")
-    inject_nan_steps: list = _f([], "testing aid: make the loss scale NaN at these steps (1-based)", type=int)
+                           "(the last good checkpoint is kept)", ge=1)
+    inject_nan_steps: list = _f([], "testing aid: make the loss scale NaN at these steps (1-based)", type=int,
+                                ge=1)
 
 
 @dataclass
 class ModelSection:
     model: str = _f("tiny-gpt", "registered config name (tiny-gpt, tiny-llama, nano-gpt, llama-3-8b, ...); "
                                 "ignored when --base gives the weights")
-    vocab_size: int = _f(0, "vocabulary of a model trained from scratch; 0 = the tokenizer's vocab size")
+    vocab_size: int = _f(0, "vocabulary of a model trained from scratch; 0 = the tokenizer's vocab size", ge=0)
     base: str = _f("", "initial weights: a tpzoo checkpoint or a Hugging Face model directory (fine-tuning, "
                        "continued pretraining); the model config and, unless --tokenizer, the tokenizer come "
                        "from it")
@@ -55,81 +63,91 @@ class ModelSection:
 
 @dataclass
 class ParallelSection:
-    tp: int = _f(2, "tensor-parallel size")
-    pp: int = _f(1, "pipeline-parallel size")
-    dp: int = _f(0, "data-parallel size; 0 = world size / (tp * pp) under torchrun, 1 when self-spawning")
-    sequence_parallel: bool = _f(False, "shard activations along the sequence between TP regions")
-    schedule: str = _f("1f1b", "pipeline schedule (tpzoo.pipeline: gpipe, 1f1b, interleaved, ...)")
-    virtual_stages: int = _f(1, "model chunks per pipeline rank (interleaved schedule)")
+    tp: int = _f(2, "tensor-parallel size (divides the heads; kv heads divide by it or it by them)", ge=1)
+    pp: int = _f(1, "pipeline-parallel size (pp * virtual_stages <= layers)", ge=1)
+    dp: int = _f(0, "data-parallel size; 0 = world size / (tp * pp) under torchrun, 1 when self-spawning", ge=0)
+    sequence_parallel: bool = _f(False, "shard activations along the sequence between TP regions (seq_len "
+                                        "divisible by tp)")
+    schedule: str = _f("1f1b", "pipeline schedule (tpzoo.pipeline.SCHEDULES; only interleaved runs "
+                               "virtual_stages > 1)", choices=SCHEDULE_NAMES)
+    virtual_stages: int = _f(1, "model chunks per pipeline rank (interleaved schedule)", ge=1)
     recompute: str = _f("none", "activation recomputation: none | selective | full",
                         choices=("none", "selective", "full"))
     zero1: bool = _f(False, "ZeRO-1 distributed optimizer: optimizer state sharded over dp, gradients "
                             "reduce-scattered, updated weights all-gathered")
     device: str = _f("auto", "where each rank computes: auto (cuda:LOCAL_RANK when CUDA is available, else cpu), "
-                             "cpu, cuda or cuda:N")
+                             "cpu, cuda or cuda:N", nonempty=True)
     dist_timeout: float = _f(600.0, "seconds a rank may wait on another (a collective, a stalled or dead rank) before "
-                                    "the job fails naming the rank")
+                                    "the job fails naming the rank", gt=0)
 
 
 @dataclass
 class DataSection:
     data: list = _f([], "pretrain: text/.jsonl/.parquet files, directories or a token store (default: the "
-                        "Python standard library's .py files); sft: one JSONL file", type=str)
+                        "Python standard library's .py files); sft: one JSONL file", type=str, nonempty=True)
     tokenizer: str = _f("", "'byte', or a Hugging Face tokenizer / checkpoint directory; '' = the base's "
                             "tokenizer, else 'byte'")
-    seq_len: int = _f(256, "tokens per training sequence")
-    global_batch_size: int = _f(16, "sequences per optimizer step, over all data-parallel ranks")
+    seq_len: int = _f(256, "tokens per training sequence", ge=1)
+    global_batch_size: int = _f(16, "sequences per optimizer step, over all data-parallel ranks (a multiple of "
+                                    "micro_batch_size * dp)", ge=1)
     micro_batch_size: int = _f(8, "sequences per forward/backward; gradient accumulation runs "
-                                  "global / (micro * dp) micro-batches per step")
-    data_cache: str = _f("runs/data", "where corpora are tokenized once into token stores (reused by later runs)")
-    text_field: str = _f("text", "JSONL field / Parquet column with the text (pretrain)")
+                                  "global / (micro * dp) micro-batches per step", ge=1)
+    data_cache: str = _f("runs/data", "where corpora are tokenized once into token stores (reused by later runs)",
+                         nonempty=True)
+    text_field: str = _f("text", "JSONL field / Parquet column with the text (pretrain)", nonempty=True)
     eval_fraction: float = _f(0.005, "held-out share: pretrain = the last windows of the corpus, sft = a seeded "
-                                     "subset of the records")
+                                     "subset of the records", ge=0, lt=1)
     packing: bool = _f(True, "sft: pack examples into full sequences (else one padded example per sequence)")
     template: str = _f("auto", "sft rendering: auto (the tokenizer's chat template, else fallback) | fallback "
                                "| raw", choices=("auto", "fallback", "raw"))
-    prefetch: int = _f(2, "batches prepared ahead on a background thread (0 = none)")
+    prefetch: int = _f(2, "batches prepared ahead on a background thread (0 = none)", ge=0)
 
 
 @dataclass
 class OptimSection:
-    lr: float = _f(3e-3, "peak learning rate")
-    min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay")
-    warmup_steps: int = _f(15, "linear warmup steps")
-    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (matrices and embeddings; not norms or biases)")
-    beta1: float = _f(0.9, "AdamW beta1")
-    beta2: float = _f(0.95, "AdamW beta2")
-    eps: float = _f(1e-8, "AdamW epsilon")
-    clip_grad: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)")
-    label_smoothing: float = _f(0.0, "cross-entropy label smoothing")
+    lr: float = _f(3e-3, "peak learning rate (0 = the weights never change, e.g. to measure a starting loss)",
+                   ge=0)
+    min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay (at most lr)", ge=0)
+    warmup_steps: int = _f(15, "linear warmup steps", ge=0)
+    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (matrices and embeddings; not norms or biases)",
+                             ge=0)
+    beta1: float = _f(0.9, "AdamW beta1", ge=0, lt=1)
+    beta2: float = _f(0.95, "AdamW beta2", ge=0, lt=1)
+    eps: float = _f(1e-8, "AdamW epsilon", gt=0)
+    clip_grad: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)", ge=0)
+    label_smoothing: float = _f(0.0, "cross-entropy label smoothing", ge=0, lt=1)
 
 
 @dataclass
 class CheckpointSection:
     save: str = _f("runs/pretrain", "checkpoint directory (step_NNNNNNNN subdirectories); '' = do not save")
-    save_every: int = _f(0, "save every N steps (0 = only at the end)")
-    keep_last: int = _f(3, "keep the newest K checkpoints (0 = keep all)")
+    save_every: int = _f(0, "save every N steps (0 = only at the end)", ge=0)
+    keep_last: int = _f(3, "keep the newest K checkpoints (0 = keep all)", ge=0)
     overwrite: bool = _f(False, "start a fresh run in a --save directory that already holds a run (its checkpoints "
                                 "and metrics are moved aside, see docs/reliability.md)")
-    resume: str = _f("", "'' = start fresh; 'latest' (or the bare flag) = newest checkpoint under --save; or "
-                         "a checkpoint directory", nargs="?", const="latest")
+    resume: str = _f("", "'' = start fresh; 'auto' (also 'latest', or the bare flag) = the newest intact checkpoint "
+                         "under --save (damaged ones are skipped, saying why); or a checkpoint directory",
+                     nargs="?", const="auto")
 
 
 @dataclass
 class LogSection:
     log_dir: str = _f("", "write metrics.jsonl (and TensorBoard events if installed) here; '' = --save")
-    log_interval: int = _f(10, "print a metrics line every N steps")
-    eval_every: int = _f(0, "evaluate on the held-out split every N steps (0 = only at the end)")
-    eval_batches: int = _f(4, "micro-batches per data-parallel rank in one evaluation")
+    log_interval: int = _f(10, "print a metrics line every N steps", ge=1)
+    eval_every: int = _f(0, "evaluate on the held-out split every N steps (0 = only at the end)", ge=0)
+    eval_batches: int = _f(4, "micro-batches per data-parallel rank in one evaluation", ge=1)
     progress: bool = _f(True, "progress bar on rank 0 (when stderr is a terminal)")
     quiet: bool = _f(False, "print nothing (metrics.jsonl is still written)")
     sample_prompt: str = _f("def ", "prompt of the sample printed at the end ('' = no sample)")
-    sample_tokens: int = _f(160, "tokens to generate for the sample")
-    temperature: float = _f(0.8, "sampling temperature of the sample (0 = greedy)")
+    sample_tokens: int = _f(160, "tokens to generate for the sample", ge=0)
+    temperature: float = _f(0.8, "sampling temperature of the sample (0 = greedy)", ge=0)
 
 
 SECTIONS = {"run": RunSection, "model": ModelSection, "parallel": ParallelSection, "data": DataSection,
             "optim": OptimSection, "checkpoint": CheckpointSection, "log": LogSection}
+
+# Where a value came from, for error messages: one text for every key, or a function of the key.
+Where = str | Callable[[str], str] | None
 
 
 class TrainConfig:
@@ -163,14 +181,54 @@ class TrainConfig:
     def section(self, name: str):
         return self._sections[name]
 
-    def set(self, name: str, value: Any) -> None:
+    def set(self, name: str, value: Any, where: str = "") -> None:
+        """Set one field, checked (type, range, choices); `where` (a file:line, a flag) prefixes any error."""
+        prefix = f"{where}: " if where else ""
         if name not in _FIELD_SECTION:
-            raise ConfigError(f"unknown config key {name!r}; known: {', '.join(sorted(_FIELD_SECTION))}")
-        setattr(self._sections[_FIELD_SECTION[name]], name, _coerce(name, value))
+            raise ConfigError(f"{prefix}unknown config key {name!r}{_did_you_mean(name)}")
+        try:
+            value = _coerce(name, value)
+        except ConfigError as e:
+            raise ConfigError(prefix + str(e)) from None
+        setattr(self._sections[_FIELD_SECTION[name]], name, value)
 
-    def update(self, values: dict) -> "TrainConfig":
+    def update(self, values: dict, where: Where = None) -> "TrainConfig":
         for k, v in values.items():
-            self.set(k.replace("-", "_"), v)
+            key = k.replace("-", "_")
+            self.set(key, v, where(key) if callable(where) else (where or ""))
+        return self
+
+    def validate(self, world_size: int | None = None) -> "TrainConfig":
+        """Check the combinations of fields that need no model or file (each field alone was checked when set).
+        world_size: the job's number of ranks under torchrun (None: the command spawns tp*pp*max(dp, 1))."""
+        if self.min_lr > self.lr:
+            raise ConfigError(f"min_lr {self.min_lr:g} is above lr {self.lr:g}: the cosine decay would raise the "
+                              f"learning rate (set --min-lr at most --lr)")
+        dp = self.dp or 1
+        if world_size is not None:
+            mp = self.tp * self.pp
+            if world_size % mp:
+                raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {self.tp}*{self.pp} = {mp}")
+            if self.dp and self.dp * mp != world_size:
+                raise ConfigError(f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {mp * self.dp} does not equal the "
+                                  f"world size {world_size} (dp = 0 infers it)")
+            dp = world_size // mp
+        per_step = self.micro_batch_size * dp
+        if self.global_batch_size % per_step:
+            raise ConfigError(f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
+                              f"{self.micro_batch_size} x dp {dp} = {per_step}")
+        n_micro = self.global_batch_size // per_step
+        if self.sequence_parallel and self.tp > 1 and self.seq_len % self.tp:
+            raise ConfigError(f"sequence_parallel: seq_len {self.seq_len} is not divisible by tp={self.tp}")
+        if self.pp > 1 and self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule = 'interleaved' (schedule "
+                              f"{self.schedule!r} runs one model chunk per pipeline rank)")
+        if self.pp > 1 and self.schedule == "interleaved" and n_micro % self.pp:
+            raise ConfigError(f"the interleaved schedule needs the micro-batches per step (global_batch_size / "
+                              f"(micro_batch_size * dp) = {n_micro}) to be a multiple of pp={self.pp}")
+        if self.task == "sft" and len(self.data) != 1:
+            raise ConfigError(f"task 'sft' needs exactly one SFT JSONL file (--data PATH.jsonl), got "
+                              f"{len(self.data)}: {self.data}")
         return self
 
     def to_dict(self) -> dict:
@@ -203,40 +261,46 @@ def _field_type(f: dataclasses.Field) -> type:
     return t
 
 
+def _did_you_mean(name: str, section: str | None = None) -> str:
+    """' (did you mean 'lr'?)', naming the section when it is not the one the key was written in."""
+    best = suggest(name, _FIELD_SECTION)
+    if best is None:
+        return "; `--help` or docs/training.md lists the fields"
+    where = f" in [{_FIELD_SECTION[best]}]" if section and _FIELD_SECTION[best] != section else ""
+    return f" (did you mean {best!r}{where}?)"
+
+
 def _coerce(name: str, value: Any) -> Any:
     f = _FIELDS[name]
     t = _field_type(f)
     if t is list:
         items = value if isinstance(value, (list, tuple)) else [value]
-        item_type = f.metadata.get("type", str)
-        value = [item_type(v) for v in items]
-    elif t is bool:
-        if isinstance(value, str):
-            if value.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-                raise ConfigError(f"{name}: expected a boolean, got {value!r}")
-            value = value.lower() in ("1", "true", "yes", "on")
-        value = bool(value)
-    elif t is float and isinstance(value, (int, str)) and not isinstance(value, bool):
-        value = float(value)
-    elif t is int and isinstance(value, str):
-        value = int(value)
-    elif not isinstance(value, t) or (t is int and isinstance(value, bool)):
-        raise ConfigError(f"{name}: expected {t.__name__}, got {value!r}")
-    choices = f.metadata.get("choices")
-    if choices and value not in choices:
-        raise ConfigError(f"{name} must be one of {choices}, got {value!r}")
-    return value
+        return [check_value(name, v, f.metadata.get("type", str), f.metadata) for v in items]
+    return check_value(name, value, t, f.metadata)
 
 
-def _flatten(d: dict, where: str) -> dict:
-    """{"optim": {"lr": 1}, "seed": 3} -> {"lr": 1, "seed": 3}: sections are optional in TOML."""
+def _flatten(d: dict, where: str, lines: dict | None = None) -> dict:
+    """{"optim": {"lr": 1}, "seed": 3} -> {"lr": 1, "seed": 3}: sections are optional in TOML. A key in the wrong
+    section, or an unknown section, is an error naming it (and its line, given the TOML's `lines`)."""
+    lines = lines or {}
+
+    def at(section, key) -> str:
+        line = lines.get((section, key))
+        return f"{where}:{line}" if line else where
+
     flat = {}
     for k, v in d.items():
         if k in SECTIONS and isinstance(v, dict):
             for kk, vv in v.items():
                 if _FIELD_SECTION.get(kk) != k:
-                    raise ConfigError(f"{where}: [{k}] has no key {kk!r}")
+                    hint = (f" (it belongs in [{_FIELD_SECTION[kk]}])" if kk in _FIELD_SECTION
+                            else _did_you_mean(kk, k))
+                    raise ConfigError(f"{at(k, kk)}: [{k}] has no key {kk!r}{hint}")
                 flat[kk] = vv
+        elif isinstance(v, dict) and k not in _FIELD_SECTION:
+            best = suggest(k, SECTIONS)
+            hint = f" (did you mean [{best}]?)" if best else f"; sections: {', '.join(SECTIONS)}"
+            raise ConfigError(f"{at(None, k)}: unknown section [{k}]{hint}")
         else:
             flat[k] = v
     return flat
@@ -252,16 +316,28 @@ def _toml_value(v: Any) -> str:
     return repr(v)
 
 
-def load_config(path: str | None = None, overrides: dict | None = None, defaults: dict | None = None) -> TrainConfig:
-    """Defaults, then the command's `defaults`, then the TOML file at `path`, then `overrides` (flat keys)."""
+def load_config(path: str | None = None, overrides: dict | None = None, defaults: dict | None = None,
+                override_source: Where = None) -> TrainConfig:
+    """Defaults, then the command's `defaults`, then the TOML file at `path`, then `overrides` (flat keys).
+    An error names where the bad value came from: the file and line, or `override_source` (e.g. the flag)."""
     cfg = TrainConfig().update(defaults or {})
     if path:
-        with open(path, "rb") as f:
-            cfg.update(_flatten(tomllib.load(f), path))
-    return cfg.update(overrides or {})
+        data, lines = read_toml(path)
+        flat = _flatten(data, str(path), lines)
+
+        def where(key: str) -> str:  # the key's line, in its section or at the top level
+            line = lines.get((_FIELD_SECTION.get(key), key)) or lines.get((None, key))
+            return f"{path}:{line}" if line else str(path)
+
+        cfg.update(flat, where)
+    return cfg.update(overrides or {}, override_source)
 
 
 # -- command line -------------------------------------------------------------------------------------------
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
 
 def add_config_arguments(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
     """`[CONFIG.toml]` plus one `--field-name` per field; only flags actually given end up in the namespace."""
@@ -271,8 +347,8 @@ def add_config_arguments(p: argparse.ArgumentParser, defaults: dict | None = Non
     for section, cls in SECTIONS.items():
         group = p.add_argument_group(f"[{section}]")
         for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            help_text = f"{f.metadata['help']} (default: {getattr(shown, f.name)!r})"
+            valid = range_text(f.metadata)
+            help_text = f"{f.metadata['help']} ({valid + '; ' if valid else ''}default: {getattr(shown, f.name)!r})"
             kw: dict = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
             t = _field_type(f)
             if t is bool:
@@ -285,21 +361,23 @@ def add_config_arguments(p: argparse.ArgumentParser, defaults: dict | None = Non
                     kw.update(nargs=f.metadata["nargs"], const=f.metadata["const"])
                 if "choices" in f.metadata:
                     kw["choices"] = f.metadata["choices"]
-            group.add_argument(flag, **kw)
+            group.add_argument(_flag(f.name), **kw)
 
 
 def config_from_args(args: argparse.Namespace, defaults: dict | None = None) -> TrainConfig:
     overrides = {k: v for k, v in vars(args).items() if k in _FIELD_SECTION}
-    return load_config(getattr(args, "config", None), overrides, defaults)
+    return load_config(getattr(args, "config", None), overrides, defaults, override_source=_flag)
 
 
 def describe_config(defaults: dict | None = None) -> str:
     """A markdown reference of every field (docs/training.md embeds this table)."""
     shown = TrainConfig().update(defaults or {})
-    out = ["| section | flag | default | meaning |", "|---|---|---|---|"]
+    out = ["| section | flag | default | valid | meaning |", "|---|---|---|---|---|"]
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
             default = _toml_value(getattr(shown, f.name))
-            out.append(f"| `[{section}]` | `--{f.name.replace('_', '-')}` | `{default}` | "
+            valid = range_text(f.metadata) or ("one of " + ", ".join(f.metadata["choices"])
+                                               if "choices" in f.metadata else "")
+            out.append(f"| `[{section}]` | `{_flag(f.name)}` | `{default}` | {valid} | "
                        f"{f.metadata['help'].replace('|', '/')} |")
     return "\n".join(out)

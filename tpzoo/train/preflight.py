@@ -1,0 +1,249 @@
+"""Preflight: check a run against its model, its layout and its files before any rank starts.
+
+A multi-rank command that fails inside its ranks has already paid for starting them (a minute for eight ranks on
+a small machine) and may fail on one rank after the others have built models. Everything that can be known from
+the command line, the config and a few small files is therefore checked first, in the launching process (or,
+under torchrun, on every rank before the process groups exist: the first rank's error is the job's one line):
+
+  - the config's field combinations (TrainConfig.validate: batch divisibility, min_lr <= lr, schedule,
+    sequence parallelism against seq_len, the world size under torchrun);
+  - the model config, parsed only (never the weights): the named config, the --base / --resume checkpoint's
+    manifest, or a Hugging Face config.json; a corrupt one is named;
+  - the layout against the model: tp divides the heads and the FFN, kv heads divide by tp or tp by them,
+    pp * virtual_stages <= layers; learned positions cover seq_len; the tokenizer fits the vocabulary (when its
+    size can be read without loading it);
+  - the files: data paths exist, named files are not empty, an SFT file parses and validates record by record
+    (file:line), eval's text file is UTF-8 (file and byte offset), the checkpoint to resume parses.
+
+Each check raises the UserError that the ranks would raise later, so a run that passes preflight fails inside
+its ranks only for what cannot be known before (a corrupt tensor, a dead rank, a full disk). It takes about a
+second for a tiny config (docs/reliability.md).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tpzoo.errors import ConfigError, DataError
+
+__all__ = ["check_train", "check_eval", "check_generate", "check_layout"]
+
+
+# -- shared checks -----------------------------------------------------------------------------------------------
+
+def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str = "the model") -> None:
+    """The model splits over tp (heads, kv heads, FFN) and pp * virtual_stages stages; errors name `what` and
+    are the types the ranks would raise (ParallelLayoutError, PartitionError)."""
+    from tpzoo.parallel.dims import ParallelLayoutError
+    from tpzoo.pipeline import partition_layers
+    from tpzoo.pipeline.partition import PartitionError
+
+    nh, nkv, ffn = model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.ffn_hidden_size
+    if nh % tp:
+        raise ParallelLayoutError(f"{what}: tp={tp} does not divide num_heads={nh}")
+    if nkv % tp and tp % nkv:
+        raise ParallelLayoutError(f"{what}: tp={tp} neither divides nor is a multiple of num_kv_heads={nkv}")
+    if ffn % tp:
+        raise ParallelLayoutError(f"{what}: tp={tp} does not divide ffn_hidden_size={ffn}")
+    try:
+        partition_layers(model_cfg, pp, virtual_stages=virtual_stages)
+    except PartitionError as e:
+        raise PartitionError(f"{what}: {e}") from None
+
+
+def check_device(name: str) -> None:
+    """The device string parses, and CUDA exists when asked for (the ranks resolve 'auto' themselves)."""
+    if name == "auto":
+        return
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"device {name!r}: expected auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {name!r}: tpzoo runs on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} was asked for but CUDA is not available on this machine")
+
+
+def check_positions(model_cfg, seq_len: int, what: str) -> None:
+    if model_cfg.position == "learned" and seq_len > model_cfg.max_position_embeddings:
+        raise ConfigError(f"{what}: seq_len {seq_len} exceeds the model's max_position_embeddings "
+                          f"{model_cfg.max_position_embeddings} (learned positions)")
+
+
+def _written_as_path(spec: str) -> bool:
+    """A spec written as a path; "owner/name" may be a cached hub tokenizer, which only loading can tell."""
+    return spec.startswith(("/", "./", "../", "~"))
+
+
+def check_tokenizer(spec: str, model_vocab: int | None, what: str) -> None:
+    """A tokenizer spec that names a local directory has a tokenizer in it; its size (when readable cheaply)
+    fits the model's vocabulary."""
+    from tpzoo.data.tokenizer import has_tokenizer, peek_vocab_size
+
+    path = Path(spec).expanduser()
+    if spec != "byte" and not path.exists() and _written_as_path(spec):
+        raise FileNotFoundError(f"tokenizer {spec}: no such directory")
+    if path.is_dir() and not has_tokenizer(path):
+        raise FileNotFoundError(f"no tokenizer in directory {path}")
+    size = peek_vocab_size(spec)
+    if size is not None and model_vocab is not None and size > model_vocab:
+        raise ConfigError(f"tokenizer {spec} has {size} tokens but {what} has a vocabulary of {model_vocab}")
+
+
+def check_text_file(path: str, what: str = "text file") -> None:
+    """Exists, is not empty, and is UTF-8 (the error names the byte offset and line of the first bad byte)."""
+    from tpzoo.data.sources import utf8_error
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{what} does not exist: {path}" if not p.exists() else f"{path}: not a file")
+    raw = p.read_bytes()
+    if not raw:
+        raise DataError(f"{path}: empty file")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(utf8_error(path, raw, e)) from None
+
+
+# -- training ----------------------------------------------------------------------------------------------------
+
+def _model_of_run(cfg):
+    """(model config, tokenizer spec, what to call the model in messages) of a run, from files only."""
+    from tpzoo.models import get_config
+
+    from . import checkpointing as ckpt
+
+    resume = ckpt.resolve_resume(cfg, say=lambda _msg: None) if cfg.resume else None
+    if resume is not None:
+        step = ckpt.read_train_state(resume).get("step")
+        if isinstance(step, int) and step > cfg.steps:
+            raise ConfigError(f"checkpoint {resume} is at step {step}, past --steps {cfg.steps}")
+        return ckpt.model_config_of(resume), str(resume), f"checkpoint {resume}"
+    if cfg.base:
+        from tpzoo.data.tokenizer import has_tokenizer
+
+        base = Path(cfg.base)
+        if not base.exists():
+            raise FileNotFoundError(f"--base {cfg.base}: no such checkpoint or Hugging Face model directory")
+        tokenizer = cfg.tokenizer or (cfg.base if base.is_dir() and has_tokenizer(base) else "byte")
+        return ckpt.model_config_of(base), tokenizer, f"--base {cfg.base}"
+    model_cfg = get_config(cfg.model)
+    tokenizer = cfg.tokenizer or "byte"
+    if cfg.vocab_size:
+        model_cfg = model_cfg.replace(vocab_size=cfg.vocab_size)
+        return model_cfg, tokenizer, f"model {cfg.model}"
+    return model_cfg, tokenizer, None  # the vocabulary will be the tokenizer's: nothing to compare
+
+
+def _check_pretrain_data(cfg) -> None:
+    from tpzoo.data.sources import SUPPORTED_SUFFIXES, expand_paths, is_local_spec
+
+    if not cfg.data:
+        return  # the stdlib corpus
+    if len(cfg.data) == 1 and (Path(cfg.data[0]) / "index.json").is_file():
+        return  # a token store, opened as is
+    files = []
+    for spec in cfg.data:
+        if spec.startswith("hf:") or not is_local_spec(spec):
+            continue  # a hub dataset: only the ranks can reach it
+        found = expand_paths([spec])  # FileNotFoundError naming a missing path
+        if not found:
+            raise DataError(f"{spec}: no data files under it (looked for {', '.join(SUPPORTED_SUFFIXES)})")
+        if Path(spec).is_file() and found[0].stat().st_size == 0:
+            raise DataError(f"{spec}: empty file")
+        files += found
+    if files and all(f.stat().st_size == 0 for f in files):
+        raise DataError(f"no text to train on: every data file is empty ({len(files)} files under {cfg.data})")
+
+
+def _check_sft_data(cfg) -> None:
+    from tpzoo.data.sft import load_sft_records
+
+    path = Path(cfg.data[0])
+    if not path.is_file():
+        raise FileNotFoundError(f"SFT data file does not exist: {path}" if not path.exists()
+                                else f"{path}: not a file (SFT data is one JSONL file)")
+    records = load_sft_records(path)  # every record parsed and validated: errors name file:line
+    if cfg.template == "raw" and any("messages" in r for r in records):
+        raise DataError(f"{path}: template 'raw' takes prompt/response records, and this file has 'messages' "
+                        f"records (use --template auto or fallback)")
+
+
+def check_train(cfg, world_size: int | None = None):
+    """Everything about a training run that can be checked before its ranks start; returns the model config.
+    world_size: the job's size under torchrun (None when this process will spawn the ranks)."""
+    cfg.validate(world_size)
+    check_device(cfg.device)
+    model_cfg, tokenizer, what = _model_of_run(cfg)
+    label = what or f"model {cfg.model}"
+    check_layout(model_cfg, cfg.tp, cfg.pp, cfg.virtual_stages, label)
+    check_positions(model_cfg, cfg.seq_len, label)
+    check_tokenizer(tokenizer, model_cfg.vocab_size if what else None, label)
+    if cfg.task == "sft":
+        _check_sft_data(cfg)
+    else:
+        _check_pretrain_data(cfg)
+    return model_cfg
+
+
+# -- eval and generate -------------------------------------------------------------------------------------------
+
+def _positive(args, *names: str, allow_zero: tuple = ()) -> None:
+    for name in names:
+        value = getattr(args, name, None)
+        low = 0 if name in allow_zero else 1
+        if value is not None and value < low:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+
+
+def _check_checkpoint(args, world_size: int | None):
+    """The parts eval and generate share: sizes, device, the checkpoint's config and the layout against it."""
+    from tpzoo.checkpoint import open_source
+
+    _positive(args, "tp", "pp")
+    if not args.dist_timeout > 0:
+        raise ConfigError(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
+    if world_size is not None and world_size % (args.tp * args.pp):
+        raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {args.tp}*{args.pp}")
+    check_device(args.device)
+    source = open_source(args.ckpt, verify=False)  # the manifest or config.json, and the weight headers
+    try:
+        model_cfg = source.cfg
+    finally:
+        source.close()
+    what = f"checkpoint {args.ckpt}"
+    check_layout(model_cfg, args.tp, args.pp, 1, what)
+    if args.tokenizer:
+        check_tokenizer(args.tokenizer, model_cfg.vocab_size, what)
+    return model_cfg, what
+
+
+def check_eval(args, world_size: int | None = None) -> None:
+    _positive(args, "batch_size", "seq_len", "max_tokens")
+    check_text_file(args.text_file, "--text-file")  # before the checkpoint: it is the cheaper of the two
+    model_cfg, what = _check_checkpoint(args, world_size)
+    if args.seq_len:
+        check_positions(model_cfg, args.seq_len, what)
+
+
+def check_generate(args, world_size: int | None = None) -> None:
+    _check_checkpoint(args, world_size)
+    _positive(args, "max_new_tokens", "top_k", allow_zero=("max_new_tokens", "top_k"))
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.temperature is not None and not args.temperature > 0:
+        raise ConfigError(f"--temperature must be > 0, got {args.temperature} (for argmax decoding use --greedy)")
+
+
+def in_rank(check, fn):
+    """fn preceded by check(args, world_size), for a rank under torchrun: the check runs before the process
+    groups exist, and its error is reported once for the job like any rank's."""
+    def checked(args):
+        check(args, int(os.environ["WORLD_SIZE"]))  # torchrun's, set in every rank it starts
+        return fn(args)
+
+    return checked
