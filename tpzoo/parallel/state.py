@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from tpzoo.errors import ConfigError
 
+from . import watchdog as _watchdog
 from .device import default_backend, local_rank, resolve_device
 from .dims import SELF_GROUP, ParallelDims, ParallelLayoutError, check_layout, divide, local_dims  # noqa: F401 - re-exported
 
@@ -33,7 +34,8 @@ _GROUP_NAMES: dict = {}  # ProcessGroup -> short name, for the collective counte
 
 
 def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, *, device=None,
-                  backend: str | None = None, timeout: datetime.timedelta | None = None) -> ParallelDims:
+                  backend: str | None = None, timeout: datetime.timedelta | None = None,
+                  watchdog: bool | None = None) -> ParallelDims:
     """Create the tp/cp/dp/pp process groups of this rank and choose its device; return them as ParallelDims
     (also the default dims from now on).
 
@@ -41,7 +43,9 @@ def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, 
     ``torch.distributed.init_process_group``, or as a single process with no environment (world size 1).
     `device`: 'auto' (default: cuda:LOCAL_RANK with CUDA, else cpu), 'cpu', 'cuda', 'cuda:N'. `backend`: default
     nccl for CUDA, gloo for CPU (and for GPUs shared by several ranks). The layout is checked before any
-    collective is issued."""
+    collective is issued. `timeout`: how long a collective waits (default TPZOO_DIST_TIMEOUT, 600 s).
+    `watchdog`: name a stalled or dead rank well before that (tpzoo.parallel.watchdog); default on inside the tpzoo
+    commands, off otherwise (TPZOO_WATCHDOG=0/1 overrides)."""
     global _DIMS
     if _DIMS is not None:
         raise RuntimeError("init_parallel() was already called; call destroy_parallel() first")
@@ -79,6 +83,8 @@ def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, 
             _GROUP_NAMES[group] = name
     _GROUP_NAMES.setdefault(dist.group.WORLD, "world")
     _DIMS = dims
+    if _watchdog.wanted(watchdog):
+        _watchdog.start(dims, timeout)
     return dims
 
 
@@ -88,6 +94,7 @@ def destroy_parallel() -> None:
     dims, _DIMS = _DIMS, None
     if dims is None:
         return
+    _watchdog.stop()  # before the groups go: its last heartbeat tells the peers this rank left on purpose
     for group in dims.groups.values():
         _GROUP_NAMES.pop(group, None)
         if dims.world_size > 1 and group is not dist.group.WORLD:
