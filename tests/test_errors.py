@@ -33,8 +33,24 @@ def test_an_unknown_model_is_one_line(tmp_path):
 
 
 def test_an_error_on_every_rank_is_reported_once_and_debug_shows_the_traceback(tmp_path):
-    write_hf("llama", tmp_path / "hf")  # 8 heads: tp=3 cannot split them, on each of the 3 ranks
-    args = ("generate", str(tmp_path / "hf"), "--prompt", "x", "--tp", "3", "--device", "cpu")
-    one_error_line(tpzoo(*args, cwd=tmp_path), "generate", "tp=3 does not divide num_heads=8")
+    """A damage only the ranks can see (a checksum, checked as they load their slices): both ranks of tp=2 read
+    the one tp=1 shard, both fail, one line is printed."""
+    from tpzoo.checkpoint import convert_from_hf
+
+    write_hf("llama", tmp_path / "hf")
+    convert_from_hf(tmp_path / "hf", tmp_path / "ckpt", tp=1, pp=1, progress=False)
+    shard = tmp_path / "ckpt" / "model-tp00-pp00.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    args = ("generate", str(tmp_path / "ckpt"), "--prompt", "x", "--tp", "2", "--device", "cpu")
+    one_error_line(tpzoo(*args, cwd=tmp_path), "generate", "model-tp00-pp00.safetensors", "checksum")
     debug = tpzoo(*args, "--debug", cwd=tmp_path)
-    assert debug.returncode == 2 and "Traceback" in debug.stderr and "ParallelLayoutError" in debug.stderr
+    assert debug.returncode == 2 and "Traceback" in debug.stderr and "CheckpointError" in debug.stderr
+
+
+def test_an_unknown_flag_names_the_closest_known_one(tmp_path):
+    one_error_line(tpzoo("pretrain", "--learning-rate", "1e-3", cwd=tmp_path), "pretrain",
+                   "unrecognized argument --learning-rate; did you mean --lr?")
+    one_error_line(tpzoo("convert", "from-hf", "a", "b", "--tpp", "2", cwd=tmp_path), "convert",
+                   "unrecognized argument --tpp; did you mean --tp?")

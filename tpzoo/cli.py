@@ -35,16 +35,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tpzoo", description="Tensor-parallel transformer model zoo")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = argv[0] if argv else None
+    chosen = parser
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
         p.add_argument("--debug", action="store_true", help="show the traceback of an error (also TPZOO_DEBUG=1)")
         if name == wanted:  # only the chosen command's module is imported
             importlib.import_module(module).add_arguments(p)
-    args = parser.parse_args(argv)
+            chosen = p
+    args, extras = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help()
         return 1
+    if extras:
+        return _unrecognized(chosen, args.command, extras)
     from tpzoo.errors import debug_enabled, is_user_error, report
 
     if debug_enabled(args):
@@ -57,6 +61,30 @@ def main(argv: list[str] | None = None) -> int:
         name = " ".join(filter(None, (args.command, getattr(args, "direction", None))))
         return report(name, e, debug=debug_enabled(args))
     return int(rc or 0)
+
+
+def _options(p: argparse.ArgumentParser) -> list[str]:
+    """Every --flag of a parser and of its sub-commands (convert from-hf / to-hf)."""
+    out = []
+    for action in p._actions:
+        out += [o for o in action.option_strings if o.startswith("--")]
+        for sub in (action.choices or {}).values() if isinstance(action, argparse._SubParsersAction) else ():
+            out += _options(sub)
+    return out
+
+
+def _unrecognized(p: argparse.ArgumentParser, command: str, extras: list[str]) -> int:
+    """One line for flags the command does not know, with the closest known one (learning-rate -> --lr)."""
+    from tpzoo.train.config_values import suggest
+
+    flags = {f[2:].replace("-", "_"): f for f in _options(p)}
+    unknown = [e for e in extras if e.startswith("-")] or extras
+    first = unknown[0]
+    hint = suggest(first.lstrip("-").split("=")[0], flags) if first.startswith("-") else None
+    more = f" (and {len(unknown) - 1} more: {' '.join(unknown[1:])})" if len(unknown) > 1 else ""
+    print(f"tpzoo {command}: error: unrecognized argument {first}"
+          + (f"; did you mean {flags[hint]}?" if hint else "") + more, file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
