@@ -54,3 +54,15 @@ def test_an_unknown_flag_names_the_closest_known_one(tmp_path):
                    "unrecognized argument --learning-rate; did you mean --lr?")
     one_error_line(tpzoo("convert", "from-hf", "a", "b", "--tpp", "2", cwd=tmp_path), "convert",
                    "unrecognized argument --tpp; did you mean --tp?")
+
+
+def test_a_reader_that_leaves_early_is_no_error(tmp_path):
+    """`tpzoo plan ... | head -1`: the pipe closes under the command; no BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "tpzoo", "plan", "--model", "llama-3-8b", "--gpus", "8",
+                             "--gpu-memory", "80", "--seq-len", "8192", "--global-batch-size", "128", "--top", "1000",
+                             "--json"],  # more than a pipe holds: the command is still writing when the pipe closes
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err

@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TPZOO_DEBUG"] = "1"  # ranks spawned from here inherit it
     try:
         rc = importlib.import_module(args._module).run(args)
+    except BrokenPipeError:  # `tpzoo plan ... | head`: the reader left, which is no error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error while flushing at exit
+        return 0
     except Exception as e:  # noqa: BLE001 - user errors become one line; bugs propagate with their traceback
         if not is_user_error(e):
             raise
