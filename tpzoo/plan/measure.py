@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -64,12 +65,24 @@ def live_activation_bytes(exclude=()):
     mode = _LiveStorages(keys)
     with mode:
         yield result
-    gc.collect()  # reference cycles (e.g. in autograd.Function bookkeeping) are garbage, not activations
-    result.by_op = {}
-    for ref, nbytes, op in mode.seen.values():
-        if not ref.expired():
-            result.by_op[op] = result.by_op.get(op, 0) + nbytes
-    result.total = sum(result.by_op.values())
+    # A collective's buffers can outlive the call for a moment: gloo's worker thread drops its reference to a
+    # finished work object only after the caller's wait() has returned (a thread descheduled on a busy machine
+    # holds it for milliseconds). Nothing is allocated any more, so the live set only shrinks: read it until it
+    # has been stable for a while (bounded).
+    previous, stable_since, deadline = None, time.monotonic(), time.monotonic() + 2.0
+    while True:
+        gc.collect()  # reference cycles (e.g. in autograd.Function bookkeeping) are garbage, not activations
+        by_op = {}
+        for ref, nbytes, op in mode.seen.values():
+            if not ref.expired():
+                by_op[op] = by_op.get(op, 0) + nbytes
+        total, now = sum(by_op.values()), time.monotonic()
+        if total != previous:
+            previous, stable_since = total, now
+        if now - stable_since >= 0.05 or now >= deadline:
+            break
+        time.sleep(0.005)
+    result.by_op, result.total = by_op, total
 
 
 @contextlib.contextmanager
