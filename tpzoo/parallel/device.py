@@ -44,7 +44,7 @@ def resolve_device(requested=None) -> torch.device:
         if index >= torch.cuda.device_count():
             raise ConfigError(f"device cuda:{index} does not exist ({torch.cuda.device_count()} visible GPUs)")
         return torch.device("cuda", index)
-    if device.type not in ("cpu", "meta"):
+    if device.type != "cpu":
         raise ConfigError(f"device {requested!r}: tpzoo runs on cpu or cuda")
     return device
 

@@ -52,19 +52,11 @@ def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str
 
 
 def check_device(name: str) -> None:
-    """The device string parses, and CUDA exists when asked for (the ranks resolve 'auto' themselves)."""
-    if name == "auto":
-        return
-    import torch
+    """The device string parses, and CUDA exists when asked for: the runtime's own choice, made here early (the
+    ranks choose again, each with its LOCAL_RANK)."""
+    from tpzoo.parallel.device import resolve_device
 
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"device {name!r}: expected auto, cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device {name!r}: tpzoo runs on cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} was asked for but CUDA is not available on this machine")
+    resolve_device(name)
 
 
 def check_positions(model_cfg, seq_len: int, what: str) -> None:
