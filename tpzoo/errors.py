@@ -57,22 +57,28 @@ def message(err: BaseException) -> str:
     return text
 
 
-def _job_store():
-    """A client of the job's rendezvous store, when this process is one rank of several (else None)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_PORT" not in os.environ:
+def job_store(timeout: float = 5.0):
+    """A client of the job's rendezvous store (MASTER_ADDR:MASTER_PORT: torchrun's agent or tpzoo's launcher holds
+    it), or None when there is none to reach."""
+    if "MASTER_PORT" not in os.environ:
         return None
     try:
         import torch.distributed as dist
 
         return dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
-                             is_master=False, timeout=datetime.timedelta(seconds=5))
-    except Exception:  # noqa: BLE001 - no store reachable: fall back to rank 0 reporting
+                             is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    except Exception:  # noqa: BLE001 - no store reachable: the callers fall back
         return None
 
 
-def _claim_report() -> bool:
+def _rank_store():
+    """The job's store when this process is one rank of several, else None."""
+    return job_store() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+
+
+def claim_report() -> bool:
     """True for the first rank of the job that reports an error (every rank when alone)."""
-    store = _job_store()
+    store = _rank_store()
     if store is None:
         return int(os.environ.get("RANK", "0")) == 0
     try:
@@ -83,7 +89,7 @@ def _claim_report() -> bool:
 
 def already_reported() -> bool:
     """Whether another rank of this job has already reported a user error (this failure is a consequence)."""
-    store = _job_store()
+    store = _rank_store()
     if store is None:
         return False
     try:
@@ -95,7 +101,7 @@ def already_reported() -> bool:
 def report(command: str, err: BaseException, *, debug: bool = False, ranks: bool = False) -> int:
     """Print `tpzoo <command>: error: <message>` (once per job when `ranks`), the traceback too with debug;
     return the exit status 2."""
-    if ranks and not _claim_report():
+    if ranks and not claim_report():
         return 2
     if debug:
         traceback.print_exception(err, file=sys.stderr)

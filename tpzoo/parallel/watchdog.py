@@ -317,9 +317,9 @@ class Watchdog:
             pass
 
     def _fail(self, report: str, claim: bool = True) -> None:
-        from tpzoo.errors import _claim_report
+        from tpzoo.errors import claim_report
 
-        if not claim or _claim_report():
+        if not claim or claim_report():
             print(f"tpzoo {self.command or 'rank'}: error: {report}", file=sys.stderr, flush=True)
         try:
             sys.stdout.flush()
@@ -344,18 +344,6 @@ class Watchdog:
 
 # --- start / stop (init_parallel, destroy_parallel) ------------------------------------------------------------------
 
-def _job_store(timeout: float):
-    import torch.distributed as dist
-
-    if "MASTER_PORT" not in os.environ:
-        return None
-    try:
-        return dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
-                             is_master=False, timeout=datetime.timedelta(seconds=timeout))
-    except Exception:  # noqa: BLE001 - no job store to publish into: no watchdog (the collective timeout remains)
-        return None
-
-
 def start(dims, timeout: datetime.timedelta) -> None:
     """Start this rank's watchdog (init_parallel calls this after creating the groups; one rank: nothing)."""
     global _active, _generation
@@ -366,8 +354,10 @@ def start(dims, timeout: datetime.timedelta) -> None:
     prefix = f"tpzoo/watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_generation}"
     timing = Timing.for_timeout(timeout.total_seconds())
     store_timeout = max(2 * timing.interval, 5.0)
-    store = _job_store(store_timeout)
-    if store is None:
+    from tpzoo.errors import job_store
+
+    store = job_store(store_timeout)
+    if store is None:  # no job store to publish into: no watchdog (the collective timeout remains)
         return
     try:
         _active = Watchdog(dims, timing, store, prefix, _command, store_timeout)
