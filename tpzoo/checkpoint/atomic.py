@@ -71,19 +71,20 @@ def writer_gone(owner: dict | None) -> bool:
     return owner["pid"] != os.getpid() and not pid_alive(owner["pid"])
 
 
+def temp_dirs(directory, name_prefix: str = ".") -> list[tuple[Path, dict | None]]:
+    """(directory, recorded writer or None) of every temporary directory of an atomic write inside `directory`
+    whose name starts with `name_prefix` (e.g. `.DST.tmp-`: the writes into DST)."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    return [(p, read_owner(p)) for p in sorted(d.iterdir())
+            if p.name.startswith(name_prefix) and _TEMP_NAME.match(p.name) and p.is_dir() and not p.is_symlink()]
+
+
 def stale_temp_dirs(final) -> list[tuple[Path, dict]]:
     """(directory, owner) of every temporary directory of a write into `final` whose writer is gone."""
     final = Path(final)
-    prefix = f".{final.name}{TEMP_INFIX}"
-    if not final.parent.is_dir():
-        return []
-    found = []
-    for p in sorted(final.parent.iterdir()):
-        if p.name.startswith(prefix) and _TEMP_NAME.match(p.name) and p.is_dir() and not p.is_symlink():
-            owner = read_owner(p)
-            if writer_gone(owner):
-                found.append((p, owner))
-    return found
+    return [(p, owner) for p, owner in temp_dirs(final.parent, f".{final.name}{TEMP_INFIX}") if writer_gone(owner)]
 
 
 def remove_stale_temp_dirs(final, log=None) -> list[Path]:

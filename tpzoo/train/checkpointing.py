@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tpzoo.checkpoint.atomic import read_owner, writer_gone
+from tpzoo.checkpoint.atomic import temp_dirs, writer_gone
 from tpzoo.checkpoint.format import CheckpointError, atomic_dir, is_checkpoint, read_manifest
 
 from . import rundir
@@ -45,7 +45,6 @@ STATE_FILE = "train_state.json"
 LATEST_FILE = "latest"
 FORMAT = "tpzoo-train-state"
 STEP_DIR = re.compile(r"^step_(\d+)$")
-TEMP_DIR = re.compile(r"^\.step_\d+\.tmp-")  # a save in progress, or one that crashed (atomic_dir's temporary)
 KILL_ENV = "TPZOO_TEST_KILL_DURING_SAVE"  # testing aid: SIGKILL this process midway through its N-th save
 FULL_DISK_ENV = "TPZOO_TEST_FULL_DISK_DURING_SAVE"  # testing aid: ENOSPC midway through the N-th save
 
@@ -99,22 +98,14 @@ def _newest_first(save_dir) -> list[Path]:
 
 
 def _check_model_dir(path: Path) -> None:
-    """The header checks of one model-format directory (the weights, or one optimizer state): the manifest, and
-    every shard file present with its recorded size and a header listing its recorded tensors (no checksum:
-    that would read every byte). Raises CheckpointError / OSError naming the file."""
-    from tpzoo.checkpoint import open_source, verify_file
+    """The header checks of one model-format directory (the weights, or one optimizer state): what opening it
+    checks (tpzoo.checkpoint.structure: the manifest, every shard file's size and header, the listed auxiliary
+    files; no checksum, which would read every byte). Raises CheckpointError / OSError naming the file."""
+    from tpzoo.checkpoint import open_source
 
     if not is_checkpoint(path):
         raise CheckpointError(f"{path} has no manifest.json")
-    source = open_source(path, verify=False)
-    try:
-        for entry in source.manifest["files"]:
-            verify_file(path, entry, checksum=False)
-        for name in source.manifest.get("aux_files", []):
-            if not (path / name).is_file():
-                raise CheckpointError(f"{path / name} is missing (listed in the manifest)")
-    finally:
-        source.close()
+    open_source(path, verify=False).close()
 
 
 def checkpoint_problem(path) -> str | None:
@@ -179,14 +170,8 @@ def remove_stale_temp_dirs(save_dir) -> list[Path]:
     """Delete the temporary directories of saves whose writer is gone (crashed, killed: this host, and its pid no
     longer runs). Any other (a live writer, another host, an unknown one) is left in place with a warning.
     Returns those deleted."""
-    d = Path(save_dir)
     removed = []
-    if not d.is_dir():
-        return removed
-    for p in sorted(d.iterdir()):
-        if not TEMP_DIR.match(p.name) or not p.is_dir() or p.is_symlink():
-            continue
-        owner = read_owner(p)
+    for p, owner in temp_dirs(save_dir, ".step_"):
         if writer_gone(owner):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
