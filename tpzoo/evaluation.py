@@ -14,7 +14,7 @@ import torch
 
 from tpzoo.parallel import comm
 from tpzoo.parallel.dims import ParallelDims
-from tpzoo.pipeline import forward_backward
+from tpzoo.pipeline import as_chunks, forward_backward
 
 IGNORE = -100
 
@@ -35,15 +35,11 @@ def batches(windows: list[torch.Tensor], batch_size: int) -> list[torch.Tensor]:
     return out
 
 
-def _as_chunks(model_or_chunks) -> list:
-    return list(model_or_chunks) if isinstance(model_or_chunks, (list, tuple)) else [model_or_chunks]
-
-
 @torch.no_grad()
 def evaluate(model_or_chunks, tokens, seq_len: int, batch_size: int = 1, dims: ParallelDims | None = None) -> dict:
     """{"tokens", "loss", "perplexity"} of `tokens` (a list or 1-d tensor) under this rank's model chunk(s);
     collective over every rank of `dims` (default: the chunks' dims)."""
-    chunks = _as_chunks(model_or_chunks)
+    chunks = as_chunks(model_or_chunks)
     dims = dims or chunks[0].dims
     multiple = dims.tp if any(c.sequence_parallel for c in chunks) else 1
     device = chunks[0].device

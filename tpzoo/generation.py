@@ -16,7 +16,7 @@ import torch
 from tpzoo.errors import ConfigError
 from tpzoo.parallel import comm
 from tpzoo.parallel.dims import ParallelDims
-from tpzoo.pipeline import StepFunctions, execute
+from tpzoo.pipeline import StepFunctions, as_chunks, execute
 
 
 def _eos_set(eos_token_id) -> set[int]:
@@ -44,10 +44,6 @@ def sample_next(logits: torch.Tensor, *, greedy: bool = True, temperature: float
     probs = logits.softmax(dim=-1)
     # Sampled on the host with a CPU generator: the same draws whatever device the logits are on.
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
-
-
-def _as_chunks(model_or_chunks) -> list:
-    return list(model_or_chunks) if isinstance(model_or_chunks, (list, tuple)) else [model_or_chunks]
 
 
 class _Decoder:
@@ -93,7 +89,7 @@ def generate(model_or_chunks, input_ids: torch.Tensor, max_new_tokens: int, *, d
     model-parallel ranks (every one returns the same ids). `model_or_chunks`: this rank's Transformer or its
     pipeline chunks. use_cache: default True unless the model uses sequence parallelism. max_context: with a
     cache, generation stops there; without one, the context window slides (default: max positions)."""
-    chunks = _as_chunks(model_or_chunks)
+    chunks = as_chunks(model_or_chunks)
     dims = dims or chunks[0].dims
     cfg = chunks[0].cfg
     sp = any(c.sequence_parallel for c in chunks)

@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 
 from tpzoo.parallel.dims import ParallelDims
 from tpzoo.parallel.state import get_dims
+from tpzoo.pipeline.partition import as_chunks, tie_chunks
 
 from .format import CheckpointError, aux_files_in, copy_aux_files, make_manifest, shard_file_name, write_manifest
 from .layout import build_chunk, infer_padding_multiple, param_infos, partition, spec_to_json, stages_from_ranges
@@ -23,12 +23,6 @@ from .st_writer import SafetensorsWriter
 from .sources import check_source, fill_params, open_source
 
 SAFETENSORS_META = {"format": "pt"}
-
-
-def _as_chunks(chunks_or_model) -> list[nn.Module]:
-    if isinstance(chunks_or_model, (list, tuple, nn.ModuleList)):
-        return list(chunks_or_model)
-    return [chunks_or_model]
 
 
 def _stages_for(source, cfg, pp: int, virtual_stages: int | None) -> list[dict]:
@@ -48,8 +42,6 @@ def load_model(ckpt, dims: ParallelDims | None = None, *, sequence_parallel: boo
     any (tp, pp) (only the slices this rank needs are read) or a Hugging Face checkpoint (converted on the fly).
     Each chunk is built on meta and filled straight into its device shards (no random init, no CPU copy of the
     model). dtype: default the checkpoint's; device: default dims.device."""
-    from tpzoo.pipeline.partition import tie_chunks
-
     dims = get_dims(dims)
     source = open_source(ckpt, verify=verify)
     try:
@@ -78,7 +70,7 @@ def load_weights_into(model_or_chunks, ckpt, *, verify: bool = True) -> None:
     """Overwrite the parameters of existing model chunks (this rank's, at their layout) from `ckpt`."""
     source = open_source(ckpt, verify=verify)
     try:
-        for chunk in _as_chunks(model_or_chunks):
+        for chunk in as_chunks(model_or_chunks):
             dims = chunk.dims
             infos = param_infos(chunk, chunk.cfg, dims.tp)
             check_source(source, infos)
@@ -141,7 +133,7 @@ def save_model_shards(chunks_or_model, out_dir, cfg=None, *, tokenizer=None, met
     Returns the manifest on rank 0, None elsewhere."""
     import torch.distributed as dist
 
-    chunks = _as_chunks(chunks_or_model)
+    chunks = as_chunks(chunks_or_model)
     cfg = cfg or chunks[0].cfg
     dims = chunks[0].dims
     out_dir = Path(out_dir)

@@ -220,13 +220,6 @@ class ParallelDims:
         """Where gradients are summed: the data-parallel ranks (times context parallel when cp > 1)."""
         return self.group("dp_cp")
 
-    @property
-    def embedding_group(self):
-        return self.group("embedding")
-
-    def describe(self) -> str:
-        return (f"tp={self.tp} pp={self.pp} cp={self.cp} dp={self.dp} rank {self.rank}/{self.world_size} "
-                f"on {self.device}")
 
 
 def local_dims(device="cpu") -> ParallelDims:

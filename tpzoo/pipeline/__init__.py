@@ -11,11 +11,12 @@ the same executor (`execute` with their own StepFunctions).
 from .actions import Action, ScheduleError, bubble_fractions, peak_inflight, simulate, validate
 from .engine import SCHEDULES, LossSum, execute, forward_backward, forward_order, lm_forward, pipeline_forward, plan
 from .grads import finalize_grads, sum_tied_grads, tied_params
-from .partition import PartitionError, build_model_chunks, materialize_chunks, partition_layers, tie_chunks
+from .partition import (PartitionError, as_chunks, build_model_chunks, materialize_chunks, partition_layers,
+                        tie_chunks)
 from .stage import StepFunctions
 
 __all__ = ["Action", "LossSum", "PartitionError", "SCHEDULES", "ScheduleError", "StepFunctions",
-           "bubble_fractions", "build_model_chunks", "execute", "finalize_grads", "forward_backward",
+           "as_chunks", "bubble_fractions", "build_model_chunks", "execute", "finalize_grads", "forward_backward",
            "forward_order", "lm_forward", "materialize_chunks", "partition_layers", "peak_inflight", "pipeline_forward",
            "plan",
            "simulate", "sum_tied_grads", "tie_chunks", "tied_params", "validate"]

@@ -22,6 +22,7 @@ from tpzoo.parallel.state import get_dims
 from . import schedule_1f1b, schedule_gpipe, schedule_interleaved, schedule_zero_bubble
 from .actions import Action, ScheduleError
 from .p2p import BACKWARD, FORWARD, StageComm
+from .partition import as_chunks
 from .stage import StageRunner, StepFunctions
 
 SCHEDULES = {"gpipe": schedule_gpipe, "1f1b": schedule_1f1b, "interleaved": schedule_interleaved,
@@ -121,32 +122,28 @@ def pipeline_forward(model_or_chunks, input_ids: torch.Tensor, labels: torch.Ten
                      dims: ParallelDims | None = None):
     """One forward of one batch through every pipeline stage (the executor, forward only): on the last stage
     the per-token loss (with labels) or the logits shard, None on the other stages."""
-    chunks = list(model_or_chunks) if isinstance(model_or_chunks, (list, tuple)) else [model_or_chunks]
+    chunks = as_chunks(model_or_chunks)
     dims = dims or chunks[0].dims
     batch = {"input_ids": input_ids} if labels is None else {"input_ids": input_ids, "labels": labels}
     result = {}
 
-    def forward(index, chunk, batch, hidden):
-        device = chunk.device
-        return chunk(input_ids=batch["input_ids"].to(device) if chunk.pre_process else None, hidden=hidden,
-                     labels=labels.to(device) if labels is not None and chunk.post_process else None)
-
     def last(mb, output, batch):
         result["out"] = output
 
-    execute(chunks, [batch], dims, StepFunctions(forward, last), forward_only=True)
+    execute(chunks, [batch], dims, StepFunctions(lm_forward(), last), forward_only=True)
     return result.get("out")
 
 
 # -- the language-model loss: training and eval ------------------------------------------------------------------
 
 def lm_forward(label_smoothing: float = 0.0):
-    """The forward of one chunk for a {"input_ids", "labels"} batch: per-token loss on the last model stage."""
+    """The forward of one chunk for an {"input_ids"[, "labels"]} batch: on the last model stage the per-token
+    loss, or the logits shard for a batch without labels."""
     def forward(index, chunk, batch, hidden):
-        device = chunk.device
+        device, labels = chunk.device, batch.get("labels")
         return chunk(input_ids=batch["input_ids"].to(device, non_blocking=True) if chunk.pre_process else None,
-                     hidden=hidden, labels=batch["labels"].to(device, non_blocking=True) if chunk.post_process else None,
-                     label_smoothing=label_smoothing)
+                     hidden=hidden, labels=labels.to(device, non_blocking=True)
+                     if labels is not None and chunk.post_process else None, label_smoothing=label_smoothing)
     return forward
 
 

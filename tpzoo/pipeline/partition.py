@@ -6,6 +6,8 @@ rank 0 -> 1 -> ... -> pp-1 -> 0 -> ... v times, so the pipeline is a ring.
 """
 from __future__ import annotations
 
+import torch
+
 from tpzoo.errors import UserError
 from tpzoo.parallel.dims import ParallelDims
 from tpzoo.parallel.state import get_dims
@@ -95,6 +97,13 @@ def build_model_chunks(cfg, dims: ParallelDims | None = None, *, sequence_parall
                                   sequence_parallel=sequence_parallel, recompute=recompute, seed=seed,
                                   vocab_padding_multiple=vocab_padding_multiple, dtype=dtype, device=device))
     return tie_chunks(chunks)
+
+
+def as_chunks(model_or_chunks) -> list:
+    """This rank's model chunks as a list, whether given one Transformer or several (a list, an nn.ModuleList)."""
+    if isinstance(model_or_chunks, (list, tuple, torch.nn.ModuleList)):
+        return list(model_or_chunks)
+    return [model_or_chunks]
 
 
 def tie_chunks(chunks: list) -> list:
