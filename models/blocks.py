@@ -14,8 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from tpzoo import kernels
 from tpzoo.errors import ConfigError
 from tpzoo.parallel import (ColumnParallelLinear, ParallelDims, ParallelLayoutError, RowParallelLinear, ShardSpec,
-                            gather_from_sequence, mark_parallel)
-from tpzoo.parallel.mappings import copy_to_tp
+                            mark_parallel)
 
 from .config import ModelConfig
 
@@ -95,7 +94,8 @@ class ParallelAttention(nn.Module):
         spec = ShardSpec(0, parts=(nh * hd, nkv * hd, nkv * hd), replicas=(1, self.kv_replicas, self.kv_replicas),
                          block=hd)
         self.qkv = ColumnParallelLinear(cfg.hidden_size, (nh + 2 * nkv) * hd, bias=cfg.qkv_bias, shard_spec=spec,
-                                        init_method=init, dtype=dtype, device=device, dims=dims)
+                                        sequence_parallel=sequence_parallel, init_method=init, dtype=dtype,
+                                        device=device, dims=dims)
         out_std = cfg.initializer_range / math.sqrt(2 * cfg.num_layers)  # GPT-2's scaled residual init
         self.out = RowParallelLinear(nh * hd, cfg.hidden_size, bias=cfg.out_bias, sequence_parallel=sequence_parallel,
                                      init_method=lambda t: nn.init.normal_(t, std=out_std), dtype=dtype,
@@ -103,11 +103,8 @@ class ParallelAttention(nn.Module):
         self.recompute_core = False
 
     def forward(self, x, cos, sin, kv_cache=None):
-        # Enter the TP region once for q, k and v: all-gather the sequence (SP) or identity/all-reduce.
-        group = self.dims.tp_group
-        x = gather_from_sequence(x, -2, group) if self.sequence_parallel else copy_to_tp(x, group)
-        q, k, v = (rearrange(t, "b s (heads d) -> b s heads d", d=self.head_dim) for t in F.linear(
-            x, self.qkv.weight, self.qkv.bias).split(
+        # One matmul enters the TP region for q, k and v (under SP: gathers the sequence, keeps only the shard).
+        q, k, v = (rearrange(t, "b s (heads d) -> b s heads d", d=self.head_dim) for t in self.qkv(x).split(
             [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1))
         if cos is not None:  # the rotary kernel takes [b, s, heads, d]; attention wants the heads first
             q, k = kernels.apply_rotary(q, cos, sin), kernels.apply_rotary(k, cos, sin)

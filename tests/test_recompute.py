@@ -52,7 +52,9 @@ LAYOUTS = {
         dict(tp=2, pp=2, sp=True, schedule="zb", recompute="selective"),
         dict(tp=2, pp=2, sp=True, schedule="1f1b", recompute="full"),
         dict(tp=1, pp=4, schedule="interleaved", v=2, recompute="full"),
-        dict(tp=2, dp=2, sp=True, schedule="gpipe", recompute="selective")],
+        dict(tp=2, dp=2, sp=True, schedule="gpipe", recompute="selective"),
+        # tp=4: the column layers re-gather their SP input shards in backward, also inside recomputed regions
+        dict(tp=4, sp=True, recompute="full"), dict(tp=4, sp=True, recompute="selective")],
 }
 
 

@@ -1,12 +1,17 @@
 """Sequence parallelism end to end: what travels between pipeline stages, what the TP collectives of a layer
-cost, the replicated parameters that must stay identical on every TP rank, and the sequence-length check."""
+cost, what a layer keeps for its backward (every term divided by tp, as in Korthikanti et al.), the replicated
+parameters that must stay identical on every TP rank, and the sequence-length check."""
+import contextlib
+
 import pytest
 import torch
 
 import tpzoo
 from tpzoo.models import get_config
 from tpzoo.parallel import count_collectives, get_pp_rank, get_tp_rank
-from tpzoo.plan.measure import tp_layer_collectives
+from tpzoo.parallel.column_linear import keep_gathered_inputs
+from tpzoo.plan import layer_activation_bytes
+from tpzoo.plan.measure import forward_activation_bytes, tp_layer_collectives
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward, sum_tied_grads
 from tpzoo.testing import run_on_ranks
 
@@ -65,10 +70,49 @@ def test_tp_communication_per_layer_matches_megatron():
         # 2 forward all-reduces (attention out, MLP out) + 2 backward (the column layers' input gradients)
         assert plain == {"all_reduce": (4 * L, 4 * L * bsh, 4 * L * 2 * ring * 4 * bsh)}
         sp = run_on_ranks(4, layer_collectives, cfg, tp, True)[0]
-        # SP: each all-reduce becomes a reduce-scatter + an all-gather of the full activation, same bytes
-        assert sp == {"all_gather": (4 * L, 4 * L * bsh, 4 * L * ring * 4 * bsh),
+        # SP: each all-reduce becomes a reduce-scatter + an all-gather of the full activation, same bytes; and
+        # the column layers (qkv, fc_in), which keep only their input's sequence shard, gather it again in
+        # backward: 2 more all-gathers per layer, the price of s*b*h/tp instead of s*b*h saved per column layer
+        assert sp == {"all_gather": (6 * L, 6 * L * bsh, 6 * L * ring * 4 * bsh),
                       "reduce_scatter": (4 * L, 4 * L * bsh, 4 * L * ring * 4 * bsh)}
-        assert sp["all_gather"][2] + sp["reduce_scatter"][2] == pytest.approx(plain["all_reduce"][2])
+        regather = 2 * L * ring * 4 * bsh
+        assert sp["all_gather"][2] - regather + sp["reduce_scatter"][2] == pytest.approx(plain["all_reduce"][2])
+
+
+# -- activation memory per layer ---------------------------------------------------------------------------------
+def _saved_bytes_per_layer(cfg, tp: int, keep_gathered: bool) -> int:
+    """Unique storages autograd saves for one more layer (a 2-layer minus a 1-layer stack, no embedding or head),
+    bf16, one micro-batch of B x 4S tokens, SP on (at tp=1: nothing to shard)."""
+    from tpzoo import kernels as K
+    from tpzoo.models import Transformer
+
+    tpzoo.init_parallel(tp=tp)
+    try:
+        sizes = []
+        for layers in (1, 2):
+            model = Transformer(cfg.replace(num_layers=layers), pre_process=False, post_process=False,
+                                sequence_parallel=tp > 1, dtype=torch.bfloat16)
+            with K.use_backend("torch"), keep_gathered_inputs() if keep_gathered else contextlib.nullcontext():
+                sizes.append(forward_activation_bytes(model, B, 4 * S, hooks=True))
+        return sizes[1] - sizes[0]
+    finally:
+        tpzoo.destroy_parallel()
+
+
+def test_layer_activations_divide_by_tp_with_sequence_parallelism():
+    """The paper's s*b*h*(34/t + 5as/(ht)) divides every term by t (tpzoo's terms: docs/plan.md). Measured from
+    real saved tensors: per layer, tp * bytes(tp) equals bytes(1) at tp = 2 and 4, and the plan's estimate."""
+    for cfg in (get_config("nano-gpt"), get_config("nano-llama").replace(num_kv_heads=4)):
+        got = {tp: run_on_ranks(4, _saved_bytes_per_layer, cfg, tp, False)[0] for tp in (1, 2, 4)}
+        before = {tp: run_on_ranks(4, _saved_bytes_per_layer, cfg, tp, True)[0] for tp in (2, 4)}
+        tokens = B * 4 * S
+        for tp in (2, 4):
+            assert tp * got[tp] == got[1], (cfg.name, tp, got)
+            # CPU's layer_norm keeps bf16 row statistics, 4 bytes per row less than CUDA's fp32 (docs/plan.md)
+            cpu_stats = 2 * 4 * tokens // tp if cfg.norm == "layernorm" else 0
+            assert got[tp] == layer_activation_bytes(cfg, tp, True, "none", tokens, 2, "reference") - cpu_stats
+            # before: the qkv and fc_in inputs were kept whole, (1 - 1/tp) of 2 full-sequence activations more
+            assert before[tp] - got[tp] == 2 * 2 * cfg.hidden_size * tokens * (tp - 1) // tp
 
 
 # -- replicated parameters stay identical on every TP rank (Megatron-LM issue #1446) -----------------------------

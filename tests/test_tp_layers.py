@@ -132,8 +132,11 @@ def test_communication_counts_match_the_analysis(sp):
         assert set(row_f) == {"all_reduce@tp"} and row_b == {}  # row: one forward all-reduce, nothing back
         assert _stats(row_f, "all_reduce@tp") == (1, y_elems, 4 * y_elems, 2 * ring * 4 * y_elems)
     else:
-        assert set(col_f) == {"all_gather@tp"} and set(col_b) == {"reduce_scatter@tp"}
+        # column: the forward gathers the input's sequence; only the local shard is kept, so the backward
+        # gathers it again (for the weight gradient) and reduce-scatters the input gradient
+        assert set(col_f) == {"all_gather@tp"} and set(col_b) == {"all_gather@tp", "reduce_scatter@tp"}
         assert _stats(col_f, "all_gather@tp") == (1, x_elems, 4 * x_elems, ring * 4 * x_elems)
+        assert _stats(col_b, "all_gather@tp") == _stats(col_f, "all_gather@tp")
         assert _stats(col_b, "reduce_scatter@tp") == (1, x_elems, 4 * x_elems, ring * 4 * x_elems)
         assert set(row_b) == {"all_gather@tp"} and set(row_f) == {"reduce_scatter@tp"}
         assert set(row_f) == {"reduce_scatter@tp"}

@@ -9,7 +9,9 @@ tpzoo.parallel.count_collectives. Analysis (Korthikanti et al. 2022), per layer,
   TP:      4 all-reduces (forward: the attention and MLP output projections; backward: the input gradients
            of the two column-parallel entries), each sending 2(t-1)/t * b*s*h elements from every rank;
   TP + SP: 4 all-gathers + 4 reduce-scatters, each (t-1)/t * b*s*h: the same bytes (a ring all-reduce is a
-           reduce-scatter followed by an all-gather), with activations between them sharded t ways.
+           reduce-scatter followed by an all-gather), with activations between them sharded t ways; plus 2
+           all-gathers in backward: the qkv and fc_in layers keep only their input's sequence shard and gather it
+           again for the weight gradient (Megatron-Core does the same), 6 all-gathers in all.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def analytical(tp: int, sp: bool, hidden: int) -> dict:
     bsh, ring = B * S * hidden, (tp - 1) / tp
     if not sp:
         return {"all_reduce": (4, 4 * bsh, 4 * 2 * ring * bsh * 4)}
-    return {"all_gather": (4, 4 * bsh, 4 * ring * bsh * 4), "reduce_scatter": (4, 4 * bsh, 4 * ring * bsh * 4)}
+    return {"all_gather": (6, 6 * bsh, 6 * ring * bsh * 4), "reduce_scatter": (4, 4 * bsh, 4 * ring * bsh * 4)}
 
 
 def table(rows) -> str:

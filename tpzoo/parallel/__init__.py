@@ -1,5 +1,6 @@
 """Parallel machinery: the runtime's parallel dims and device, counted autograd collectives, tensor-parallel
 layers and loss, main gradients and their data-parallel reduction."""
+from .column_linear import gathered_linear, grad_phase
 from .comm import CollectiveCounter, count_collectives
 from .cross_entropy import vocab_parallel_cross_entropy
 from .data_parallel import GradBuffer, accumulate_grad

@@ -115,26 +115,50 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return t
 
 
-def all_gather(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
-    """Concatenate every rank's `t` along `dim` (rank order)."""
+class Pending:
+    """A collective in flight (async_op): `wait()` returns its result. Staged through host memory when needed."""
+
+    def __init__(self, work, out: torch.Tensor, dim: int, device: torch.device, keep=None):
+        self.work, self.out, self.dim, self.device, self.keep = work, out, dim, device, keep
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = self.keep = None
+        return self.out.to(self.device).movedim(0, self.dim)
+
+
+def _done(t: torch.Tensor) -> Pending:
+    """A group of one: the result is the input, nothing to wait for."""
+    return Pending(None, t, 0, t.device)
+
+
+def all_gather_start(t: torch.Tensor, group, dim: int = 0) -> Pending:
+    """Start concatenating every rank's `t` along `dim` (rank order); `.wait()` returns the result."""
     p = group_size(group)
     if p == 1:
-        return t
+        return _done(t)
     dim = dim % t.dim()
     moved = t.movedim(dim, 0).contiguous()
     host = _via_host(t, group)
     out = torch.empty((p * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype,
                       device="cpu" if host else t.device)
     _record("all_gather", group, out, (p - 1) / p)
-    _all_gather_flat(out, moved.cpu() if host else moved, group=group)
-    return (out.to(t.device) if host else out).movedim(0, dim)
+    src = moved.cpu() if host else moved
+    work = _all_gather_flat(out, src, group=group, async_op=True)
+    return Pending(work, out, dim, t.device, keep=src)
 
 
-def reduce_scatter(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
-    """Sum over ranks, then keep this rank's chunk of `dim`."""
+def all_gather(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's `t` along `dim` (rank order)."""
+    return all_gather_start(t, group, dim).wait()
+
+
+def reduce_scatter_start(t: torch.Tensor, group, dim: int = 0) -> Pending:
+    """Start summing over ranks and keeping this rank's chunk of `dim`; `.wait()` returns the result."""
     p = group_size(group)
     if p == 1:
-        return t
+        return _done(t)
     dim = dim % t.dim()
     if t.shape[dim] % p != 0:
         raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} is not divisible by group size {p}")
@@ -143,8 +167,14 @@ def reduce_scatter(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     out = torch.empty((moved.shape[0] // p,) + tuple(moved.shape[1:]), dtype=t.dtype,
                       device="cpu" if host else t.device)
     _record("reduce_scatter", group, moved, (p - 1) / p)
-    _reduce_scatter_flat(out, moved.cpu() if host else moved, group=group)
-    return (out.to(t.device) if host else out).movedim(0, dim)
+    src = moved.cpu() if host else moved
+    work = _reduce_scatter_flat(out, src, group=group, async_op=True)
+    return Pending(work, out, dim, t.device, keep=src)
+
+
+def reduce_scatter(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Sum over ranks, then keep this rank's chunk of `dim`."""
+    return reduce_scatter_start(t, group, dim).wait()
 
 
 def broadcast(t: torch.Tensor, src: int, group=None) -> torch.Tensor:

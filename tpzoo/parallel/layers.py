@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .mappings import (copy_to_tp, gather_from_sequence, gather_from_tp, reduce_from_tp,
-                       reduce_scatter_to_sequence, scatter_to_tp)
+from .column_linear import gathered_linear
+from .mappings import copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence, scatter_to_tp
 from .sharding import ShardSpec, shard
 from .dims import ParallelDims, divide
 from .state import get_dims
@@ -78,7 +78,8 @@ class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A split along its output dim: rank r holds rows [r*out/tp, (r+1)*out/tp).
 
     The output is this rank's slice of the features unless `gather_output`. With `sequence_parallel`, the
-    input is this rank's chunk of the sequence (dim `sequence_dim`) and is all-gathered before the matmul.
+    input is this rank's chunk of the sequence (dim `sequence_dim`) and is all-gathered before the matmul;
+    only the chunk is kept for backward, which gathers it again (tpzoo.parallel.column_linear).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
@@ -115,11 +116,12 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.dims.tp_group
-        if self.sequence_parallel:
-            x = gather_from_sequence(x, self.sequence_dim, group)
+        bias = None if self.skip_bias_add else self.bias
+        if self.sequence_parallel and self.tp_size > 1:
+            # Gathers the sequence; keeps only this rank's shard for backward (tpzoo.parallel.column_linear).
+            y = gathered_linear(x, self.weight, bias, self.sequence_dim, group)
         else:
-            x = copy_to_tp(x, group)
-        y = F.linear(x, self.weight, None if self.skip_bias_add else self.bias)
+            y = F.linear(copy_to_tp(x, group), self.weight, bias)
         return gather_from_tp(y, group) if self.gather_output else y
 
     def extra_repr(self) -> str:

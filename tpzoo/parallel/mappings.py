@@ -11,7 +11,9 @@
 
 `gather_from_sequence` reduce-scatters its gradient because the tensor it produces feeds a column-parallel
 matmul on every rank: each rank holds a partial gradient of the full sequence, and the sum belongs to the owner
-of each sequence chunk. With tensor parallelism of size 1 every function is the identity.
+of each sequence chunk. With tensor parallelism of size 1 every function is the identity. (The column-parallel
+layers do not use it: tpzoo.parallel.column_linear fuses the gather with their matmul, so that backward keeps
+only the shard and gathers it again.)
 
 `group`: the tensor-parallel group to use (layers pass their dims' tp_group); None = the default dims'.
 """

@@ -7,7 +7,9 @@ without redoing B's work. For every parameter we find, once per micro-batch, the
 input path where the parameter's own branch leaves it (the matmul that consumes a weight, the multiply of a norm
 weight). During B a pre-hook on each frontier node records the gradient flowing into it; W restarts the engine
 from exactly there (autograd.grad with GradientEdge outputs) towards that node's parameters, so it runs only the
-weight branches: the weight-gradient matmuls, nothing of the activation-gradient chain and no TP collective.
+weight branches: the weight-gradient matmuls, nothing of the activation-gradient chain. Its only TP collectives
+are the all-gathers of sequence-parallel column inputs, kept sharded between B and W (tpzoo.parallel
+.column_linear; `grad_phase` tells that Python autograd node which part it is asked for).
 
 A parameter reached from several frontier nodes (one weight used twice) could have a branch counted twice that
 way; it takes the safe path instead: W re-walks from the stage output for it.
@@ -19,6 +21,7 @@ from collections import defaultdict
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from tpzoo.parallel.column_linear import grad_phase
 from tpzoo.parallel.data_parallel import accumulate_grad
 
 
@@ -76,8 +79,9 @@ class WeightGrad:
                 fallback += params
                 continue
             edges = [(GradientEdge(node, k), g) for k, g in enumerate(grads_in) if g is not None]
-            grads = torch.autograd.grad([e for e, _ in edges], [get_gradient_edge(p) for p in params],
-                                        [g for _, g in edges], retain_graph=True, allow_unused=True)
+            with grad_phase("weight"):  # a sequence-parallel column matmul: gather x again, skip grad_x
+                grads = torch.autograd.grad([e for e, _ in edges], [get_gradient_edge(p) for p in params],
+                                            [g for _, g in edges], retain_graph=True, allow_unused=True)
             _accumulate(params, grads)
         if fallback:
             grads = torch.autograd.grad(self.out, fallback, self.grad, retain_graph=True, allow_unused=True)
@@ -114,7 +118,8 @@ def backward_input(out: torch.Tensor, grad, x: torch.Tensor, params: list) -> tu
 
     hooks = [node.register_prehook(recorder(node)) for node in groups]
     try:
-        (gx,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+        with grad_phase("input"):  # a sequence-parallel column matmul: no weight matmul, no re-gather
+            (gx,) = torch.autograd.grad(out, x, grad, retain_graph=True)
     finally:
         for h in hooks:
             h.remove()

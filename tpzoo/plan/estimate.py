@@ -142,8 +142,12 @@ def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: T
         tp_mb = _collective_time(one.sent("tp") - fin.sent("tp"), one.calls("tp") - fin.calls("tp"),
                                  cluster.intra_node_gbps, cluster)
         tp_fin = _collective_time(fin.sent("tp"), fin.calls("tp"), cluster.intra_node_gbps, cluster)
-        # Forward and backward issue the same collectives; recomputation repeats most forward ones.
-        tp_fwd = tp_mb * 2 / (4 + (layout.recompute == "full"))
+        # The forward's share of a layer's collectives (equal sizes): without SP 2 all-reduces of 4, the backward
+        # 2 more; with SP 2 all-gathers + 2 reduce-scatters of 10, the backward 4 all-gathers (2 re-gather the
+        # column inputs) + 2 reduce-scatters. Full recomputation repeats most forward ones (1 resp. 3).
+        again = layout.recompute == "full"
+        share = 4 / (10 + 3 * again) if layout.sequence_parallel else 2 / (4 + again)
+        tp_fwd = tp_mb * share
         st = stage_times(stage_flops(cfg, layout, training, s), tp_fwd, tp_mb - tp_fwd, peak,
                          layout.schedule == "zb" and p > 1, s == 0)
         total = st["F"] + st["B"] + st["W"]

@@ -9,9 +9,8 @@ re-derived for what tpzoo's code saves for the backward (tested against live sto
 token, with e = activation bytes, local sizes q = heads*hd/tp, kv = local kv heads*hd, f = ffn/tp, a = heads/tp,
 d = tp under sequence parallelism else 1:
     norms      2 * norm_saved / d        fused: e*h + 4 (rms) / + 8 (layer norm); torch rms: 4h + e*h + 4
-    linear in  2 * e*h                   qkv and fc_in inputs; FULL sequence even with SP: tpzoo's
-                                         column-parallel layer saves its all-gathered input (Megatron saves
-                                         the shard and gathers again in the backward)
+    linear in  2 * e*h / d               qkv and fc_in inputs: under SP only this rank's sequence shard is
+                                         kept, the backward gathers it again (tpzoo.parallel.column_linear)
     attention  e*(q + 2kv) + e*(q + kv) + e*q + 4a
                qkv buffer (whole: v is a view of it) + rotated q, k (RoPE only) + output + log-sum-exp;
                flash attention (SDPA) never materializes the s^2 scores: the paper's 5as/h term is absent
@@ -171,7 +170,9 @@ def layer_activation_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, r
         mlp = e * d.ffn * (4 if kernels == "reference" else 3)
     else:
         mlp = 2 * e * d.ffn
-    return 2 * _norm_saved(cfg, e, kernels) * tokens // sp_div + (2 * e * h + attn + mlp) * tokens
+    # The norms and the two column-parallel inputs (qkv, fc_in) are kept as this rank's sequence shard (the
+    # column layers gather them again in backward); the rest is split by heads or ffn columns.
+    return (2 * _norm_saved(cfg, e, kernels) + 2 * e * h) * tokens // sp_div + (attn + mlp) * tokens
 
 
 def chunk_activation_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, recompute: str,
@@ -192,8 +193,8 @@ def chunk_activation_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, r
         d = local_dims(cfg, tp, vocab_padding_multiple)
         logits = (4 if kernels == "reference" else e) * d.vocab  # torch saves the fp32 softmax, Triton the logits
         ce = 10 if kernels == "reference" else 5                 # per-token targets/masks/log-sum-exp kept
-        parts["head"] = (_norm_saved(cfg, e, kernels) * tokens // sp_div
-                         + (e * h + logits + ce) * tokens + 4)   # + the lm_head input (gathered), the fp32 loss
+        parts["head"] = ((_norm_saved(cfg, e, kernels) + e * h) * tokens // sp_div  # + the lm_head input
+                         + (logits + ce) * tokens + 4)                           # + the fp32 loss
     else:
         parts["head"] = e * h * tokens // sp_div  # the stage output, kept for its backward
     # The engine keeps a received input for its gradient; only the torch RMSNorm does not save it anyway (it

@@ -76,7 +76,8 @@ def tp_step_volume(cfg: ModelConfig, layout: Layout, stage: int, micro_batches: 
     # checkpoint stops early): every collective but the MLP's final row-parallel reduction.
     again = layout.recompute == "full"
     if sp:
-        vt.add("all_gather", "tp", t, full, m * layers * (4 + 2 * again))      # fwd in x2, bwd of row out x2
+        # fwd in x2, bwd of row out x2, bwd re-gather of the column inputs x2 (they keep only their shard)
+        vt.add("all_gather", "tp", t, full, m * layers * (6 + 2 * again))
         vt.add("reduce_scatter", "tp", t, full, m * layers * (4 + again))      # fwd row out x2, bwd of in x2
     else:
         vt.add("all_reduce", "tp", t, full, m * layers * (4 + again))
@@ -88,7 +89,7 @@ def tp_step_volume(cfg: ModelConfig, layout: Layout, stage: int, micro_batches: 
             vt.add("all_reduce", "tp", t, full, m)
     if stage == p - 1:  # column-parallel output layer, then the vocab-parallel loss
         if sp:
-            vt.add("all_gather", "tp", t, full, m)
+            vt.add("all_gather", "tp", t, full, 2 * m)  # the input, in forward and again in backward
             vt.add("reduce_scatter", "tp", t, full, m)
         else:
             vt.add("all_reduce", "tp", t, full, m)

@@ -1,0 +1,118 @@
+"""The column-parallel matmul under sequence parallelism, at the activation memory of Korthikanti et al.
+
+Forward: all-gather this rank's sequence shard x_local -> x (the whole sequence), y = x W^T + b. Autograd would
+keep x, the whole sequence, for the weight gradient: s*b*h per column layer instead of s*b*h/tp. This Function
+keeps only x_local and gathers it again in backward, as Megatron-Core does:
+
+  start all-gather(x_local)              (async)
+  grad_x = grad_y W                      overlaps the gather
+  wait; start reduce-scatter(grad_x)     (async; each rank keeps the gradient of its own sequence shard)
+  grad_W = grad_y^T x, grad_b            overlaps the reduce-scatter
+  wait
+
+Collectives per layer and micro-batch: forward 1 all-gather, backward 1 all-gather + 1 reduce-scatter (the
+extra all-gather is the price of the memory; its bytes equal the forward's).
+
+Zero-bubble's split backward (tpzoo.pipeline.weight_grad) runs this node twice: B asks only for grad_x, W only
+for grad_W/grad_b. `grad_phase` tells the node which pass it is in, so B does no weight matmul and keeps nothing
+but x_local for W, and W re-gathers x_local and computes nothing of the input gradient (no reduce-scatter).
+Native ops learn the same from the autograd engine; a Python Function cannot ask it about leaf parameters.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from . import comm
+from .mappings import gather_from_sequence
+
+_PHASE: str | None = None  # None: a whole backward; "input" (zero-bubble's B); "weight" (its W)
+_KEEP_GATHERED = False     # benchmarks only: the former behaviour (autograd keeps the gathered input)
+
+
+@contextlib.contextmanager
+def grad_phase(phase: str | None):
+    """Within the block, sequence-parallel column matmuls compute only the input ("input") or only the weight
+    ("weight") gradients in backward. A plain module global, not thread-local: CUDA's autograd runs backward
+    on the engine's device threads."""
+    global _PHASE
+    if phase not in (None, "input", "weight"):
+        raise ValueError(f"grad_phase must be None, 'input' or 'weight', got {phase!r}")
+    previous, _PHASE = _PHASE, phase
+    try:
+        yield
+    finally:
+        _PHASE = previous
+
+
+@contextlib.contextmanager
+def keep_gathered_inputs():
+    """Benchmark switch: let autograd keep the gathered full-sequence input (no re-gather in backward), the
+    behaviour before this module existed, to measure both side by side in one run."""
+    global _KEEP_GATHERED
+    previous, _KEEP_GATHERED = _KEEP_GATHERED, True
+    try:
+        yield
+    finally:
+        _KEEP_GATHERED = previous
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """y_i = x W_i^T + b_i for one gathered x and several (W_i, b_i): a layer and its LoRA A share one gather."""
+
+    @staticmethod
+    def forward(ctx, x_local, dim, group, *weights_and_biases):
+        ctx.dim, ctx.group = dim, group
+        pairs = list(zip(weights_and_biases[::2], weights_and_biases[1::2]))
+        ctx.has_bias = [b is not None for _, b in pairs]
+        ctx.save_for_backward(x_local, *(w for w, _ in pairs))
+        x = comm.all_gather(x_local, group, dim=dim)
+        outs = tuple(F.linear(x, w, b) for w, b in pairs)
+        return outs if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx, *grad_ys):
+        x_local, *weights = ctx.saved_tensors
+        wanted = ctx.needs_input_grad[3:]  # (W_0, b_0, W_1, b_1, ...)
+        need_x = ctx.needs_input_grad[0] and _PHASE != "weight"
+        need_w = any(wanted) and _PHASE != "input"
+        gathering = comm.all_gather_start(x_local, ctx.group, dim=ctx.dim) if need_w else None
+        x = scattering = None
+        if need_x:
+            live = [(g, w) for g, w in zip(grad_ys, weights) if g is not None]
+            grad_x_full = sum(g.matmul(w) for g, w in live)  # overlaps the gather
+            if gathering is not None:
+                x = gathering.wait()  # posted in the same order on every rank: the gather, then the scatter
+            scattering = comm.reduce_scatter_start(grad_x_full, ctx.group, dim=ctx.dim)
+        grads_wb = [None] * len(wanted)
+        if need_w:  # overlaps the reduce-scatter
+            x = _flat(gathering.wait() if x is None else x)
+            for i, g in enumerate(grad_ys):
+                if g is None:
+                    continue
+                g = _flat(g)
+                if wanted[2 * i]:
+                    grads_wb[2 * i] = g.t().matmul(x)
+                if wanted[2 * i + 1] and ctx.has_bias[i]:
+                    grads_wb[2 * i + 1] = g.sum(0)
+        grad_x = scattering.wait() if scattering is not None else None
+        return (grad_x, None, None, *grads_wb)
+
+
+def gathered_linear(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dim: int, group,
+                    extra: tuple = ()) -> torch.Tensor | tuple:
+    """y = all_gather(x_local along `dim`) W^T + b; backward reduce-scatters the input gradient. Saves only
+    x_local (see the module docstring). `group`: a real TP group of size > 1. `extra`: more (W, b) pairs fed
+    the same gathered input (a LoRA A); then the outputs come as a tuple, in order."""
+    pairs = ((weight, bias), *extra)
+    if _KEEP_GATHERED:
+        x = gather_from_sequence(x_local, dim, group)
+        outs = tuple(F.linear(x, w, b) for w, b in pairs)
+        return outs if extra else outs[0]
+    return _GatheredLinear.apply(x_local, dim, group, *(t for pair in pairs for t in pair))
