@@ -128,11 +128,14 @@ def build_chunk(cfg, stage: dict, dims: ParallelDims | None = None, *, vocab_pad
                        post_process=stage["post_process"], vocab_padding_multiple=vocab_padding_multiple, **kw)
 
 
-def param_infos(model, cfg, tp: int) -> list[ParamInfo]:
-    """Name, shard shape and spec of every parameter of `model` (a rank's chunk at tensor-parallel size tp)."""
+def param_infos(model, cfg, tp: int, select=None) -> list[ParamInfo]:
+    """Name, shard shape and spec of every parameter of `model` (a rank's chunk at tensor-parallel size tp), or
+    of those whose name `select(name)` accepts (a LoRA checkpoint holds only the adapters)."""
     vdims = vocab_dims(cfg)
     out = []
     for name, p in model.named_parameters():  # tied weights appear once, as in the model
+        if select is not None and not select(name):
+            continue
         spec = getattr(p, "tp_spec", ShardSpec(None))
         full = list(p.shape)
         vdim, padded = vdims.get(name), None
@@ -145,15 +148,23 @@ def param_infos(model, cfg, tp: int) -> list[ParamInfo]:
     return out
 
 
-def layout_plan(cfg, tp: int, stages: list[dict], vocab_padding_multiple: int = 1) -> list[ChunkPlan]:
-    """Every chunk's parameters at tensor-parallel size tp (shard shapes are the same on every tp rank)."""
+def layout_plan(cfg, tp: int, stages: list[dict], vocab_padding_multiple: int = 1, lora=None) -> list[ChunkPlan]:
+    """Every chunk's parameters at tensor-parallel size tp (shard shapes are the same on every tp rank); with
+    `lora` (a LoRAConfig), the adapters only: what a LoRA checkpoint holds."""
     plans = []
     pp = max(s["pp_rank"] for s in stages) + 1
     for st in stages:
         dims = ParallelDims.for_rank(tp=tp, pp=pp, pp_rank=st["pp_rank"])
         model = build_chunk(cfg, st, dims, vocab_padding_multiple=vocab_padding_multiple, device="meta")
+        select = None
+        if lora is not None:
+            from tpzoo.models.lora import add_lora
+            from tpzoo.parallel.lora import is_lora_param
+
+            add_lora([model], lora)
+            select = is_lora_param
         plans.append(ChunkPlan(st["pp_rank"], tuple(st["layers"]), st["pre_process"], st["post_process"],
-                               param_infos(model, cfg, tp)))
+                               param_infos(model, cfg, tp, select)))
     return plans
 
 

@@ -13,10 +13,12 @@ from pathlib import Path
 import torch
 
 from tpzoo.parallel.dims import ParallelDims
+from tpzoo.parallel.layers import padded_vocab_size
 from tpzoo.parallel.state import get_dims
 from tpzoo.pipeline.partition import as_chunks, tie_chunks
 
 from .format import CheckpointError, aux_files_in, copy_aux_files, make_manifest, shard_file_name, write_manifest
+from .lora_io import is_base_param, is_lora_param, lora_config_of, lora_info, resolve_base
 from .layout import build_chunk, infer_padding_multiple, param_infos, partition, spec_to_json, stages_from_ranges
 from .safetensors_io import dtype_name
 from .st_writer import SafetensorsWriter
@@ -43,36 +45,49 @@ def load_model(ckpt, dims: ParallelDims | None = None, *, sequence_parallel: boo
     Each chunk is built on meta and filled straight into its device shards (no random init, no CPU copy of the
     model). dtype: default the checkpoint's; device: default dims.device."""
     dims = get_dims(dims)
+    lora = lora_info(ckpt)  # a LoRA checkpoint: the base's weights, then these adapters
+    base = open_source(resolve_base(lora, ckpt), verify=verify) if lora else None
     source = open_source(ckpt, verify=verify)
     try:
         cfg = source.cfg
         stages = stages or _stages_for(source, cfg, dims.pp, virtual_stages)
-        multiple = vocab_padding_multiple or source.padding_multiple
-        dtype = dtype or source.dtype("embed.weight")
+        multiple = vocab_padding_multiple or (base or source).padding_multiple
+        dtype = dtype or (base or source).dtype("embed.weight")
         device = torch.device(device) if device is not None else dims.device
         chunks = []
         for st in (s for s in stages if s["pp_rank"] == dims.pp_rank):
             model = build_chunk(cfg, st, dims, vocab_padding_multiple=multiple, sequence_parallel=sequence_parallel,
                                 recompute=recompute, dtype=dtype, device="meta")
-            infos = param_infos(model, cfg, dims.tp)
-            check_source(source, infos)
+            parts = [(source, None)]
+            if lora:
+                from tpzoo.models.lora import add_lora
+
+                add_lora([model], lora_config_of(lora))
+                parts = [(base, is_base_param), (source, is_lora_param)]
+            filled = [(src, param_infos(model, cfg, dims.tp, select)) for src, select in parts]
+            for src, infos in filled:
+                check_source(src, infos)
             model.materialize(device)
-            fill_params(model, source, infos, dims.tp_rank, dims.tp)
+            for src, infos in filled:
+                fill_params(model, src, infos, dims.tp_rank, dims.tp)
             model.checkpoint_stages = stages  # how the layers were split, for the caller's pipeline schedule
             chunks.append(model)
     finally:
         source.close()
+        if base is not None:
+            base.close()
     tie_chunks(chunks)
     return chunks[0] if len(chunks) == 1 else chunks
 
 
-def load_weights_into(model_or_chunks, ckpt, *, verify: bool = True) -> None:
-    """Overwrite the parameters of existing model chunks (this rank's, at their layout) from `ckpt`."""
+def load_weights_into(model_or_chunks, ckpt, *, verify: bool = True, select=None) -> None:
+    """Overwrite the parameters of existing model chunks (this rank's, at their layout) from `ckpt`; only those
+    whose name `select(name)` accepts, when given (the base of a LoRA model, or its adapters)."""
     source = open_source(ckpt, verify=verify)
     try:
         for chunk in as_chunks(model_or_chunks):
             dims = chunk.dims
-            infos = param_infos(chunk, chunk.cfg, dims.tp)
+            infos = param_infos(chunk, chunk.cfg, dims.tp, select)
             check_source(source, infos)
             with torch.no_grad():
                 fill_params(chunk, source, infos, dims.tp_rank, dims.tp)
@@ -80,11 +95,15 @@ def load_weights_into(model_or_chunks, ckpt, *, verify: bool = True) -> None:
         source.close()
 
 
-def _write_own_shard(chunks, cfg, out_dir: Path, dtype, tp: int, tp_rank: int, pp_rank: int, checksum: str) -> dict:
+def _write_own_shard(chunks, cfg, out_dir: Path, dtype, tp: int, tp_rank: int, pp_rank: int, checksum: str,
+                     select=None) -> dict:
     """Write this rank's file; return what rank 0 needs for the manifest."""
-    items = [(info, p, dtype if dtype is not None and p.is_floating_point() else p.dtype)
-             for chunk in chunks
-             for info, p in zip(param_infos(chunk, cfg, tp), dict(chunk.named_parameters()).values())]
+    items = []
+    for chunk in chunks:
+        params = dict(chunk.named_parameters())
+        for info in param_infos(chunk, cfg, tp, select):
+            p = params[info.name]
+            items.append((info, p, dtype if dtype is not None and p.is_floating_point() else p.dtype))
     entries = [(info.name, dt, info.local_shape) for info, _, dt in items]
     path = out_dir / shard_file_name(tp_rank, pp_rank)
     writer = SafetensorsWriter(path, entries, SAFETENSORS_META, checksum)
@@ -102,7 +121,9 @@ def _write_own_shard(chunks, cfg, out_dir: Path, dtype, tp: int, tp_rank: int, p
         mine["tensors"] = {info.name: {"shape": list(info.full_shape), "dtype": dtype_name(dt),
                                        "split": spec_to_json(info.spec), "vocab_dim": info.vocab_dim,
                                        "pp_rank": pp_rank} for info, _, dt in items}
-        mine["padded"] = next((i.padded for i, _, _ in items if i.padded), None)
+        # A LoRA checkpoint holds no vocabulary tensor: record the plain padding (nothing depends on it).
+        mine["padded"] = next((i.padded for i, _, _ in items if i.padded), None) or padded_vocab_size(
+            cfg.vocab_size, tp)
     return mine
 
 
@@ -125,12 +146,13 @@ def _write_manifest(gathered: list[dict], cfg, out_dir: Path, tp: int, pp: int, 
 
 
 def save_model_shards(chunks_or_model, out_dir, cfg=None, *, tokenizer=None, metadata: dict | None = None,
-                      dtype=None, checksum: str = "crc32") -> dict | None:
+                      dtype=None, checksum: str = "crc32", select=None) -> dict | None:
     """Write this rank's shard file into `out_dir` (an existing directory, e.g. from `atomic_dir`); collective
     when torch.distributed is initialized: one rank per (tp, pp) position (dp = cp = 0) writes, rank 0 writes
     manifest.json and the tokenizer files (`tokenizer`: a directory to copy them from, or an object with
     `save(dir)`). A failure on any rank is raised on every rank (no rank is left waiting in a collective).
-    Returns the manifest on rank 0, None elsewhere."""
+    `select(name)`: save only the parameters it accepts (a LoRA checkpoint: the adapters). Returns the manifest
+    on rank 0, None elsewhere."""
     import torch.distributed as dist
 
     chunks = as_chunks(chunks_or_model)
@@ -143,7 +165,7 @@ def save_model_shards(chunks_or_model, out_dir, cfg=None, *, tokenizer=None, met
     mine: dict = {}
     try:
         if dims.dp_rank == 0 and dims.cp_rank == 0:
-            mine = _write_own_shard(chunks, cfg, out_dir, dtype, tp, tp_rank, pp_rank, checksum)
+            mine = _write_own_shard(chunks, cfg, out_dir, dtype, tp, tp_rank, pp_rank, checksum, select)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         if not distributed:
             raise

@@ -120,7 +120,12 @@ def _file_problems(m: dict) -> list[str]:
 def _model_problems(m: dict, cfg) -> list[str]:
     """The manifest's tensors against what the model config builds at the stored layout."""
     try:
-        plans = layout_plan(cfg, m["tp"], m["stages"], m["vocab"].get("padding_multiple", 1))
+        lora = (m.get("metadata") or {}).get("lora")
+        if lora is not None:  # a LoRA checkpoint: the adapters only (the base is another checkpoint)
+            from tpzoo.models.lora import LoRAConfig
+
+            lora = LoRAConfig.from_dict(lora)
+        plans = layout_plan(cfg, m["tp"], m["stages"], m["vocab"].get("padding_multiple", 1), lora)
     except (UserError, ValueError, TypeError, RuntimeError) as e:
         return [f"the model config cannot be built at tp={m['tp']} with the stored stages: {e}"]
     tensors, out = m["tensors"], []

@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the shard files' checksums (the header checks always run)")
     b.add_argument("--force", action="store_true", help="replace DST if it exists")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.add_argument("--merge", action="store_true",
+                   help="a LoRA checkpoint: write the base with the adapters merged in (default: a PEFT adapter "
+                        "directory)")
 
 
 def run(args) -> int:
@@ -49,8 +52,17 @@ def run(args) -> int:
         summary = {"dst": args.dst, "tp": m["tp"], "pp": m["pp"], "dtype": m["dtype"],
                    "files": len(m["files"]), "bytes": sum(f["bytes"] for f in m["files"])}
     else:
-        files = convert_to_hf(args.src, args.dst, force=args.force, max_shard_size=args.max_shard_size,
-                              dtype=args.dtype, verify=not args.no_verify, progress=not args.quiet)
+        from tpzoo.checkpoint.lora_io import lora_info
+        from tpzoo.checkpoint.peft import export_merged, export_peft
+
+        kw = dict(force=args.force, max_shard_size=args.max_shard_size, dtype=args.dtype, verify=not args.no_verify,
+                  progress=not args.quiet)
+        if lora_info(args.src) is None:
+            files = convert_to_hf(args.src, args.dst, **kw)
+        elif args.merge:
+            files = export_merged(args.src, args.dst, **kw)
+        else:  # the adapters as PEFT writes them
+            files = [str(p) for p in sorted(export_peft(args.src, args.dst, force=args.force).iterdir())]
         summary = {"dst": args.dst, "files": files}
     print(json.dumps({**summary, "seconds": round(time.time() - start, 3)}))
     return 0

@@ -61,6 +61,12 @@ def _init_shard(local: torch.Tensor, full_shape: tuple, spec: ShardSpec, init_me
     if local.device.type == "meta":
         return
     dim = spec.dim
+    if dim is None:  # replicated: every rank keeps the whole draw
+        master = torch.empty(full_shape, dtype=torch.float32, device=local.device)
+        init_method(master)
+        with torch.no_grad():
+            local.copy_(master)
+        return
     pieces = []
     for part in spec.parts or (full_shape[dim],):
         shape = list(full_shape)
@@ -107,6 +113,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (mark_parallel(nn.Parameter(torch.empty(self.out_per_rank, **kw)), self.shard_spec)
                      if bias else None)
         self.reset_parameters()
+        self.lora = None  # a tpzoo.parallel.lora.LoRA when adapters are attached
 
     def reset_parameters(self) -> None:
         _init_shard(self.weight, (self.out_features, self.in_features), self.shard_spec, self.init_method,
@@ -117,7 +124,9 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.dims.tp_group
         bias = None if self.skip_bias_add else self.bias
-        if self.sequence_parallel and self.tp_size > 1:
+        if self.lora is not None:  # low-rank adapters (tpzoo.parallel.lora)
+            y = self.lora.column_forward(self, x)
+        elif self.sequence_parallel and self.tp_size > 1:
             # Gathers the sequence; keeps only this rank's shard for backward (tpzoo.parallel.column_linear).
             y = gathered_linear(x, self.weight, bias, self.sequence_dim, group)
         else:
@@ -154,6 +163,7 @@ class RowParallelLinear(nn.Module):
         self.bias = (mark_parallel(nn.Parameter(torch.empty(out_features, **kw)), None, sequence_parallel)
                      if bias else None)
         self.reset_parameters()
+        self.lora = None  # a tpzoo.parallel.lora.LoRA when adapters are attached
 
     def reset_parameters(self) -> None:
         _init_shard(self.weight, (self.out_features, self.in_features), ShardSpec(1), self.init_method,
@@ -166,6 +176,8 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, group)
         y = F.linear(x, self.weight)
+        if self.lora is not None:  # the adapter's partial output joins the reduction (tpzoo.parallel.lora)
+            y = self.lora.row_partial(x, y)
         y = (reduce_scatter_to_sequence(y, self.sequence_dim, group) if self.sequence_parallel
              else reduce_from_tp(y, group))
         return y + self.bias if self.bias is not None else y

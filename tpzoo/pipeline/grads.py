@@ -31,8 +31,8 @@ def tied_params(chunks) -> list[torch.nn.Parameter]:
 def sum_tied_grads(chunks, dims: ParallelDims | None = None) -> None:
     dims = get_dims(dims)
     for p in tied_params(chunks):
-        if dims.group_size(p.tied_group) == 1:
-            continue  # every copy is this very Parameter
+        if dims.group_size(p.tied_group) == 1 or not p.requires_grad:
+            continue  # every copy is this very Parameter, or it is frozen (LoRA) on every rank
         g = grad_of(p)
         if g is None:  # the other copy may have a gradient: join the sum with zeros
             p.grad = g = torch.zeros_like(p)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from tpzoo.checkpoint.atomic import temp_dirs, writer_gone
 from tpzoo.checkpoint.format import CheckpointError, atomic_dir, is_checkpoint, read_manifest
+from tpzoo.checkpoint.lora_io import is_lora_param, lora_info, lora_metadata
 
 from . import rundir
 
@@ -279,14 +280,17 @@ def save_checkpoint(trainer, step: int) -> str:
     cfg, opt = trainer.cfg, trainer.optimizer
     save_dir = Path(cfg.save)
     final = save_dir / f"step_{step:08d}"
+    # A LoRA run saves its adapters only (and their optimizer state), naming the frozen base it trains on.
+    lora = {"select": is_lora_param, "metadata": lora_metadata(trainer.lora, trainer.lora_base)} \
+        if trainer.lora else {}
     with atomic_dir(final, force=True) as tmp:
-        save_model_shards(trainer.chunks, tmp, trainer.model_cfg, tokenizer=trainer.tokenizer)
+        save_model_shards(trainer.chunks, tmp, trainer.model_cfg, tokenizer=trainer.tokenizer, **lora)
         _maybe_die_for_test("model-written", tmp)
         for kind in opt.state_kinds():  # one state at a time: at most one model-sized gathered copy in memory
             full = opt.full_state(kind)  # all-gather over dp under ZeRO-1 (every rank, same order)
             (tmp / "optim" / kind).mkdir(parents=True, exist_ok=True)
             with opt.params_viewing(full):
-                save_model_shards(trainer.chunks, tmp / "optim" / kind, trainer.model_cfg)
+                save_model_shards(trainer.chunks, tmp / "optim" / kind, trainer.model_cfg, **lora)
             del full
         (tmp / "rng").mkdir(exist_ok=True)
         (tmp / "rng" / f"rank-{trainer.rank:05d}.json").write_text(json.dumps(_rng_state(trainer.device)))
@@ -330,6 +334,6 @@ def load_optimizer(opt, path, state: dict, chunks) -> None:
             raise FileNotFoundError(f"checkpoint {path} has no optimizer state {kind} ({d})")
         full = torch.zeros(opt.padded, dtype=torch.float32, device=opt.device)
         with opt.params_viewing(full):
-            load_weights_into(chunks, d)
+            load_weights_into(chunks, d, select=is_lora_param if lora_info(path) else None)
         opt.load_full_state(kind, full)
     opt.step_count = int(state["optimizer_steps"])

@@ -104,6 +104,19 @@ class DataSection:
 
 
 @dataclass
+class LoraSection:
+    lora_rank: int = _f(0, "LoRA: train low-rank adapters of this rank on a frozen --base (0 = train every "
+                           "weight); checkpoints hold only the adapters", ge=0)
+    lora_alpha: float = _f(16.0, "LoRA scaling numerator: adapters add (alpha / rank) * x A^T B^T", gt=0)
+    lora_dropout: float = _f(0.0, "LoRA dropout on the adapters' input (PEFT's lora_dropout)", ge=0, lt=1)
+    lora_targets: list = _f(["all-linear"], "LoRA targets: Hugging Face projection names (q_proj,k_proj,v_proj,"
+                                            "o_proj,gate_proj,up_proj,down_proj for LLaMA-style models) or "
+                                            "all-linear", type=str, nonempty=True)
+    lora_from: str = _f("", "start the adapters from this PEFT adapter directory (its rank, alpha, dropout and "
+                            "targets replace the --lora-* values); any tp/pp")
+
+
+@dataclass
 class OptimSection:
     lr: float = _f(3e-3, "peak learning rate (0 = the weights never change, e.g. to measure a starting loss)",
                    ge=0)
@@ -144,7 +157,7 @@ class LogSection:
 
 
 SECTIONS = {"run": RunSection, "model": ModelSection, "parallel": ParallelSection, "data": DataSection,
-            "optim": OptimSection, "checkpoint": CheckpointSection, "log": LogSection}
+            "lora": LoraSection, "optim": OptimSection, "checkpoint": CheckpointSection, "log": LogSection}
 
 # Where a value came from, for error messages: one text for every key, or a function of the key.
 Where = str | Callable[[str], str] | None
@@ -226,6 +239,9 @@ class TrainConfig:
         if self.pp > 1 and self.schedule == "interleaved" and n_micro % self.pp:
             raise ConfigError(f"the interleaved schedule needs the micro-batches per step (global_batch_size / "
                               f"(micro_batch_size * dp) = {n_micro}) to be a multiple of pp={self.pp}")
+        if (self.lora_rank or self.lora_from) and not (self.base or self.resume):
+            raise ConfigError("LoRA (--lora-rank / --lora-from) trains adapters on a frozen model: give it with "
+                              "--base (or --resume a LoRA run)")
         if self.task == "sft" and len(self.data) != 1:
             raise ConfigError(f"task 'sft' needs exactly one SFT JSONL file (--data PATH.jsonl), got "
                               f"{len(self.data)}: {self.data}")

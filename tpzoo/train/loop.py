@@ -30,6 +30,7 @@ from tpzoo.parallel.state import get_dims, is_initialized
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward, materialize_chunks
 
 from . import checkpointing as ckpt
+from . import lora_setup
 from . import rundir
 from .config import TrainConfig
 from .data import build_datasets, make_loader, resolve_tokenizer
@@ -114,16 +115,22 @@ class Trainer:
         # Built on meta, then materialized on the device: initialized there, or filled straight from the
         # checkpoint (each rank reads only its slices). In fp32, so that a bf16 run's fp32 master weights start
         # from the exact initial (or loaded) values.
+        # LoRA: the base frozen in the model dtype (it has no fp32 master), the adapters trained.
+        self.lora, self.lora_base = lora_setup.lora_of_run(cfg, self.resume_dir)
         self.chunks = build_model_chunks(model_cfg, dims, sequence_parallel=cfg.sequence_parallel,
-                                         recompute=cfg.recompute, seed=cfg.seed,
-                                         virtual_stages=cfg.virtual_stages, device="meta")
-        weights_from = self.resume_dir or (cfg.base or None)
-        materialize_chunks(self.chunks, self.device, init=not weights_from)
-        if weights_from:
-            ckpt.load_weights(self.chunks, weights_from)
-        self.optimizer = DistributedAdamW(
-            [p for chunk in self.chunks for p in chunk.parameters()], dims, model_dtype=DTYPES[cfg.dtype],
-            zero1=cfg.zero1, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+                                         recompute=cfg.recompute, seed=cfg.seed, virtual_stages=cfg.virtual_stages,
+                                         dtype=DTYPES[cfg.dtype] if self.lora else None, device="meta")
+        if self.lora:
+            lora_setup.build(self.chunks, self.device, cfg, self.lora, self.lora_base, self.resume_dir)
+        else:
+            weights_from = self.resume_dir or (cfg.base or None)
+            materialize_chunks(self.chunks, self.device, init=not weights_from)
+            if weights_from:
+                ckpt.load_weights(self.chunks, weights_from)
+        self.optimizer = DistributedAdamW(  # the trainable parameters only (all of them, or the adapters)
+            [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad], dims,
+            model_dtype=DTYPES[cfg.dtype], zero1=cfg.zero1, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+            weight_decay=cfg.weight_decay)
 
         self.train_ds, self.eval_ds, self.data_desc = build_datasets(cfg, self.tokenizer)
         self.pin = self.device.type == "cuda"

@@ -175,11 +175,28 @@ def check_train(cfg, world_size: int | None = None):
     check_layout(model_cfg, cfg.tp, cfg.pp, cfg.virtual_stages, label)
     check_positions(model_cfg, cfg.seq_len, label)
     check_tokenizer(tokenizer, model_cfg.vocab_size if what else None, label)
+    check_lora(cfg, model_cfg)
     if cfg.task == "sft":
         _check_sft_data(cfg)
     else:
         _check_pretrain_data(cfg)
     return model_cfg
+
+
+def check_lora(cfg, model_cfg) -> None:
+    """LoRA settings against the model: the adapter config (--lora-from's or the flags'), its targets, its base
+    (a resumed LoRA run's must be there, unchanged)."""
+    from tpzoo.models import Transformer
+    from tpzoo.models.lora import check_targets
+    from tpzoo.parallel import ParallelDims
+
+    from .lora_setup import lora_of_run
+    from .checkpointing import resolve_resume
+
+    resume = resolve_resume(cfg, say=lambda *_: None) if cfg.resume else None
+    lcfg, _ = lora_of_run(cfg, resume)
+    if lcfg is not None:
+        check_targets(Transformer(model_cfg, dims=ParallelDims.for_rank(), device="meta"), lcfg)
 
 
 # -- eval and generate -------------------------------------------------------------------------------------------

@@ -1,0 +1,132 @@
+"""LoRA on a zoo model: which layers get adapters, named by their Hugging Face projections.
+
+Targets are HF module names as PEFT takes them (`q_proj`, `v_proj`, `down_proj`, GPT-2's `c_attn`...), or
+"all-linear" (every linear layer of the transformer blocks, not the output head: PEFT's meaning). Where a name
+comes from is the family's own HF tensor map, so every family of the zoo gets LoRA with no per-family code: a
+tpzoo weight made of several HF tensors (q|k|v, gate|up) gets one adapter per HF projection, sharded like that
+part of the weight.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from tpzoo.errors import ConfigError
+from tpzoo.parallel import ColumnParallelLinear, RowParallelLinear
+from tpzoo.parallel.lora import LoRA
+
+from .registry import get_family
+
+ALL_LINEAR = "all-linear"
+
+
+@dataclass
+class LoRAConfig:
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    targets: list = field(default_factory=lambda: [ALL_LINEAR])
+
+    def __post_init__(self):
+        if int(self.rank) != self.rank or self.rank <= 0:
+            raise ConfigError(f"lora rank must be a positive integer, got {self.rank}")
+        if not self.alpha > 0:
+            raise ConfigError(f"lora alpha must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"lora dropout must be in [0, 1), got {self.dropout}")
+        if isinstance(self.targets, str):
+            self.targets = [self.targets]
+        self.targets = [t.strip() for item in self.targets for t in str(item).split(",") if t.strip()]
+        if not self.targets:
+            raise ConfigError("lora targets: give HF projection names (e.g. q_proj,v_proj) or all-linear")
+        self.rank, self.alpha = int(self.rank), float(self.alpha)
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LoRAConfig:
+        return cls(d["rank"], d["alpha"], d.get("dropout", 0.0), list(d.get("targets", [ALL_LINEAR])))
+
+
+@dataclass
+class Site:
+    """One parallel linear layer of a chunk and the HF modules its weight is made of."""
+    module_name: str          # in the chunk, e.g. "layers.3.attn.qkv"
+    layer: nn.Module
+    hf_modules: list[str]     # e.g. ["model.layers.3.self_attn.q_proj", ...k_proj, ...v_proj]
+
+    @property
+    def short_names(self) -> list[str]:
+        return [m.rsplit(".", 1)[-1] for m in self.hf_modules]
+
+
+def sites(chunk) -> list[Site]:
+    """The linear layers of the chunk's transformer blocks, in module order, with their HF module names."""
+    maps = {m.name: m for m in get_family(chunk.cfg.family).hf_tensor_map(chunk.cfg)}
+    out = []
+    for name, mod in chunk.named_modules():
+        if not name.startswith("layers.") or not isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        tm = maps.get(name + ".weight")
+        if tm is None or not all(h.endswith(".weight") for h in tm.hf):
+            raise ConfigError(f"{chunk.cfg.family}: no Hugging Face mapping for {name}.weight (LoRA names come "
+                              f"from it)")
+        out.append(Site(name, mod, [h[: -len(".weight")] for h in tm.hf]))
+    return out
+
+
+def valid_targets(chunk) -> list[str]:
+    return sorted({n for s in sites(chunk) for n in s.short_names})
+
+
+def check_targets(chunk, lcfg: LoRAConfig) -> None:
+    valid = valid_targets(chunk)
+    unknown = [t for t in lcfg.targets if t != ALL_LINEAR and t not in valid]
+    if unknown:
+        raise ConfigError(f"unknown lora target{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} for "
+                          f"{chunk.cfg.family}; valid: {', '.join(valid)} (or {ALL_LINEAR})")
+
+
+def add_lora(chunks, lcfg: LoRAConfig) -> None:
+    """Freeze every parameter of the chunks and attach adapters to the targeted layers (on the layers' device;
+    built on meta they stay there until `Transformer.materialize`). Adapters are left uninitialized: call
+    `init_lora` (or load them)."""
+    for chunk in chunks:
+        check_targets(chunk, lcfg)
+        for p in chunk.parameters():
+            p.requires_grad_(False)
+        every = ALL_LINEAR in lcfg.targets
+        for site in sites(chunk):
+            names = [n if (every or n in lcfg.targets) else None for n in site.short_names]
+            if all(n is None for n in names):
+                continue
+            site.layer.lora = LoRA(site.layer, names, lcfg.rank, lcfg.alpha, lcfg.dropout)
+        chunk.lora_config = lcfg
+
+
+def init_lora(chunks, seed: int) -> None:
+    """Layout-independent adapter init: layer i's adapters from their own seed (A full-size, then sharded)."""
+    from .transformer import _seeded  # the same per-module seeding the base weights use
+
+    for chunk in chunks:
+        for name, mod in chunk.named_modules():
+            if isinstance(mod, LoRA):
+                layer = int(name.split(".")[1])
+                with _seeded(seed + 1_000_003 + layer, chunk.device):
+                    mod.init_adapter()
+
+
+def peft_key_map(chunk) -> dict[str, str]:
+    """The chunk's adapter parameter names -> PEFT's adapter_model.safetensors keys."""
+    out = {}
+    for site in sites(chunk):
+        lora = site.layer.lora
+        if lora is None:
+            continue
+        by_short = dict(zip(site.short_names, site.hf_modules))
+        for name in lora.names:
+            for ab in ("A", "B"):
+                out[f"{site.module_name}.lora.{ab}.{name}"] = f"base_model.model.{by_short[name]}.lora_{ab}.weight"
+    return out

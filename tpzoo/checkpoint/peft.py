@@ -1,0 +1,176 @@
+"""Hugging Face PEFT adapters in and out: a LoRA checkpoint as `adapter_config.json` + `adapter_model.safetensors`
+(what `peft.PeftModel.from_pretrained(base, DIR)` loads), and a PEFT adapter as the starting adapters of a run at
+any (tp, pp).
+
+Names: PEFT keys are `base_model.model.<HF module>.lora_A.weight` / `.lora_B.weight`, the HF module being the one
+the family's tensor map names for that part of the tpzoo weight (tpzoo.models.lora.peft_key_map). Shapes are the
+full ones ([r, in] and [out, r]), so a rank reads only its shard from the dict, as from any checkpoint.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .format import CheckpointError
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+_UNSUPPORTED = {"use_dora": "DoRA", "use_rslora": "rank-stabilized scaling (rsLoRA)",
+                "modules_to_save": "modules_to_save", "rank_pattern": "per-module ranks (rank_pattern)",
+                "alpha_pattern": "per-module alphas (alpha_pattern)", "layers_to_transform": "layers_to_transform"}
+
+
+class TensorDictSource:
+    """Full tensors by tpzoo name, read through the checkpoint-source interface (fill_params / check_source)."""
+
+    kind = "dict"
+
+    def __init__(self, tensors: dict, where: str):
+        self.tensors, self.where = tensors, where
+
+    def check(self, names) -> None:
+        missing = sorted(n for n in names if n not in self.tensors)
+        if missing:
+            raise CheckpointError(f"{self.where} has no adapter for {missing[:4]} ({len(missing)} in all)")
+
+    def full_shape(self, name: str) -> tuple:
+        return tuple(self.tensors[name].shape)
+
+    def check_shape(self, name: str, full_shape: tuple) -> None:
+        if self.full_shape(name) != tuple(full_shape):
+            raise CheckpointError(f"{self.where}: adapter {name} has shape {list(self.full_shape(name))}, the base "
+                                  f"model needs {list(full_shape)} (an adapter of another model?)")
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.tensors[name].dtype
+
+    def read_box(self, name: str, box) -> torch.Tensor:
+        return self.tensors[name][tuple(slice(s, s + n) for s, n in box)].clone()
+
+    def close(self) -> None:
+        self.tensors = {}
+
+
+def read_peft_config(peft_dir):
+    """The LoRAConfig of a PEFT adapter directory; features tpzoo does not implement are refused by name."""
+    from tpzoo.models.lora import LoRAConfig
+
+    path = Path(peft_dir) / ADAPTER_CONFIG
+    if not path.is_file():
+        raise CheckpointError(f"{peft_dir} is not a PEFT adapter directory (no {ADAPTER_CONFIG})")
+    c = json.loads(path.read_text())
+    if c.get("peft_type", "LORA") != "LORA":
+        raise CheckpointError(f"{path}: peft_type {c.get('peft_type')!r} is not LORA")
+    for key, what in _UNSUPPORTED.items():
+        if c.get(key):
+            raise CheckpointError(f"{path}: {key} ({what}) is not supported by tpzoo's LoRA")
+    if c.get("bias", "none") != "none":
+        raise CheckpointError(f"{path}: bias {c['bias']!r} is not supported (only 'none')")
+    targets = c.get("target_modules")
+    if isinstance(targets, str):
+        targets = [targets] if targets == "all-linear" else None
+    if not targets:
+        raise CheckpointError(f"{path}: target_modules {c.get('target_modules')!r}: give a list of module names")
+    return LoRAConfig(c["r"], c["lora_alpha"], c.get("lora_dropout", 0.0), list(targets))
+
+
+def load_peft_adapters(chunks, peft_dir) -> None:
+    """Fill the adapters of this rank's chunks (already added with the adapter's config) from a PEFT directory."""
+    from safetensors.torch import load_file
+
+    from tpzoo.models.lora import peft_key_map
+    from tpzoo.parallel.lora import is_lora_param
+
+    from .layout import param_infos
+    from .sources import check_source, fill_params
+
+    weights = Path(peft_dir) / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise CheckpointError(f"{peft_dir} has no {ADAPTER_WEIGHTS}")
+    peft = load_file(str(weights), device="cpu")
+    for chunk in chunks:
+        keys = peft_key_map(chunk)
+        # PEFT saves the adapter name in the key only when it is not "default"; accept both spellings.
+        renamed = {ours: peft.get(key, peft.get(key.replace(".weight", ".default.weight")))
+                   for ours, key in keys.items()}
+        source = TensorDictSource({k: v for k, v in renamed.items() if v is not None}, str(peft_dir))
+        infos = param_infos(chunk, chunk.cfg, chunk.dims.tp, is_lora_param)
+        check_source(source, infos)
+        with torch.no_grad():
+            fill_params(chunk, source, infos, chunk.dims.tp_rank, chunk.dims.tp)
+
+
+def export_peft(ckpt, dst, force: bool = False) -> Path:
+    """Write the adapters of the LoRA checkpoint `ckpt` as a PEFT adapter directory `dst` (atomically)."""
+    from safetensors.torch import save_file
+
+    from tpzoo.models import Transformer
+    from tpzoo.models.lora import add_lora, peft_key_map
+    from tpzoo.parallel.dims import ParallelDims
+
+    from .atomic import atomic_dir
+    from .lora_io import lora_config_of, lora_info
+    from .sources import open_source
+
+    info = lora_info(ckpt)
+    if info is None:
+        raise CheckpointError(f"{ckpt} is not a LoRA checkpoint")
+    lcfg = lora_config_of(info)
+    source = open_source(ckpt)
+    try:
+        full = Transformer(source.cfg, dims=ParallelDims.for_rank(tp=1), device="meta")
+        add_lora([full], lcfg)
+        keys = peft_key_map(full)
+        tensors = {key: source.read_box(ours, [(0, n) for n in source.full_shape(ours)]).contiguous()
+                   for ours, key in keys.items()}
+    finally:
+        source.close()
+    base = info["base"]["path"]
+    targets = sorted({k.split(".")[-3] for k in keys.values()})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lcfg.rank, "lora_alpha": lcfg.alpha,
+              "lora_dropout": lcfg.dropout, "target_modules": targets, "bias": "none",
+              "fan_in_fan_out": source.cfg.family == "gpt2",  # HF GPT-2's Conv1D stores weights [in, out]
+              "base_model_name_or_path": base, "inference_mode": True, "use_rslora": False, "use_dora": False,
+              "init_lora_weights": True, "modules_to_save": None}
+    dst = Path(dst)
+    with atomic_dir(dst, force=force) as tmp:
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return dst
+
+
+def merge_adapters(model) -> None:
+    """Fold every adapter of a whole (tp=1) model into its weight, W += (alpha/r) B A, and drop the adapters."""
+    from tpzoo.parallel.lora import LoRA
+
+    with torch.no_grad():
+        for layer in [m for m in model.modules() if isinstance(getattr(m, "lora", None), LoRA)]:
+            lora, w, row = layer.lora, layer.weight, 0
+            if not lora.column:
+                (name,) = lora.names
+                w += (lora.scale * lora.B[name].float() @ lora.A[name].float()).to(w.dtype)
+            else:
+                for name, rows in zip(lora.parts, lora.local_rows):
+                    if name is not None:
+                        delta = lora.scale * lora.B[name].float() @ lora.A[name].float()
+                        w[row:row + rows] += delta.to(w.dtype)
+                    row += rows
+            layer.lora = None
+
+
+def export_merged(ckpt, dst, **to_hf_kw) -> list:
+    """A LoRA checkpoint as a full Hugging Face model with the adapters merged in. Holds the whole model in
+    memory once (as PEFT's merge_and_unload does), then streams it out through the ordinary to-hf conversion."""
+    import tempfile
+
+    from tpzoo.parallel.dims import ParallelDims
+
+    from .convert import convert_to_hf
+    from .model_io import load_model, save_model_shards
+
+    model = load_model(ckpt, ParallelDims.for_rank(tp=1), device="cpu")
+    merge_adapters(model)
+    with tempfile.TemporaryDirectory(prefix=".tpzoo-merge-", dir=Path(dst).resolve().parent) as tmp:
+        save_model_shards(model, tmp, model.cfg, tokenizer=ckpt)
+        return convert_to_hf(tmp, dst, **to_hf_kw)

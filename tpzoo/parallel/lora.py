@@ -1,0 +1,157 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021) on the tensor-parallel linear layers.
+
+y = x W^T + b + (alpha / r) * dropout(x) A^T B^T, with W frozen, A [r, in] drawn like PEFT (Kaiming-uniform,
+bound 1/sqrt(in)) and B [out, r] starting at zero, so a fresh adapter leaves the model unchanged.
+
+A fused layer (q|k|v, gate|up) gets one adapter per Hugging Face projection, named by it ("q_proj", ...): part j
+has its own A_j and a B_j sharded exactly as part j of the fused weight (kv heads replicated over TP included).
+
+Column-parallel layer, weight split by rows [out/tp, in]:
+    A_j replicated [r, in], B_j split with its part [out_j/tp, r]. u = x A^T is computed on every rank from the
+    layer's own input (under SP the same gather feeds W and A: one all-gather, only the shard saved); each rank
+    adds u_j B_j^T to its slice of the output. Backward: dB_j is complete on each rank; the gradient reaching u
+    is partial (each rank's B_j covers its slice), so dA is partial and summed over TP by finish_tp_grads (A is
+    marked like a norm weight under SP), and dx = du A joins the layer's input gradient before the entry
+    collective that already sums it. Extra collectives per micro-batch: none.
+Row-parallel layer, weight split by columns [out, in/tp]:
+    A split with the input [r, in/tp], B replicated [out, r]. Each rank computes its partial u_r = x_r A_r^T and
+    adds u_r B^T to its partial output *before* the layer's all-reduce (or reduce-scatter): the sum over ranks
+    is (sum_r u_r) B^T, the adapter's exact output, carried by the collective the layer already does. Backward:
+    du = dy B is the same on every rank, so dA_r is complete; dB = dy^T u_r is partial and summed over TP by
+    finish_tp_grads. Extra collectives per micro-batch: none (the cost is an [tokens, out] matmul of rank r
+    done on every rank instead of once).
+Per step, the partial gradients (A of column layers, B of row layers) join the one flat all-reduce that
+finish_tp_grads already issues for the norm weights under SP (one more call when nothing else needed it).
+
+Dropout (PEFT's lora_dropout, on the adapter's input): with dropout the column path gathers x for A through
+autograd, which keeps the gathered dropped-out input (full sequence); use dropout 0 (PEFT's default) for the
+sequence-parallel memory. TP ranks draw the same mask for the same (replicated) input from their common seed.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .column_linear import gathered_linear
+from .layers import ColumnParallelLinear, RowParallelLinear, _init_shard, mark_parallel
+from .mappings import copy_to_tp, gather_from_sequence
+from .sharding import ShardSpec
+
+
+def _kaiming_uniform(t: torch.Tensor) -> None:
+    """PEFT's (and nn.Linear's) A init: kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    nn.init.kaiming_uniform_(t, a=math.sqrt(5))
+
+
+def _part_specs(layer_spec: ShardSpec, out_features: int, n_adapters: int) -> list[tuple[int, ShardSpec]]:
+    """(full rows, ShardSpec) of each adapter's B: one per part of the fused weight, or one for all of it."""
+    parts = layer_spec.parts or (out_features,)
+    if n_adapters == 1:
+        return [(out_features, layer_spec)]
+    if n_adapters != len(parts):
+        raise ValueError(f"{n_adapters} adapters for a weight fused from {len(parts)} parts")
+    reps = layer_spec.replicas or (1,) * len(parts)
+    return [(size, ShardSpec(0, replicas=(rep,), block=layer_spec.block) if rep > 1 else ShardSpec(0))
+            for size, rep in zip(parts, reps)]
+
+
+class LoRA(nn.Module):
+    """The adapters of one parallel linear layer. `names`: one entry per part of the layer's (fused) weight, in
+    order, the HF projection name of that part's adapter, or None for a part left without one (PEFT's default
+    targets q_proj and v_proj only: k's rows of q|k|v get nothing); a single name for an unfused layer or a
+    weight HF fuses too (GPT-2's c_attn)."""
+
+    def __init__(self, layer: nn.Module, names: list, rank: int, alpha: float, dropout: float = 0.0,
+                 dtype=None, device=None):
+        super().__init__()
+        if rank <= 0 or alpha <= 0:
+            raise ValueError(f"LoRA needs rank > 0 and alpha > 0 (got rank {rank}, alpha {alpha})")
+        self.parts, self.rank, self.alpha, self.scale = list(names), rank, alpha, alpha / rank
+        self.names = [n for n in self.parts if n is not None]
+        self.dropout = dropout
+        self.column = isinstance(layer, ColumnParallelLinear)
+        if not self.column and not isinstance(layer, RowParallelLinear):
+            raise TypeError(f"LoRA attaches to ColumnParallelLinear or RowParallelLinear, not {type(layer)}")
+        dims = layer.dims
+        self.tp, self.tp_rank = dims.tp, dims.tp_rank
+        kw = {"dtype": dtype if dtype is not None else layer.weight.dtype,
+              "device": device if device is not None else layer.weight.device}
+        self.A, self.B = nn.ParameterDict(), nn.ParameterDict()
+        self.shapes: dict[str, tuple[tuple, ShardSpec, tuple, ShardSpec]] = {}  # full A, A spec, full B, B spec
+        self.local_rows: list[int] = []
+        if self.column:
+            for name, (rows, spec) in zip(self.parts, _part_specs(layer.shard_spec, layer.out_features,
+                                                                  len(self.parts))):
+                self.local_rows.append(spec.local_size(rows, self.tp))
+                if name is None:
+                    continue
+                # A: replicated; its gradient is partial on each rank and summed over TP (finish_tp_grads).
+                a = torch.empty(rank, layer.in_features, **kw)
+                b = torch.empty(self.local_rows[-1], rank, **kw)
+                self.A[name] = mark_parallel(nn.Parameter(a), None, sequence_parallel=True)
+                self.B[name] = mark_parallel(nn.Parameter(b), spec)
+                self.shapes[name] = ((rank, layer.in_features), ShardSpec(None), (rows, rank), spec)
+        else:
+            if len(self.parts) != 1 or self.parts[0] is None:
+                raise ValueError(f"a row-parallel layer takes one adapter, got {self.parts}")
+            name = self.parts[0]
+            a = torch.empty(rank, layer.in_per_rank, **kw)
+            b = torch.empty(layer.out_features, rank, **kw)
+            self.A[name] = mark_parallel(nn.Parameter(a), 1)
+            self.B[name] = mark_parallel(nn.Parameter(b), None, sequence_parallel=True)  # partial: summed over TP
+            self.shapes[name] = ((rank, layer.in_features), ShardSpec(1), (layer.out_features, rank), ShardSpec(None))
+
+    def init_adapter(self) -> None:
+        """A from the current RNG state (full tensor drawn, this rank's shard kept: layout independent), B = 0."""
+        for name in self.names:
+            full_a, spec_a, _, _ = self.shapes[name]
+            _init_shard(self.A[name], full_a, spec_a, _kaiming_uniform, self.tp_rank, self.tp)
+            if self.B[name].device.type != "meta":
+                with torch.no_grad():
+                    self.B[name].zero_()
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
+
+    def _a_cat(self) -> torch.Tensor:
+        a = [self.A[n] for n in self.names]
+        return a[0] if len(a) == 1 else torch.cat(a, dim=0)
+
+    def _up(self, u: torch.Tensor) -> torch.Tensor:
+        """u_j B_j^T of every part, laid out as the layer's local output (parts concatenated; zeros for a part
+        without an adapter)."""
+        if len(self.parts) == 1:
+            return F.linear(u, self.B[self.names[0]])
+        pieces, out = iter(u.split(self.rank, dim=-1)), []
+        for name, rows in zip(self.parts, self.local_rows):
+            out.append(F.linear(next(pieces), self.B[name]) if name is not None
+                       else u.new_zeros(u.shape[:-1] + (rows,)))
+        return torch.cat(out, dim=-1)
+
+    def column_forward(self, layer: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
+        group = layer.dims.tp_group
+        bias = None if layer.skip_bias_add else layer.bias
+        a = self._a_cat()
+        if layer.sequence_parallel and layer.tp_size > 1 and self.dropout == 0:
+            y, u = gathered_linear(x, layer.weight, bias, layer.sequence_dim, group, extra=((a, None),))
+        else:
+            x = (gather_from_sequence(x, layer.sequence_dim, group) if layer.sequence_parallel
+                 else copy_to_tp(x, group))
+            y, u = F.linear(x, layer.weight, bias), F.linear(self._drop(x), a)
+        return y + self.scale * self._up(u)
+
+    def row_partial(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The row layer's partial output plus this rank's share of the adapter, before the reduction."""
+        (name,) = self.names
+        return y + self.scale * F.linear(F.linear(self._drop(x), self.A[name]), self.B[name])
+
+    def extra_repr(self) -> str:
+        return f"{', '.join(self.names)}: rank={self.rank}, alpha={self.alpha:g}, dropout={self.dropout:g}"
+
+
+def is_lora_param(name: str) -> bool:
+    """A parameter name of an adapter (`....lora.A.q_proj`)."""
+    return ".lora.A." in name or ".lora.B." in name
