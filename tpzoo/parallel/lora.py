@@ -116,32 +116,31 @@ class LoRA(nn.Module):
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
 
-    def _a_cat(self) -> torch.Tensor:
-        a = [self.A[n] for n in self.names]
-        return a[0] if len(a) == 1 else torch.cat(a, dim=0)
-
-    def _up(self, u: torch.Tensor) -> torch.Tensor:
+    def _up(self, us: list) -> torch.Tensor:
         """u_j B_j^T of every part, laid out as the layer's local output (parts concatenated; zeros for a part
         without an adapter)."""
         if len(self.parts) == 1:
-            return F.linear(u, self.B[self.names[0]])
-        pieces, out = iter(u.split(self.rank, dim=-1)), []
-        for name, rows in zip(self.parts, self.local_rows):
-            out.append(F.linear(next(pieces), self.B[name]) if name is not None
-                       else u.new_zeros(u.shape[:-1] + (rows,)))
-        return torch.cat(out, dim=-1)
+            return F.linear(us[0], self.B[self.names[0]])
+        us = iter(us)
+        out = [F.linear(next(us), self.B[name]) if name is not None else None for name in self.parts]
+        lead = next(o for o in out if o is not None).shape[:-1]
+        ref = self.B[self.names[0]]
+        return torch.cat([o if o is not None else ref.new_zeros(lead + (rows,))
+                          for o, rows in zip(out, self.local_rows)], dim=-1)
 
     def column_forward(self, layer: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
         group = layer.dims.tp_group
         bias = None if layer.skip_bias_add else layer.bias
-        a = self._a_cat()
+        a = [self.A[n] for n in self.names]  # one matmul per part: no concatenated copy of the A's to keep
         if layer.sequence_parallel and layer.tp_size > 1 and self.dropout == 0:
-            y, u = gathered_linear(x, layer.weight, bias, layer.sequence_dim, group, extra=((a, None),))
+            y, *us = gathered_linear(x, layer.weight, bias, layer.sequence_dim, group,
+                                     extra=tuple((w, None) for w in a))
         else:
             x = (gather_from_sequence(x, layer.sequence_dim, group) if layer.sequence_parallel
                  else copy_to_tp(x, group))
-            y, u = F.linear(x, layer.weight, bias), F.linear(self._drop(x), a)
-        return y + self.scale * self._up(u)
+            y, dropped = F.linear(x, layer.weight, bias), self._drop(x)
+            us = [F.linear(dropped, w) for w in a]
+        return y + self.scale * self._up(us)
 
     def row_partial(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The row layer's partial output plus this rank's share of the adapter, before the reduction."""

@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass, field
 from tpzoo.models.config import ModelConfig
 from tpzoo.parallel.dims import ParallelLayoutError
 
-from .memory import MemoryBreakdown, local_dims, stage_memory, stage_params
+from .lora import lora_layer_params
+from .memory import MemoryBreakdown, ParamCount, local_dims, stage_memory, stage_params
 from .schedule import bubble_time
 from .spec import (RECOMPUTE, ClusterSpec, Layout, TrainingSpec, check_layout, group_is_intra_node,
                    num_micro_batches, stage_layers)
@@ -101,6 +102,10 @@ def stage_flops(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage:
         extra = 2 * tokens * count.matmul + attn - layers * 2 * tokens * d.ffn * h
     else:
         extra = attn if layout.recompute == "selective" else 0.0
+    if training.lora_rank:  # frozen base: no weight gradients but the adapters' (whose matmuls are small)
+        lora = 2 * tokens * layers * lora_layer_params(cfg, t, training.lora_rank)
+        return {"forward": matmul + attn + lora, "dgrad": matmul + 2 * attn + lora, "wgrad": lora,
+                "recompute": extra + (lora if layout.recompute == "full" else 0)}
     return {"forward": matmul + attn, "dgrad": matmul + 2 * attn, "wgrad": matmul, "recompute": extra}
 
 
@@ -164,6 +169,8 @@ def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: T
     # (embedding, head) or one with the most layers.
     fullest = max(range(p), key=lambda s: kinds[s][0])
     count = max((stage_params(cfg, t, p, s, v, pad) for s in {0, fullest, p - 1}), key=lambda c: c.numel)
+    if training.lora_rank:  # only the adapters are reduced, updated and (tied copies aside) kept in sync
+        count = ParamCount(kinds[fullest][0] * lora_layer_params(cfg, t, training.lora_rank), 0, 0, 0, 0, 0)
     padded = -(-count.numel // dp) * dp
     dp_bw = _bandwidth(group_is_intra_node(t, dp, K), cluster)
     if dp == 1:
@@ -182,7 +189,9 @@ def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: T
                        bubble=bubble_time(layout, m, st["F"], st["B"], st["W"]), dp_comm=dp_time, optimizer=opt)
     step_tokens = training.global_batch_size * training.seq_len
     tokens_per_s = step_tokens / tb.total
-    mfu = cfg.flops_per_token(training.seq_len) * tokens_per_s / (cluster.gpus * cluster.gpu_tflops * 1e12)
+    # LoRA computes no weight gradients of the base: its model FLOPs are forward + input gradients, 2/3 of these.
+    model_flops = cfg.flops_per_token(training.seq_len) * (2 / 3 if training.lora_rank else 1)
+    mfu = model_flops * tokens_per_s / (cluster.gpus * cluster.gpu_tflops * 1e12)
     fits = worst.total <= cluster.gpu_memory_gib * GIB
     states = worst.params + worst.grads + worst.master + worst.optimizer
     reason = "" if fits else (f"needs {worst.total / GIB:.1f} GiB > {cluster.gpu_memory_gib:g} GiB (stage "

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from tpzoo.models.config import ModelConfig
 
+from .lora import lora_chunk_activation_delta, lora_layer_params
 from .schedule import held_states, peak_bytes
 from .spec import DTYPE_BYTES, Layout, TrainingSpec, num_micro_batches, stage_chunks
 
@@ -177,7 +178,7 @@ def layer_activation_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, r
 
 def chunk_activation_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, recompute: str,
                            layers: int, micro_batch: int, seq_len: int, e: int, first: bool, last: bool,
-                           kernels: str = "fused", vocab_padding_multiple: int = 1) -> dict:
+                           kernels: str = "fused", vocab_padding_multiple: int = 1, lora_rank: int = 0) -> dict:
     """Bytes a model chunk (one tpzoo Transformer) with `layers` layers keeps for one micro-batch, by part:
     layers, rope (cos/sin its layers share), embedding (lookup indices), head (final norm, logits and loss
     statistics on the last model stage; elsewhere the output the pipeline engine keeps for the backward)."""
@@ -201,6 +202,10 @@ def chunk_activation_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, r
     # saves an fp32 copy), and under full recompute it is already counted as the checkpoint's input.
     keeps_input = cfg.norm == "rmsnorm" and kernels == "reference" and recompute != "full"
     parts["input"] = e * h * tokens // sp_div if (not first and layers and keeps_input) else 0
+    if lora_rank:  # a frozen base with adapters (tpzoo.plan.lora)
+        parts["lora"] = lora_chunk_activation_delta(cfg, tp, sequence_parallel, recompute, lora_rank, layers,
+                                                    micro_batch, seq_len, e, first, last, kernels,
+                                                    _norm_saved(cfg, e, kernels))
     return parts
 
 
@@ -237,11 +242,17 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
     b, s, sp, pad = layout.micro_batch_size, training.seq_len, layout.sequence_parallel, training.vocab_padding_multiple
     count = stage_params(cfg, t, p, stage, v, pad)
     st = state_bytes(count, training, layout.dp)
+    if training.lora_rank:  # the base frozen in the model dtype; the adapters trained as a small model
+        n_layers = sum(hi - lo for lo, hi in stage_chunks(cfg, p, stage, v))
+        adapters = state_bytes(ParamCount(n_layers * lora_layer_params(cfg, t, training.lora_rank), 0, 0, 0, 0, 0),
+                               training, layout.dp)
+        st = StateBytes(e * count.numel + adapters.params, adapters.grads, adapters.master, adapters.optimizer)
     m = num_micro_batches(layout, training)
     acts, grads = [], []
     for c, (lo, hi) in enumerate(stage_chunks(cfg, p, stage, v)):
         first, last = c * p + stage == 0, c * p + stage == p * v - 1
-        parts = chunk_activation_bytes(cfg, t, sp, layout.recompute, hi - lo, b, s, e, first, last, k, pad)
+        parts = chunk_activation_bytes(cfg, t, sp, layout.recompute, hi - lo, b, s, e, first, last, k, pad,
+                                       training.lora_rank)
         acts.append(sum(parts.values()))
         grads.append(output_grad_bytes(cfg, t, sp, b, s, e, last, pad))
     held = peak_bytes(held_states(layout.schedule, stage, p, m, v), acts, grads)

@@ -26,9 +26,16 @@ def header(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, consi
             f"intra-node {cluster.intra_node_gbps:g} GB/s, inter-node {cluster.inter_node_gbps:g} GB/s\n"
             f"seq {training.seq_len}, global batch {training.global_batch_size} ({tokens:,} tokens/step), "
             f"{training.dtype}, ZeRO-1 {'on' if training.zero1 else 'off'} "
-            f"(training state {state_bytes_per_param(training)}), {training.kernels} kernels, "
+            f"({_state_text(training)}), {training.kernels} kernels, "
             f"efficiency {cluster.efficiency:g}, reserve {cluster.reserve_gib:g} GiB; "
             f"{considered} layouts, {fitting} fit")
+
+
+def _state_text(training: TrainingSpec) -> str:
+    if training.lora_rank:
+        return (f"LoRA rank {training.lora_rank} on every linear layer: frozen base {training.act_bytes} B/param, "
+                f"adapters {state_bytes_per_param(training)}")
+    return f"training state {state_bytes_per_param(training)}"
 
 
 _COLS = ("#", "tp", "pp", "dp", "mbs", "m", "recompute", "sp", "schedule", "params", "grads", "optim",

@@ -52,12 +52,15 @@ class TrainingSpec:
     zero1: bool = False                # shard master weights + AdamW moments over dp (Megatron distributed optimizer)
     vocab_padding_multiple: int = 1    # as Transformer(vocab_padding_multiple=...); the vocab pads to tp * this
     kernels: str = "fused"
+    lora_rank: int = 0                 # > 0: LoRA on every linear layer of a frozen base (tpzoo.plan.lora)
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.lora_rank < 0:
+            raise ValueError(f"lora rank must be >= 0, got {self.lora_rank}")
 
     @property
     def act_bytes(self) -> int:

@@ -1,0 +1,71 @@
+"""LoRA in the plan (`tpzoo plan --lora-rank R`, targets all-linear): the frozen base, the adapters' training
+state, and what adapters change in the activations a forward keeps.
+
+State: the base is frozen in the model dtype (e bytes per parameter, no gradient, master or moments); the
+adapters are a small model trained as usual (state_bytes of their element count: weights, fp32 main grads,
+master, AdamW moments, ZeRO-1 sharded over dp).
+Activations, per layer and token, against the full model (tested against real saved tensors):
+  + e * r * (adapters of the layer): each adapter's inner u = x A^T, kept for B's gradient (a fused weight has one
+    per HF projection; u is full-sequence under SP, computed from the gathered input);
+  - the torch RMSNorm's normalized tensor (e*h per norm) it keeps only for its weight's gradient;
+per chunk: the first layer's input norm keeps nothing (no gradient reaches the frozen embedding), nor does the
+embedding (lookup indices, masks); a frozen head does not keep its input without SP (with SP the column layer's
+shard is kept anyway), nor does the torch final RMSNorm its normalized tensor.
+"""
+from __future__ import annotations
+
+from tpzoo.models.config import ModelConfig
+
+_LAYER_CACHE: dict = {}
+
+
+def _layer(cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int]:
+    """(adapter elements, adapter count) of one layer on one TP rank: built on meta with tpzoo.models.lora,
+    so by construction what a run creates."""
+    key = (cfg.to_json(), tp, rank)
+    if key not in _LAYER_CACHE:
+        from tpzoo.models import Transformer
+        from tpzoo.models.lora import LoRAConfig, add_lora
+        from tpzoo.parallel.dims import ParallelDims
+        from tpzoo.parallel.lora import LoRA
+
+        one = Transformer(cfg.replace(num_layers=1), dims=ParallelDims.for_rank(tp=tp), pre_process=False,
+                          post_process=False, device="meta")
+        add_lora([one], LoRAConfig(rank, 1.0))
+        mods = [m for m in one.modules() if isinstance(m, LoRA)]
+        _LAYER_CACHE[key] = (sum(p.numel() for m in mods for p in m.parameters()), sum(len(m.names) for m in mods))
+    return _LAYER_CACHE[key]
+
+
+def lora_layer_params(cfg: ModelConfig, tp: int, rank: int) -> int:
+    return _layer(cfg, tp, rank)[0]
+
+
+def lora_layer_activation_delta(cfg: ModelConfig, tp: int, sequence_parallel: bool, rank: int, tokens: int,
+                                e: int, kernels: str) -> int:
+    """Bytes one layer keeps with adapters minus what it keeps as a fully trained layer (may be negative)."""
+    sp_div = tp if sequence_parallel else 1
+    u = e * rank * _layer(cfg, tp, rank)[1] * tokens
+    torch_rms = kernels == "reference" and cfg.norm == "rmsnorm"
+    return u - (2 * e * cfg.hidden_size * tokens // sp_div if torch_rms else 0)
+
+
+def lora_chunk_activation_delta(cfg: ModelConfig, tp: int, sequence_parallel: bool, recompute: str, rank: int,
+                                layers: int, micro_batch: int, seq_len: int, e: int, first: bool, last: bool,
+                                kernels: str, norm_saved: int) -> int:
+    """The whole difference for a chunk (see the module docstring); `norm_saved`: bytes per token the full
+    model's norm keeps (plan.memory._norm_saved). Under full recomputation a layer keeps only its input, as
+    without adapters: only the embedding and head terms remain."""
+    h, tokens = cfg.hidden_size, micro_batch * seq_len
+    sp_div = tp if sequence_parallel else 1
+    torch_rms = kernels == "reference" and cfg.norm == "rmsnorm"
+    full = recompute == "full"
+    out = 0 if full else layers * lora_layer_activation_delta(cfg, tp, sequence_parallel, rank, tokens, e, kernels)
+    if first:
+        if layers and not full:  # layer 0's input norm: its input needs no gradient, so it keeps nothing
+            out -= (norm_saved - (e * h if torch_rms else 0)) * tokens // sp_div
+        out -= (9 * tokens if tp > 1 else 0) + (8 * seq_len if cfg.position == "learned" else 0)
+    if last:
+        out -= (0 if sequence_parallel and tp > 1 else e * h * tokens)  # the frozen head's input
+        out -= e * h * tokens // sp_div if torch_rms else 0               # the final norm's normalized tensor
+    return out
