@@ -75,11 +75,21 @@ def run_tpzoo(args, hf_dir: str, world: int) -> list[float]:
 
     dims = tpzoo.init_parallel(tp=world)
     cfg = from_hf_config(hf_dir)
-    chunks = build_model_chunks(cfg, dims, sequence_parallel=args.sequence_parallel and world > 1, device="meta")
+    lora = args.lora_rank > 0
+    # As the trainer builds it: a LoRA base is frozen in the model dtype, a fully trained one starts in fp32.
+    chunks = build_model_chunks(cfg, dims, sequence_parallel=args.sequence_parallel and world > 1, device="meta",
+                                dtype=getattr(torch, args.dtype) if lora else None)
+    if lora:
+        from tpzoo.checkpoint.lora_io import is_base_param
+        from tpzoo.models.lora import LoRAConfig, add_lora, init_lora
+
+        add_lora(chunks, LoRAConfig(args.lora_rank, 2.0 * args.lora_rank))
     materialize_chunks(chunks, dims.device, init=False)
-    load_weights_into(chunks, hf_dir)
-    opt = DistributedAdamW([p for c in chunks for p in c.parameters()], dims, model_dtype=getattr(torch, args.dtype),
-                           betas=(0.9, 0.95), weight_decay=0.1)
+    load_weights_into(chunks, hf_dir, select=is_base_param if lora else None)
+    if lora:
+        init_lora(chunks, 0)
+    opt = DistributedAdamW([p for c in chunks for p in c.parameters() if p.requires_grad], dims,
+                           model_dtype=getattr(torch, args.dtype), betas=(0.9, 0.95), weight_decay=0.1)
     times = []
     for ids in _batches(args, cfg.vocab_size, args.warmup + args.steps):
         t0 = time.perf_counter()
@@ -122,9 +132,15 @@ def run_hf(args, hf_dir: str, world: int) -> list[float]:
 
     kw = {"tp_plan": "auto"} if world > 1 else {}
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, args.dtype), **kw)
+    if args.lora_rank:  # PEFT's LoRA on the same targets (every linear layer of the blocks)
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=args.lora_rank, lora_alpha=2.0 * args.lora_rank,
+                                                           target_modules="all-linear", lora_dropout=0.0))
     model.train()
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.dim() >= 2]
+    no_decay = [p for p in trainable if p.dim() < 2]
     # foreach kernels refuse a mix of DTensors (sharded by tp_plan) and plain tensors (replicated norms).
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=1e-4, betas=(0.9, 0.95), foreach=world == 1)
@@ -135,7 +151,10 @@ def run_hf(args, hf_dir: str, world: int) -> list[float]:
         # HF shifts labels itself: pass the same window so both predict the same next tokens.
         loss = model(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss
         loss.backward()
-        _clip_hf(model, 1.0, world)
+        if args.lora_rank:
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        else:
+            _clip_hf(model, 1.0, world)
         opt.step()
         times.append(time.perf_counter() - t0)
     return times
@@ -160,7 +179,7 @@ def one_case(args) -> None:
     times = (run_tpzoo if args.impl == "tpzoo" else run_hf)(args, args.hf_dir, world)
     timed = times[args.warmup:]
     tokens = args.batch * args.seq_len
-    out = {"impl": args.impl, "tp": world, "tokens_per_s": tokens * len(timed) / sum(timed),
+    out = {"impl": args.impl, "tp": world, "lora": args.lora_rank, "tokens_per_s": tokens * len(timed) / sum(timed),
            "step_s_median": sorted(timed)[len(timed) // 2], "peak_mem_mb": _rss_mb() - base,
            "peak_rss_mb": _rss_mb(), "threads": torch.get_num_threads()}
     if int(os.environ.get("RANK", "0")) == 0:
@@ -192,27 +211,34 @@ def driver(args) -> None:
         common.append("--sequence-parallel")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     best: dict = {}
+    # (tp, impl, LoRA rank): tpzoo vs transformers; with --lora-rank, LoRA vs full fine-tuning side by side
+    # (transformers + peft at tp=1 only: peft does not compose with tp_plan).
+    r = args.lora_rank
+    cases = [(tp, impl, 0) for tp in (1, 2) for impl in ("hf", "tpzoo")] if not r else [
+        (1, "hf", 0), (1, "hf", r), (1, "tpzoo", 0), (1, "tpzoo", r), (2, "tpzoo", 0), (2, "tpzoo", r)]
     for _ in range(args.repeats):  # interleaved repeats; the best median per case is the least disturbed one
-        for tp in (1, 2):
-            for impl in ("hf", "tpzoo"):
-                launcher = [sys.executable] if tp == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                             "--nproc-per-node", str(tp)]
-                out = subprocess.run(launcher + [HERE, "--impl", impl] + common, capture_output=True, text=True,
-                                     env=env)
-                lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-                if out.returncode != 0 or not lines:
-                    print(f"{impl} tp={tp} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}", file=sys.stderr)
-                    best.setdefault((tp, impl), {"impl": impl, "tp": tp, "error": True})
-                    continue
-                r = json.loads(lines[-1][7:])
-                print(f"{impl} tp={tp}: {r}", file=sys.stderr, flush=True)
-                old = best.get((tp, impl))
-                if old is None or old.get("error") or r["step_s_median"] < old["step_s_median"]:
-                    best[(tp, impl)] = r
-    rows = [best[k] for k in sorted(best)]
+        for tp, impl, rank in cases:
+            launcher = [sys.executable] if tp == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                         "--nproc-per-node", str(tp)]
+            out = subprocess.run(launcher + [HERE, "--impl", impl, "--lora-rank", str(rank)] + common,
+                                 capture_output=True, text=True, env=env)
+            lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+            if out.returncode != 0 or not lines:
+                print(f"{impl} tp={tp} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}", file=sys.stderr)
+                best.setdefault((tp, impl, rank), {"impl": impl, "tp": tp, "lora": rank, "error": True})
+                continue
+            res = json.loads(lines[-1][7:])
+            print(f"{impl} tp={tp} lora={rank}: {res}", file=sys.stderr, flush=True)
+            old = best.get((tp, impl, rank))
+            if old is None or old.get("error") or res["step_s_median"] < old["step_s_median"]:
+                best[(tp, impl, rank)] = res
+    rows = [best[k] for k in cases if k in best]
     text = report(args, rows)
     print("\n" + text)
-    if args.write:
+    if args.write and r:
+        write_section(args.write, "lora_vs_full", "## LoRA vs full fine-tuning, tpzoo and transformers + peft "
+                                                  "(CPU)\n\n" + text)
+    elif args.write:
         write_section(args.write, "train_vs_hf", "## Training step: tpzoo vs transformers (CPU)\n\n" + text)
 
 
@@ -223,7 +249,8 @@ def report(args, rows) -> str:
                                                      ("steps", args.steps), ("warmup", args.warmup))
         if v != DEFAULTS[k]) + (" --sequence-parallel" if args.sequence_parallel else "") + (
         f" --threads {args.threads}" if args.threads != 1 else "") + (
-        f" --repeats {args.repeats}" if args.repeats != 2 else "")
+        f" --repeats {args.repeats}" if args.repeats != 2 else "") + (
+        f" --lora-rank {args.lora_rank}" if args.lora_rank else "")
     out = [f"Command: `{cmd} --write docs/benchmarks.md` (each case in a fresh process, {args.threads} torch "
            f"thread(s) per process; the tp=2 cases under torchrun with 2 processes; every case run {args.repeats} "
            f"times, interleaved, the run with the fastest median step reported). Model {cfg.name or args.model}: "
@@ -239,8 +266,13 @@ def report(args, rows) -> str:
            f"block, forward and backward) where transformers' tp_plan goes through DTensor.", "",
            "| tp | implementation | tokens/s (median step) | tokens/s (mean) | step (median) | peak memory (rank 0) |",
            "|---|---|---|---|---|---|"]
+    if args.lora_rank:
+        out[0] += (f" LoRA: rank {args.lora_rank}, alpha {2 * args.lora_rank}, on every linear layer of the blocks "
+                   f"(peft's all-linear), base frozen in {args.dtype}; only the adapters in the optimizer.")
     for r in rows:
         name = "transformers" + (' (tp_plan="auto")' if r["tp"] > 1 else "") if r["impl"] == "hf" else "tpzoo"
+        if args.lora_rank:
+            name += (" + peft LoRA" if r["impl"] == "hf" else " LoRA") if r.get("lora") else ", full fine-tuning"
         if r.get("error"):
             out.append(f"| {r['tp']} | {name} | failed | | | |")
         else:
@@ -268,6 +300,7 @@ def main() -> None:
     p.add_argument("--write", metavar="MD", help="also write the table into this markdown file (its own section)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--sequence-parallel", action="store_true", help="tpzoo at tp=2 with sequence parallelism")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA vs full fine-tuning (and transformers + peft)")
     args = p.parse_args()
     if args.impl:
         one_case(args)
