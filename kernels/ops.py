@@ -56,6 +56,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return k.swiglu(gate, up) if k else reference.swiglu(gate, up)
 
 
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up (Gemma). Torch path only for now: no Triton kernel yet (docs/kernels.md)."""
+    return reference.geglu(gate, up)
+
+
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """gelu(x + bias), tanh approximation (GPT-2's "gelu_new"); the backward recomputes from the inputs."""
     ok = _is_vector(bias, x.shape[-1]) and (bias is None or bias.dtype == x.dtype)
