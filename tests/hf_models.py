@@ -31,6 +31,9 @@ def make_hf_model(kind: str):
     elif kind == "qwen2":  # q/k/v biases; multi-query (1 kv head)
         cfg = tf.Qwen2Config(**common, num_key_value_heads=1)
         cls = tf.Qwen2ForCausalLM
+    elif kind == "qwen3":  # per-head q/k norms; head_dim 16 independent of hidden/heads; tied; kv replicated at tp=4
+        cfg = tf.Qwen3Config(**common, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+        cls = tf.Qwen3ForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(0)
