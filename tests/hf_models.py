@@ -34,6 +34,9 @@ def make_hf_model(kind: str):
     elif kind == "qwen3":  # per-head q/k norms; head_dim 16 independent of hidden/heads; tied; kv replicated at tp=4
         cfg = tf.Qwen3Config(**common, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
         cls = tf.Qwen3ForCausalLM
+    elif kind == "olmo2":  # post-norms only; q/k norms over the whole width (2 kv heads: replicated at tp=4)
+        cfg = tf.Olmo2Config(**common, num_key_value_heads=2, pad_token_id=None, eos_token_id=None)
+        cls = tf.Olmo2ForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(0)
