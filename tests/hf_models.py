@@ -37,6 +37,20 @@ def make_hf_model(kind: str):
     elif kind == "olmo2":  # post-norms only; q/k norms over the whole width (2 kv heads: replicated at tp=4)
         cfg = tf.Olmo2Config(**common, num_key_value_heads=2, pad_token_id=None, eos_token_id=None)
         cls = tf.Olmo2ForCausalLM
+    elif kind == "gemma2":  # (1 + w) norms, GeGLU, sqrt(h) embedding scale, both soft-caps (small enough to bite),
+        # query_pre_attn_scalar != head_dim, layers alternate sliding (window 8) and full attention
+        cfg = tf.Gemma2Config(**common, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                              sliding_window=8, attn_logit_softcapping=0.02, final_logit_softcapping=0.5,
+                              pad_token_id=0, eos_token_id=1, bos_token_id=2)
+        cls = tf.Gemma2ForCausalLM
+    elif kind == "gemma3":  # + per-head (1 + w) q/k norms, a local rope base, linear rope scaling on global layers
+        cfg = tf.Gemma3TextConfig(**common, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                                  sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                  rope_parameters={
+                                      "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                                  pad_token_id=0, eos_token_id=1, bos_token_id=2)
+        cls = tf.Gemma3ForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(0)
