@@ -166,3 +166,34 @@ def test_unsupported_features_are_refused_naming_the_field(cases, kind, change, 
         from_hf_config(hf)
     message = str(e.value)
     assert field in message and "\n" not in message, message
+
+
+# Published parameter counts: the Qwen3 model cards (total and non-embedding, in billions, as printed), the OLMo 2
+# model cards / paper (total), the Gemma 2 report (exact embedding and non-embedding counts; its embedding row
+# counts a 256,128-row table where the HF checkpoints hold 256,000) and the Gemma 3 report (non-embedding, in
+# millions; the text decoder only: the 4B-27B checkpoints add a 417M vision encoder).
+PUBLISHED = {
+    "qwen3-0.6b": (0.6, 0.44), "qwen3-1.7b": (1.7, 1.4), "qwen3-4b": (4.0, 3.6), "qwen3-8b": (8.2, 6.95),
+    "qwen3-14b": (14.8, 13.2), "qwen3-32b": (32.8, 31.2),
+    "olmo-2-1b": (1.48, None), "olmo-2-7b": (7.30, None), "olmo-2-13b": (13.72, None), "olmo-2-32b": (32.23, None),
+}
+GEMMA2_NON_EMBEDDING = {"gemma-2-2b": 2_024_517_888, "gemma-2-9b": 8_324_201_984, "gemma-2-27b": 26_047_480_320}
+GEMMA3_NON_EMBEDDING_M = {"gemma-3-1b": 698, "gemma-3-4b": 3209, "gemma-3-12b": 10759, "gemma-3-27b": 25600}
+
+
+def test_named_configs_have_the_published_parameter_counts():
+    from tpzoo.models import get_config
+
+    def rounded(n, like):  # to the published figure's number of decimals
+        decimals = len(str(like).split(".")[1]) if "." in str(like) else 0
+        return round(n / 1e9, decimals)
+
+    for name, (total, non_embedding) in PUBLISHED.items():
+        cfg = get_config(name)
+        assert rounded(cfg.num_parameters(), total) == total, name
+        if non_embedding is not None:
+            assert rounded(cfg.num_parameters(include_embeddings=False), non_embedding) == non_embedding, name
+    for name, count in GEMMA2_NON_EMBEDDING.items():
+        assert get_config(name).num_parameters(include_embeddings=False) == count, name
+    for name, millions in GEMMA3_NON_EMBEDDING_M.items():
+        assert round(get_config(name).num_parameters(include_embeddings=False) / 1e6) == millions, name
