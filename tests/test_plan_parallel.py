@@ -15,9 +15,11 @@ from tpzoo.plan import Layout, chunk_activation_bytes, chunk_layer_ranges, tp_st
 from tpzoo.plan.measure import forward_activation_bytes
 from tpzoo.testing import RankPool, run_on_ranks
 
+from test_plan_memory import NEW_FAMILIES
+
 GQA = ModelConfig(family="qwen2", vocab_size=101, hidden_size=64, num_layers=3, num_heads=8, num_kv_heads=1,
                   ffn_hidden_size=96, max_position_embeddings=64, qkv_bias=True, tie_embeddings=True, name="gqa-kv1")
-CONFIGS = [get_config("nano-gpt"), get_config("nano-llama"), GQA]
+CONFIGS = [get_config("nano-gpt"), get_config("nano-llama"), GQA, *NEW_FAMILIES]
 MODES = ("none", "selective", "full")
 B, S, TOL = 2, 16, 0.02
 
