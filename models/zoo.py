@@ -121,6 +121,18 @@ _gemma("gemma-3-27b", "gemma3", vocab=262208, h=5376, layers=62, heads=32, kv=16
        scalar=168, window=1024, pos=131072, rope_scaling=_LINEAR8, src="google/gemma-3-27b-pt", **_GEMMA3)
 
 
+# SmolLM2: Llama-shaped (the llama family); SmolLM3: Llama-shaped with no rope on every 4th layer (its own family).
+_llama("smollm2-135m", vocab=49152, h=576, layers=30, heads=9, kv=3, ffn=1536, pos=8192, theta=100000.0, tied=True,
+       src="HuggingFaceTB/SmolLM2-135M")
+_llama("smollm2-360m", vocab=49152, h=960, layers=32, heads=15, kv=5, ffn=2560, pos=8192, theta=100000.0, tied=True,
+       src="HuggingFaceTB/SmolLM2-360M")
+_llama("smollm2-1.7b", vocab=49152, h=2048, layers=24, heads=32, kv=32, ffn=8192, pos=8192, theta=130000.0,
+       tied=True, src="HuggingFaceTB/SmolLM2-1.7B")
+register_config("smollm3-3b", ModelConfig(
+    family="smollm3", vocab_size=128256, hidden_size=2048, num_layers=36, num_heads=16, num_kv_heads=4,
+    ffn_hidden_size=11008, max_position_embeddings=65536, norm_eps=1e-6, rope_theta=5000000.0, tie_embeddings=True,
+    rope_layers=[int((i + 1) % 4 != 0) for i in range(36)], hf_source="HuggingFaceTB/SmolLM3-3B-Base"))
+
 # Tiny configs for tests and demos (no HF source): small enough to train on a laptop CPU.
 register_config("tiny-gpt", ModelConfig(
     family="gpt2", vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, ffn_hidden_size=512,

@@ -51,6 +51,10 @@ def make_hf_model(kind: str):
                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
                                   pad_token_id=0, eos_token_id=1, bos_token_id=2)
         cls = tf.Gemma3ForCausalLM
+    elif kind == "smollm3":  # layer 1 without rope (NoPE), tied head
+        cfg = tf.SmolLM3Config(**common, num_key_value_heads=2, no_rope_layers=[1, 0], pad_token_id=None,
+                               bos_token_id=None, eos_token_id=None)
+        cls = tf.SmolLM3ForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(0)
