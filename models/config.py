@@ -29,7 +29,8 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     norm: str = "rmsnorm"            # "rmsnorm" | "layernorm"
     norm_eps: float = 1e-5
-    activation: str = "swiglu"       # "swiglu" (gate|up fused) | "geglu_tanh" (Gemma: gelu_tanh(gate) * up) | "gelu_tanh"
+    activation: str = "swiglu"       # "swiglu" | "geglu_tanh" (Gemma: gelu_tanh(gate) * up; both gate|up fused)
+                                     # | "gelu_tanh"
     position: str = "rope"           # "rope" | "learned"
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # HF rope_scaling, e.g. Llama 3.1 {"rope_type": "llama3", "factor": 8, ...}

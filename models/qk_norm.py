@@ -10,7 +10,7 @@ by the number of copies.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from tpzoo.parallel import ParallelDims, ShardSpec, mark_parallel
 from tpzoo.parallel.mappings import copy_to_tp, reduce_from_tp
