@@ -52,7 +52,7 @@ class Norm(nn.Module):
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies of RoPE, with Llama 3.1 "llama3" scaling when the config asks for it."""
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -123,7 +123,7 @@ class ParallelAttention(nn.Module):
         if self.qk_norm == "head":  # Qwen3, Gemma 3: per head, before the rotary
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:  # the rotary kernel takes [b, s, heads, d]; attention wants the heads first
-            q, k = kernels.apply_rotary(q, cos, sin), kernels.apply_rotary(k, cos, sin)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         q, k, v = (rearrange(t, "b s heads d -> b heads s d") for t in (q, k, v))
         past = 0
         if kv_cache is not None:
@@ -149,6 +149,14 @@ class ParallelAttention(nn.Module):
         if self.softcap is not None:  # Gemma 2: scores capped before the mask (SDPA cannot)
             return softcapped_attention(q, k, v, mask, self.scale, self.softcap)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=self.scale)
+
+
+def _rotate(x, cos, sin):
+    """Rotary on the first 2 * cos.shape[-1] dims of each head; partial rotary (Phi-4-mini) passes the rest."""
+    rot = 2 * cos.shape[-1]
+    if rot == x.shape[-1]:
+        return kernels.apply_rotary(x, cos, sin)
+    return torch.cat([kernels.apply_rotary(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
 
 
 class ParallelMLP(nn.Module):

@@ -34,6 +34,7 @@ class ModelConfig:
     position: str = "rope"           # "rope" | "learned"
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # HF rope_scaling, e.g. Llama 3.1 {"rope_type": "llama3", "factor": 8, ...}
+    partial_rotary_factor: float = 1.0  # Phi-4-mini: 0.75, rotary on the first head_dim * factor dims of q and k
     tie_embeddings: bool = False
     qkv_bias: bool = False           # Qwen2: True; GPT-2: True
     out_bias: bool = False           # attention output projection bias (GPT-2)
@@ -94,6 +95,9 @@ class ModelConfig:
                     raise ConfigError(f"{attr} has {len(value)} entries for {self.num_layers} layers")
         if self.layer_types is not None and not set(self.layer_types) <= set(LAYER_TYPES):
             raise ConfigError(f"layer_types entries must be one of {LAYER_TYPES}, got {sorted(set(self.layer_types))}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} must give an even rotary dim "
+                              f"in (0, head_dim={self.head_dim}]")
         if self.norm_offset and self.norm != "rmsnorm":
             raise ConfigError("norm_offset (1 + weight) is only defined for rmsnorm")
 
@@ -112,6 +116,11 @@ class ModelConfig:
         if self.rope_local_theta is not None and self.layer_window(i) is not None:
             return "local"
         return "global"
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each q/k head the rotary turns (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def gated(self) -> bool:

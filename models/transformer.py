@@ -97,9 +97,9 @@ class Transformer(nn.Module):
             elif post_process:
                 mark_tied(self.lm_head.weight, "embedding", primary=False)
         if cfg.position == "rope":
-            self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2, device="meta"), persistent=False)
+            self.register_buffer("inv_freq", torch.empty(cfg.rotary_dim // 2, device="meta"), persistent=False)
         if cfg.rope_local_theta is not None:  # Gemma 3: sliding layers rotate with their own base
-            self.register_buffer("inv_freq_local", torch.empty(cfg.head_dim // 2, device="meta"), persistent=False)
+            self.register_buffer("inv_freq_local", torch.empty(cfg.rotary_dim // 2, device="meta"), persistent=False)
         device = torch.device(device) if device is not None else dims.device
         if device.type != "meta":
             self.materialize(device)

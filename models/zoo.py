@@ -133,6 +133,24 @@ register_config("smollm3-3b", ModelConfig(
     ffn_hidden_size=11008, max_position_embeddings=65536, norm_eps=1e-6, rope_theta=5000000.0, tie_embeddings=True,
     rope_layers=[int((i + 1) % 4 != 0) for i in range(36)], hf_source="HuggingFaceTB/SmolLM3-3B-Base"))
 
+def _phi(name, *, vocab, h, layers, heads, kv, ffn, pos, theta=10000.0, window=None, tied=False, partial=1.0, src):
+    register_config(name, ModelConfig(
+        family="phi3", vocab_size=vocab, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+        ffn_hidden_size=ffn, max_position_embeddings=pos, norm_eps=1e-5, rope_theta=theta, sliding_window=window,
+        tie_embeddings=tied, partial_rotary_factor=partial, hf_source=src))
+
+
+# Phi-3 (4K context checkpoints: their 128K siblings use LongRoPE, which tpzoo refuses) and Phi-4. Phi-4-mini's
+# checkpoint uses LongRoPE as well: this config has its shapes at the 4K context it was pretrained at.
+_phi("phi-3-mini", vocab=32064, h=3072, layers=32, heads=32, kv=32, ffn=8192, pos=4096, window=2047,
+     src="microsoft/Phi-3-mini-4k-instruct")
+_phi("phi-3-medium", vocab=32064, h=5120, layers=40, heads=40, kv=10, ffn=17920, pos=4096, window=2047,
+     src="microsoft/Phi-3-medium-4k-instruct")
+_phi("phi-4-mini", vocab=200064, h=3072, layers=32, heads=24, kv=8, ffn=8192, pos=4096, tied=True, partial=0.75,
+     src="microsoft/Phi-4-mini-instruct")
+_phi("phi-4", vocab=100352, h=5120, layers=40, heads=40, kv=10, ffn=17920, pos=16384, theta=250000.0,
+     src="microsoft/phi-4")
+
 # Tiny configs for tests and demos (no HF source): small enough to train on a laptop CPU.
 register_config("tiny-gpt", ModelConfig(
     family="gpt2", vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, ffn_hidden_size=512,

@@ -55,6 +55,12 @@ def make_hf_model(kind: str):
         cfg = tf.SmolLM3Config(**common, num_key_value_heads=2, no_rope_layers=[1, 0], pad_token_id=None,
                                bos_token_id=None, eos_token_id=None)
         cls = tf.SmolLM3ForCausalLM
+    elif kind == "phi3":  # fused qkv_proj / gate_up_proj, partial rotary (Phi-4-mini's kind), a sliding window of 8
+        cfg = tf.Phi3Config(**common, num_key_value_heads=2, sliding_window=8, tie_word_embeddings=True,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                             "partial_rotary_factor": 0.5},
+                            pad_token_id=None, bos_token_id=None, eos_token_id=None)
+        cls = tf.Phi3ForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(0)

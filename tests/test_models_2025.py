@@ -1,4 +1,4 @@
-"""The 2024-25 families (Qwen3, OLMo 2, Gemma 2, Gemma 3, SmolLM3) end to end against transformers, on tiny models
+"""The 2024-25 families (Qwen3, OLMo 2, Gemma 2, Gemma 3, SmolLM3, Phi-3/4) end to end against transformers, on tiny models
 written by transformers itself (tests/hf_models.py: randomized norms, kv heads fewer than tp=4, Gemma's sliding window 8
 shorter than the prompts). tests/test_models_hf_parity.py checks their logits and loss at tp 1, 2, 4 (+SP); here:
 tp=2 x pp=2 (+SP) logits, loss, eval loss and greedy generation; the bit-exact HF round trip and resharding;
@@ -24,7 +24,7 @@ from checkpoint_helpers import assert_bit_exact, ids, safetensors_dir, write_hf
 from test_3d_parity import check_layout, reference, train_layout
 from test_eval import _hf_loss
 
-NEW = ["qwen3", "olmo2", "gemma2", "gemma3", "smollm3"]
+NEW = ["qwen3", "olmo2", "gemma2", "gemma3", "smollm3", "phi3"]
 NEW_TOKENS = 20  # 5 prompt + 20 new tokens: past Gemma's sliding window of 8, through the cached decode
 EVAL_SEQ = 12    # eval windows longer than the sliding window too
 
@@ -102,7 +102,7 @@ def test_training_at_tp2_pp2_sp_matches_one_process(cases):
     """Two SGD steps: loss, every gradient (1e-5 of each tensor's largest entry) and every parameter."""
     root, *_ = cases
     # windows of 4 within the training sequences of 8: the sliding layers really slide
-    cfgs = [from_hf_config(root / kind).replace(sliding_window=4) if kind.startswith("gemma")
+    cfgs = [from_hf_config(root / kind).replace(sliding_window=4) if kind in ("gemma2", "gemma3", "phi3")
             else from_hf_config(root / kind) for kind in NEW]
     layout = dict(tp=2, pp=2, sp=True, steps=2)
     per_rank = run_on_ranks(4, _train, cfgs, layout)
@@ -143,7 +143,10 @@ def test_built_under_a_meta_default_device(cases):
         assert torch.equal(got, expected), kind
 
 
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0] * 6, "long_factor": [2.0] * 6}
 BAD = [  # (kind, change to its config.json, the field the error must name)
+    ("phi3", {"rope_parameters": LONGROPE}, "rope_parameters.rope_type='longrope'"),
     ("qwen3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
      "rope_parameters.rope_type='yarn'"),
     ("qwen3", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
@@ -169,7 +172,7 @@ def test_unsupported_features_are_refused_naming_the_field(cases, kind, change, 
 
 
 # Published parameter counts: the Qwen3 model cards (total and non-embedding, in billions, as printed), the OLMo 2
-# model cards / paper and the SmolLM2/3 names and hub pages (total), the Gemma 2 report (exact non-embedding
+# model cards / paper, the SmolLM2/3 and Phi-3/4 names, model cards and hub pages (total), the Gemma 2 report (exact non-embedding
 # counts; its embedding row counts a 256,128-row table where the HF checkpoints hold 256,000) and the Gemma 3
 # report (non-embedding, in millions; the text decoder only: the 4B-27B checkpoints add a 417M vision encoder).
 PUBLISHED = {
@@ -178,6 +181,7 @@ PUBLISHED = {
     "olmo-2-1b": (1.48, None), "olmo-2-7b": (7.30, None), "olmo-2-13b": (13.72, None), "olmo-2-32b": (32.23, None),
     "smollm2-135m": (0.135, None), "smollm2-360m": (0.36, None), "smollm2-1.7b": (1.7, None),
     "smollm3-3b": (3.08, None),
+    "phi-3-mini": (3.8, None), "phi-3-medium": (14, None), "phi-4-mini": (3.8, None), "phi-4": (14.7, None),
 }
 GEMMA2_NON_EMBEDDING = {"gemma-2-2b": 2_024_517_888, "gemma-2-9b": 8_324_201_984, "gemma-2-27b": 26_047_480_320}
 GEMMA3_NON_EMBEDDING_M = {"gemma-3-1b": 698, "gemma-3-4b": 3209, "gemma-3-12b": 10759, "gemma-3-27b": 25600}
