@@ -203,3 +203,26 @@ def test_named_configs_have_the_published_parameter_counts():
         assert get_config(name).num_parameters(include_embeddings=False) == count, name
     for name, millions in GEMMA3_NON_EMBEDDING_M.items():
         assert round(get_config(name).num_parameters(include_embeddings=False) / 1e6) == millions, name
+
+
+NAMED = ["qwen3-0.6b", "qwen3-8b", "olmo-2-32b", "gemma-2-27b", "gemma-3-1b", "gemma-3-27b", "smollm3-3b",
+         "phi-3-medium", "phi-4-mini"]
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_named_configs_write_hf_configs_transformers_reads_back(name):
+    """A named config's HF config (what `convert to-hf` writes for a model trained from scratch) is read by
+    transformers with the same per-layer attention kinds, and reads back into the same ModelConfig."""
+    import transformers
+
+    from tpzoo.models import get_config, to_hf_config
+
+    cfg = get_config(name)
+    hf = to_hf_config(cfg)
+    theirs = transformers.AutoConfig.for_model(**hf)
+    if cfg.layer_types is not None:  # Gemma 2 alternates, Gemma 3 has 5 sliding layers to 1 global: HF's defaults
+        default = transformers.AutoConfig.for_model(**{k: v for k, v in hf.items() if k != "layer_types"})
+        assert list(theirs.layer_types) == list(default.layer_types) == cfg.layer_types
+    back = from_hf_config(theirs.to_dict())
+    ours = {k: v for k, v in cfg.to_dict().items() if k not in ("name", "hf_source", "extra")}
+    assert {k: v for k, v in back.to_dict().items() if k in ours} == ours
