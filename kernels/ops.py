@@ -57,8 +57,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(gate) * up (Gemma). Torch path only for now: no Triton kernel yet (docs/kernels.md)."""
-    return reference.geglu(gate, up)
+    """gelu_tanh(gate) * up (Gemma's GeGLU); the backward recomputes the GeLU from the saved inputs."""
+    k = _triton("activations", gate, up, ok=gate.shape == up.shape and gate.dtype == up.dtype)
+    return k.geglu(gate, up) if k else reference.geglu(gate, up)
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -173,7 +173,7 @@ def layer_activation_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, r
     attn = e * (d.q + 2 * d.kv) + e * d.q + (e * (d.q + d.kv) if cfg.position == "rope" else 0)
     if recompute != "selective":
         attn += 4 * d.heads
-    if cfg.gated:  # GeGLU is on the torch path: counted like SwiGLU's (an approximation for Gemma)
+    if cfg.gated:  # SwiGLU and GeGLU: the same kernel pair (the torch references keep the same tensors too)
         mlp = e * d.ffn * (4 if kernels == "reference" else 3)
     else:
         mlp = 2 * e * d.ffn
