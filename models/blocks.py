@@ -96,7 +96,7 @@ class ParallelAttention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = nh // tp, max(1, nkv // tp), hd
         self.sequence_parallel, self.sliding_window = sequence_parallel, cfg.layer_window(layer)
         self.scale = cfg.attn_scale ** -0.5 if cfg.attn_scale else None  # None: SDPA's head_dim ** -0.5
-        self.softcap, self.qk_norm, self.eps = cfg.attn_softcap, cfg.qk_norm, cfg.norm_eps
+        self.softcap, self.qk_norm = cfg.attn_softcap, cfg.qk_norm
         init = lambda t: nn.init.normal_(t, std=cfg.initializer_range)  # noqa: E731
         # q|k|v fused in one column-parallel matmul; the k and v parts may be replicated head-wise.
         spec = ShardSpec(0, parts=(nh * hd, nkv * hd, nkv * hd), replicas=(1, self.kv_replicas, self.kv_replicas),
