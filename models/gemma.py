@@ -44,7 +44,9 @@ def _rope(family: str, hf: dict) -> tuple[float, dict | None, float | None]:
 
 
 def config_from_hf(family: str, hf: dict) -> ModelConfig:
-    check(family, hf, "hidden_activation", ("gelu_pytorch_tanh",), hf.get("hidden_act", "gelu_pytorch_tanh"))
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"  # older configs: null
+    if act != "gelu_pytorch_tanh":
+        raise refuse(family, "hidden_activation", act, ["gelu_pytorch_tanh"])
     check(family, hf, "use_bidirectional_attention", (None, False))
     theta, scaling, local_theta = _rope(family, hf)
     bias = hf.get("attention_bias", False)
