@@ -38,6 +38,9 @@ def read_rope(family: str, hf: dict, params: dict | None = None, field: str = "r
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise refuse(family, f"{field}.rope_type", kind, list(ROPE_TYPES))
+    partial = params.pop("partial_rotary_factor", 1.0)  # a family that implements it pops it before
+    if partial not in (None, 1, 1.0):
+        raise refuse(family, f"{field}.partial_rotary_factor", partial, [1.0])
     return theta, (params if kind != "default" else None)
 
 

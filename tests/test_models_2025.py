@@ -150,6 +150,8 @@ BAD = [  # (kind, change to its config.json, the field the error must name)
     ("qwen3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
      "rope_parameters.rope_type='yarn'"),
     ("qwen3", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}},
+     "rope_parameters.partial_rotary_factor=0.5"),
     ("olmo2", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
      "rope_parameters.rope_type='dynamic'"),
     ("gemma2", {"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types='chunked_attention'"),
