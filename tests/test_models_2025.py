@@ -1,5 +1,5 @@
-"""The 2024-25 families (Qwen3, OLMo 2, Gemma 2, Gemma 3, SmolLM3, Phi-3/4) end to end against transformers, on tiny models
-written by transformers itself (tests/hf_models.py: randomized norms, kv heads fewer than tp=4, Gemma's sliding window 8
+"""The 2024-25 families (Qwen3, OLMo 2, Gemma 2, Gemma 3, SmolLM3, Phi-3/4) end to end against transformers, on
+tiny models written by transformers itself (tests/hf_models.py: randomized norms, kv heads fewer than tp=4, Gemma's sliding window 8
 shorter than the prompts). tests/test_models_hf_parity.py checks their logits and loss at tp 1, 2, 4 (+SP); here:
 tp=2 x pp=2 (+SP) logits, loss, eval loss and greedy generation; the bit-exact HF round trip and resharding;
 training at (tp, pp, dp) = (2, 2, 1) + SP against one process; OLMo 2's extra all-reduce, counted; meta default
@@ -174,9 +174,9 @@ def test_unsupported_features_are_refused_naming_the_field(cases, kind, change, 
 
 
 # Published parameter counts: the Qwen3 model cards (total and non-embedding, in billions, as printed), the OLMo 2
-# model cards / paper, the SmolLM2/3 and Phi-3/4 names, model cards and hub pages (total), the Gemma 2 report (exact non-embedding
-# counts; its embedding row counts a 256,128-row table where the HF checkpoints hold 256,000) and the Gemma 3
-# report (non-embedding, in millions; the text decoder only: the 4B-27B checkpoints add a 417M vision encoder).
+# model cards / paper, the SmolLM2/3 and Phi-3/4 names, model cards and hub pages (total), the Gemma 2 report
+# (exact non-embedding counts; its embedding row counts a 256,128-row table where the HF checkpoints hold 256,000)
+# and the Gemma 3 report (non-embedding, in millions; the text decoder only: 4B-27B add a 417M vision encoder).
 PUBLISHED = {
     "qwen3-0.6b": (0.6, 0.44), "qwen3-1.7b": (1.7, 1.4), "qwen3-4b": (4.0, 3.6), "qwen3-8b": (8.2, 6.95),
     "qwen3-14b": (14.8, 13.2), "qwen3-32b": (32.8, 31.2),
