@@ -1,9 +1,10 @@
 """The 2024-25 families (Qwen3, OLMo 2, Gemma 2, Gemma 3, SmolLM3, Phi-3/4) end to end against transformers, on
-tiny models written by transformers itself (tests/hf_models.py: randomized norms, kv heads fewer than tp=4, Gemma's sliding window 8
-shorter than the prompts). tests/test_models_hf_parity.py checks their logits and loss at tp 1, 2, 4 (+SP); here:
-tp=2 x pp=2 (+SP) logits, loss, eval loss and greedy generation; the bit-exact HF round trip and resharding;
-training at (tp, pp, dp) = (2, 2, 1) + SP against one process; OLMo 2's extra all-reduce, counted; meta default
-device; and HF configs using a feature the family does not implement, refused with the field named."""
+tiny models written by transformers itself (tests/hf_models.py: randomized norms, kv heads fewer than tp=4, Gemma's
+sliding window 8 shorter than the prompts). tests/test_models_hf_parity.py checks their logits and loss at tp 1, 2,
+4 (+SP); here: tp=2 x pp=2 (+SP) logits, loss, eval loss and greedy generation; the bit-exact HF round trip and
+resharding; training at (tp, pp, dp) = (2, 2, 1) + SP against one process; OLMo 2's extra all-reduce, counted; meta
+default device; HF configs using a feature the family does not implement, refused with the field named; named
+configs against the published parameter counts and transformers' own config classes."""
 import json
 import math
 
