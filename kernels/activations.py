@@ -1,4 +1,5 @@
-"""SwiGLU and bias-GeLU (tanh approximation) in Triton, forward and backward.
+"""SwiGLU, GeGLU (Gemma: gelu_tanh(gate) * up) and bias-GeLU (tanh approximation) in Triton, forward and
+backward. SwiGLU and GeGLU are one kernel pair with the gate's activation chosen at compile time.
 
 Both save only their inputs and recompute the activation in the backward: no activation-sized tensor is kept
 between forward and backward beyond what the caller already holds. Inputs are viewed as [rows, n] with any
@@ -28,18 +29,31 @@ def _gelu_parts(z):
 
 
 @triton.jit
-def _swiglu_fwd(G, U, Y, M, N, sg, su, sy, rows_per_group, BLOCK: tl.constexpr):
+def _gate_parts(g, GELU: tl.constexpr):
+    """(act(g), d act / dg) of the gate: silu (SwiGLU) or the tanh GeLU (GeGLU)."""
+    if GELU:
+        a, da = _gelu_parts(g)
+    else:
+        sig = tl.sigmoid(g)
+        a, da = g * sig, sig * (1.0 + g * (1.0 - sig))
+    return a, da
+
+
+@triton.jit
+def _swiglu_fwd(G, U, Y, M, N, sg, su, sy, rows_per_group, GELU: tl.constexpr, BLOCK: tl.constexpr):
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     row0 = tl.program_id(1).to(tl.int64) * rows_per_group
     for row in range(row0, tl.minimum(row0 + rows_per_group, M)):
         g = tl.load(G + row * sg + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(U + row * su + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Y + row * sy + cols, (g * tl.sigmoid(g) * u).to(Y.dtype.element_ty), mask=mask)
+        a, _ = _gate_parts(g, GELU)
+        tl.store(Y + row * sy + cols, (a * u).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_bwd(G, U, DY, DG, DU, M, N, sg, su, sdy, sdg, sdu, rows_per_group, BLOCK: tl.constexpr):
+def _swiglu_bwd(G, U, DY, DG, DU, M, N, sg, su, sdy, sdg, sdu, rows_per_group, GELU: tl.constexpr,
+                BLOCK: tl.constexpr):
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     row0 = tl.program_id(1).to(tl.int64) * rows_per_group
@@ -47,11 +61,9 @@ def _swiglu_bwd(G, U, DY, DG, DU, M, N, sg, su, sdy, sdg, sdu, rows_per_group, B
         g = tl.load(G + row * sg + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(U + row * su + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + row * sdy + cols, mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(g)
-        silu = g * sig
-        d_silu = sig * (1.0 + g * (1.0 - sig))
-        tl.store(DG + row * sdg + cols, (dy * u * d_silu).to(DG.dtype.element_ty), mask=mask)
-        tl.store(DU + row * sdu + cols, (dy * silu).to(DU.dtype.element_ty), mask=mask)
+        a, da = _gate_parts(g, GELU)
+        tl.store(DG + row * sdg + cols, (dy * u * da).to(DG.dtype.element_ty), mask=mask)
+        tl.store(DU + row * sdu + cols, (dy * a).to(DU.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -98,16 +110,19 @@ def _layout(n: int, rows: int, device: torch.device, per_sm: int):
 
 
 class SwiGLUFunction(torch.autograd.Function):
+    """act(gate) * up: silu, or the tanh GeLU with gelu=True (GeGLU)."""
+
     @staticmethod
-    def forward(ctx, gate, up):
+    def forward(ctx, gate, up, gelu=False):
         n = gate.shape[-1]
         g2, u2 = launch.as_rows(gate, n), launch.as_rows(up, n)
         m = g2.shape[0]
         y = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
         block, per, grid = _layout(n, m, gate.device, per_sm=32)
-        launch.run(_swiglu_fwd, grid, g2, u2, y, m, n, g2.stride(0), u2.stride(0), y.stride(0), per, BLOCK=block)
+        launch.run(_swiglu_fwd, grid, g2, u2, y, m, n, g2.stride(0), u2.stride(0), y.stride(0), per, GELU=gelu,
+                   BLOCK=block)
         ctx.save_for_backward(g2, u2)
-        ctx.shape = gate.shape
+        ctx.shape, ctx.gelu = gate.shape, gelu
         return y.view(gate.shape)
 
     @staticmethod
@@ -119,8 +134,8 @@ class SwiGLUFunction(torch.autograd.Function):
             u2, memory_format=torch.contiguous_format)
         block, per, grid = _layout(n, m, g2.device, per_sm=32)
         launch.run(_swiglu_bwd, grid, g2, u2, dy2, dg, du, m, n, g2.stride(0), u2.stride(0), dy2.stride(0),
-                   dg.stride(0), du.stride(0), per, BLOCK=block)
-        return dg.view(ctx.shape), du.view(ctx.shape)
+                   dg.stride(0), du.stride(0), per, GELU=ctx.gelu, BLOCK=block)
+        return dg.view(ctx.shape), du.view(ctx.shape), None
 
 
 class BiasGeLUFunction(torch.autograd.Function):
@@ -153,6 +168,10 @@ class BiasGeLUFunction(torch.autograd.Function):
 
 def swiglu(gate, up):
     return SwiGLUFunction.apply(gate, up)
+
+
+def geglu(gate, up):
+    return SwiGLUFunction.apply(gate, up, True)
 
 
 def bias_gelu(x, bias=None):

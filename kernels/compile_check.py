@@ -36,6 +36,7 @@ def _exercise(dtype: torch.dtype) -> None:
         fwd_bwd(norms.layer_norm, r(4, n), r(n), None, 1e-5)
     fwd_bwd(rotary.apply_rotary, r(2, 3, 4, 16), r(3, 8, dt=torch.float32), r(3, 8, dt=torch.float32))
     fwd_bwd(activations.swiglu, r(4, 80), r(4, 80))
+    fwd_bwd(activations.geglu, r(4, 80), r(4, 80))
     fwd_bwd(activations.bias_gelu, r(4, 80), r(80))
     fwd_bwd(activations.bias_gelu, r(4, 80), None)
     target = torch.randint(0, 50, (4,), device="cpu")

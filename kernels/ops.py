@@ -56,6 +56,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return k.swiglu(gate, up) if k else reference.swiglu(gate, up)
 
 
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up (Gemma's GeGLU); the backward recomputes the GeLU from the saved inputs."""
+    k = _triton("activations", gate, up, ok=gate.shape == up.shape and gate.dtype == up.dtype)
+    return k.geglu(gate, up) if k else reference.geglu(gate, up)
+
+
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """gelu(x + bias), tanh approximation (GPT-2's "gelu_new"); the backward recomputes from the inputs."""
     ok = _is_vector(bias, x.shape[-1]) and (bias is None or bias.dtype == x.dtype)

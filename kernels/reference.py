@@ -32,6 +32,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up (Gemma's GeGLU, HF "gelu_pytorch_tanh")."""
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """gelu(x + bias), tanh approximation (GPT-2's "gelu_new")."""
     return F.gelu(x + bias if bias is not None else x, approximate="tanh")

@@ -17,17 +17,21 @@ from tpzoo.parallel import (ColumnParallelLinear, ParallelDims, ParallelLayoutEr
                             mark_parallel)
 
 from .config import ModelConfig
+from .qk_norm import full_width_qk_norm, make_qk_norms, softcapped_attention
 
 
 class Norm(nn.Module):
-    """RMSNorm or LayerNorm over the last dim; replicated over TP (its gradient is partial under SP)."""
+    """RMSNorm or LayerNorm over the last dim; replicated over TP (its gradient is partial under SP).
+    `size` defaults to hidden_size (q/k norms pass head_dim); with cfg.norm_offset (Gemma) the scale is
+    (1 + weight), weights starting at 0: the same kernel runs on the offset weight."""
 
-    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, dtype=None, device=None):
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, dtype=None, device=None, size: int | None = None):
         super().__init__()
-        self.kind, self.eps = cfg.norm, cfg.norm_eps
-        self.weight = mark_parallel(nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype, device=device)), None,
+        self.kind, self.eps, self.offset = cfg.norm, cfg.norm_eps, cfg.norm_offset
+        size = size or cfg.hidden_size
+        self.weight = mark_parallel(nn.Parameter(torch.empty(size, dtype=dtype, device=device)), None,
                                     sequence_parallel)
-        self.bias = (mark_parallel(nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype, device=device)), None,
+        self.bias = (mark_parallel(nn.Parameter(torch.empty(size, dtype=dtype, device=device)), None,
                                    sequence_parallel) if cfg.norm == "layernorm" else None)
         self.reset_parameters()
 
@@ -35,19 +39,19 @@ class Norm(nn.Module):
         if self.weight.device.type == "meta":
             return
         with torch.no_grad():
-            self.weight.fill_(1.0)
+            self.weight.fill_(0.0 if self.offset else 1.0)
             if self.bias is not None:
                 self.bias.zero_()
 
     def forward(self, x):
         if self.kind == "rmsnorm":
-            return kernels.rms_norm(x, self.weight, self.eps)
+            return kernels.rms_norm(x, 1 + self.weight if self.offset else self.weight, self.eps)
         return kernels.layer_norm(x, self.weight, self.bias, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies of RoPE, with Llama 3.1 "llama3" scaling when the config asks for it."""
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -77,7 +81,8 @@ class ParallelAttention(nn.Module):
     """Causal self-attention with heads split over TP. Grouped-query attention: kv heads are split when tp
     divides them and replicated (each TP rank keeps the kv head its query heads use) when kv_heads < tp."""
 
-    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, dims: ParallelDims, dtype=None, device=None):
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, dims: ParallelDims, dtype=None, device=None,
+                 layer: int = 0):
         super().__init__()
         self.dims = dims
         tp = dims.tp
@@ -88,7 +93,9 @@ class ParallelAttention(nn.Module):
             raise ParallelLayoutError(f"tp={tp} neither divides nor is a multiple of num_kv_heads={nkv}")
         self.kv_replicas = max(1, tp // nkv)
         self.heads, self.kv_heads, self.head_dim = nh // tp, max(1, nkv // tp), hd
-        self.sequence_parallel, self.sliding_window = sequence_parallel, cfg.sliding_window
+        self.sequence_parallel, self.sliding_window = sequence_parallel, cfg.layer_window(layer)
+        self.scale = cfg.attn_scale ** -0.5 if cfg.attn_scale else None  # None: SDPA's head_dim ** -0.5
+        self.softcap, self.qk_norm = cfg.attn_softcap, cfg.qk_norm
         init = lambda t: nn.init.normal_(t, std=cfg.initializer_range)  # noqa: E731
         # q|k|v fused in one column-parallel matmul; the k and v parts may be replicated head-wise.
         spec = ShardSpec(0, parts=(nh * hd, nkv * hd, nkv * hd), replicas=(1, self.kv_replicas, self.kv_replicas),
@@ -100,14 +107,21 @@ class ParallelAttention(nn.Module):
         self.out = RowParallelLinear(nh * hd, cfg.hidden_size, bias=cfg.out_bias, sequence_parallel=sequence_parallel,
                                      init_method=lambda t: nn.init.normal_(t, std=out_std), dtype=dtype,
                                      device=device, dims=dims)
+        if cfg.qk_norm != "none":  # q_norm, k_norm (registered after out: the parameter order of other families stays)
+            self.q_norm, self.k_norm = make_qk_norms(cfg, self.kv_replicas, dims, dtype, device)
         self.recompute_core = False
 
     def forward(self, x, cos, sin, kv_cache=None):
         # One matmul enters the TP region for q, k and v (under SP: gathers the sequence, keeps only the shard).
-        q, k, v = (rearrange(t, "b s (heads d) -> b s heads d", d=self.head_dim) for t in self.qkv(x).split(
-            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1))
+        q, k, v = self.qkv(x).split(
+            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
+        if self.qk_norm == "full":  # OLMo 2: over all heads' width, spanning the TP ranks
+            q, k = full_width_qk_norm(q, k, self.q_norm, self.k_norm, self.kv_replicas, self.dims.tp_group)
+        q, k, v = (rearrange(t, "b s (heads d) -> b s heads d", d=self.head_dim) for t in (q, k, v))
+        if self.qk_norm == "head":  # Qwen3, Gemma 3: per head, before the rotary
+            q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:  # the rotary kernel takes [b, s, heads, d]; attention wants the heads first
-            q, k = kernels.apply_rotary(q, cos, sin), kernels.apply_rotary(k, cos, sin)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         q, k, v = (rearrange(t, "b s heads d -> b heads s d") for t in (q, k, v))
         past = 0
         if kv_cache is not None:
@@ -122,25 +136,35 @@ class ParallelAttention(nn.Module):
         s_q, s_k = q.shape[2], k.shape[2]
         gqa = self.heads != self.kv_heads
         window = self.sliding_window
-        if past == 0 and (window is None or s_k <= window):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if past == 0 and (window is None or s_k <= window) and self.softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=self.scale)
         # Decoding with a cache, or a sliding window in play: an explicit mask (query i sits at past + i).
         qpos = torch.arange(past, past + s_q, device=q.device).unsqueeze(-1)
         kpos = torch.arange(s_k, device=q.device).unsqueeze(0)
         mask = kpos <= qpos
         if window is not None:
             mask &= qpos - kpos < window
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        if self.softcap is not None:  # Gemma 2: scores capped before the mask (SDPA cannot)
+            return softcapped_attention(q, k, v, mask, self.scale, self.softcap)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=self.scale)
+
+
+def _rotate(x, cos, sin):
+    """Rotary on the first 2 * cos.shape[-1] dims of each head; partial rotary (Phi-4-mini) passes the rest."""
+    rot = 2 * cos.shape[-1]
+    if rot == x.shape[-1]:
+        return kernels.apply_rotary(x, cos, sin)
+    return torch.cat([kernels.apply_rotary(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
 
 
 class ParallelMLP(nn.Module):
-    """Column (h -> ffn, gate|up fused for SwiGLU) then row (ffn -> h)."""
+    """Column (h -> ffn, gate|up fused for SwiGLU and GeGLU) then row (ffn -> h)."""
 
     def __init__(self, cfg: ModelConfig, sequence_parallel: bool, dims: ParallelDims, dtype=None, device=None):
         super().__init__()
         ffn, self.activation = cfg.ffn_hidden_size, cfg.activation
         init = lambda t: nn.init.normal_(t, std=cfg.initializer_range)  # noqa: E731
-        gated = cfg.activation == "swiglu"
+        gated = cfg.gated
         spec = ShardSpec(0, parts=(ffn, ffn)) if gated else None
         self.fc_in = ColumnParallelLinear(cfg.hidden_size, 2 * ffn if gated else ffn, bias=cfg.mlp_bias,
                                           sequence_parallel=sequence_parallel, shard_spec=spec, init_method=init,
@@ -155,19 +179,35 @@ class ParallelMLP(nn.Module):
         if self.activation == "swiglu":
             gate, up = h.chunk(2, dim=-1)
             h = kernels.swiglu(gate, up)
+        elif self.activation == "geglu_tanh":
+            gate, up = h.chunk(2, dim=-1)
+            h = kernels.geglu(gate, up)
         else:
             h = kernels.bias_gelu(h, self.fc_in.bias)
         return self.fc_out(h)
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, dims: ParallelDims, dtype=None, device=None):
+    """Pre-norm (attn_norm, mlp_norm) and/or post-norm (post_attn_norm, post_mlp_norm: the sublayer's output
+    normalized before the residual add; OLMo 2 has only these, Gemma 2/3 both) around attention and MLP."""
+
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, dims: ParallelDims, dtype=None, device=None,
+                 layer: int = 0):
         super().__init__()
-        self.attn_norm = Norm(cfg, sequence_parallel, dtype, device)
-        self.attn = ParallelAttention(cfg, sequence_parallel, dims, dtype, device)
-        self.mlp_norm = Norm(cfg, sequence_parallel, dtype, device)
+        if cfg.pre_norm:
+            self.attn_norm = Norm(cfg, sequence_parallel, dtype, device)
+        self.attn = ParallelAttention(cfg, sequence_parallel, dims, dtype, device, layer=layer)
+        if cfg.pre_norm:
+            self.mlp_norm = Norm(cfg, sequence_parallel, dtype, device)
         self.mlp = ParallelMLP(cfg, sequence_parallel, dims, dtype, device)
+        if cfg.post_norm:
+            self.post_attn_norm = Norm(cfg, sequence_parallel, dtype, device)
+            self.post_mlp_norm = Norm(cfg, sequence_parallel, dtype, device)
+        self.pre_norm, self.post_norm = cfg.pre_norm, cfg.post_norm
+        self.rope = cfg.layer_rope(layer)  # which rotary table this layer uses (Transformer.forward picks it)
 
     def forward(self, x, cos=None, sin=None, kv_cache=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, kv_cache)
-        return x + self.mlp(self.mlp_norm(x))
+        h = self.attn(self.attn_norm(x) if self.pre_norm else x, cos, sin, kv_cache)
+        x = x + (self.post_attn_norm(h) if self.post_norm else h)
+        h = self.mlp(self.mlp_norm(x) if self.pre_norm else x)
+        return x + (self.post_mlp_norm(h) if self.post_norm else h)

@@ -12,6 +12,8 @@ from tpzoo.errors import ConfigError
 _POSITIVE_INTS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "num_kv_heads", "head_dim",
                   "max_position_embeddings", "sliding_window")
 _OPTIONAL = ("num_kv_heads", "head_dim", "sliding_window")  # None = derived / off
+LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names for a layer's attention kind
+GATED = ("swiglu", "geglu_tanh")  # activations whose MLP input projection is gate|up fused
 
 
 @dataclass
@@ -27,15 +29,33 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     norm: str = "rmsnorm"            # "rmsnorm" | "layernorm"
     norm_eps: float = 1e-5
-    activation: str = "swiglu"       # "swiglu" (gate|up fused) | "gelu_tanh"
+    activation: str = "swiglu"       # "swiglu" | "geglu_tanh" (Gemma: gelu_tanh(gate) * up; both gate|up fused)
+                                     # | "gelu_tanh"
     position: str = "rope"           # "rope" | "learned"
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # HF rope_scaling, e.g. Llama 3.1 {"rope_type": "llama3", "factor": 8, ...}
+    partial_rotary_factor: float = 1.0  # Phi-4-mini: 0.75, rotary on the first head_dim * factor dims of q and k
     tie_embeddings: bool = False
     qkv_bias: bool = False           # Qwen2: True; GPT-2: True
     out_bias: bool = False           # attention output projection bias (GPT-2)
     mlp_bias: bool = False           # GPT-2: True
     sliding_window: int | None = None  # Mistral: attend to at most this many previous tokens
+    # Per-layer attention kinds ("full_attention" | "sliding_attention", HF's `layer_types`); None = every layer
+    # is sliding when sliding_window is set (Mistral). Gemma 2 alternates, Gemma 3 has 5 sliding to 1 full.
+    layer_types: list | None = None
+    rope_local_theta: float | None = None  # Gemma 3: the rope base of sliding layers (None: rope_theta everywhere)
+    rope_layers: list | None = None  # SmolLM3: per-layer 1/0, whether the layer applies rope (None: every layer)
+    # Block shape. pre_norm: norm before attention / MLP (attn_norm, mlp_norm); post_norm: norm of the attention /
+    # MLP output before the residual add (post_attn_norm, post_mlp_norm). OLMo 2: post only; Gemma 2/3: both.
+    pre_norm: bool = True
+    post_norm: bool = False
+    norm_offset: bool = False        # Gemma: RMSNorm scales by (1 + weight), weights start at 0
+    qk_norm: str = "none"            # "none" | "head" (RMSNorm over head_dim: Qwen3, Gemma 3) | "full" (over all
+                                     # heads' width: OLMo 2; under TP the sum of squares is all-reduced)
+    embed_scale: bool = False        # Gemma: embeddings multiplied by sqrt(hidden_size)
+    attn_scale: float | None = None  # Gemma's query_pre_attn_scalar: scores scaled by attn_scale**-0.5 (None: head_dim)
+    attn_softcap: float | None = None   # Gemma 2: attention scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap) (elementwise: vocab-parallel)
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
@@ -63,10 +83,48 @@ class ModelConfig:
             self.head_dim = self.hidden_size // self.num_heads
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
-        for attr, allowed in (("norm", ("rmsnorm", "layernorm")), ("activation", ("swiglu", "gelu_tanh")),
-                              ("position", ("rope", "learned"))):
+        for attr, allowed in (("norm", ("rmsnorm", "layernorm")), ("activation", ("swiglu", "geglu_tanh", "gelu_tanh")),
+                              ("position", ("rope", "learned")), ("qk_norm", ("none", "head", "full"))):
             if getattr(self, attr) not in allowed:
                 raise ConfigError(f"{attr} must be one of {allowed}, got {getattr(self, attr)!r}")
+        for attr in ("layer_types", "rope_layers"):
+            value = getattr(self, attr)
+            if value is not None:
+                setattr(self, attr, value := list(value))
+                if len(value) != self.num_layers:
+                    raise ConfigError(f"{attr} has {len(value)} entries for {self.num_layers} layers")
+        if self.layer_types is not None and not set(self.layer_types) <= set(LAYER_TYPES):
+            raise ConfigError(f"layer_types entries must be one of {LAYER_TYPES}, got {sorted(set(self.layer_types))}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} must give an even rotary dim "
+                              f"in (0, head_dim={self.head_dim}]")
+        if self.norm_offset and self.norm != "rmsnorm":
+            raise ConfigError("norm_offset (1 + weight) is only defined for rmsnorm")
+
+    # -- per-layer attention kind -------------------------------------------------------------------------
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer i (None: full causal attention)."""
+        if self.layer_types is None or self.layer_types[i] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    def layer_rope(self, i: int) -> str | None:
+        """Which rotary table layer i uses: "global", "local" (sliding layers when rope_local_theta is set) or
+        None (no rotary: learned positions, or a SmolLM3 no-rope layer)."""
+        if self.position != "rope" or (self.rope_layers is not None and not self.rope_layers[i]):
+            return None
+        if self.rope_local_theta is not None and self.layer_window(i) is not None:
+            return "local"
+        return "global"
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each q/k head the rotary turns (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def gated(self) -> bool:
+        return self.activation in GATED
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -91,9 +149,11 @@ class ModelConfig:
         q, kv = self.num_heads * hd, self.num_kv_heads * hd
         norm = h * (2 if self.norm == "layernorm" else 1)
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.out_bias else 0)
-        n_in = 2 * self.ffn_hidden_size if self.activation == "swiglu" else self.ffn_hidden_size
+        attn += {"none": 0, "head": 2 * hd, "full": q + kv}[self.qk_norm]
+        n_in = 2 * self.ffn_hidden_size if self.gated else self.ffn_hidden_size
         mlp = h * n_in + self.ffn_hidden_size * h + ((n_in + h) if self.mlp_bias else 0)
-        total = L * (attn + mlp + 2 * norm) + norm
+        norms_per_layer = 2 * (int(self.pre_norm) + int(self.post_norm))
+        total = L * (attn + mlp + norms_per_layer * norm) + norm
         if include_embeddings:
             total += self.vocab_size * h * (1 if self.tie_embeddings else 2)
             if self.position == "learned":

@@ -79,7 +79,7 @@ class Transformer(nn.Module):
                 mark_parallel(self.pos_embed.weight, None, sequence_parallel)
         self.layers = nn.ModuleDict()
         for i in range(start, end):
-            self.layers[str(i)] = TransformerBlock(cfg, sequence_parallel, dims, **kw)
+            self.layers[str(i)] = TransformerBlock(cfg, sequence_parallel, dims, layer=i, **kw)
             self.layers[str(i)].attn.recompute_core = recompute == "selective"
         if post_process:
             self.final_norm = Norm(cfg, sequence_parallel, **kw)
@@ -97,7 +97,9 @@ class Transformer(nn.Module):
             elif post_process:
                 mark_tied(self.lm_head.weight, "embedding", primary=False)
         if cfg.position == "rope":
-            self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2, device="meta"), persistent=False)
+            self.register_buffer("inv_freq", torch.empty(cfg.rotary_dim // 2, device="meta"), persistent=False)
+        if cfg.rope_local_theta is not None:  # Gemma 3: sliding layers rotate with their own base
+            self.register_buffer("inv_freq_local", torch.empty(cfg.rotary_dim // 2, device="meta"), persistent=False)
         device = torch.device(device) if device is not None else dims.device
         if device.type != "meta":
             self.materialize(device)
@@ -127,6 +129,9 @@ class Transformer(nn.Module):
                 mod._parameters[name] = param
         if self.cfg.position == "rope":
             self.inv_freq = rope_inv_freq(self.cfg).to(device)
+        if self.cfg.rope_local_theta is not None:
+            local = self.cfg.replace(rope_theta=self.cfg.rope_local_theta, rope_scaling=None)
+            self.inv_freq_local = rope_inv_freq(local).to(device)
         return self
 
     @torch.no_grad()
@@ -186,16 +191,21 @@ class Transformer(nn.Module):
         positions = self._positions(ref, seq_len, past, position_ids)
         if self.pre_process:
             h = self.embed(input_ids)
+            if self.cfg.embed_scale:  # Gemma: sqrt(hidden), rounded to the activations' dtype as HF does
+                h = h * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype, device=h.device)
             if self.cfg.position == "learned":
                 h = h + self.pos_embed(self._seq_chunk(positions.expand(input_ids.shape[0], -1).unsqueeze(-1))
                                        .squeeze(-1))
         else:
             h = hidden
-        cos = sin = None
+        rotary = {None: (None, None)}  # each layer's table: "global", "local" (Gemma 3) or None (no rope)
         if self.cfg.position == "rope":
-            cos, sin = rope_cos_sin(self.inv_freq, positions)
+            rotary["global"] = rope_cos_sin(self.inv_freq, positions)
+        if self.cfg.rope_local_theta is not None:
+            rotary["local"] = rope_cos_sin(self.inv_freq_local, positions)
         for j, layer in enumerate(self.layers.values()):
             cache = kv_caches[j] if kv_caches else None
+            cos, sin = rotary[layer.rope]
             if self.recompute == "full" and torch.is_grad_enabled():
                 h = checkpoint(layer, h, cos, sin, cache, use_reentrant=False)
             else:
@@ -203,6 +213,9 @@ class Transformer(nn.Module):
         if not self.post_process:
             return h
         logits = self.lm_head(self.final_norm(h))
+        if self.cfg.final_softcap is not None:  # Gemma 2: elementwise, so each vocab shard caps its own logits
+            cap = self.cfg.final_softcap
+            logits = torch.tanh(logits / cap) * cap
         if labels is None:
             return logits
         return kernels.cross_entropy(logits, labels, label_smoothing=label_smoothing, vocab_size=self.cfg.vocab_size,

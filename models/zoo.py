@@ -64,6 +64,93 @@ for _n, _v, _h, _l, _heads, _kv, _ffn, _tied in (
     _llama(f"qwen2.5-{_n}", "qwen2", vocab=_v, h=_h, layers=_l, heads=_heads, kv=_kv, ffn=_ffn, pos=32768,
            theta=1000000.0, eps=1e-6, tied=_tied, qkv_bias=True, src=f"Qwen/Qwen2.5-{_n.upper()}")
 
+def _qwen3(size, *, h, layers, heads, ffn, tied):
+    register_config(f"qwen3-{size}", ModelConfig(
+        family="qwen3", vocab_size=151936, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=8,
+        head_dim=128, ffn_hidden_size=ffn, max_position_embeddings=40960, norm_eps=1e-6, rope_theta=1000000.0,
+        tie_embeddings=tied, qk_norm="head", bos_token_id=151643, eos_token_id=151645,
+        hf_source=f"Qwen/Qwen3-{size.upper()}"))
+
+
+_qwen3("0.6b", h=1024, layers=28, heads=16, ffn=3072, tied=True)
+_qwen3("1.7b", h=2048, layers=28, heads=16, ffn=6144, tied=True)
+_qwen3("4b", h=2560, layers=36, heads=32, ffn=9728, tied=True)
+_qwen3("8b", h=4096, layers=36, heads=32, ffn=12288, tied=False)
+_qwen3("14b", h=5120, layers=40, heads=40, ffn=17408, tied=False)
+_qwen3("32b", h=5120, layers=64, heads=64, ffn=25600, tied=False)
+
+
+def _olmo2(name, *, h, layers, heads, kv, ffn, src):
+    register_config(name, ModelConfig(
+        family="olmo2", vocab_size=100352, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+        ffn_hidden_size=ffn, max_position_embeddings=4096, norm_eps=1e-6, rope_theta=500000.0, qk_norm="full",
+        pre_norm=False, post_norm=True, eos_token_id=100257, pad_token_id=100277, hf_source=src))
+
+
+_olmo2("olmo-2-1b", h=2048, layers=16, heads=16, kv=16, ffn=8192, src="allenai/OLMo-2-0425-1B")
+_olmo2("olmo-2-7b", h=4096, layers=32, heads=32, kv=32, ffn=11008, src="allenai/OLMo-2-1124-7B")
+_olmo2("olmo-2-13b", h=5120, layers=40, heads=40, kv=40, ffn=13824, src="allenai/OLMo-2-1124-13B")
+_olmo2("olmo-2-32b", h=5120, layers=64, heads=40, kv=8, ffn=27648, src="allenai/OLMo-2-0325-32B")
+
+
+def _gemma(name, family, *, vocab, h, layers, heads, kv, head_dim, ffn, scalar, window, pos, every, src, **kw):
+    register_config(name, ModelConfig(
+        family=family, vocab_size=vocab, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+        head_dim=head_dim, ffn_hidden_size=ffn, max_position_embeddings=pos, norm_eps=1e-6, activation="geglu_tanh",
+        tie_embeddings=True, sliding_window=window, attn_scale=scalar, pre_norm=True, post_norm=True,
+        norm_offset=True, embed_scale=True, bos_token_id=2, eos_token_id=1, pad_token_id=0, hf_source=src,
+        layer_types=["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)], **kw))
+
+
+_GEMMA2 = dict(vocab=256000, window=4096, pos=8192, every=2, attn_softcap=50.0, final_softcap=30.0)
+_gemma("gemma-2-2b", "gemma2", h=2304, layers=26, heads=8, kv=4, head_dim=256, ffn=9216, scalar=256,
+       src="google/gemma-2-2b", **_GEMMA2)
+_gemma("gemma-2-9b", "gemma2", h=3584, layers=42, heads=16, kv=8, head_dim=256, ffn=14336, scalar=256,
+       src="google/gemma-2-9b", **_GEMMA2)
+_gemma("gemma-2-27b", "gemma2", h=4608, layers=46, heads=32, kv=16, head_dim=128, ffn=36864, scalar=144,
+       src="google/gemma-2-27b", **_GEMMA2)
+_GEMMA3 = dict(every=6, qk_norm="head", rope_theta=1000000.0, rope_local_theta=10000.0)
+_LINEAR8 = {"rope_type": "linear", "factor": 8.0}  # the 4B-27B global layers: 128K context
+_gemma("gemma-3-1b", "gemma3", vocab=262144, h=1152, layers=26, heads=4, kv=1, head_dim=256, ffn=6912, scalar=256,
+       window=512, pos=32768, src="google/gemma-3-1b-pt", **_GEMMA3)
+_gemma("gemma-3-4b", "gemma3", vocab=262208, h=2560, layers=34, heads=8, kv=4, head_dim=256, ffn=10240, scalar=256,
+       window=1024, pos=131072, rope_scaling=_LINEAR8, src="google/gemma-3-4b-pt", **_GEMMA3)
+_gemma("gemma-3-12b", "gemma3", vocab=262208, h=3840, layers=48, heads=16, kv=8, head_dim=256, ffn=15360,
+       scalar=256, window=1024, pos=131072, rope_scaling=_LINEAR8, src="google/gemma-3-12b-pt", **_GEMMA3)
+_gemma("gemma-3-27b", "gemma3", vocab=262208, h=5376, layers=62, heads=32, kv=16, head_dim=128, ffn=21504,
+       scalar=168, window=1024, pos=131072, rope_scaling=_LINEAR8, src="google/gemma-3-27b-pt", **_GEMMA3)
+
+
+# SmolLM2: Llama-shaped (the llama family); SmolLM3: Llama-shaped with no rope on every 4th layer (its own family).
+_llama("smollm2-135m", vocab=49152, h=576, layers=30, heads=9, kv=3, ffn=1536, pos=8192, theta=100000.0, tied=True,
+       src="HuggingFaceTB/SmolLM2-135M")
+_llama("smollm2-360m", vocab=49152, h=960, layers=32, heads=15, kv=5, ffn=2560, pos=8192, theta=100000.0, tied=True,
+       src="HuggingFaceTB/SmolLM2-360M")
+_llama("smollm2-1.7b", vocab=49152, h=2048, layers=24, heads=32, kv=32, ffn=8192, pos=8192, theta=130000.0,
+       tied=True, src="HuggingFaceTB/SmolLM2-1.7B")
+register_config("smollm3-3b", ModelConfig(
+    family="smollm3", vocab_size=128256, hidden_size=2048, num_layers=36, num_heads=16, num_kv_heads=4,
+    ffn_hidden_size=11008, max_position_embeddings=65536, norm_eps=1e-6, rope_theta=5000000.0, tie_embeddings=True,
+    rope_layers=[int((i + 1) % 4 != 0) for i in range(36)], hf_source="HuggingFaceTB/SmolLM3-3B-Base"))
+
+def _phi(name, *, vocab, h, layers, heads, kv, ffn, pos, theta=10000.0, window=None, tied=False, partial=1.0, src):
+    register_config(name, ModelConfig(
+        family="phi3", vocab_size=vocab, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+        ffn_hidden_size=ffn, max_position_embeddings=pos, norm_eps=1e-5, rope_theta=theta, sliding_window=window,
+        tie_embeddings=tied, partial_rotary_factor=partial, hf_source=src))
+
+
+# Phi-3 (4K context checkpoints: their 128K siblings use LongRoPE, which tpzoo refuses) and Phi-4. Phi-4-mini's
+# checkpoint uses LongRoPE as well: this config has its shapes at the 4K context it was pretrained at.
+_phi("phi-3-mini", vocab=32064, h=3072, layers=32, heads=32, kv=32, ffn=8192, pos=4096, window=2047,
+     src="microsoft/Phi-3-mini-4k-instruct")
+_phi("phi-3-medium", vocab=32064, h=5120, layers=40, heads=40, kv=10, ffn=17920, pos=4096, window=2047,
+     src="microsoft/Phi-3-medium-4k-instruct")
+_phi("phi-4-mini", vocab=200064, h=3072, layers=32, heads=24, kv=8, ffn=8192, pos=4096, tied=True, partial=0.75,
+     src="microsoft/Phi-4-mini-instruct")
+_phi("phi-4", vocab=100352, h=5120, layers=40, heads=40, kv=10, ffn=17920, pos=16384, theta=250000.0,
+     src="microsoft/phi-4")
+
 # Tiny configs for tests and demos (no HF source): small enough to train on a laptop CPU.
 register_config("tiny-gpt", ModelConfig(
     family="gpt2", vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, ffn_hidden_size=512,

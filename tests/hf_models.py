@@ -31,6 +31,36 @@ def make_hf_model(kind: str):
     elif kind == "qwen2":  # q/k/v biases; multi-query (1 kv head)
         cfg = tf.Qwen2Config(**common, num_key_value_heads=1)
         cls = tf.Qwen2ForCausalLM
+    elif kind == "qwen3":  # per-head q/k norms; head_dim 16 independent of hidden/heads; tied; kv replicated at tp=4
+        cfg = tf.Qwen3Config(**common, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+        cls = tf.Qwen3ForCausalLM
+    elif kind == "olmo2":  # post-norms only; q/k norms over the whole width (2 kv heads: replicated at tp=4)
+        cfg = tf.Olmo2Config(**common, num_key_value_heads=2, pad_token_id=None, eos_token_id=None)
+        cls = tf.Olmo2ForCausalLM
+    elif kind == "gemma2":  # (1 + w) norms, GeGLU, sqrt(h) embedding scale, both soft-caps (small enough to bite),
+        # query_pre_attn_scalar != head_dim, layers alternate sliding (window 8) and full attention
+        cfg = tf.Gemma2Config(**common, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                              sliding_window=8, attn_logit_softcapping=0.02, final_logit_softcapping=0.5,
+                              pad_token_id=0, eos_token_id=1, bos_token_id=2)
+        cls = tf.Gemma2ForCausalLM
+    elif kind == "gemma3":  # + per-head (1 + w) q/k norms, a local rope base, linear rope scaling on global layers
+        cfg = tf.Gemma3TextConfig(**common, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                                  sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                  rope_parameters={
+                                      "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                                  pad_token_id=0, eos_token_id=1, bos_token_id=2)
+        cls = tf.Gemma3ForCausalLM
+    elif kind == "smollm3":  # layer 1 without rope (NoPE), tied head
+        cfg = tf.SmolLM3Config(**common, num_key_value_heads=2, no_rope_layers=[1, 0], pad_token_id=None,
+                               bos_token_id=None, eos_token_id=None)
+        cls = tf.SmolLM3ForCausalLM
+    elif kind == "phi3":  # fused qkv_proj / gate_up_proj, partial rotary (Phi-4-mini's kind), a sliding window of 8
+        cfg = tf.Phi3Config(**common, num_key_value_heads=2, sliding_window=8, tie_word_embeddings=True,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                             "partial_rotary_factor": 0.5},
+                            pad_token_id=None, bos_token_id=None, eos_token_id=None)
+        cls = tf.Phi3ForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(0)

@@ -134,15 +134,17 @@ def check_rotary(dtype, batched_cos, layout, max_block, device="cpu"):
     _compare(lambda t: K.apply_rotary(view(t), cos, sin), [qkv], dy, "RotaryFunctionBackward", max_block)
 
 
-def check_swiglu(dtype, layout, max_block, device="cpu"):
+def check_swiglu(dtype, layout, max_block, device="cpu", op="swiglu"):
+    """SwiGLU, or with op="geglu" Gemma's GeGLU (the same kernel pair with the tanh GeLU on the gate)."""
     gen = torch.Generator().manual_seed(3)
     shape = (3, 5, 37)
+    act = getattr(K, op)
     if layout == "fused":  # gate, up = h.chunk(2, -1) of one column-parallel output, as the MLP does
-        h = _leaf((3, 5, 74), dtype, "contiguous", gen, device)
-        fn, leaves = (lambda h: K.swiglu(*h.chunk(2, dim=-1))), [h]
+        h = _leaf((3, 5, 74), dtype, "contiguous", gen, device, scale=2.0)
+        fn, leaves = (lambda h: act(*h.chunk(2, dim=-1))), [h]
     else:
-        g, u = _leaf(shape, dtype, layout, gen, device), _leaf(shape, dtype, layout, gen, device)
-        fn, leaves = (lambda g, u: K.swiglu(_view(g, shape, layout), _view(u, shape, layout))), [g, u]
+        g, u = _leaf(shape, dtype, layout, gen, device, scale=2.0), _leaf(shape, dtype, layout, gen, device)
+        fn, leaves = (lambda g, u: act(_view(g, shape, layout), _view(u, shape, layout))), [g, u]
     dy = _leaf(shape, dtype, "contiguous", gen, device).detach()
     _compare(fn, leaves, dy, "SwiGLUFunctionBackward", max_block)
 
@@ -226,8 +228,9 @@ def test_rotary(interp, dtype, batched_cos, layout, max_block):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("layout,max_block", [("fused", 16), ("transposed", 4096)])
-def test_swiglu(interp, dtype, layout, max_block):
-    interp(check_swiglu, dtype, layout, max_block)
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+def test_swiglu(interp, dtype, layout, max_block, op):
+    interp(check_swiglu, dtype, layout, max_block, "cpu", op)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
@@ -256,6 +259,7 @@ def test_cuda():
         check_rotary(dtype, True, "qkv", 4096, "cuda")
         check_rotary(dtype, False, "heads_first", 8, "cuda")
         check_swiglu(dtype, "fused", 4096, "cuda")
+        check_swiglu(dtype, "fused", 4096, "cuda", "geglu")
         check_bias_gelu(dtype, True, "sliced", 4096, "cuda")
         check_cross_entropy(dtype, 0.1, "sliced", False, 4096, "cuda")
         check_cross_entropy(dtype, 0.0, "contiguous", True, 16, "cuda")

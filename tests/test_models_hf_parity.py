@@ -12,7 +12,7 @@ from tpzoo.testing import run_on_ranks
 
 from hf_models import VOCAB, save_hf_model
 
-KINDS = ["gpt2", "llama", "llama31-tied", "mistral", "qwen2"]
+KINDS = ["gpt2", "llama", "llama31-tied", "mistral", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3", "smollm3", "phi3"]
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,7 @@
 """The zoo's models give the same loss and gradients with the fused kernels forced on (Triton's interpreter on
-CPU) and off (torch references), at tp=2 with sequence parallelism."""
+CPU) and off (torch references), at tp=2 with sequence parallelism. The 2024-25 families run their (1 + w) and
+per-head q/k RMSNorms through the norm kernel and Gemma's GeGLU through the SwiGLU kernel pair; OLMo 2's
+full-width q/k norm stays on the torch path (docs/kernels.md)."""
 import pytest
 import torch
 
@@ -20,9 +22,19 @@ def _loss_and_grads(cfg, backend, ids, labels):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+_NANO = get_config("nano-llama")
+NEW = [  # Gemma 3's switches: (1 + w) norms before and after each sublayer, per-head (1 + w) q/k norms, one
+    # sliding and one full layer with their own rope tables (Qwen3's q/k norms and OLMo 2's post-norms are the same
+    # kernel calls)
+    _NANO.replace(family="gemma3", activation="geglu_tanh", qk_norm="head", head_dim=16, post_norm=True,
+                  norm_offset=True, embed_scale=True, tie_embeddings=True, attn_scale=24, sliding_window=4,
+                  layer_types=["sliding_attention", "full_attention"], rope_local_theta=1e4, name="nano-gemma3"),
+]
+
+
 def _compare_backends(name):
     tpzoo.init_parallel(tp=2)
-    cfg = get_config(name)
+    cfg = get_config(name) if isinstance(name, str) else name
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=g)
     labels = ids.roll(-1, dims=1)
@@ -43,7 +55,7 @@ def _compare_backends(name):
     return float(loss)
 
 
-@pytest.mark.parametrize("name", ["nano-gpt", "nano-llama"])
+@pytest.mark.parametrize("name", ["nano-gpt", "nano-llama", *NEW], ids=lambda c: c if isinstance(c, str) else c.name)
 def test_model_loss_and_grads_same_with_kernels_on_and_off(name):
     losses = run_on_ranks(2, _compare_backends, name, pool_env={"TRITON_INTERPRET": "1"})
     assert losses[0] == losses[1]

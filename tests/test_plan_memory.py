@@ -21,6 +21,18 @@ from tpzoo.train.optim import DistributedAdamW
 GQA = ModelConfig(family="qwen2", vocab_size=101, hidden_size=64, num_layers=3, num_heads=8, num_kv_heads=1,
                   ffn_hidden_size=96, max_position_embeddings=64, qkv_bias=True, tie_embeddings=True, name="gqa-kv1")
 SMALL = ["nano-gpt", "nano-llama", "tiny-llama", GQA]
+# The 2024-25 switches: OLMo 2 (post-norms only, full-width q/k norms whose k part holds the replicated kv head) and
+# Gemma 3 (pre+post norms, per-head q/k norms, GeGLU, head_dim independent of hidden / heads).
+NEW_FAMILIES = [
+    ModelConfig(family="olmo2", vocab_size=101, hidden_size=64, num_layers=3, num_heads=8, num_kv_heads=1,
+                ffn_hidden_size=96, max_position_embeddings=64, qk_norm="full", pre_norm=False, post_norm=True,
+                name="olmo2-kv1"),
+    ModelConfig(family="gemma3", vocab_size=101, hidden_size=64, num_layers=3, num_heads=8, num_kv_heads=2,
+                head_dim=16, ffn_hidden_size=96, max_position_embeddings=64, activation="geglu_tanh",
+                qk_norm="head", post_norm=True, norm_offset=True, embed_scale=True, tie_embeddings=True,
+                sliding_window=4, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                rope_local_theta=10000.0, rope_theta=1e6, attn_scale=24, name="gemma3-tiny"),
+]
 TOL = 0.02  # activations: relative; the model is exact except CPU layer_norm's bf16 statistics (docs/plan.md)
 
 
@@ -52,7 +64,8 @@ def unique_params(chunks):
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (1, 2, 1), (2, 2, 1), (4, 2, 1), (2, 2, 2), (1, 3, 1)]
 
 
-@pytest.mark.parametrize("name", SMALL + ["llama-3-8b", "qwen2.5-0.5b", "gpt2"],
+@pytest.mark.parametrize("name", SMALL + NEW_FAMILIES + ["llama-3-8b", "qwen2.5-0.5b", "gpt2", "qwen3-0.6b",
+                                                         "olmo-2-32b", "gemma-2-2b", "gemma-3-27b"],
                          ids=lambda c: c if isinstance(c, str) else c.name)
 def test_parameter_bytes_exact(name):
     cfg = cfg_of(name)

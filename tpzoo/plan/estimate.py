@@ -94,8 +94,9 @@ def stage_flops(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage:
     tokens, h, d = b * s, cfg.hidden_size, local_dims(cfg, t, training.vocab_padding_multiple)
     count = stage_params(cfg, t, layout.pp, stage, layout.virtual_stages, training.vocab_padding_multiple)
     layers = stage_layers(cfg, layout.pp, stage, layout.virtual_stages)
-    w = cfg.sliding_window
-    keys = (s + 1) / 2 if (w is None or w >= s) else (w * s - w * (w - 1) / 2) / s  # mean keys per query
+    def mean_keys(w):  # mean keys per query, causal, within a window of w
+        return (s + 1) / 2 if (w is None or w >= s) else (w * s - w * (w - 1) / 2) / s
+    keys = sum(mean_keys(cfg.layer_window(i)) for i in range(cfg.num_layers)) / cfg.num_layers  # mixed layers
     attn = layers * 4 * b * s * keys * d.heads * cfg.head_dim
     matmul = 2 * tokens * count.matmul + (2 * tokens * h * d.vocab if stage == layout.pp - 1 else 0)
     if layout.recompute == "full":

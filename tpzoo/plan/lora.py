@@ -10,7 +10,8 @@ Activations, per layer and token, against the full model (tested against real sa
   - the torch RMSNorm's normalized tensor (e*h per norm) it keeps only for its weight's gradient;
 per chunk: the first layer's input norm keeps nothing (no gradient reaches the frozen embedding), nor does the
 embedding (lookup indices, masks); a frozen head does not keep its input without SP (with SP the column layer's
-shard is kept anyway), nor does the torch final RMSNorm its normalized tensor.
+shard is kept anyway), nor does the torch final RMSNorm its normalized tensor. Exact (tested) for the
+pre-norm GPT and LLaMA families; for the 2025 families approximate as their full-model activations are.
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def lora_layer_activation_delta(cfg: ModelConfig, tp: int, sequence_parallel: bo
     sp_div = tp if sequence_parallel else 1
     u = e * rank * _layer(cfg, tp, rank)[1] * tokens
     torch_rms = kernels == "reference" and cfg.norm == "rmsnorm"
-    return u - (2 * e * cfg.hidden_size * tokens // sp_div if torch_rms else 0)
+    norms = 2 * (int(cfg.pre_norm) + int(cfg.post_norm))
+    return u - (norms * e * cfg.hidden_size * tokens // sp_div if torch_rms else 0)
 
 
 def lora_chunk_activation_delta(cfg: ModelConfig, tp: int, sequence_parallel: bool, recompute: str, rank: int,
@@ -62,7 +64,7 @@ def lora_chunk_activation_delta(cfg: ModelConfig, tp: int, sequence_parallel: bo
     full = recompute == "full"
     out = 0 if full else layers * lora_layer_activation_delta(cfg, tp, sequence_parallel, rank, tokens, e, kernels)
     if first:
-        if layers and not full:  # layer 0's input norm: its input needs no gradient, so it keeps nothing
+        if layers and not full and cfg.pre_norm:  # layer 0's input norm: no gradient reaches its input
             out -= (norm_saved - (e * h if torch_rms else 0)) * tokens // sp_div
         out -= (9 * tokens if tp > 1 else 0) + (8 * seq_len if cfg.position == "learned" else 0)
     if last:

@@ -73,14 +73,20 @@ def layer_params(cfg: ModelConfig, tp: int) -> ParamCount:
     d = local_dims(cfg, tp)
     h = cfg.hidden_size
     norm = h * (2 if cfg.norm == "layernorm" else 1)
-    n_in = d.ffn * (2 if cfg.activation == "swiglu" else 1)
+    norms = 2 * (int(cfg.pre_norm) + int(cfg.post_norm))  # hidden-size norms per layer
+    n_in = d.ffn * (2 if cfg.gated else 1)
     qkv = d.q + 2 * d.kv
     matmul = h * qkv + d.q * h + h * n_in + d.ffn * h
     biases = (qkv if cfg.qkv_bias else 0) + (h if cfg.out_bias else 0) + ((n_in + h) if cfg.mlp_bias else 0)
-    tensors = 2 * (2 if cfg.norm == "layernorm" else 1) + 4 + cfg.qkv_bias + cfg.out_bias + 2 * cfg.mlp_bias
-    sp = 2 * norm + (h if cfg.out_bias else 0) + (h if cfg.mlp_bias else 0)
+    # q/k norms: per head (replicated, partial gradient summed over tp), or full width (split like q and k)
+    qk = {"none": 0, "head": 2 * cfg.head_dim, "full": d.q + d.kv}[cfg.qk_norm]
+    tensors = (norms * (2 if cfg.norm == "layernorm" else 1) + 4 + cfg.qkv_bias + cfg.out_bias + 2 * cfg.mlp_bias
+               + (2 if cfg.qk_norm != "none" else 0))
+    sp = norms * norm + (h if cfg.out_bias else 0) + (h if cfg.mlp_bias else 0) + (qk if cfg.qk_norm == "head" else 0)
     replicated = (h * qkv + (qkv if cfg.qkv_bias else 0)) if cfg.num_kv_heads < tp else 0
-    return ParamCount(matmul + biases + 2 * norm, tensors, matmul, sp, replicated, 0)
+    if cfg.qk_norm == "full" and cfg.num_kv_heads < tp:
+        replicated += d.kv  # k_norm's weight holds the replicated kv heads' part too
+    return ParamCount(matmul + biases + norms * norm + qk, tensors, matmul, sp, replicated, 0)
 
 
 def stage_params(cfg: ModelConfig, tp: int, pp: int, stage: int, virtual_stages: int = 1,
@@ -167,13 +173,14 @@ def layer_activation_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, r
     attn = e * (d.q + 2 * d.kv) + e * d.q + (e * (d.q + d.kv) if cfg.position == "rope" else 0)
     if recompute != "selective":
         attn += 4 * d.heads
-    if cfg.activation == "swiglu":
+    if cfg.gated:  # SwiGLU and GeGLU: the same kernel pair (the torch references keep the same tensors too)
         mlp = e * d.ffn * (4 if kernels == "reference" else 3)
     else:
         mlp = 2 * e * d.ffn
     # The norms and the two column-parallel inputs (qkv, fc_in) are kept as this rank's sequence shard (the
     # column layers gather them again in backward); the rest is split by heads or ffn columns.
-    return (2 * _norm_saved(cfg, e, kernels) + 2 * e * h) * tokens // sp_div + (attn + mlp) * tokens
+    norms = 2 * (int(cfg.pre_norm) + int(cfg.post_norm))
+    return (norms * _norm_saved(cfg, e, kernels) + 2 * e * h) * tokens // sp_div + (attn + mlp) * tokens
 
 
 def chunk_activation_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, recompute: str,

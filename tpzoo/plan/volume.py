@@ -10,8 +10,10 @@ Per layer and micro-batch of T tokens (e = activation bytes, t = tp), from tpzoo
 Embedding: forward all-reduce (SP: reduce-scatter, backward all-gather). Output layer: backward all-reduce
 (SP: forward all-gather, backward reduce-scatter). Loss: all-reduce of T fp32 (max) and 3T fp32 (sums).
 After the backward, tpzoo.parallel.finish_tp_grads: under SP one all-reduce of the partial gradients of
-replicated parameters (norms, row biases, learned positions); with kv heads replicated (kv_heads < tp) one
-all-gather of each qkv weight (and bias) gradient to sum the copies.
+replicated parameters (norms, row biases, learned positions; per-head q/k norms also without SP); OLMo 2's
+full-width q/k norms all-reduce 2 fp32 per token per layer, forward and backward; with kv heads replicated
+(kv_heads < tp) one all-gather of each qkv weight (and bias, and OLMo 2's k_norm weight) gradient to sum the
+copies.
 """
 from __future__ import annotations
 
@@ -75,12 +77,14 @@ def tp_step_volume(cfg: ModelConfig, layout: Layout, stage: int, micro_batches: 
     # Full recompute re-runs the layer forward up to the last tensor the backward needs (torch's non-reentrant
     # checkpoint stops early): every collective but the MLP's final row-parallel reduction.
     again = layout.recompute == "full"
+    # ... unless a post-norm follows the MLP (OLMo 2, Gemma): the backward needs its input, the reduced output
+    outs = again * (2 if cfg.post_norm else 1)
     if sp:
         # fwd in x2, bwd of row out x2, bwd re-gather of the column inputs x2 (they keep only their shard)
         vt.add("all_gather", "tp", t, full, m * layers * (6 + 2 * again))
-        vt.add("reduce_scatter", "tp", t, full, m * layers * (4 + again))      # fwd row out x2, bwd of in x2
+        vt.add("reduce_scatter", "tp", t, full, m * layers * (4 + outs))       # fwd row out x2, bwd of in x2
     else:
-        vt.add("all_reduce", "tp", t, full, m * layers * (4 + again))
+        vt.add("all_reduce", "tp", t, full, m * layers * (4 + outs))
     if stage == 0:  # vocab-parallel embedding
         if sp:
             vt.add("reduce_scatter", "tp", t, full, m)
@@ -95,13 +99,19 @@ def tp_step_volume(cfg: ModelConfig, layout: Layout, stage: int, micro_batches: 
             vt.add("all_reduce", "tp", t, full, m)
         vt.add("all_reduce", "tp", t, tokens * 4, m)      # max of the logits, fp32 per token
         vt.add("all_reduce", "tp", t, tokens * 4 * 3, m)  # target logit, sum exp, sum logits
+    if cfg.qk_norm == "full":  # OLMo 2: the q/k norms' sums of squares (2 fp32 per token), forward and backward
+        vt.add("all_reduce", "tp", t, tokens * 2 * 4, m * layers * (2 + again))
     count = stage_params(cfg, t, p, stage, layout.virtual_stages, vocab_padding_multiple)
-    if sp and count.sequence_parallel:
-        vt.add("all_reduce", "tp", t, count.sequence_parallel * grad_bytes)
+    # partial gradients of replicated parameters: under SP all of them; without SP only per-head q/k norms
+    partial = count.sequence_parallel if sp else (layers * 2 * cfg.head_dim if cfg.qk_norm == "head" else 0)
+    if partial:
+        vt.add("all_reduce", "tp", t, partial * grad_bytes)
     if cfg.num_kv_heads < t and layers:  # gather each qkv gradient (payload: the gathered, t x local)
         d = local_dims(cfg, t)
         qkv_out = d.q + 2 * d.kv
         vt.add("all_gather", "tp", t, t * qkv_out * h * grad_bytes, layers)
         if cfg.qkv_bias:
             vt.add("all_gather", "tp", t, t * qkv_out * grad_bytes, layers)
+        if cfg.qk_norm == "full":  # k_norm's weight holds the replicated heads too
+            vt.add("all_gather", "tp", t, t * d.kv * grad_bytes, layers)
     return vt

@@ -1,0 +1,122 @@
+"""What the 2024-25 families share when reading and writing Hugging Face configs and tensors: checked reads of
+the fields a family does not implement every value of (each refusal names the HF field), and the tensor map of
+a Llama-shaped decoder (separate q/k/v and gate/up/down projections) with the family's own norm names."""
+from __future__ import annotations
+
+from tpzoo.errors import ConfigError
+
+from .config import LAYER_TYPES, ModelConfig
+from .hf_mapping import concatenated, same
+
+ROPE_TYPES = ("default", "linear", "llama3")  # what models.blocks.rope_inv_freq implements
+
+
+def refuse(family: str, field: str, value, supported) -> ConfigError:
+    return ConfigError(f"{family}: HF config field {field}={value!r} is not supported (tpzoo implements "
+                       f"{supported})")
+
+
+def check(family: str, hf: dict, field: str, allowed: tuple, default=None):
+    """hf[field] (or default), refused unless it is one of `allowed`."""
+    value = hf.get(field, default)
+    if value not in allowed:
+        raise refuse(family, field, value, list(allowed))
+    return value
+
+
+def read_rope(family: str, hf: dict, params: dict | None = None, field: str = "rope_parameters",
+              default_theta: float = 10000.0) -> tuple[float, dict | None]:
+    """(theta, scaling) from transformers-5 `rope_parameters` (or the older rope_theta / rope_scaling), refusing
+    a rope type tpzoo does not implement (yarn, longrope, dynamic...) instead of running it as plain rope."""
+    if params is None:
+        params = hf.get("rope_parameters")
+        if not params:
+            params = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", default_theta)}
+            field = "rope_scaling"
+    params = dict(params)
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", default_theta)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise refuse(family, f"{field}.rope_type", kind, list(ROPE_TYPES))
+    partial = params.pop("partial_rotary_factor", 1.0)  # a family that implements it pops it before
+    if partial not in (None, 1, 1.0):
+        raise refuse(family, f"{field}.partial_rotary_factor", partial, [1.0])
+    return theta, (params if kind != "default" else None)
+
+
+def read_layer_types(family: str, hf: dict, num_layers: int) -> list | None:
+    types = hf.get("layer_types")
+    if types is None:
+        return None
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise refuse(family, "layer_types", unknown[0], list(LAYER_TYPES))
+    if len(types) != num_layers:
+        raise ConfigError(f"{family}: HF config field layer_types has {len(types)} entries for {num_layers} layers")
+    return list(types)
+
+
+def decoder_tensor_map(cfg: ModelConfig, norms: dict[str, str]) -> list:
+    """Map of a decoder whose HF layers are model.layers.{i}.self_attn.{q,k,v,o}_proj (+ q_norm, k_norm) and
+    mlp.{gate,up,down}_proj; `norms`: tpzoo norm name -> HF module name within the layer."""
+    hd = cfg.head_dim
+    qkv_sizes = (cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd)
+    ffn = cfg.ffn_hidden_size
+    maps = [same("embed.weight", "model.embed_tokens.weight", vocab_dim=0)]
+    for i in range(cfg.num_layers):
+        p, q = f"layers.{i}.", f"model.layers.{i}."
+        proj = tuple(q + f"self_attn.{n}_proj" for n in "qkv")
+        maps += [
+            concatenated(p + "attn.qkv.weight", tuple(n + ".weight" for n in proj), qkv_sizes, layer=i),
+            same(p + "attn.out.weight", q + "self_attn.o_proj.weight", layer=i),
+            concatenated(p + "mlp.fc_in.weight", (q + "mlp.gate_proj.weight", q + "mlp.up_proj.weight"), (ffn, ffn),
+                         layer=i),
+            same(p + "mlp.fc_out.weight", q + "mlp.down_proj.weight", layer=i),
+        ]
+        maps += [same(p + ours + ".weight", q + theirs + ".weight", layer=i) for ours, theirs in norms.items()]
+        if cfg.qk_norm != "none":
+            maps += [same(p + f"attn.{n}_norm.weight", q + f"self_attn.{n}_norm.weight", layer=i) for n in "qk"]
+        if cfg.qkv_bias:
+            maps.append(concatenated(p + "attn.qkv.bias", tuple(n + ".bias" for n in proj), qkv_sizes, layer=i))
+        if cfg.out_bias:
+            maps.append(same(p + "attn.out.bias", q + "self_attn.o_proj.bias", layer=i))
+    maps.append(same("final_norm.weight", "model.norm.weight"))
+    if cfg.tie_embeddings:
+        maps.append(same("lm_head.weight", "model.embed_tokens.weight", vocab_dim=0, export=False))
+    else:
+        maps.append(same("lm_head.weight", "lm_head.weight", vocab_dim=0))
+    return maps
+
+
+def common_fields(hf: dict) -> dict:
+    """ModelConfig keyword arguments every Llama-shaped HF config spells the same way."""
+    return dict(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"], num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim"), ffn_hidden_size=hf["intermediate_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 2048), norm="rmsnorm",
+        norm_eps=hf.get("rms_norm_eps", 1e-6), position="rope", tie_embeddings=hf.get("tie_word_embeddings", False),
+        initializer_range=hf.get("initializer_range", 0.02), bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"), extra={"hf_config": hf})
+
+
+def common_to_hf(cfg: ModelConfig, model_type: str, architecture: str) -> dict:
+    """The original HF dict (kept in extra) with every field the config owns overwritten."""
+    hf = dict(cfg.extra.get("hf_config", {}))
+    hf.update({
+        "model_type": model_type, "architectures": [architecture], "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "intermediate_size": cfg.ffn_hidden_size,
+        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.initializer_range,
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
+    })
+    if "head_dim" in hf or cfg.head_dim * cfg.num_heads != cfg.hidden_size:  # OLMo 2 configs have none
+        hf["head_dim"] = cfg.head_dim
+    if cfg.layer_types is not None:
+        hf["layer_types"] = list(cfg.layer_types)
+    return hf
+
+
+def rope_to_hf(cfg: ModelConfig) -> dict:
+    return {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}

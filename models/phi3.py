@@ -1,0 +1,54 @@
+"""Phi-3 / Phi-4 / Phi-4-mini: Llama-shaped, but HF stores q|k|v in one `qkv_proj` and gate|up in one
+`gate_up_proj` (tpzoo fuses them the same way, so the tensors map one to one), a sliding window on Phi-3, and
+partial rotary (Phi-4-mini: the first 3/4 of each head). LongRoPE (`rope_type` "longrope", the 128K-context
+checkpoints and Phi-4-mini) is not implemented: such configs are refused naming the rope type."""
+from __future__ import annotations
+
+from .config import ModelConfig
+from .hf_common import check, common_fields, common_to_hf, read_rope, refuse, rope_to_hf
+from .hf_mapping import same
+from .registry import Family, register_family
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    check("phi3", hf, "hidden_act", ("silu",), "silu")
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    partial = float(params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    theta, scaling = read_rope("phi3", hf, params)
+    if scaling is not None:  # "linear" / "llama3" are not what Phi-3's HF code implements either
+        raise refuse("phi3", "rope_parameters.rope_type", scaling.get("rope_type", scaling.get("type")),
+                     ["default"])
+    return ModelConfig(family="phi3", **common_fields(hf), activation="swiglu", rope_theta=theta,
+                       partial_rotary_factor=partial, sliding_window=hf.get("sliding_window"))
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    hf = common_to_hf(cfg, "phi3", "Phi3ForCausalLM")
+    hf.update(hidden_act="silu", sliding_window=cfg.sliding_window,
+              rope_parameters={**rope_to_hf(cfg), "partial_rotary_factor": cfg.partial_rotary_factor})
+    return hf
+
+
+def hf_tensor_map(cfg: ModelConfig) -> list:
+    maps = [same("embed.weight", "model.embed_tokens.weight", vocab_dim=0)]
+    for i in range(cfg.num_layers):
+        p, q = f"layers.{i}.", f"model.layers.{i}."
+        maps += [
+            same(p + "attn_norm.weight", q + "input_layernorm.weight", layer=i),
+            same(p + "attn.qkv.weight", q + "self_attn.qkv_proj.weight", layer=i),  # q|k|v, as tpzoo's
+            same(p + "attn.out.weight", q + "self_attn.o_proj.weight", layer=i),
+            same(p + "mlp_norm.weight", q + "post_attention_layernorm.weight", layer=i),
+            same(p + "mlp.fc_in.weight", q + "mlp.gate_up_proj.weight", layer=i),  # gate|up, as tpzoo's
+            same(p + "mlp.fc_out.weight", q + "mlp.down_proj.weight", layer=i),
+        ]
+    maps.append(same("final_norm.weight", "model.norm.weight"))
+    if cfg.tie_embeddings:
+        maps.append(same("lm_head.weight", "model.embed_tokens.weight", vocab_dim=0, export=False))
+    else:
+        maps.append(same("lm_head.weight", "lm_head.weight", vocab_dim=0))
+    return maps
+
+
+register_family(Family(name="phi3", hf_model_types=("phi3",), hf_architecture="Phi3ForCausalLM",
+                       config_from_hf=config_from_hf, config_to_hf=config_to_hf, hf_tensor_map=hf_tensor_map))
