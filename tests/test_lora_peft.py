@@ -1,6 +1,6 @@
 """LoRA checkpoints in and out of Hugging Face PEFT (the oracle), and LoRA fine-tuning end to end.
 
-Round trip per family (in one process): the base read from a tiny HF model written by transformers, adapters on
+Round trip per family, the 2025 ones included (in one process): the base read from a tiny HF model written by transformers, adapters on
 every linear layer with random B, saved as a tpzoo LoRA checkpoint (adapters only), exported as a PEFT adapter
 directory that peft.PeftModel.from_pretrained loads onto the HF base: the same logits (1e-4); imported back
 (--lora-from's path) the same logits; merged (to-hf --merge) a plain HF model with the same logits.
@@ -45,7 +45,7 @@ def _ours(model):
         return model.full_logits(model(IDS))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2", "qwen3", "olmo2", "gemma3", "phi3", "smollm3"])
 def test_peft_round_trip(kind, tmp_path):
     from transformers import AutoModelForCausalLM
 
