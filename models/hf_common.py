@@ -80,12 +80,7 @@ def decoder_tensor_map(cfg: ModelConfig, norms: dict[str, str]) -> list:
             maps.append(concatenated(p + "attn.qkv.bias", tuple(n + ".bias" for n in proj), qkv_sizes, layer=i))
         if cfg.out_bias:
             maps.append(same(p + "attn.out.bias", q + "self_attn.o_proj.bias", layer=i))
-    maps.append(same("final_norm.weight", "model.norm.weight"))
-    if cfg.tie_embeddings:
-        maps.append(same("lm_head.weight", "model.embed_tokens.weight", vocab_dim=0, export=False))
-    else:
-        maps.append(same("lm_head.weight", "lm_head.weight", vocab_dim=0))
-    return maps
+    return maps + head_maps(cfg)
 
 
 def common_fields(hf: dict) -> dict:
@@ -120,3 +115,10 @@ def common_to_hf(cfg: ModelConfig, model_type: str, architecture: str) -> dict:
 
 def rope_to_hf(cfg: ModelConfig) -> dict:
     return {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+
+
+def head_maps(cfg) -> list:
+    """The final norm and the output head of a Llama-shaped HF model (a tied head is the embedding, not exported)."""
+    head = (same("lm_head.weight", "model.embed_tokens.weight", vocab_dim=0, export=False) if cfg.tie_embeddings
+            else same("lm_head.weight", "lm_head.weight", vocab_dim=0))
+    return [same("final_norm.weight", "model.norm.weight"), head]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from tpzoo.errors import ConfigError
 
 from .config import ModelConfig
+from .hf_common import head_maps
 from .hf_mapping import concatenated, same
 from .registry import Family, register_family
 
@@ -92,12 +93,7 @@ def _tensor_map(cfg: ModelConfig) -> list:
             maps += [concatenated(p + "mlp.fc_in.bias", (q + "mlp.gate_proj.bias", q + "mlp.up_proj.bias"),
                                   (cfg.ffn_hidden_size, cfg.ffn_hidden_size), layer=i),
                      same(p + "mlp.fc_out.bias", q + "mlp.down_proj.bias", layer=i)]
-    maps.append(same("final_norm.weight", "model.norm.weight"))
-    if cfg.tie_embeddings:
-        maps.append(same("lm_head.weight", "model.embed_tokens.weight", vocab_dim=0, export=False))
-    else:
-        maps.append(same("lm_head.weight", "lm_head.weight", vocab_dim=0))
-    return maps
+    return maps + head_maps(cfg)
 
 
 for _name, _types in (("llama", ("llama",)), ("mistral", ("mistral",)), ("qwen2", ("qwen2",))):

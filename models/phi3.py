@@ -5,7 +5,7 @@ checkpoints and Phi-4-mini) is not implemented: such configs are refused naming 
 from __future__ import annotations
 
 from .config import ModelConfig
-from .hf_common import check, common_fields, common_to_hf, read_rope, refuse, rope_to_hf
+from .hf_common import check, common_fields, common_to_hf, head_maps, read_rope, refuse, rope_to_hf
 from .hf_mapping import same
 from .registry import Family, register_family
 
@@ -42,12 +42,7 @@ def hf_tensor_map(cfg: ModelConfig) -> list:
             same(p + "mlp.fc_in.weight", q + "mlp.gate_up_proj.weight", layer=i),  # gate|up, as tpzoo's
             same(p + "mlp.fc_out.weight", q + "mlp.down_proj.weight", layer=i),
         ]
-    maps.append(same("final_norm.weight", "model.norm.weight"))
-    if cfg.tie_embeddings:
-        maps.append(same("lm_head.weight", "model.embed_tokens.weight", vocab_dim=0, export=False))
-    else:
-        maps.append(same("lm_head.weight", "lm_head.weight", vocab_dim=0))
-    return maps
+    return maps + head_maps(cfg)
 
 
 register_family(Family(name="phi3", hf_model_types=("phi3",), hf_architecture="Phi3ForCausalLM",
