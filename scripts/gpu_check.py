@@ -8,7 +8,10 @@ Phases (each timed; a failing phase is reported and the others still run; the ex
   pretrain  a short bf16 pretrain of a ~1B Llama-class model (llama-3.2-1b shapes) with the Triton kernels on:
             tokens/s, TFLOP/s per GPU and MFU from the steady-state steps
   tp2       tp=2 on two ranks sharing the GPU(s) (gloo, tensors staged through the host when one GPU is shared)
-            against tp=1 on the same data: equal losses
+            against tp=1 on the same data: equal losses, with and without sequence parallelism (the column
+            layers' asynchronous re-gather in backward)
+  lora      LoRA fine-tuning of a small HF Llama at tp=2 + SP (bf16 on the GPU): the loss falls, the checkpoint
+            holds only the adapters, and `convert to-hf` writes a PEFT adapter directory
 
     bash scripts/gpu_check.sh                      # on a GPU node (about 5-8 minutes on one H100/H200)
     bash scripts/gpu_check.sh --cpu                # the same phases at toy sizes on CPU (CI runs this)
@@ -30,7 +33,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ("env", "tests", "kernels", "pretrain", "tp2")
+PHASES = ("env", "tests", "kernels", "pretrain", "tp2", "lora")
 
 
 def _run(cmd: list[str], log: Path, env: dict | None = None, timeout: float = 900) -> str:
@@ -147,15 +150,53 @@ def phase_tp2(a, out: Path) -> list[str]:
     model, steps = ("tiny-llama", 4) if a.cpu else ("tiny-llama", 8)
     device = ["--device", "cpu"] if a.cpu else []
     losses = {}
-    for tp in (1, 2):
-        log_dir = out / f"tp{tp}"
-        args = _pretrain_args(a, model, "fp32", 64, 2, steps, log_dir) + ["--tp", str(tp)] + device
-        _run(_tpzoo(*args), out / f"tp{tp}.log")  # tp=2 self-spawns 2 ranks sharing the device
-        losses[tp] = [r["loss"] for r in _metrics(log_dir)]
-    worst = max(abs(x - y) for x, y in zip(losses[1], losses[2]))
-    if len(losses[1]) != len(losses[2]) or worst > 1e-4:
-        raise RuntimeError(f"tp=2 and tp=1 disagree (max |diff| {worst:.2e}): {losses}")
-    return [f"tp=2 (2 ranks on one device) vs tp=1, {model} fp32, {steps} steps: max |loss diff| {worst:.1e}"]
+    for name, flags in (("tp1", ["--tp", "1"]), ("tp2", ["--tp", "2"]), ("tp2-sp", ["--tp", "2", "--sequence-parallel"])):
+        log_dir = out / name
+        args = _pretrain_args(a, model, "fp32", 64, 2, steps, log_dir) + flags + device
+        _run(_tpzoo(*args), out / f"{name}.log")  # tp=2 self-spawns 2 ranks sharing the device
+        losses[name] = [r["loss"] for r in _metrics(log_dir)]
+    lines = []
+    for name in ("tp2", "tp2-sp"):
+        worst = max(abs(x - y) for x, y in zip(losses["tp1"], losses[name]))
+        if len(losses["tp1"]) != len(losses[name]) or worst > 1e-4:
+            raise RuntimeError(f"{name} and tp=1 disagree (max |diff| {worst:.2e}): {losses}")
+        lines.append(f"{name} (2 ranks on one device) vs tp=1, {model} fp32, {steps} steps: max |loss diff| "
+                     f"{worst:.1e}")
+    return lines
+
+
+def phase_lora(a, out: Path) -> list[str]:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    base, sft, save = out / "lora-base", out / "lora-sft.jsonl", out / "lora-run"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(base)
+    words = ["apple", "river", "stone", "cloud", "green", "tiger", "piano", "lemon"]
+    sft.write_text("".join(json.dumps({"prompt": f"Join {a} and {b}.", "response": f"{a}-{b}"}) + "\n"
+                           for a in words for b in words))
+    dtype = "fp32" if a.cpu else "bf16"
+    args = ["finetune", "--base", str(base), "--data", str(sft), "--lora-rank", "8", "--lora-alpha", "16",
+            "--tp", "2", "--sequence-parallel", "--seq-len", "64", "--micro-batch-size", "4",
+            "--global-batch-size", "8", "--steps", "8", "--lr", "3e-3", "--dtype", dtype, "--save", str(save),
+            "--log-dir", str(save / "logs"), "--no-progress", "--overwrite", "--seed", "0"] + (
+                ["--device", "cpu"] if a.cpu else [])
+    _run(_tpzoo(*args), out / "lora.log")
+    rows = _metrics(save / "logs")
+    losses = [r["loss"] for r in rows]
+    if not all(map(_finite, losses)) or losses[-1] >= losses[0]:
+        raise RuntimeError(f"the LoRA loss did not fall: {losses}")
+    ckpt = sorted(save.glob("step_*"))[-1]
+    tensors = json.loads((ckpt / "manifest.json").read_text())["tensors"]
+    if not tensors or not all(".lora." in n for n in tensors):
+        raise RuntimeError(f"the LoRA checkpoint holds more than adapters: {sorted(tensors)[:4]}")
+    _run(_tpzoo("convert", "to-hf", str(ckpt), str(out / "lora-peft"), "--force"), out / "lora-export.log")
+    if not (out / "lora-peft" / "adapter_model.safetensors").is_file():
+        raise RuntimeError("convert to-hf wrote no PEFT adapter")
+    return [f"LoRA r=8 at tp=2 + SP, {dtype}, {len(rows)} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+            f"{len(tensors)} adapter tensors saved, exported as a PEFT adapter; peak memory "
+            f"{rows[-1]['peak_mem_gb']:.2f} GB"]
 
 
 def _device_name() -> str:
