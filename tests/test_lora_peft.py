@@ -15,7 +15,7 @@ import torch
 from hf_models import save_hf_model
 from test_finetune import _cfg, _tiny_hf_llama, _train
 
-from tpzoo.checkpoint import load_model, save_model_shards
+from tpzoo.checkpoint import load_model, reshard, save_model_shards
 from tpzoo.checkpoint.format import CheckpointError
 from tpzoo.checkpoint.lora_io import lora_metadata
 from tpzoo.checkpoint.peft import export_merged, export_peft, load_peft_adapters, read_peft_config
@@ -62,6 +62,9 @@ def test_peft_round_trip(kind, tmp_path):
     save_model_shards(model, ckpt, model.cfg, select=is_lora_param, metadata=lora_metadata(lcfg, base))
     assert all(".lora." in n for n in json.loads((ckpt / "manifest.json").read_text())["tensors"])
     torch.testing.assert_close(_ours(load_model(str(ckpt))), want, rtol=1e-5, atol=1e-5)  # base + adapters
+    resharded = reshard(str(ckpt), tmp_path / "lora-tp2", tp=2, pp=1, progress=False)  # the adapters only
+    assert resharded["tp"] == 2 and all(".lora." in n for n in resharded["tensors"])
+    torch.testing.assert_close(_ours(load_model(str(tmp_path / "lora-tp2"))), want, rtol=1e-5, atol=1e-5)
 
     # out: PEFT loads the adapter onto the transformers model
     adapter = export_peft(str(ckpt), tmp_path / "peft")

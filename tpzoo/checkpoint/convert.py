@@ -62,7 +62,12 @@ def write_checkpoint(source, out_dir, *, tp: int, pp: int, virtual_stages: int =
     must be assembled is assembled once."""
     cfg = source.cfg
     stages = stages or stages_from_ranges(partition(cfg, pp, virtual_stages), pp)
-    plans = layout_plan(cfg, tp, stages, vocab_padding_multiple)  # a tp that does not fit the heads fails here
+    lora = (metadata or {}).get("lora")  # a LoRA checkpoint (reshard): its adapters are all there is
+    if lora is not None:
+        from .lora_io import lora_config_of
+
+        lora = lora_config_of(lora)
+    plans = layout_plan(cfg, tp, stages, vocab_padding_multiple, lora)  # a tp that does not fit the heads fails here
     order = [(info, plan.pp_rank) for plan in plans for info in plan.params]
     check_source(source, [info for info, _ in order])
     out_dtype = {info.name: _out_dtype(source.dtype(info.name), dtype) for info, _ in order}

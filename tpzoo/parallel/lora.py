@@ -54,8 +54,9 @@ def _part_specs(layer_spec: ShardSpec, out_features: int, n_adapters: int) -> li
     if n_adapters != len(parts):
         raise ValueError(f"{n_adapters} adapters for a weight fused from {len(parts)} parts")
     reps = layer_spec.replicas or (1,) * len(parts)
-    return [(size, ShardSpec(0, replicas=(rep,), block=layer_spec.block) if rep > 1 else ShardSpec(0))
-            for size, rep in zip(parts, reps)]
+    # parts=(size,) spelled out: the full size of a replicated part is not the shard size times tp
+    return [(size, ShardSpec(0, parts=(size,), replicas=(rep,), block=layer_spec.block) if rep > 1
+             else ShardSpec(0)) for size, rep in zip(parts, reps)]
 
 
 class LoRA(nn.Module):
