@@ -157,6 +157,10 @@ def test_lora_finetune_resume_export_and_continue(tmp_path):
     out = subprocess.run([sys.executable, "-m", "tpzoo", "eval", ckpt, "--text-file", str(text), "--tp", "2"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "loss" in out.stdout, out.stderr
+    out = subprocess.run([sys.executable, "-m", "tpzoo", "generate", ckpt, "--prompt", "Join apple and river.",
+                          "--max-new-tokens", "4", "--tp", "1", "--pp", "2"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr
 
 
 def test_lora_config_errors_before_any_rank_starts(tmp_path):
