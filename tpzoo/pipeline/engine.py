@@ -16,6 +16,7 @@ import torch
 
 from tpzoo.errors import ConfigError
 from tpzoo.parallel import comm
+from tpzoo.parallel.data_parallel import arm_last_backward
 from tpzoo.parallel.dims import ParallelDims
 from tpzoo.parallel.state import get_dims
 
@@ -90,12 +91,18 @@ def execute(chunks, microbatches: list[dict], dims: ParallelDims | None, step: S
     runners = [StageRunner(c, i, stage_comm, microbatches, step, forward_only=forward_only)
                for i, c in enumerate(chunks)]
     split = any(a.kind == "W" for a in actions)
+    # The action after which a chunk's weight gradients are final (its last B, or last W under zero-bubble): a
+    # GradBuffer may start reducing them during it (tpzoo.parallel.data_parallel).
+    last_grads = {} if forward_only else {a.chunk: i for i, a in enumerate(actions) if a.kind == ("W" if split
+                                                                                                else "B")}
     timeline, peak = [], 0
     with torch.set_grad_enabled(not forward_only):
         for i, a in enumerate(actions):
             _post_recvs(actions[i: i + 2], runners, stage_comm)  # this action's input and the next one's
             runner = runners[a.chunk]
             data = runner.wait_input(a.kind, a.microbatch)
+            if last_grads.get(a.chunk) == i:
+                arm_last_backward(runner.params)
             t0 = time.perf_counter()
             if a.kind == "F":
                 runner.forward(a.microbatch, data)

@@ -73,8 +73,14 @@ class ParallelSection:
     virtual_stages: int = _f(1, "model chunks per pipeline rank (interleaved schedule)", ge=1)
     recompute: str = _f("none", "activation recomputation: none | selective | full",
                         choices=("none", "selective", "full"))
-    zero1: bool = _f(False, "ZeRO-1 distributed optimizer: optimizer state sharded over dp, gradients "
-                            "reduce-scattered, updated weights all-gathered")
+    zero: int = _f(0, "ZeRO level over dp: 0 replicated optimizer, 1 optimizer state (fp32 master, moments) "
+                      "sharded, gradients reduce-scattered, updated weights all-gathered; 2 and 3 are not "
+                      "implemented yet (docs/design.md)", ge=0, le=3)
+    zero1: bool = _f(False, "alias of --zero 1")
+    overlap_grad_reduce: bool = _f(True, "start each gradient bucket's data-parallel reduction during the "
+                                         "backward passes, as soon as its gradients are final")
+    grad_bucket_elems: int = _f(1 << 24, "elements per data-parallel gradient bucket (one collective each)",
+                                ge=1)
     device: str = _f("auto", "where each rank computes: auto (cuda:LOCAL_RANK when CUDA is available, else cpu), "
                              "cpu, cuda or cuda:N", nonempty=True)
     dist_timeout: float = _f(600.0, "seconds a rank may wait on another (a collective, a stalled or dead rank) before "
@@ -226,10 +232,20 @@ class TrainConfig:
         if self.pp > 1 and self.schedule == "interleaved" and n_micro % self.pp:
             raise ConfigError(f"the interleaved schedule needs the micro-batches per step (global_batch_size / "
                               f"(micro_batch_size * dp) = {n_micro}) to be a multiple of pp={self.pp}")
+        if self.zero1 and self.zero not in (0, 1):
+            raise ConfigError(f"zero1 = true is --zero 1, but zero = {self.zero} is also set: keep one of them")
+        if self.zero_level > 1:
+            raise ConfigError(f"--zero {self.zero_level}: ZeRO-2 and ZeRO-3 are not implemented yet (use --zero 0 "
+                              f"or 1; docs/design.md says what is planned)")
         if self.task == "sft" and len(self.data) != 1:
             raise ConfigError(f"task 'sft' needs exactly one SFT JSONL file (--data PATH.jsonl), got "
                               f"{len(self.data)}: {self.data}")
         return self
+
+    @property
+    def zero_level(self) -> int:
+        """The ZeRO level asked for, by --zero or its alias --zero1."""
+        return max(self.zero, 1 if self.zero1 else 0)
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(sec) for name, sec in self._sections.items()}

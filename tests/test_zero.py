@@ -1,0 +1,125 @@
+"""ZeRO levels and the overlapped data-parallel reduction against one process.
+
+A tiny LLaMA (grouped-query attention, tied embeddings, so pp > 1 has a tied head copy) trains three AdamW steps
+with DistributedAdamW at (tp, pp, dp) = (1,1,2), (1,1,4), (2,1,2)+SP, (1,2,2), (2,2,2)+SP, ZeRO 0 and 1, the
+overlapped bucketed reduction on (small buckets: about twenty per rank, some cutting through a parameter) and
+off. Loss, global grad norm and every parameter after the third step must equal torch.optim.AdamW on the dense
+model in one process, and with overlap every bucket without a late parameter must have started during the
+backward pass that made its gradients final: the last backward (or zero-bubble W) action of its chunk.
+
+Layouts of one world size run in one run_on_ranks call (shared worker pools)."""
+import pytest
+import torch
+
+import tpzoo
+from tpzoo.models import Transformer
+from tpzoo.parallel import gather_tp_tensor, param_spec
+from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward
+from tpzoo.testing import run_on_ranks
+
+from test_3d_parity import MODELS, SEED, _full, assert_close, global_batch, local_microbatches
+
+CFG = MODELS["llama"].replace(num_layers=4, tie_embeddings=True)
+STEPS, LR, BUCKET = 3, 1e-3, 2048
+# eps well above the gradients' rounding noise (typical entries are ~1e-2): AdamW divides by sqrt(v), so an entry whose gradient is zero up to
+# rounding would otherwise take a step of random size and sign (see make_optimizer in test_3d_parity.py).
+ADAM = dict(betas=(0.9, 0.95), eps=1e-4, weight_decay=0.1)
+
+
+def reference() -> dict:
+    model = Transformer(CFG, seed=SEED)
+    decayed = [p for p in model.parameters() if p.dim() >= 2]  # DistributedAdamW decays matrices, not norms
+    opt = torch.optim.AdamW([{"params": decayed}, {"params": [p for p in model.parameters() if p.dim() < 2],
+                                                   "weight_decay": 0.0}], lr=LR, **ADAM)
+    losses, norms = [], []
+    for step in range(STEPS):
+        ids, labels = global_batch(CFG, step)
+        opt.zero_grad(set_to_none=True)
+        per_token = model(ids, labels=labels)
+        (per_token.sum() / (labels != -100).sum()).backward()
+        losses.append(per_token.sum().item())
+        norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
+        opt.step()
+    return {"loss_sum": losses, "norms": norms,
+            "params": {n: _full(n, p.detach().clone(), CFG) for n, p in model.named_parameters()}}
+
+
+def train_zero(layout: dict) -> dict:
+    from tpzoo.train.optim import DistributedAdamW
+
+    tp, pp, dp = layout["tp"], layout.get("pp", 1), layout["dp"]
+    dims = tpzoo.init_parallel(tp=tp, pp=pp, dp=dp)
+    try:
+        chunks = build_model_chunks(CFG, dims, sequence_parallel=layout.get("sp", False), seed=SEED,
+                                    virtual_stages=layout.get("v", 1))
+        opt = DistributedAdamW([p for c in chunks for p in c.parameters()], dims, zero=layout["zero"],
+                               overlap=layout["overlap"], bucket_elems=BUCKET, **ADAM)
+        losses, norms, timing = [], [], []
+        for step in range(STEPS):
+            mbs, tokens = local_microbatches(CFG, step)
+            opt.zero_grad()
+            out = forward_backward(chunks, mbs, dims, schedule=layout.get("schedule", "1f1b"),
+                                   loss_scale=1.0 / tokens)
+            finalize_grads(chunks, dims)
+            opt.reduce_grads()
+            norms.append(opt.global_grad_norm()[0])
+            opt.step(LR)
+            losses.append(out["loss_sum"])
+            grads = opt.grads
+            early = [t for _, t in grads.started[:grads.overlapped]]
+            # each chunk's last gradient-producing action: the one of the last micro-batch
+            grad_actions = [(t0, t1) for kind, mb, t0, t1 in out["timeline"] if mb == len(mbs) - 1 and kind == (
+                "W" if layout.get("schedule") == "zb" else "B")]
+            late = [k for k, is_late in enumerate(grads.late) if is_late]
+            timing.append({"early": early, "n_early": grads.overlapped, "n_buckets": len(grads.buckets),
+                           "late": late, "started": [k for k, _ in grads.started], "actions": grad_actions})
+        params = {n: _full(n, gather_tp_tensor(p, param_spec(p), reduce="first"), CFG)
+                  for c in chunks for n, p in c.named_parameters()}
+        return {"loss_sum": losses, "norms": norms, "params": params, "timing": timing}
+    finally:
+        tpzoo.destroy_parallel()
+
+
+def run_layouts(layouts: list[dict]) -> list[dict]:
+    return [train_zero(layout) for layout in layouts]
+
+
+def check(ref: dict, ranks: list[dict], layout: dict) -> None:
+    for r in ranks:
+        assert r["loss_sum"][-1] != 0
+        assert r["norms"] == pytest.approx(ref["norms"], rel=1e-5), layout
+        for name, p in r["params"].items():
+            ref_name = "embed.weight" if name == "lm_head.weight" else name
+            assert_close(p, ref["params"][ref_name], f"{layout} param {name}")
+        for t in r["timing"]:
+            if not layout["overlap"]:
+                assert t["n_early"] == 0, layout
+                continue
+            # every bucket without a late parameter started during the backward passes, from the end of the
+            # buffer, and inside its chunk's last gradient-producing action (none earlier: not final before)
+            assert t["n_early"] == t["n_buckets"] - len(t["late"]) > 0, layout
+            assert t["started"][:t["n_early"]] == sorted(set(range(t["n_buckets"])) - set(t["late"]),
+                                                        reverse=True), layout
+            for when in t["early"]:
+                assert any(t0 <= when <= t1 for t0, t1 in t["actions"]), (layout, when, t["actions"])
+    # loss_sum is reported on every pipeline rank; per dp rank it is that rank's share of the batch
+    by_step = [sum(r["loss_sum"][s] for r in ranks) / (len(ranks) // layout["dp"]) for s in range(STEPS)]
+    assert by_step == pytest.approx(ref["loss_sum"], rel=1e-5), layout
+
+
+LAYOUTS = {
+    2: [dict(tp=1, dp=2, zero=z, overlap=o) for z in (0, 1) for o in (True, False)],
+    4: [dict(tp=1, dp=4, zero=1, overlap=True), dict(tp=1, dp=4, zero=0, overlap=True),
+        dict(tp=2, dp=2, sp=True, zero=0, overlap=True), dict(tp=2, dp=2, sp=True, zero=1, overlap=True),
+        dict(tp=1, pp=2, dp=2, zero=0, overlap=True), dict(tp=1, pp=2, dp=2, zero=1, overlap=True, schedule="zb")],
+    8: [dict(tp=2, pp=2, dp=2, sp=True, zero=1, overlap=True),
+        dict(tp=2, pp=2, dp=2, sp=True, zero=0, overlap=True, schedule="interleaved", v=2)],
+}
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_zero_levels_and_overlap_equal_one_process(world):
+    ref = reference()
+    results = run_on_ranks(world, run_layouts, LAYOUTS[world])
+    for i, layout in enumerate(LAYOUTS[world]):
+        check(ref, [r[i] for r in results], layout)
