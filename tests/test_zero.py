@@ -1,11 +1,13 @@
 """ZeRO levels and the overlapped data-parallel reduction against one process.
 
 A tiny LLaMA (grouped-query attention, tied embeddings, so pp > 1 has a tied head copy) trains three AdamW steps
-with DistributedAdamW at (tp, pp, dp) = (1,1,2), (1,1,4), (2,1,2)+SP, (1,2,2), (2,2,2)+SP, ZeRO 0 and 1, the
-overlapped bucketed reduction on (small buckets: about twenty per rank, some cutting through a parameter) and
-off. Loss, global grad norm and every parameter after the third step must equal torch.optim.AdamW on the dense
-model in one process, and with overlap every bucket without a late parameter must have started during the
-backward pass that made its gradients final: the last backward (or zero-bubble W) action of its chunk.
+with DistributedAdamW at (tp, pp, dp) = (1,1,2), (1,1,4), (2,1,2)+SP, (1,2,2), (2,2,2)+SP, ZeRO 0, 1 and 2,
+the overlapped bucketed reduction on (small buckets: about twenty per rank, some cutting through a parameter) and
+off, the 1f1b, zero-bubble and interleaved schedules. Loss, global grad norm and every parameter after the third step must equal torch.optim.AdamW on the dense
+model in one process. With overlap, at ZeRO 0/1 every bucket without a late parameter must have started during
+the backward pass that made its gradients final (the last backward, or zero-bubble W, action of its chunk), in
+order from the end of the buffer; at ZeRO-2 every bucket is reduce-scattered during each backward pass that
+filled it.
 
 Layouts of one world size run in one run_on_ranks call (shared worker pools)."""
 import pytest
@@ -67,11 +69,10 @@ def train_zero(layout: dict) -> dict:
             losses.append(out["loss_sum"])
             grads = opt.grads
             early = [t for _, t in grads.started[:grads.overlapped]]
-            # each chunk's last gradient-producing action: the one of the last micro-batch
-            grad_actions = [(t0, t1) for kind, mb, t0, t1 in out["timeline"] if mb == len(mbs) - 1 and kind == (
-                "W" if layout.get("schedule") == "zb" else "B")]
+            grad_actions = [(mb, t0, t1) for kind, mb, t0, t1 in out["timeline"]
+                            if kind == ("W" if layout.get("schedule") == "zb" else "B")]
             late = [k for k, is_late in enumerate(grads.late) if is_late]
-            timing.append({"early": early, "n_early": grads.overlapped, "n_buckets": len(grads.buckets),
+            timing.append({"early": early, "n_early": grads.overlapped, "n_buckets": len(grads.buckets), "m": len(mbs),
                            "late": late, "started": [k for k, _ in grads.started], "actions": grad_actions})
         params = {n: _full(n, gather_tp_tensor(p, param_spec(p), reduce="first"), CFG)
                   for c in chunks for n, p in c.named_parameters()}
@@ -92,28 +93,35 @@ def check(ref: dict, ranks: list[dict], layout: dict) -> None:
             ref_name = "embed.weight" if name == "lm_head.weight" else name
             assert_close(p, ref["params"][ref_name], f"{layout} param {name}")
         for t in r["timing"]:
-            if not layout["overlap"]:
+            if not layout["overlap"] and layout["zero"] < 2:  # ZeRO-2 reduces in every pass (waited on at its end)
                 assert t["n_early"] == 0, layout
                 continue
-            # every bucket without a late parameter started during the backward passes, from the end of the
-            # buffer, and inside its chunk's last gradient-producing action (none earlier: not final before)
-            assert t["n_early"] == t["n_buckets"] - len(t["late"]) > 0, layout
-            assert t["started"][:t["n_early"]] == sorted(set(range(t["n_buckets"])) - set(t["late"]),
-                                                        reverse=True), layout
+            normal = sorted(set(range(t["n_buckets"])) - set(t["late"]), reverse=True)
+            if layout["zero"] == 2:
+                # every micro-batch's backward reduce-scatters every bucket it filled, during that backward
+                passes = t["m"] * layout.get("v", 1)
+                assert t["n_early"] >= len(normal) * t["m"] and t["n_early"] <= passes * len(normal), layout
+                windows = [(t0, t1) for _, t0, t1 in t["actions"]]
+            else:
+                # every bucket without a late parameter started during the backward passes, from the end of the
+                # buffer, inside its chunk's last gradient-producing action (none earlier: not final before)
+                assert t["n_early"] == len(normal) > 0, layout
+                assert t["started"][:t["n_early"]] == normal, layout
+                windows = [(t0, t1) for mb, t0, t1 in t["actions"] if mb == t["m"] - 1]
             for when in t["early"]:
-                assert any(t0 <= when <= t1 for t0, t1 in t["actions"]), (layout, when, t["actions"])
+                assert any(t0 <= when <= t1 for t0, t1 in windows), (layout, when, windows)
     # loss_sum is reported on every pipeline rank; per dp rank it is that rank's share of the batch
     by_step = [sum(r["loss_sum"][s] for r in ranks) / (len(ranks) // layout["dp"]) for s in range(STEPS)]
     assert by_step == pytest.approx(ref["loss_sum"], rel=1e-5), layout
 
 
 LAYOUTS = {
-    2: [dict(tp=1, dp=2, zero=z, overlap=o) for z in (0, 1) for o in (True, False)],
-    4: [dict(tp=1, dp=4, zero=1, overlap=True), dict(tp=1, dp=4, zero=0, overlap=True),
-        dict(tp=2, dp=2, sp=True, zero=0, overlap=True), dict(tp=2, dp=2, sp=True, zero=1, overlap=True),
-        dict(tp=1, pp=2, dp=2, zero=0, overlap=True), dict(tp=1, pp=2, dp=2, zero=1, overlap=True, schedule="zb")],
+    2: [dict(tp=1, dp=2, zero=z, overlap=o) for z in (0, 1, 2) for o in (True, False)],
+    4: [dict(tp=1, dp=4, zero=1, overlap=True), dict(tp=1, dp=4, zero=2, overlap=True),
+        dict(tp=2, dp=2, sp=True, zero=0, overlap=True), dict(tp=2, dp=2, sp=True, zero=2, overlap=True),
+        dict(tp=1, pp=2, dp=2, zero=1, overlap=True), dict(tp=1, pp=2, dp=2, zero=2, overlap=True, schedule="zb")],
     8: [dict(tp=2, pp=2, dp=2, sp=True, zero=1, overlap=True),
-        dict(tp=2, pp=2, dp=2, sp=True, zero=0, overlap=True, schedule="interleaved", v=2)],
+        dict(tp=2, pp=2, dp=2, sp=True, zero=2, overlap=True, schedule="interleaved", v=2)],
 }
 
 

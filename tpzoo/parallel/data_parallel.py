@@ -15,7 +15,7 @@ element.
 Buckets and overlap. The flat buffer is cut into buckets of `bucket_elems` (a multiple of dp, so each splits
 evenly; a bucket may cut through a parameter). With overlap on (`begin`), a bucket's reduction starts,
 asynchronously, as soon as every parameter in it has received its last gradient of the step: the executor arms a
-chunk's parameters before its last backward pass (`arm_last_backward`; with pipelining, the last micro-batch's
+chunk's parameters for its last backward pass (`grad_pass(last=True)`; with pipelining, the last micro-batch's
 backward of that chunk, or zero-bubble's last W), and their hooks then mark them final. Buckets start in a fixed
 order (from the end of the buffer, the order backward produces gradients), so every replica issues the same
 collectives in the same order. `finish` starts what is left and waits; the optimizer waits only for what is
@@ -28,6 +28,7 @@ are not final when their hooks run. They are laid out last, and the buckets hold
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -38,46 +39,52 @@ from .utils import param_spec
 DEFAULT_BUCKET_ELEMS = 1 << 24  # 64 MiB of fp32 per collective call
 
 
-def is_late(param) -> bool:
-    """Whether finalize_grads still changes this parameter's gradient after the backward passes."""
+def is_late(param, tp: int | None = None, pp: int | None = None) -> bool:
+    """Whether finalize_grads still changes this parameter's gradient after the backward passes. With the
+    layout's tp and pp known, only where it does (SP and kv-head replicas need tp > 1, tied copies pp > 1)."""
     spec = param_spec(param)
-    return bool(getattr(param, "sequence_parallel", False) or getattr(param, "tied_group", None)
-                or (spec.dim is not None and spec.replicas and max(spec.replicas) > 1))
+    multi_tp, multi_pp = tp is None or tp > 1, pp is None or pp > 1
+    return bool((multi_tp and getattr(param, "sequence_parallel", False))
+                or (multi_pp and getattr(param, "tied_group", None))
+                or (multi_tp and spec.dim is not None and spec.replicas and max(spec.replicas) > 1))
 
 
-def _accumulate_into_main_grad(param: torch.Tensor) -> None:
-    param.main_grad.add_(param.grad)
+def _grad_ready(param: torch.Tensor) -> None:
+    """Post-accumulate hook: hand autograd's gradient to the buffer (fp32) and free the 16-bit .grad."""
+    param._grad_buffer.add(param, param.grad)
     param.grad = None
-    param._grad_buffer.arrived(param)
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     """Add a gradient computed outside autograd's accumulation (zero-bubble's W pass) where the parameter keeps
-    its gradient: main_grad when a GradBuffer is attached, else .grad."""
-    main = getattr(param, "main_grad", None)
-    if main is not None:
-        main.add_(grad)
-        param._grad_buffer.arrived(param)
+    its gradient: its GradBuffer when one is attached, else .grad."""
+    buf = getattr(param, "_grad_buffer", None)
+    if buf is not None:
+        buf.add(param, grad)
     elif param.grad is None:
         param.grad = grad.clone()  # a copy: autograd may hand the same tensor to two parameters
     else:
         param.grad.add_(grad)
 
 
-def arm_last_backward(params) -> None:
-    """Called by the pipeline executor before a chunk's last backward (or W) pass of the step: the gradients the
-    parameters receive in it are their last, so their buckets may start reducing. No-op without a GradBuffer."""
-    for p in params:
-        buf = getattr(p, "_grad_buffer", None)
-        if buf is not None:
-            buf.armed.add(id(p))
+@contextlib.contextmanager
+def grad_pass(params, last: bool):
+    """The pipeline executor runs every pass that produces weight gradients (B, or zero-bubble's W) inside this;
+    `last`: the chunk's last such pass of the step, after which its gradients are final. No-op without a
+    GradBuffer."""
+    buffers = {id(b): b for b in (getattr(p, "_grad_buffer", None) for p in params) if b is not None}
+    for b in buffers.values():
+        b.pass_begins(params, last)
+    yield
+    for b in buffers.values():
+        b.pass_ends()
 
 
-def flat_layout(params, pad_to: int = 1) -> tuple[list, list[int], int, int]:
-    """(each distinct Parameter once, late ones last; its offset in a flat buffer; elements; elements padded to a
-    multiple of pad_to): the layout the GradBuffer and the optimizer's flat buffers share."""
+def flat_layout(params, pad_to: int = 1, late=is_late) -> tuple[list, list[int], int, int]:
+    """(each distinct Parameter once, the `late` ones last; its offset in a flat buffer; elements; elements padded
+    to a multiple of pad_to): the layout the GradBuffer and the optimizer's flat buffers share."""
     unique = list({id(p): p for p in params}.values())
-    unique = [p for p in unique if not is_late(p)] + [p for p in unique if is_late(p)]
+    unique = [p for p in unique if not late(p)] + [p for p in unique if late(p)]
     offsets, off = [], 0
     for p in unique:
         offsets.append(off)
@@ -105,26 +112,43 @@ class GradBuffer:
     """fp32 main gradients of `params` (each distinct Parameter once, late ones last) in one flat buffer on
     `device`, padded to a multiple of `pad_to` (the dp size, so ZeRO can split every bucket evenly)."""
 
-    def __init__(self, params, *, device, pad_to: int = 1, bucket_elems: int = DEFAULT_BUCKET_ELEMS):
-        self.params, self.offsets, self.numel, self.padded = flat_layout(params, pad_to)
+    def __init__(self, params, *, device, pad_to: int = 1, bucket_elems: int = DEFAULT_BUCKET_ELEMS, late=is_late):
+        self.params, self.offsets, self.numel, self.padded = flat_layout(params, pad_to, late)
         self.pad_to, self.device = pad_to, device
         self.buckets = bucket_ranges(self.padded, pad_to, bucket_elems)
-        self.data = torch.zeros(self.padded, dtype=torch.float32, device=device)
-        self._hooks = []
         size = self.buckets[0][1]
         self.late = [False] * len(self.buckets)
         self._of_param = {}  # id(param) -> indices of the buckets it lies in
         for p, o in zip(self.params, self.offsets):
-            p.main_grad = self.data[o:o + p.numel()].view(p.shape)
-            p.grad = None
-            p._grad_buffer = self
-            self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_into_main_grad))
             ks = list(range(o // size, (o + p.numel() - 1) // size + 1)) if p.numel() else []
             self._of_param[id(p)] = ks
             for k in ks:
-                self.late[k] = self.late[k] or is_late(p)
-        self.armed: set[int] = set()
+                self.late[k] = self.late[k] or late(p)
         self._group, self._pending, self.shard_grad = None, {}, None
+        self.started, self.overlapped = [], 0
+        self._allocate()
+        self._hooks = []
+        for p in self.params:
+            p.grad = None
+            p._grad_buffer = self
+            self._hooks.append(p.register_post_accumulate_grad_hook(_grad_ready))
+        self.armed: set[int] = set()
+
+    def _allocate(self) -> None:
+        self.data = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
+        for p, o in zip(self.params, self.offsets):
+            p.main_grad = self.data[o:o + p.numel()].view(p.shape)
+
+    def add(self, param, grad: torch.Tensor) -> None:
+        param.main_grad.add_(grad)
+        self.arrived(param)
+
+    def pass_begins(self, params, last: bool) -> None:
+        if last:  # what these parameters receive now is their last gradient of the step
+            self.armed.update(id(p) for p in params)
+
+    def pass_ends(self) -> None:
+        pass
 
     def zero(self) -> None:
         self.data.zero_()
@@ -204,6 +228,7 @@ class GradBuffer:
         for h in self._hooks:
             h.remove()
         for p in self.params:
-            del p.main_grad
+            if hasattr(p, "main_grad"):
+                del p.main_grad
             del p._grad_buffer
         self._hooks = []

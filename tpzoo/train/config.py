@@ -73,9 +73,10 @@ class ParallelSection:
     virtual_stages: int = _f(1, "model chunks per pipeline rank (interleaved schedule)", ge=1)
     recompute: str = _f("none", "activation recomputation: none | selective | full",
                         choices=("none", "selective", "full"))
-    zero: int = _f(0, "ZeRO level over dp: 0 replicated optimizer, 1 optimizer state (fp32 master, moments) "
-                      "sharded, gradients reduce-scattered, updated weights all-gathered; 2 and 3 are not "
-                      "implemented yet (docs/design.md)", ge=0, le=3)
+    zero: int = _f(0, "ZeRO level over dp: 0 replicated optimizer; 1 optimizer state (fp32 master, moments) "
+                      "sharded, gradients reduce-scattered, updated weights all-gathered; 2 also no full-size fp32 "
+                      "gradient buffer (reduce-scattered as buckets fill, every micro-batch); 3 (parameters "
+                      "sharded) is not implemented yet (docs/design.md)", ge=0, le=3)
     zero1: bool = _f(False, "alias of --zero 1")
     overlap_grad_reduce: bool = _f(True, "start each gradient bucket's data-parallel reduction during the "
                                          "backward passes, as soon as its gradients are final")
@@ -234,9 +235,9 @@ class TrainConfig:
                               f"(micro_batch_size * dp) = {n_micro}) to be a multiple of pp={self.pp}")
         if self.zero1 and self.zero not in (0, 1):
             raise ConfigError(f"zero1 = true is --zero 1, but zero = {self.zero} is also set: keep one of them")
-        if self.zero_level > 1:
-            raise ConfigError(f"--zero {self.zero_level}: ZeRO-2 and ZeRO-3 are not implemented yet (use --zero 0 "
-                              f"or 1; docs/design.md says what is planned)")
+        if self.zero_level == 3:
+            raise ConfigError("--zero 3: ZeRO-3 (parameters sharded over dp) is not implemented yet; use --zero 2 "
+                              "(gradients and optimizer state sharded; docs/design.md says what is planned)")
         if self.task == "sft" and len(self.data) != 1:
             raise ConfigError(f"task 'sft' needs exactly one SFT JSONL file (--data PATH.jsonl), got "
                               f"{len(self.data)}: {self.data}")

@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import Counter
 
 import torch
 
 from tpzoo.parallel import GradBuffer, ParallelDims, comm
-from tpzoo.parallel.data_parallel import DEFAULT_BUCKET_ELEMS, bucket_ranges, flat_layout, shard_segments
+from tpzoo.parallel.data_parallel import DEFAULT_BUCKET_ELEMS, bucket_ranges, flat_layout, is_late, shard_segments
+from tpzoo.parallel.dims import SELF_GROUP
+from tpzoo.parallel.grad_shards import ShardedGradBuffer
 from tpzoo.parallel.utils import param_spec
 
 
@@ -69,8 +72,9 @@ class DistributedAdamW:
     """AdamW (torch.optim.AdamW's arithmetic) over a flat buffer; see the module docstring.
 
     params: this rank's Parameters (a tied one listed twice is taken once); dims: the layout (device, dp group);
-    zero: 0 (replicated state) or 1 (ZeRO-1; `zero1=True` is the same); overlap: start each gradient bucket's
-    reduction during the backward passes (call zero_grad() before them)."""
+    zero: 0 (replicated state), 1 (ZeRO-1; `zero1=True` is the same) or 2 (ZeRO-2: gradients reduce-scattered
+    into the owned shard during the backward passes, no full-size fp32 gradient buffer: ShardedGradBuffer);
+    overlap: start each gradient bucket's reduction during the backward passes (call zero_grad() before them)."""
 
     def __init__(self, params, dims: ParallelDims, *, model_dtype: torch.dtype = torch.float32, zero: int = 0,
                  zero1: bool = False, overlap: bool = True, betas=(0.9, 0.95), eps: float = 1e-8,
@@ -78,10 +82,15 @@ class DistributedAdamW:
         self.dims, self.device = dims, dims.device
         self.dp_size, self.dp_rank = dims.dp * dims.cp, dims.dp_cp_rank
         self.zero = max(zero, 1 if zero1 else 0)
-        self.zero1, self.overlap = self.zero >= 1, overlap
+        self.zero1, self.overlap = self.zero >= 1, overlap  # zero1: the optimizer state is sharded (ZeRO >= 1)
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         self.model_dtype, self.step_count = model_dtype, 0
-        self.params, self.offsets, self.numel, self.padded = flat_layout(params, self.dp_size)
+        # Parameters whose gradients finalize_grads still changes go last (their buckets reduce after it), and so
+        # does one listed twice (a tied weight in two chunks of this rank: two last passes add to it).
+        params = list(params)
+        shared = {i for i, n in Counter(map(id, params)).items() if n > 1}
+        late = lambda p: id(p) in shared or is_late(p, dims.tp, dims.pp)  # noqa: E731
+        self.params, self.offsets, self.numel, self.padded = flat_layout(params, self.dp_size, late)
         self.shard = self.padded // self.dp_size
         self.buckets = bucket_ranges(self.padded, self.dp_size, bucket_elems)
         # This rank's 1/dp of every bucket: what it owns under ZeRO and what it counts in the norm. `owned` lists
@@ -104,7 +113,12 @@ class DistributedAdamW:
         self.exp_avg = torch.zeros(n_owned, dtype=torch.float32, device=self.device)
         self.exp_avg_sq = torch.zeros(n_owned, dtype=torch.float32, device=self.device)
         # Last, once the parameters' old storage is freed: the same layout as `flat`, element for element.
-        self.grads = GradBuffer(self.params, device=self.device, pad_to=self.dp_size, bucket_elems=bucket_elems)
+        if self.zero >= 2:
+            self.grads = ShardedGradBuffer(self.params, device=self.device, pad_to=self.dp_size, late=late,
+                                           dp_rank=self.dp_rank, overlap=overlap, bucket_elems=bucket_elems)
+        else:
+            self.grads = GradBuffer(self.params, device=self.device, pad_to=self.dp_size, late=late,
+                                    bucket_elems=bucket_elems)
         self.grad_owned = None  # the reduced fp32 gradients of the owned segments, after reduce_grads()
         self.norm_runs = self._norm_weights(dims.tp_rank, dims.tp)
         self.ranges = self._update_ranges()
@@ -174,14 +188,14 @@ class DistributedAdamW:
         reduction, so each bucket starts reducing as soon as its gradients are final."""
         self.grads.zero()
         self.grad_owned = None
-        if self.overlap and self.dp_size > 1:
-            self.grads.begin(self.dp_group, shard=self.zero1)
+        if self.zero >= 2 or (self.overlap and self.dp_size > 1):  # ZeRO-2 reduces during backward, always
+            self.grads.begin(self.dp_group if self.dp_size > 1 else SELF_GROUP, shard=self.zero1)
 
     def reduce_grads(self) -> None:
         """Sum the main gradients over dp (all-reduce, or reduce-scatter under ZeRO): the GradBuffer's one
         reduction path; waits for the buckets already in flight and reduces the rest. Call after the TP /
         tied-weight reductions (finalize_grads)."""
-        if self.overlap and self.dp_size > 1:
+        if self.zero >= 2 or (self.overlap and self.dp_size > 1):
             self.grad_owned = self.grads.finish()
         else:
             self.grad_owned = self.grads.reduce(self.dp_group, shard=self.zero1)
@@ -256,7 +270,7 @@ class DistributedAdamW:
         grads   the fp32 main-gradient buffer, plus the reduce-scattered shard under ZeRO-1 (dp > 1);
         master  the separate fp32 master of the owned range (0 with fp32 weights: the weights are the master);
         optimizer  exp_avg + exp_avg_sq of the owned range."""
-        zero1_shard = self.shard * 4 if self.zero1 and self.dp_size > 1 else 0
+        zero1_shard = self.shard * 4 if self.zero == 1 and self.dp_size > 1 else 0  # ZeRO-2: in grads.nbytes()
         return {"params": self.flat.nbytes, "grads": self.grads.nbytes() + zero1_shard,
                 "master": 0 if self.master_is_flat else self.master.nbytes,
                 "optimizer": self.exp_avg.nbytes + self.exp_avg_sq.nbytes}
