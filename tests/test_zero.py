@@ -131,3 +131,51 @@ def test_zero_levels_and_overlap_equal_one_process(world):
     results = run_on_ranks(world, run_layouts, LAYOUTS[world])
     for i, layout in enumerate(LAYOUTS[world]):
         check(ref, [r[i] for r in results], layout)
+
+
+# -- memory: what a real step leaves allocated ----------------------------------------------------------------------
+
+def _state_after_a_step(zeros: list[int]) -> list[tuple[int, int, dict]]:
+    """At each ZeRO level, on this rank: every storage allocated while building DistributedAdamW (bf16 weights)
+    and running one step (forward, backward, reduce, norm, AdamW) that is still alive afterwards."""
+    from tpzoo.plan.measure import live_activation_bytes
+    from tpzoo.train.optim import DistributedAdamW
+
+    dims = tpzoo.init_parallel(tp=1)  # every rank a data-parallel replica
+    try:
+        out = []
+        for zero in zeros:
+            model = Transformer(MODELS["llama"], dims=dims, seed=SEED)
+            ids = torch.randint(0, 97, (2, 8), generator=torch.Generator().manual_seed(dims.dp_rank))
+            with live_activation_bytes() as live:
+                opt = DistributedAdamW(list(model.parameters()), dims, model_dtype=torch.bfloat16, zero=zero,
+                                       bucket_elems=BUCKET)
+                opt.zero_grad()
+                model(ids, labels=ids).sum().backward()
+                opt.reduce_grads()
+                opt.global_grad_norm()
+                opt.step(LR)
+            out.append((zero, live.total, opt.buffer_bytes()))
+            del opt, model
+        return out
+    finally:
+        tpzoo.destroy_parallel()
+
+
+def test_state_bytes_of_a_real_step_follow_the_formulas():
+    """Measured at dp = 1, 2, 4 and ZeRO 0, 1, 2 (bf16 weights): the storages a step leaves alive are exactly the
+    documented training state (tpzoo.plan.state_bytes: weights 2, master 4/dp at ZeRO >= 1, moments 8/dp at
+    ZeRO >= 1, fp32 gradients 4 (+ the 4/dp shard at ZeRO-1) or, at ZeRO-2, only the 4/dp shard)."""
+    from tpzoo.plan import TrainingSpec, stage_params, state_bytes
+
+    count = stage_params(MODELS["llama"], 1, 1, 0)
+    for dp in (1, 2, 4):
+        for rank in run_on_ranks(dp, _state_after_a_step, [0, 1, 2]):
+            for zero, live, reported in rank:
+                est = state_bytes(count, TrainingSpec(8, 4, zero=zero, grad_bucket_elems=BUCKET), dp)
+                expected = {"params": est.params, "grads": est.grads, "master": est.master,
+                            "optimizer": est.optimizer}
+                assert reported == expected, (dp, zero)
+                assert live == sum(expected.values()), (dp, zero, live, expected)
+                if zero == 2 and dp > 1:  # no full-size fp32 gradient buffer
+                    assert est.grads == 4 * (-(-count.numel // dp))

@@ -49,15 +49,25 @@ class TrainingSpec:
     seq_len: int
     global_batch_size: int             # sequences per optimizer step
     dtype: str = "bf16"
-    zero1: bool = False                # shard master weights + AdamW moments over dp (Megatron distributed optimizer)
+    zero1: bool = False                # alias of zero=1
     vocab_padding_multiple: int = 1    # as Transformer(vocab_padding_multiple=...); the vocab pads to tp * this
     kernels: str = "fused"
+    zero: int = 0                      # 1: master + AdamW moments sharded over dp (Megatron distributed
+                                       # optimizer); 2: the fp32 gradients too (reduce-scattered per micro-batch)
+    overlap_grad_reduce: bool = True   # gradient buckets reduce during the backward passes
+    grad_bucket_elems: int = 1 << 24   # DistributedAdamW's bucket (elements)
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.zero_level not in (0, 1, 2):
+            raise ValueError(f"zero must be 0, 1 or 2 (ZeRO-3 is not modeled: not implemented), got {self.zero}")
+
+    @property
+    def zero_level(self) -> int:
+        return max(self.zero, 1 if self.zero1 else 0)
 
     @property
     def act_bytes(self) -> int:
