@@ -55,7 +55,7 @@ def table(estimates: list[Estimate], top: int = 10, rejected: int = 5) -> str:
     lines = ["  ".join(cell.ljust(w) if _COLS[c] in left else cell.rjust(w)
                        for c, (cell, w) in enumerate(zip(r, widths))) for r in rows]
     if not fitting:
-        lines.append("(no layout fits: see the rejected ones below; try --zero 1 or 2, more GPUs or a shorter sequence)")
+        lines.append("(no layout fits: see the rejected ones below; try a higher --zero level, more GPUs or a shorter sequence)")
     lines.append("memory in GiB per GPU on the fullest pipeline stage; total = params + grads + optim (fp32 master"
                  " + AdamW) + acts + backward working set + reserve")
     others = rejected_summary(estimates)[:rejected]
