@@ -31,11 +31,11 @@ def _reduce(bucket_elems: int, shard: bool):
     dims = tpzoo.init_parallel(tp=2)  # 4 ranks: tp=2, dp=2, so the dp group is not the world
     try:
         params = [nn.Parameter(torch.zeros(n)) for n in (3, 5, 7)]
-        buf = GradBuffer(params, device=dims.device, pad_to=dims.dp)
+        buf = GradBuffer(params, device=dims.device, pad_to=dims.dp, bucket_elems=bucket_elems)
         for i, p in enumerate(params):
             (p * float(dims.dp_rank + 1) * (i + 1)).sum().backward()
         with count_collectives() as c:
-            out = buf.reduce(dims.grad_group, shard=shard, bucket_elems=bucket_elems)
+            out = buf.reduce(dims.grad_group, shard=shard)
         kind = "reduce_scatter" if shard else "all_reduce"
         return dims.dp_rank, c.get(kind, "dp_cp").calls, out.tolist(), [p.main_grad.tolist() for p in params]
     finally:

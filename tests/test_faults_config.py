@@ -37,6 +37,7 @@ RANGE_CASES = [  # (TOML line, what the error says): every class of range the fi
     ("eval_fraction = 1.0", "eval_fraction must be in [0, 1), got 1.0"),
     ("weight_decay = -0.1", "weight_decay must be >= 0, got -0.1"),
     ("tp = 0", "tp must be >= 1, got 0"),
+    ("zero = 4", "zero must be in [0, 3], got 4"),
     ("dist_timeout = 0", "dist_timeout must be > 0, got 0.0"),
     ("lr = nan", "lr: expected a finite number, got nan"),
     ("inject_nan_steps = [0]", "inject_nan_steps must be >= 1, got 0"),
@@ -123,6 +124,8 @@ def test_a_missing_or_non_utf8_config_file_is_named(tmp_path, monkeypatch, capsy
      "needs the micro-batches per step (global_batch_size / (micro_batch_size * dp) = 3) to be a multiple of pp=2"),
     (["--seq-len", "512"], "model tiny-gpt: seq_len 512 exceeds the model's max_position_embeddings 256"),
     (["--model", "tiny-gtp"], "unknown model 'tiny-gtp' (did you mean 'tiny-gpt'?)"),
+    (["--zero", "3"], "--zero 3: ZeRO-3 (parameters sharded over dp) is not implemented yet; use --zero 2"),
+    (["--zero", "2", "--zero1"], "zero1 = true is --zero 1, but zero = 2 is also set: keep one of them"),
     (["--device", "cuda:0"] if not __import__("torch").cuda.is_available() else ["--device", "tpu"], "device "),
 ])
 def test_a_combination_that_cannot_run_fails_before_spawning(monkeypatch, capsys, tmp_path, flags, says):

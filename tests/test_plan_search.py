@@ -132,7 +132,7 @@ def test_cli_table(capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "tpzoo plan: llama-3-8b" in out and "tokens/s" in out and "MFU" in out
-    assert "bf16, ZeRO-1 off (training state 18 B/param)" in out
+    assert "bf16, ZeRO off (training state 18 B/param)" in out
     assert "needs" in out and "GiB > 80 GiB" in out
     rows = [line for line in out.splitlines() if line.strip()[:2].strip().isdigit()]
     assert len(rows) == 3
@@ -150,7 +150,7 @@ def test_cli_json_and_model_files(tmp_path, capsys):
         rc = main(["plan", "--model", model, "--gpus", "4", "--gpu-memory", "16", "--seq-len", "256",
                    "--global-batch-size", "8", "--json", "--top", "2", "--zero1"])
         data = json.loads(capsys.readouterr().out)
-        assert rc == 0 and data["training"]["zero1"] and len(data["recommended"]) == 2
+        assert rc == 0 and data["training"]["zero"] == 1 and len(data["recommended"]) == 2  # --zero1 is --zero 1
         rec = data["recommended"][0]
         assert rec["fits"] and rec["memory_gib"]["total"] <= 16 and rec["tokens_per_s"] > 0
         assert {"params", "grads", "master", "optimizer", "activations"} <= set(rec["memory_gib"])

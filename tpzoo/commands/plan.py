@@ -27,7 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    p.add_argument("--zero1", action="store_true", help="shard fp32 master + AdamW states over dp")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2],
+                   help="ZeRO level: 1 shards fp32 master + AdamW states over dp, 2 the fp32 gradients too")
+    p.add_argument("--zero1", action="store_true", help="alias of --zero 1")
+    p.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
+                   help="model the data-parallel reduction after the backward instead of overlapped with it")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="LoRA fine-tuning of a frozen base at this adapter rank (all-linear targets)")
     p.add_argument("--kernels", default="fused", choices=["fused", "reference"],
@@ -71,7 +75,9 @@ def run(args) -> int:
                               inter_node_gbps=args.inter_node_bw, efficiency=args.efficiency,
                               reserve_gib=args.reserve_gib)
         training = TrainingSpec(seq_len=args.seq_len, global_batch_size=args.global_batch_size, dtype=args.dtype,
-                                zero1=args.zero1, lora_rank=args.lora_rank,
+                                zero=max(args.zero, int(args.zero1)),
+                                overlap_grad_reduce=args.overlap_grad_reduce,
+                                lora_rank=args.lora_rank,
                                 vocab_padding_multiple=args.vocab_padding_multiple,
                                 kernels=args.kernels)
     except ValueError as exc:  # the specs check their own fields

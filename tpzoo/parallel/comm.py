@@ -261,3 +261,59 @@ def split_along(t: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tenso
     if size % parts != 0:
         raise ValueError(f"cannot split dim {dim} of size {size} into {parts} equal parts")
     return t.narrow(dim, rank * (size // parts), size // parts).contiguous()
+
+
+# -- asynchronous flat collectives for the data-parallel gradient buckets (tpzoo.parallel.data_parallel) ----------
+# Counted when started. The caller keeps the tensors alive and untouched until wait().
+
+class PendingCollective:
+    """An asynchronous collective in flight: wait() blocks until it is done (host-staged buffers are copied back
+    to their device tensors) and returns its result tensor."""
+
+    def __init__(self, work, result: torch.Tensor, copy_back: tuple | None = None):
+        self.work, self.result, self.copy_back = work, result, copy_back
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            if self.copy_back is not None:
+                self.copy_back[1].copy_(self.copy_back[0])
+                self.copy_back = None
+        return self.result
+
+
+def all_reduce_start(t: torch.Tensor, group) -> PendingCollective:
+    """Start an in-place sum of `t` over `group`; wait() returns t."""
+    p = group_size(group)
+    if p == 1:
+        return PendingCollective(None, t)
+    _record("all_reduce", group, t, 2 * (p - 1) / p)
+    if _via_host(t, group):
+        host = t.cpu()
+        return PendingCollective(dist.all_reduce(host, group=group, async_op=True), t, (host, t))
+    return PendingCollective(dist.all_reduce(t, group=group, async_op=True), t)
+
+
+def reduce_scatter_into_start(out: torch.Tensor, t: torch.Tensor, group) -> PendingCollective:
+    """Start the sum of flat `t` over `group` whose rank-th 1/p lands in flat `out`; wait() returns out."""
+    p = group_size(group)
+    if p == 1:
+        return PendingCollective(None, out.copy_(t))
+    _record("reduce_scatter", group, t, (p - 1) / p)
+    if _via_host(t, group):
+        host = torch.empty(out.shape, dtype=out.dtype, device="cpu")
+        return PendingCollective(_reduce_scatter_flat(host, t.cpu(), group=group, async_op=True), out, (host, out))
+    return PendingCollective(_reduce_scatter_flat(out, t, group=group, async_op=True), out)
+
+
+def all_gather_into_start(out: torch.Tensor, t: torch.Tensor, group) -> PendingCollective:
+    """Start concatenating every rank's flat `t` (rank order) into flat `out`; wait() returns out."""
+    p = group_size(group)
+    if p == 1:
+        return PendingCollective(None, out.copy_(t))
+    _record("all_gather", group, out, (p - 1) / p)
+    if _via_host(t, group):
+        host = torch.empty(out.shape, dtype=out.dtype, device="cpu")
+        return PendingCollective(_all_gather_flat(host, t.cpu(), group=group, async_op=True), out, (host, out))
+    return PendingCollective(_all_gather_flat(out, t, group=group, async_op=True), out)

@@ -10,12 +10,14 @@ three StepFunctions over this one loop.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
 from tpzoo.errors import ConfigError
 from tpzoo.parallel import comm
+from tpzoo.parallel.data_parallel import grad_pass
 from tpzoo.parallel.dims import ParallelDims
 from tpzoo.parallel.state import get_dims
 
@@ -25,6 +27,7 @@ from .p2p import BACKWARD, FORWARD, StageComm
 from .partition import as_chunks
 from .stage import StageRunner, StepFunctions
 
+_NO_PASS = contextlib.nullcontext()
 SCHEDULES = {"gpipe": schedule_gpipe, "1f1b": schedule_1f1b, "interleaved": schedule_interleaved,
              "zb": schedule_zero_bubble}
 
@@ -90,6 +93,11 @@ def execute(chunks, microbatches: list[dict], dims: ParallelDims | None, step: S
     runners = [StageRunner(c, i, stage_comm, microbatches, step, forward_only=forward_only)
                for i, c in enumerate(chunks)]
     split = any(a.kind == "W" for a in actions)
+    # The actions that produce weight gradients (B, or W under zero-bubble) run inside grad_pass, the last one of
+    # each chunk marked: a GradBuffer reduces gradients bucket by bucket as they become final
+    # (tpzoo.parallel.data_parallel).
+    grad_kind = None if forward_only else "W" if split else "B"
+    last_grads = {a.chunk: i for i, a in enumerate(actions) if a.kind == grad_kind}
     timeline, peak = [], 0
     with torch.set_grad_enabled(not forward_only):
         for i, a in enumerate(actions):
@@ -97,12 +105,13 @@ def execute(chunks, microbatches: list[dict], dims: ParallelDims | None, step: S
             runner = runners[a.chunk]
             data = runner.wait_input(a.kind, a.microbatch)
             t0 = time.perf_counter()
-            if a.kind == "F":
-                runner.forward(a.microbatch, data)
-            elif a.kind == "B":
-                (runner.backward_input if split else runner.backward)(a.microbatch, data)
-            else:
-                runner.backward_weights(a.microbatch)
+            with grad_pass(runner.params, last_grads.get(a.chunk) == i) if a.kind == grad_kind else _NO_PASS:
+                if a.kind == "F":
+                    runner.forward(a.microbatch, data)
+                elif a.kind == "B":
+                    (runner.backward_input if split else runner.backward)(a.microbatch, data)
+                else:
+                    runner.backward_weights(a.microbatch)
             timeline.append((a.kind, a.microbatch, t0, time.perf_counter()))
             peak = max(peak, sum(r.inflight for r in runners))
     stage_comm.finish()

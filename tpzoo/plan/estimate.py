@@ -8,9 +8,10 @@ DistributedAdamW.reduce_grads, step):
                 B = input-gradient FLOPs (+ recomputation) + backward collectives,  W = weight-gradient FLOPs;
               tensor-parallel collectives are synchronous (on the critical path); pipeline sends are posted
               asynchronously and overlap compute, except on the fill and drain path ((pp - 1) hops each way)
-    + gradient sync, not overlapped: finish_tp_grads, the tied-embedding sum (model dtype), the data-parallel
-              reduction in fp32 (all-reduce in 2^24-element buckets; ZeRO-1: reduce-scatter + all-gather of the
-              updated parameters in the model dtype)
+    + gradient sync: finish_tp_grads, the tied-embedding sum (model dtype), and what the backward does not
+              hide of the data-parallel reduction in fp32 (2^24-element buckets, all-reduced; ZeRO-1:
+              reduce-scattered, ZeRO-2: reduce-scattered every micro-batch; overlapped with the backward passes,
+              dp_sync_time) + under ZeRO the all-gather of the updated parameters in the model dtype
     + optimizer step, memory bound: ~40 bytes of HBM traffic per owned element.
 A collective costs latency + ring bytes sent / bandwidth: intra-node when its whole group sits in one node,
 else the per-GPU inter-node bandwidth.
@@ -29,7 +30,8 @@ from tpzoo.models.config import ModelConfig
 from tpzoo.parallel.dims import ParallelLayoutError
 
 from .lora import lora_layer_params
-from .memory import MemoryBreakdown, ParamCount, local_dims, stage_memory, stage_params
+from .memory import (MemoryBreakdown, ParamCount, bucket_size, late_params, local_dims, stage_memory,
+                     stage_params)
 from .schedule import bubble_time
 from .spec import (RECOMPUTE, ClusterSpec, Layout, TrainingSpec, check_layout, group_is_intra_node,
                    num_micro_batches, stage_layers)
@@ -46,8 +48,9 @@ class TimeBreakdown:
     tp_comm: float = 0.0      # tensor/sequence-parallel collectives, incl. finish_tp_grads
     pp_comm: float = 0.0      # pipeline sends on the fill and drain path (the rest overlaps compute)
     bubble: float = 0.0       # pipeline fill and drain
-    dp_comm: float = 0.0      # data-parallel gradient reduction (+ ZeRO-1 all-gather), tied-embedding sync
+    dp_comm: float = 0.0      # data-parallel reduction not hidden behind backward (+ ZeRO all-gather), tied sync
     optimizer: float = 0.0
+    dp_hidden: float = 0.0    # data-parallel reduction overlapped with the backward passes (not in the total)
 
     @property
     def total(self) -> float:
@@ -128,6 +131,34 @@ def stage_times(f: dict, tp_fwd: float, tp_bwd: float, peak: float, zero_bubble:
             "tp": tp_fwd + walks * tp_bwd}
 
 
+def dp_sync_time(count, layout: Layout, training: TrainingSpec, cluster: ClusterSpec, m: int,
+                 backward: float) -> tuple[float, float]:
+    """(exposed, hidden) seconds of one stage's data-parallel gradient sync, as DistributedAdamW runs it: fp32
+    gradients all-reduced (ZeRO 0) or reduce-scattered (ZeRO-1; ZeRO-2 once per micro-batch) bucket by bucket,
+    then under ZeRO the updated parameters all-gathered (model dtype, after the step: exposed). With overlap a
+    bucket reduces as soon as its gradients are final: behind the stage's last backward (`backward`: one
+    micro-batch's B + W) at ZeRO 0/1, behind each micro-batch's own backward at ZeRO-2; the bucket finished
+    last (the first layers) and the late buckets (reduced after finalize_grads) stay exposed."""
+    dp, zero, e = layout.dp, training.zero_level, training.act_bytes
+    if dp == 1:
+        return 0.0, 0.0
+    padded = -(-count.numel // dp) * dp
+    bw = _bandwidth(group_is_intra_node(layout.tp, dp, cluster.gpus_per_node), cluster)
+    size = bucket_size(training, dp)
+    buckets = -(-padded // size)
+    ring = (dp - 1) / dp * padded * 4 * (1 if zero else 2)
+    passes = m if zero >= 2 else 1
+    reduce = passes * _collective_time(ring, buckets, bw, cluster)
+    gather = _collective_time((dp - 1) / dp * padded * e, buckets, bw, cluster) if zero else 0.0
+    if not training.overlap_grad_reduce:
+        return reduce + gather, 0.0
+    late = min(late_params(count, layout.tp, layout.sequence_parallel), count.numel) / max(count.numel, 1)
+    normal = reduce * (1 - late)
+    last_bucket = normal * min(1.0, size / max(count.numel * (1 - late), 1))
+    exposed = reduce * late + max(normal - passes * backward, last_bucket)
+    return exposed + gather, reduce - exposed + 0.0
+
+
 def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: TrainingSpec) -> Estimate:
     """Memory and step time of `layout`; raises ParallelLayoutError when tpzoo cannot run it."""
     check_layout(cfg, layout, cluster, training)
@@ -173,21 +204,16 @@ def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: T
     if training.lora_rank:  # only the adapters are reduced, updated and (tied copies aside) kept in sync
         count = ParamCount(kinds[fullest][0] * lora_layer_params(cfg, t, training.lora_rank), 0, 0, 0, 0, 0)
     padded = -(-count.numel // dp) * dp
-    dp_bw = _bandwidth(group_is_intra_node(t, dp, K), cluster)
-    if dp == 1:
-        dp_time = 0.0
-    elif training.zero1:  # reduce-scatter fp32 gradients, all-gather the updated parameters
-        dp_time = _collective_time((dp - 1) / dp * padded * (4 + e), 2, dp_bw, cluster)
-    else:
-        dp_time = _collective_time(2 * (dp - 1) / dp * padded * 4, -(-padded // BUCKET), dp_bw, cluster)
+    dp_time, dp_hidden = dp_sync_time(count, layout, training, cluster, m, st["B"] + st["W"])
     if count.embedding:  # tied embedding and head on two stages: all-reduce their gradients (model dtype)
         dp_time += _collective_time(count.embedding * e, 1, _bandwidth(pp_intra, cluster), cluster)
-    owned = padded // dp if training.zero1 else padded
+    owned = padded // dp if training.zero_level else padded
     opt = (40 * owned + e * padded) / (cluster.hbm_gbps * 1e9) + cluster.latency_us * 1e-6  # + the norm's
 
     tb = TimeBreakdown(compute=m * (tau - st["recompute"] - st["tp"]), recompute=m * st["recompute"],
                        tp_comm=m * st["tp"] + tp_fin, pp_comm=p2p,
-                       bubble=bubble_time(layout, m, st["F"], st["B"], st["W"]), dp_comm=dp_time, optimizer=opt)
+                       bubble=bubble_time(layout, m, st["F"], st["B"], st["W"]), dp_comm=dp_time, optimizer=opt,
+                       dp_hidden=dp_hidden)
     step_tokens = training.global_batch_size * training.seq_len
     tokens_per_s = step_tokens / tb.total
     # LoRA computes no weight gradients of the base: its model FLOPs are forward + input gradients, 2/3 of these.

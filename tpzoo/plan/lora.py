@@ -20,13 +20,15 @@ from tpzoo.models.config import ModelConfig
 _LAYER_CACHE: dict = {}
 
 
-def _layer(cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int]:
-    """(adapter elements, adapter count) of one layer on one TP rank: built on meta with tpzoo.models.lora,
-    so by construction what a run creates."""
+def _layer(cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int, int]:
+    """(adapter elements, adapter count, elements reduced late) of one layer on one TP rank: built on meta with
+    tpzoo.models.lora, so by construction what a run creates. Late: what finalize_grads still changes (the
+    partial gradients of column A's and row B's, replicated kv heads' B) goes last in the gradient buffer."""
     key = (cfg.to_json(), tp, rank)
     if key not in _LAYER_CACHE:
         from tpzoo.models import Transformer
         from tpzoo.models.lora import LoRAConfig, add_lora
+        from tpzoo.parallel.data_parallel import is_late
         from tpzoo.parallel.dims import ParallelDims
         from tpzoo.parallel.lora import LoRA
 
@@ -34,12 +36,18 @@ def _layer(cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int]:
                           post_process=False, device="meta")
         add_lora([one], LoRAConfig(rank, 1.0))
         mods = [m for m in one.modules() if isinstance(m, LoRA)]
-        _LAYER_CACHE[key] = (sum(p.numel() for m in mods for p in m.parameters()), sum(len(m.names) for m in mods))
+        params = [p for m in mods for p in m.parameters()]
+        _LAYER_CACHE[key] = (sum(p.numel() for p in params), sum(len(m.names) for m in mods),
+                             sum(p.numel() for p in params if is_late(p, tp, 1)))
     return _LAYER_CACHE[key]
 
 
 def lora_layer_params(cfg: ModelConfig, tp: int, rank: int) -> int:
     return _layer(cfg, tp, rank)[0]
+
+
+def lora_layer_late(cfg: ModelConfig, tp: int, rank: int) -> int:
+    return _layer(cfg, tp, rank)[2]
 
 
 def lora_layer_activation_delta(cfg: ModelConfig, tp: int, sequence_parallel: bool, rank: int, tokens: int,

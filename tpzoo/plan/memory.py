@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from tpzoo.models.config import ModelConfig
 
-from .lora import lora_chunk_activation_delta, lora_layer_params
+from .lora import lora_chunk_activation_delta, lora_layer_late, lora_layer_params
 from .schedule import held_states, peak_bytes
 from .spec import DTYPE_BYTES, Layout, TrainingSpec, num_micro_batches, stage_chunks
 
@@ -117,23 +117,39 @@ def stage_params(cfg: ModelConfig, tp: int, pp: int, stage: int, virtual_stages:
 @dataclass(frozen=True)
 class StateBytes:
     params: int       # the flat parameter buffer (model dtype, padded)
-    grads: int        # fp32 main gradients (+ the ZeRO-1 reduce-scattered shard)
+    grads: int        # fp32 main gradients (+ the reduce-scattered shard under ZeRO-1; ZeRO-2: shard + late buckets)
     master: int       # fp32 master weights of the owned range (16-bit models)
     optimizer: int    # exp_avg + exp_avg_sq of the owned range
 
 
-def state_bytes(count: ParamCount, training: TrainingSpec, dp: int = 1) -> StateBytes:
+def late_params(count: ParamCount, tp: int, sequence_parallel: bool) -> int:
+    """Elements DistributedAdamW lays out last, reduced after finalize_grads (tpzoo.parallel.data_parallel):
+    SP-replicated parameters (tp > 1), replicated kv heads, a tied embedding copy (pp > 1)."""
+    return (count.sequence_parallel if sequence_parallel and tp > 1 else 0) + count.replicated_kv + count.embedding
+
+
+def bucket_size(training: TrainingSpec, dp: int) -> int:
+    return -(-training.grad_bucket_elems // dp) * dp
+
+
+def state_bytes(count: ParamCount, training: TrainingSpec, dp: int = 1, late: int = 0) -> StateBytes:
     """Bytes of one rank's training state under DistributedAdamW (what its `buffer_bytes()` reports): the flat
     weight buffer (model dtype, padded to a multiple of dp); gradients: the fp32 main-gradient buffer that
-    micro-batches accumulate into (no 16-bit .grad is kept), plus the reduce-scattered shard under ZeRO-1; a
-    separate fp32 master of the owned range (none for fp32 weights); AdamW's two fp32 moments of the owned
-    range. Only the element count and dp matter: the global-norm bookkeeping keeps no per-element state, so tp
-    rank and a tied head copy change nothing here."""
-    n, e = count.numel, DTYPE_BYTES[training.dtype]
+    micro-batches accumulate into (no 16-bit .grad is kept), plus the reduce-scattered shard under ZeRO-1; under
+    ZeRO-2 only the fp32 shard (1/dp of every bucket) and full storage for the buckets from the first one holding
+    one of the `late` elements (late_params) on; a separate fp32 master of the owned range (none for fp32
+    weights); AdamW's two fp32 moments of the owned range. The global-norm bookkeeping keeps no per-element
+    state, so tp rank and a tied head copy change nothing else here."""
+    n, e, zero = count.numel, DTYPE_BYTES[training.dtype], training.zero_level
     padded = -(-max(n, 1) // dp) * dp
     shard = padded // dp
-    owned = shard if training.zero1 else padded
-    grads = 4 * padded + (4 * shard if training.zero1 and dp > 1 else 0)
+    owned = shard if zero else padded
+    if zero >= 2:
+        size = bucket_size(training, dp)
+        late_start = (n - late) // size * size if late else padded
+        grads = 4 * shard + 4 * (padded - late_start)
+    else:
+        grads = 4 * padded + (4 * shard if zero and dp > 1 else 0)
     return StateBytes(e * padded, grads, 4 * owned if e < 4 else 0, 8 * owned)
 
 
@@ -146,7 +162,7 @@ def state_bytes_per_param(training: TrainingSpec) -> str:
         b = state_bytes(ParamCount(n, 0, 0, 0, 0, 0), training, dp)
         return (b.params + b.grads + b.master + b.optimizer) / n
 
-    if not training.zero1:
+    if not training.zero_level:
         return f"{per_param(1):g} B/param"
     sharded = 4 * (per_param(2) - per_param(4))
     return f"{per_param(2) - sharded / 2:g} + {sharded:g}/dp B/param"
@@ -234,6 +250,7 @@ class MemoryBreakdown:
     optimizer: int
     activations: int
     transient: int        # backward working set (one layer's activations or the logits' gradient) + recv buffers
+                          # (+ ZeRO-2's gradient staging buffers)
     reserve: int
 
     @property
@@ -248,11 +265,11 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
     e, k, p, v, t = training.act_bytes, training.kernels, layout.pp, layout.virtual_stages, layout.tp
     b, s, sp, pad = layout.micro_batch_size, training.seq_len, layout.sequence_parallel, training.vocab_padding_multiple
     count = stage_params(cfg, t, p, stage, v, pad)
-    st = state_bytes(count, training, layout.dp)
+    st = state_bytes(count, training, layout.dp, late_params(count, t, sp))
     if training.lora_rank:  # the base frozen in the model dtype; the adapters trained as a small model
-        n_layers = sum(hi - lo for lo, hi in stage_chunks(cfg, p, stage, v))
-        adapters = state_bytes(ParamCount(n_layers * lora_layer_params(cfg, t, training.lora_rank), 0, 0, 0, 0, 0),
-                               training, layout.dp)
+        n_layers, r = sum(hi - lo for lo, hi in stage_chunks(cfg, p, stage, v)), training.lora_rank
+        adapters = state_bytes(ParamCount(n_layers * lora_layer_params(cfg, t, r), 0, 0, 0, 0, 0), training,
+                               layout.dp, n_layers * lora_layer_late(cfg, t, r))
         st = StateBytes(e * count.numel + adapters.params, adapters.grads, adapters.master, adapters.optimizer)
     m = num_micro_batches(layout, training)
     acts, grads = [], []
@@ -267,5 +284,7 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
     logits_grad = output_grad_bytes(cfg, t, sp, b, s, e, True, pad) if stage == p - 1 else 0
     # The engine posts the receive buffers of the current and the next action ahead of need.
     recv = 2 * output_grad_bytes(cfg, t, sp, b, s, e, False) if p > 1 else 0
+    # ZeRO-2: the fp32 staging buffers of the buckets being filled or reduce-scattered (about two at a time).
+    staging = 2 * 4 * min(bucket_size(training, layout.dp), count.numel) if training.zero_level >= 2 else 0
     return MemoryBreakdown(stage, st.params, st.grads, st.master, st.optimizer, held,
-                           max(one_layer, logits_grad) + recv, reserve_bytes)
+                           max(one_layer, logits_grad) + recv + staging, reserve_bytes)

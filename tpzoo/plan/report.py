@@ -25,7 +25,8 @@ def header(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, consi
             f"({cluster.gpus_per_node}/node) of {cluster.gpu_memory_gib:g} GiB, {cluster.gpu_tflops:g} TFLOP/s, "
             f"intra-node {cluster.intra_node_gbps:g} GB/s, inter-node {cluster.inter_node_gbps:g} GB/s\n"
             f"seq {training.seq_len}, global batch {training.global_batch_size} ({tokens:,} tokens/step), "
-            f"{training.dtype}, ZeRO-1 {'on' if training.zero1 else 'off'} "
+            f"{training.dtype}, {f'ZeRO-{training.zero_level}' if training.zero_level else 'ZeRO off'}"
+            f"{'' if training.overlap_grad_reduce else ', DP reduction not overlapped'} "
             f"({_state_text(training)}), {training.kernels} kernels, "
             f"efficiency {cluster.efficiency:g}, reserve {cluster.reserve_gib:g} GiB; "
             f"{considered} layouts, {fitting} fit")
@@ -61,7 +62,7 @@ def table(estimates: list[Estimate], top: int = 10, rejected: int = 5) -> str:
     lines = ["  ".join(cell.ljust(w) if _COLS[c] in left else cell.rjust(w)
                        for c, (cell, w) in enumerate(zip(r, widths))) for r in rows]
     if not fitting:
-        lines.append("(no layout fits: see the rejected ones below; try --zero1, more GPUs or a shorter sequence)")
+        lines.append("(no layout fits: see the rejected ones below; try a higher --zero level, more GPUs or a shorter sequence)")
     lines.append("memory in GiB per GPU on the fullest pipeline stage; total = params + grads + optim (fp32 master"
                  " + AdamW) + acts + backward working set + reserve")
     others = rejected_summary(estimates)[:rejected]

@@ -49,10 +49,14 @@ class TrainingSpec:
     seq_len: int
     global_batch_size: int             # sequences per optimizer step
     dtype: str = "bf16"
-    zero1: bool = False                # shard master weights + AdamW moments over dp (Megatron distributed optimizer)
+    zero1: bool = False                # alias of zero=1
     vocab_padding_multiple: int = 1    # as Transformer(vocab_padding_multiple=...); the vocab pads to tp * this
     kernels: str = "fused"
     lora_rank: int = 0                 # > 0: LoRA on every linear layer of a frozen base (tpzoo.plan.lora)
+    zero: int = 0                      # 1: master + AdamW moments sharded over dp (Megatron distributed
+                                       # optimizer); 2: the fp32 gradients too (reduce-scattered per micro-batch)
+    overlap_grad_reduce: bool = True   # gradient buckets reduce during the backward passes
+    grad_bucket_elems: int = 1 << 24   # DistributedAdamW's bucket (elements)
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -61,6 +65,12 @@ class TrainingSpec:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.lora_rank < 0:
             raise ValueError(f"lora rank must be >= 0, got {self.lora_rank}")
+        if self.zero_level not in (0, 1, 2):
+            raise ValueError(f"zero must be 0, 1 or 2 (ZeRO-3 is not modeled: not implemented), got {self.zero}")
+
+    @property
+    def zero_level(self) -> int:
+        return max(self.zero, 1 if self.zero1 else 0)
 
     @property
     def act_bytes(self) -> int:

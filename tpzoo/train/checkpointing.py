@@ -300,7 +300,7 @@ def save_checkpoint(trainer, step: int) -> str:
                      "consecutive_skips": trainer.skips, "loader": trainer.loader.state_dict(),
                      "loss_scaler": trainer.scaler.state_dict() if trainer.scaler else None,
                      "layout": {"tp": s.tp, "pp": s.pp, "dp": s.dp, "virtual_stages": cfg.virtual_stages,
-                                "zero1": cfg.zero1, "dtype": cfg.dtype},
+                                "zero": cfg.zero_level, "dtype": cfg.dtype},
                      "world_size": s.world_size, "optimizer_state": opt.state_kinds(),
                      "config": cfg.to_dict(), "model_config": trainer.model_cfg.to_dict()}
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")

@@ -73,8 +73,15 @@ class ParallelSection:
     virtual_stages: int = _f(1, "model chunks per pipeline rank (interleaved schedule)", ge=1)
     recompute: str = _f("none", "activation recomputation: none | selective | full",
                         choices=("none", "selective", "full"))
-    zero1: bool = _f(False, "ZeRO-1 distributed optimizer: optimizer state sharded over dp, gradients "
-                            "reduce-scattered, updated weights all-gathered")
+    zero: int = _f(0, "ZeRO level over dp: 0 replicated optimizer; 1 optimizer state (fp32 master, moments) "
+                      "sharded, gradients reduce-scattered, updated weights all-gathered; 2 also no full-size fp32 "
+                      "gradient buffer (reduce-scattered as buckets fill, every micro-batch); 3 (parameters "
+                      "sharded) is not implemented yet (docs/design.md)", ge=0, le=3)
+    zero1: bool = _f(False, "alias of --zero 1")
+    overlap_grad_reduce: bool = _f(True, "start each gradient bucket's data-parallel reduction during the "
+                                         "backward passes, as soon as its gradients are final")
+    grad_bucket_elems: int = _f(1 << 24, "elements per data-parallel gradient bucket (one collective each)",
+                                ge=1)
     device: str = _f("auto", "where each rank computes: auto (cuda:LOCAL_RANK when CUDA is available, else cpu), "
                              "cpu, cuda or cuda:N", nonempty=True)
     dist_timeout: float = _f(600.0, "seconds a rank may wait on another (a collective, a stalled or dead rank) before "
@@ -242,10 +249,20 @@ class TrainConfig:
         if (self.lora_rank or self.lora_from) and not (self.base or self.resume):
             raise ConfigError("LoRA (--lora-rank / --lora-from) trains adapters on a frozen model: give it with "
                               "--base (or --resume a LoRA run)")
+        if self.zero1 and self.zero not in (0, 1):
+            raise ConfigError(f"zero1 = true is --zero 1, but zero = {self.zero} is also set: keep one of them")
+        if self.zero_level == 3:
+            raise ConfigError("--zero 3: ZeRO-3 (parameters sharded over dp) is not implemented yet; use --zero 2 "
+                              "(gradients and optimizer state sharded; docs/design.md says what is planned)")
         if self.task == "sft" and len(self.data) != 1:
             raise ConfigError(f"task 'sft' needs exactly one SFT JSONL file (--data PATH.jsonl), got "
                               f"{len(self.data)}: {self.data}")
         return self
+
+    @property
+    def zero_level(self) -> int:
+        """The ZeRO level asked for, by --zero or its alias --zero1."""
+        return max(self.zero, 1 if self.zero1 else 0)
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(sec) for name, sec in self._sections.items()}

@@ -3,8 +3,9 @@
 One optimizer step: the step's micro-batches (global batch / (micro batch * dp) per dp rank) go through
 `tpzoo.pipeline.forward_backward` with loss scale 1 / (non-ignored tokens of the whole global batch), so the summed
 gradients are those of the global mean loss at every layout; `finalize_grads` does the TP and tied-embedding
-reductions, the optimizer the fp32 data-parallel reduction (all-reduce, or reduce-scatter under ZeRO-1), the
-global norm, clipping and AdamW.
+reductions, the optimizer the fp32 data-parallel reduction (all-reduce, or reduce-scatter under ZeRO-1; by default each
+gradient bucket starts reducing during the backward passes and the optimizer waits for what is still in
+flight), the global norm, clipping and AdamW.
 
 Device. The trainer owns it: `init_parallel(device=cfg.device)` picks it once (cuda:LOCAL_RANK when CUDA is
 available, else cpu; --device overrides), the model chunks are built on meta and materialized there (then
@@ -129,7 +130,8 @@ class Trainer:
                 ckpt.load_weights(self.chunks, weights_from)
         self.optimizer = DistributedAdamW(  # the trainable parameters only (all of them, or the adapters)
             [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad], dims,
-            model_dtype=DTYPES[cfg.dtype], zero1=cfg.zero1, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+            model_dtype=DTYPES[cfg.dtype], zero=cfg.zero_level, overlap=cfg.overlap_grad_reduce,
+            bucket_elems=cfg.grad_bucket_elems, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
             weight_decay=cfg.weight_decay)
 
         self.train_ds, self.eval_ds, self.data_desc = build_datasets(cfg, self.tokenizer)
@@ -237,7 +239,7 @@ class Trainer:
         self.logger.print(
             f"tpzoo {cfg.task}: model {self.model_cfg.name or cfg.model} "
             f"({self.model_cfg.num_parameters() / 1e6:.2f}M params, vocab {self.model_cfg.vocab_size}) | "
-            f"tp={s.tp} pp={s.pp} dp={s.dp} sp={cfg.sequence_parallel} zero1={cfg.zero1} {cfg.dtype} on "
+            f"tp={s.tp} pp={s.pp} dp={s.dp} sp={cfg.sequence_parallel} zero={cfg.zero_level} {cfg.dtype} on "
             f"{self.device} | "
             f"batch {cfg.global_batch_size}x{cfg.seq_len} ({self.n_micro} micro-batches of {cfg.micro_batch_size}"
             f" per dp rank) | data {self.data_desc}"

@@ -13,24 +13,29 @@ moments) = 18 bytes, Megatron's figure; fp32 weights are their own master: 16. Z
 moments by dp and adds the reduce-scattered fp32 gradient shard (4/dp).
 
 ZeRO-1. Without it every dp rank all-reduces the whole gradient and updates the whole buffer. With it, dp rank d
-owns the contiguous range [d*S, (d+1)*S) (S = padded size / dp): gradients are reduce-scattered, only that range
-has optimizer state (and fp32 master), and the updated range is all-gathered. Both modes run the same
-element-wise arithmetic on the same reduced gradients, so they give the same weights.
+owns its 1/dp of every gradient bucket (what a reduce-scatter of the bucket leaves it; Megatron's distributed
+optimizer shards the same way), S = padded size / dp elements in all: gradients are reduce-scattered bucket by
+bucket, only the owned segments have optimizer state (and fp32 master), and each updated bucket is all-gathered.
+Both modes run the same element-wise arithmetic on the same reduced gradients, so they give the same weights.
+With `overlap` (the default) the buckets' reductions start during the backward passes (GradBuffer.begin).
 
 Global norm. Sum of squares over every distinct element of the model: a TP-replicated parameter (norms, biases
 under TP) is counted on TP rank 0 only, a kv head replicated over k TP ranks with weight 1/k per copy, a tied
-weight's secondary copies (the last stage's head) not at all, and each dp rank sums only its 1/dp slice of the
-(identical) reduced gradients. One all-reduce over the world.
+weight's secondary copies (the last stage's head) not at all, and each dp rank sums only its 1/dp of every bucket of
+the (identical) reduced gradients. One all-reduce over the world.
 """
 from __future__ import annotations
 
 import contextlib
 import math
+from collections import Counter
 
 import torch
 
 from tpzoo.parallel import GradBuffer, ParallelDims, comm
-from tpzoo.parallel.data_parallel import flat_layout
+from tpzoo.parallel.data_parallel import DEFAULT_BUCKET_ELEMS, bucket_ranges, flat_layout, is_late, shard_segments
+from tpzoo.parallel.dims import SELF_GROUP
+from tpzoo.parallel.grad_shards import ShardedGradBuffer
 from tpzoo.parallel.utils import param_spec
 
 
@@ -54,33 +59,45 @@ def count_weight(param: torch.nn.Parameter, tp_rank: int, tp: int):
 _FUSED = getattr(torch, "_fused_adamw_", None)
 
 
-def _complement(ranges: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+def _end_to_end(segments: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(start, end, position) of flat segments laid end to end."""
     out, pos = [], 0
-    for a, b in ranges:
-        if a > pos:
-            out.append((pos, a))
-        pos = b
-    if pos < n:
-        out.append((pos, n))
+    for a, b in segments:
+        out.append((a, b, pos))
+        pos += b - a
     return out
 
 
 class DistributedAdamW:
     """AdamW (torch.optim.AdamW's arithmetic) over a flat buffer; see the module docstring.
 
-    params: this rank's Parameters (a tied one listed twice is taken once); dims: the layout (device, dp group)."""
+    params: this rank's Parameters (a tied one listed twice is taken once); dims: the layout (device, dp group);
+    zero: 0 (replicated state), 1 (ZeRO-1; `zero1=True` is the same) or 2 (ZeRO-2: gradients reduce-scattered
+    into the owned shard during the backward passes, no full-size fp32 gradient buffer: ShardedGradBuffer);
+    overlap: start each gradient bucket's reduction during the backward passes (call zero_grad() before them)."""
 
-    def __init__(self, params, dims: ParallelDims, *, model_dtype: torch.dtype = torch.float32, zero1: bool = False,
-                 betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0, bucket_elems: int = 1 << 24):
+    def __init__(self, params, dims: ParallelDims, *, model_dtype: torch.dtype = torch.float32, zero: int = 0,
+                 zero1: bool = False, overlap: bool = True, betas=(0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.0, bucket_elems: int = DEFAULT_BUCKET_ELEMS):
         self.dims, self.device = dims, dims.device
         self.dp_size, self.dp_rank = dims.dp * dims.cp, dims.dp_cp_rank
-        self.zero1 = zero1
-        self.betas, self.eps, self.weight_decay, self.bucket_elems = betas, eps, weight_decay, bucket_elems
+        self.zero = max(zero, 1 if zero1 else 0)
+        self.zero1, self.overlap = self.zero >= 1, overlap  # zero1: the optimizer state is sharded (ZeRO >= 1)
+        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         self.model_dtype, self.step_count = model_dtype, 0
-        self.params, self.offsets, self.numel, self.padded = flat_layout(params, self.dp_size)
+        # Parameters whose gradients finalize_grads still changes go last (their buckets reduce after it), and so
+        # does one listed twice (a tied weight in two chunks of this rank: two last passes add to it).
+        params = list(params)
+        shared = {i for i, n in Counter(map(id, params)).items() if n > 1}
+        late = lambda p: id(p) in shared or is_late(p, dims.tp, dims.pp)  # noqa: E731
+        self.params, self.offsets, self.numel, self.padded = flat_layout(params, self.dp_size, late)
         self.shard = self.padded // self.dp_size
-        self.slice = (self.dp_rank * self.shard, (self.dp_rank + 1) * self.shard)  # this rank's 1/dp (norm, ZeRO)
-        self.owned = self.slice if zero1 else (0, self.padded)
+        self.buckets = bucket_ranges(self.padded, self.dp_size, bucket_elems)
+        # This rank's 1/dp of every bucket: what it owns under ZeRO and what it counts in the norm. `owned` lists
+        # (flat start, flat end, position in the owned vectors): the optimizer state is one vector over them.
+        self.segments = shard_segments(self.buckets, self.dp_size, self.dp_rank)
+        self.owned = _end_to_end(self.segments) if self.zero1 else [(0, self.padded, 0)]
+        n_owned = self.owned[-1][2] + self.owned[-1][1] - self.owned[-1][0]
 
         full_master = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
         for p, o in zip(self.params, self.offsets):
@@ -89,49 +106,75 @@ class DistributedAdamW:
         with torch.no_grad():
             for p, o in zip(self.params, self.offsets):
                 p.data = self.flat[o:o + p.numel()].view(p.shape)
-        lo, hi = self.owned
-        # fp32 weights: the flat buffer is the master (a view); bf16: a separate fp32 copy of the owned range.
-        self.master = self.flat[lo:hi] if model_dtype == torch.float32 else full_master[lo:hi].clone()
+        # fp32 weights: the flat buffer is the master (the owned segments of it); bf16: a separate fp32 copy of the
+        # owned segments, end to end.
+        self.master = None if self.master_is_flat else self._owned_of(full_master)
         del full_master
-        self.exp_avg = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
-        self.exp_avg_sq = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
+        self.exp_avg = torch.zeros(n_owned, dtype=torch.float32, device=self.device)
+        self.exp_avg_sq = torch.zeros(n_owned, dtype=torch.float32, device=self.device)
         # Last, once the parameters' old storage is freed: the same layout as `flat`, element for element.
-        self.grads = GradBuffer(self.params, device=self.device, pad_to=self.dp_size)
-        self.grad_owned = None  # the reduced fp32 gradients of the owned range, after reduce_grads()
+        if self.zero >= 2:
+            self.grads = ShardedGradBuffer(self.params, device=self.device, pad_to=self.dp_size, late=late,
+                                           dp_rank=self.dp_rank, overlap=overlap, bucket_elems=bucket_elems)
+        else:
+            self.grads = GradBuffer(self.params, device=self.device, pad_to=self.dp_size, late=late,
+                                    bucket_elems=bucket_elems)
+        self.grad_owned = None  # the reduced fp32 gradients of the owned segments, after reduce_grads()
         self.norm_runs = self._norm_weights(dims.tp_rank, dims.tp)
-        self.decay_ranges = self._decay_ranges()
-        self.no_decay_ranges = _complement(self.decay_ranges, hi - lo)
+        self.ranges = self._update_ranges()
 
     # -- construction helpers -------------------------------------------------------------------------------
-    def _norm_weights(self, tp_rank: int, tp: int) -> list[tuple[int, int, float]]:
-        """The weights of `count_weight` over this rank's slice, as runs (start, end, weight) of equal weight
-        (a few per parameter), so the norm is a handful of dot products with no model-sized temporary."""
-        lo, hi = self.slice
-        w = torch.ones(hi - lo, device="cpu")
-        for p, o in zip(self.params, self.offsets):
-            a, b = max(o, lo), min(o + p.numel(), hi)
-            if a >= b:
-                continue
-            cw = count_weight(p, tp_rank, tp)
-            if isinstance(cw, float):
-                w[a - lo:b - lo] = cw
-            else:
-                w[a - lo:b - lo] = cw.reshape(-1)[a - o:b - o]
-        cuts = [0] + (torch.nonzero(w[1:] != w[:-1]).flatten() + 1).tolist() + [hi - lo]
-        return [(a, b, float(w[a])) for a, b in zip(cuts[:-1], cuts[1:]) if b > a and float(w[a]) != 0.0]
+    def _owned_of(self, full: torch.Tensor) -> torch.Tensor:
+        """The owned segments of a flat tensor in this layout, end to end (a new fp32 tensor)."""
+        if not self.zero1:
+            return full.float().clone()
+        return torch.cat([full[a:b] for a, b, _ in self.owned]).float()
 
-    def _decay_ranges(self) -> list[tuple[int, int]]:
-        """Local ranges of the owned buffer holding matrices/embeddings (decayed); norms and biases are not."""
-        lo, hi = self.owned
-        ranges = []
-        for p, o in zip(self.params, self.offsets):
-            a, b = max(o, lo), min(o + p.numel(), hi)
-            if p.dim() >= 2 and a < b:
-                if ranges and ranges[-1][1] == a - lo:
-                    ranges[-1] = (ranges[-1][0], b - lo)
+    def _norm_weights(self, tp_rank: int, tp: int) -> list[tuple[int, int, float]]:
+        """The weights of `count_weight` over this rank's 1/dp of the buffer, as runs (start, end, weight) of
+        equal weight (a few per parameter) indexing the reduced gradients (the owned vector under ZeRO, the whole
+        buffer otherwise), so the norm is a handful of dot products with no model-sized temporary."""
+        runs = []
+        for lo, hi, pos in _end_to_end(self.segments):
+            at = pos if self.zero1 else lo  # where flat element lo sits in grad_owned
+            w = torch.ones(hi - lo, device="cpu")
+            for p, o in zip(self.params, self.offsets):
+                a, b = max(o, lo), min(o + p.numel(), hi)
+                if a >= b:
+                    continue
+                cw = count_weight(p, tp_rank, tp)
+                if isinstance(cw, float):
+                    w[a - lo:b - lo] = cw
                 else:
-                    ranges.append((a - lo, b - lo))
+                    w[a - lo:b - lo] = cw.reshape(-1)[a - o:b - o]
+            cuts = [0] + (torch.nonzero(w[1:] != w[:-1]).flatten() + 1).tolist() + [hi - lo]
+            runs += [(at + a, at + b, float(w[a])) for a, b in zip(cuts[:-1], cuts[1:])
+                     if b > a and float(w[a]) != 0.0]
+        return runs
+
+    def _update_ranges(self) -> list[tuple[int, int, bool, int]]:
+        """The owned vector cut into runs (start, end, decayed, flat start), each inside one owned segment:
+        matrices and embeddings are decayed, norms and biases not."""
+        ranges = []
+        for lo, hi, pos in self.owned:
+            cuts = [lo]
+            for p, o in zip(self.params, self.offsets):
+                a, b = max(o, lo), min(o + p.numel(), hi)
+                if a < b:
+                    last = ranges[-1] if ranges else None
+                    if (last and last[1] == pos + a - lo and last[3] + last[1] - last[0] == a
+                            and last[2] == (p.dim() >= 2)):
+                        ranges[-1] = (ranges[-1][0], pos + b - lo, ranges[-1][2], ranges[-1][3])
+                    else:
+                        ranges.append((pos + a - lo, pos + b - lo, p.dim() >= 2, a))
+                    cuts.append(b)
+            if cuts[-1] < hi:  # padding: never decayed, its gradient is zero
+                ranges.append((pos + cuts[-1] - lo, pos + hi - lo, False, cuts[-1]))
         return ranges
+
+    def _master(self, a: int, b: int, flat_a: int) -> torch.Tensor:
+        """The fp32 master of owned positions [a, b) (flat position flat_a onwards)."""
+        return self.master[a:b] if self.master is not None else self.flat[flat_a:flat_a + b - a]
 
     @property
     def dp_group(self):
@@ -141,18 +184,25 @@ class DistributedAdamW:
 
     # -- one step -------------------------------------------------------------------------------------------
     def zero_grad(self) -> None:
+        """Before the step's backward passes: clear the main gradients and (overlap on) arm the bucketed
+        reduction, so each bucket starts reducing as soon as its gradients are final."""
         self.grads.zero()
         self.grad_owned = None
+        if self.zero >= 2 or (self.overlap and self.dp_size > 1):  # ZeRO-2 reduces during backward, always
+            self.grads.begin(self.dp_group if self.dp_size > 1 else SELF_GROUP, shard=self.zero1)
 
     def reduce_grads(self) -> None:
-        """Sum the main gradients over dp (all-reduce, or reduce-scatter under ZeRO-1): the GradBuffer's one
-        reduction path. Call after the TP / tied-weight reductions (finalize_grads)."""
-        self.grad_owned = self.grads.reduce(self.dp_group, shard=self.zero1, bucket_elems=self.bucket_elems)
+        """Sum the main gradients over dp (all-reduce, or reduce-scatter under ZeRO): the GradBuffer's one
+        reduction path; waits for the buckets already in flight and reduces the rest. Call after the TP /
+        tied-weight reductions (finalize_grads)."""
+        if self.zero >= 2 or (self.overlap and self.dp_size > 1):
+            self.grad_owned = self.grads.finish()
+        else:
+            self.grad_owned = self.grads.reduce(self.dp_group, shard=self.zero1)
 
     def global_grad_norm(self, flag: float = 0.0) -> tuple[float, float]:
         """(global L2 norm of the reduced gradients, world sum of `flag`): one all-reduce over every rank."""
-        lo, hi = self.slice
-        g = self.grad_owned if self.zero1 else self.grad_owned[lo:hi]
+        g = self.grad_owned
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         for a, b, w in self.norm_runs:
             local += w * torch.dot(g[a:b], g[a:b]).double()
@@ -172,13 +222,16 @@ class DistributedAdamW:
         self.step_count += 1
         if _FUSED is not None:
             # torch's fused AdamW kernel: one pass over memory instead of seven (about 8x faster on CPU); called
-            # once for the decayed ranges and once for the rest, each a list of views of the flat buffers.
+            # once for the decayed runs and once for the rest, each a list of views of the flat buffers.
             step = torch.tensor(float(self.step_count), device=self.device)
-            for wd, ranges in ((self.weight_decay, self.decay_ranges), (0.0, self.no_decay_ranges)):
-                if ranges:
-                    views = [[t[a:b] for a, b in ranges] for t in (self.master, g, self.exp_avg, self.exp_avg_sq)]
-                    _FUSED(*views, [], [step] * len(ranges), lr=lr, beta1=self.betas[0], beta2=self.betas[1],
-                           weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False)
+            for decay in (True, False):
+                runs = [r for r in self.ranges if r[2] == decay]
+                if runs:
+                    views = [[self._master(a, b, f) for a, b, _, f in runs]]
+                    views += [[t[a:b] for a, b, _, _ in runs] for t in (g, self.exp_avg, self.exp_avg_sq)]
+                    _FUSED(*views, [], [step] * len(runs), lr=lr, beta1=self.betas[0], beta2=self.betas[1],
+                           weight_decay=self.weight_decay if decay else 0.0, eps=self.eps, amsgrad=False,
+                           maximize=False)
         else:
             self._step_reference(lr, g)
         self.publish()
@@ -187,20 +240,28 @@ class DistributedAdamW:
         """torch.optim.AdamW's arithmetic with plain tensor ops (torch without the fused kernel)."""
         b1, b2 = self.betas
         t = self.step_count
-        if self.weight_decay:
-            for a, b in self.decay_ranges:
-                self.master[a:b].mul_(1.0 - lr * self.weight_decay)
-        self.exp_avg.lerp_(g, 1.0 - b1)
-        self.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(1.0 - b2 ** t)).add_(self.eps)
-        self.master.addcdiv_(self.exp_avg, denom, value=-lr / (1.0 - b1 ** t))
+        for a, b, decay, f in self.ranges:
+            master, m, v = self._master(a, b, f), self.exp_avg[a:b], self.exp_avg_sq[a:b]
+            if self.weight_decay and decay:
+                master.mul_(1.0 - lr * self.weight_decay)
+            m.lerp_(g[a:b], 1.0 - b1)
+            v.mul_(b2).addcmul_(g[a:b], g[a:b], value=1.0 - b2)
+            denom = (v.sqrt() / math.sqrt(1.0 - b2 ** t)).add_(self.eps)
+            master.addcdiv_(m, denom, value=-lr / (1.0 - b1 ** t))
 
     def publish(self) -> None:
-        """Make every parameter (on every dp rank) hold the master weights."""
+        """Make every parameter (on every dp rank) hold the master weights: under ZeRO each bucket is all-gathered
+        from the ranks' segments (all buckets in flight at once)."""
         if self.zero1 and self.dp_size > 1:
-            full = comm.all_gather(self.master.to(self.model_dtype), self.dp_group)
-            self.flat.copy_(full)
-        elif self.master.data_ptr() != self.flat.data_ptr():
+            pending = []
+            for (s, e), (lo, hi, pos) in zip(self.buckets, self.owned):
+                src = self._master(pos, pos + hi - lo, lo).to(self.model_dtype)
+                if src.data_ptr() == self.flat[lo:hi].data_ptr():
+                    src = src.clone()  # the input may not alias the output
+                pending.append(comm.all_gather_into_start(self.flat[s:e], src, self.dp_group))
+            for w in pending:
+                w.wait()
+        elif self.master is not None:
             self.flat.copy_(self.master)
 
     def buffer_bytes(self) -> dict[str, int]:
@@ -209,7 +270,7 @@ class DistributedAdamW:
         grads   the fp32 main-gradient buffer, plus the reduce-scattered shard under ZeRO-1 (dp > 1);
         master  the separate fp32 master of the owned range (0 with fp32 weights: the weights are the master);
         optimizer  exp_avg + exp_avg_sq of the owned range."""
-        zero1_shard = self.shard * 4 if self.zero1 and self.dp_size > 1 else 0
+        zero1_shard = self.shard * 4 if self.zero == 1 and self.dp_size > 1 else 0  # ZeRO-2: in grads.nbytes()
         return {"params": self.flat.nbytes, "grads": self.grads.nbytes() + zero1_shard,
                 "master": 0 if self.master_is_flat else self.master.nbytes,
                 "optimizer": self.exp_avg.nbytes + self.exp_avg_sq.nbytes}
@@ -221,9 +282,8 @@ class DistributedAdamW:
 
     def sync_master_from_params(self) -> None:
         """After weights were loaded into the parameters (views of `flat`): refresh a separate fp32 master."""
-        if not self.master_is_flat:
-            lo, hi = self.owned
-            self.master.copy_(self.flat[lo:hi])
+        if self.master is not None:
+            self.master.copy_(self._owned_of(self.flat))
 
     def state_kinds(self) -> list[str]:
         """The parameter-shaped state tensors a checkpoint must keep (fp32 weights are their own master)."""
@@ -231,16 +291,21 @@ class DistributedAdamW:
 
     def full_state(self, kind: str) -> torch.Tensor:
         """State `kind` over the whole flat layout (fp32, padded size), on every dp rank: collective over dp
-        under ZeRO-1 (the shards are all-gathered), so what is saved does not depend on dp or ZeRO-1."""
+        under ZeRO (each bucket all-gathered from the ranks' segments), so what is saved does not depend on dp or
+        the ZeRO level."""
         owned = getattr(self, kind)
-        if self.zero1 and self.dp_size > 1:
-            return comm.all_gather(owned.contiguous(), self.dp_group)
-        return owned.clone()
+        if not (self.zero1 and self.dp_size > 1):
+            return owned.clone()
+        full = torch.empty(self.padded, dtype=torch.float32, device=self.device)
+        pending = [comm.all_gather_into_start(full[s:e], owned[pos:pos + hi - lo], self.dp_group)
+                   for (s, e), (lo, hi, pos) in zip(self.buckets, self.owned)]
+        for w in pending:
+            w.wait()
+        return full
 
     def load_full_state(self, kind: str, full: torch.Tensor) -> None:
-        """Inverse of full_state (any dp / ZeRO-1 setting at save time): keep this rank's owned range."""
-        lo, hi = self.owned
-        getattr(self, kind).copy_(full[lo:hi])
+        """Inverse of full_state (any dp / ZeRO level at save time): keep this rank's owned segments."""
+        getattr(self, kind).copy_(self._owned_of(full))
         if kind == "master":
             self.publish()
 

@@ -1,0 +1,185 @@
+"""ZeRO levels and the overlapped data-parallel reduction against one process.
+
+A tiny LLaMA (grouped-query attention, tied embeddings, so pp > 1 has a tied head copy) trains three AdamW steps
+with DistributedAdamW at (tp, pp, dp) = (1,1,2), (1,1,4), (2,1,2)+SP, (1,2,2), (2,2,2)+SP, ZeRO 0, 1 and 2,
+the overlapped bucketed reduction on (small buckets: about twenty per rank, some cutting through a parameter) and
+off, the 1f1b, zero-bubble and interleaved schedules. Loss, global grad norm and every parameter after the third step must equal torch.optim.AdamW on the dense
+model in one process. With overlap, at ZeRO 0/1 every bucket without a late parameter must have started during
+the backward pass that made its gradients final (the last backward, or zero-bubble W, action of its chunk), in
+order from the end of the buffer; at ZeRO-2 every bucket is reduce-scattered during each backward pass that
+filled it.
+
+Layouts of one world size run in one run_on_ranks call (shared worker pools)."""
+import pytest
+import torch
+
+import tpzoo
+from tpzoo.models import Transformer
+from tpzoo.parallel import gather_tp_tensor, param_spec
+from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward
+from tpzoo.testing import run_on_ranks
+
+from test_3d_parity import MODELS, SEED, _full, assert_close, global_batch, local_microbatches
+
+CFG = MODELS["llama"].replace(num_layers=4, tie_embeddings=True)
+STEPS, LR, BUCKET = 3, 1e-3, 2048
+# eps well above the gradients' rounding noise (typical entries are ~1e-2): AdamW divides by sqrt(v), so an entry whose gradient is zero up to
+# rounding would otherwise take a step of random size and sign (see make_optimizer in test_3d_parity.py).
+ADAM = dict(betas=(0.9, 0.95), eps=1e-4, weight_decay=0.1)
+
+
+def reference() -> dict:
+    model = Transformer(CFG, seed=SEED)
+    decayed = [p for p in model.parameters() if p.dim() >= 2]  # DistributedAdamW decays matrices, not norms
+    opt = torch.optim.AdamW([{"params": decayed}, {"params": [p for p in model.parameters() if p.dim() < 2],
+                                                   "weight_decay": 0.0}], lr=LR, **ADAM)
+    losses, norms = [], []
+    for step in range(STEPS):
+        ids, labels = global_batch(CFG, step)
+        opt.zero_grad(set_to_none=True)
+        per_token = model(ids, labels=labels)
+        (per_token.sum() / (labels != -100).sum()).backward()
+        losses.append(per_token.sum().item())
+        norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
+        opt.step()
+    return {"loss_sum": losses, "norms": norms,
+            "params": {n: _full(n, p.detach().clone(), CFG) for n, p in model.named_parameters()}}
+
+
+def train_zero(layout: dict) -> dict:
+    from tpzoo.train.optim import DistributedAdamW
+
+    tp, pp, dp = layout["tp"], layout.get("pp", 1), layout["dp"]
+    dims = tpzoo.init_parallel(tp=tp, pp=pp, dp=dp)
+    try:
+        chunks = build_model_chunks(CFG, dims, sequence_parallel=layout.get("sp", False), seed=SEED,
+                                    virtual_stages=layout.get("v", 1))
+        opt = DistributedAdamW([p for c in chunks for p in c.parameters()], dims, zero=layout["zero"],
+                               overlap=layout["overlap"], bucket_elems=BUCKET, **ADAM)
+        losses, norms, timing = [], [], []
+        for step in range(STEPS):
+            mbs, tokens = local_microbatches(CFG, step)
+            opt.zero_grad()
+            out = forward_backward(chunks, mbs, dims, schedule=layout.get("schedule", "1f1b"),
+                                   loss_scale=1.0 / tokens)
+            finalize_grads(chunks, dims)
+            opt.reduce_grads()
+            norms.append(opt.global_grad_norm()[0])
+            opt.step(LR)
+            losses.append(out["loss_sum"])
+            grads = opt.grads
+            early = [t for _, t in grads.started[:grads.overlapped]]
+            grad_actions = [(mb, t0, t1) for kind, mb, t0, t1 in out["timeline"]
+                            if kind == ("W" if layout.get("schedule") == "zb" else "B")]
+            late = [k for k, is_late in enumerate(grads.late) if is_late]
+            timing.append({"early": early, "n_early": grads.overlapped, "n_buckets": len(grads.buckets), "m": len(mbs),
+                           "late": late, "started": [k for k, _ in grads.started], "actions": grad_actions})
+        params = {n: _full(n, gather_tp_tensor(p, param_spec(p), reduce="first"), CFG)
+                  for c in chunks for n, p in c.named_parameters()}
+        return {"loss_sum": losses, "norms": norms, "params": params, "timing": timing}
+    finally:
+        tpzoo.destroy_parallel()
+
+
+def run_layouts(layouts: list[dict]) -> list[dict]:
+    return [train_zero(layout) for layout in layouts]
+
+
+def check(ref: dict, ranks: list[dict], layout: dict) -> None:
+    for r in ranks:
+        assert r["loss_sum"][-1] != 0
+        assert r["norms"] == pytest.approx(ref["norms"], rel=1e-5), layout
+        for name, p in r["params"].items():
+            ref_name = "embed.weight" if name == "lm_head.weight" else name
+            assert_close(p, ref["params"][ref_name], f"{layout} param {name}")
+        for t in r["timing"]:
+            if not layout["overlap"] and layout["zero"] < 2:  # ZeRO-2 reduces in every pass (waited on at its end)
+                assert t["n_early"] == 0, layout
+                continue
+            normal = sorted(set(range(t["n_buckets"])) - set(t["late"]), reverse=True)
+            if layout["zero"] == 2:
+                # every micro-batch's backward reduce-scatters every bucket it filled, during that backward
+                passes = t["m"] * layout.get("v", 1)
+                assert t["n_early"] >= len(normal) * t["m"] and t["n_early"] <= passes * len(normal), layout
+                windows = [(t0, t1) for _, t0, t1 in t["actions"]]
+            else:
+                # every bucket without a late parameter started during the backward passes, from the end of the
+                # buffer, inside its chunk's last gradient-producing action (none earlier: not final before)
+                assert t["n_early"] == len(normal) > 0, layout
+                assert t["started"][:t["n_early"]] == normal, layout
+                windows = [(t0, t1) for mb, t0, t1 in t["actions"] if mb == t["m"] - 1]
+            for when in t["early"]:
+                assert any(t0 <= when <= t1 for t0, t1 in windows), (layout, when, windows)
+    # loss_sum is reported on every pipeline rank; per dp rank it is that rank's share of the batch
+    by_step = [sum(r["loss_sum"][s] for r in ranks) / (len(ranks) // layout["dp"]) for s in range(STEPS)]
+    assert by_step == pytest.approx(ref["loss_sum"], rel=1e-5), layout
+
+
+LAYOUTS = {  # every layout at ZeRO 0, 1 and 2; schedules and overlap off spread over them
+    2: [dict(tp=1, dp=2, zero=z, overlap=o) for z in (0, 1, 2) for o in (True, False)],
+    4: [dict(tp=1, dp=4, zero=z, overlap=True) for z in (0, 1, 2)]
+       + [dict(tp=2, dp=2, sp=True, zero=z, overlap=True) for z in (0, 1, 2)]
+       + [dict(tp=1, pp=2, dp=2, zero=0, overlap=False), dict(tp=1, pp=2, dp=2, zero=1, overlap=True),
+          dict(tp=1, pp=2, dp=2, zero=2, overlap=True, schedule="zb")],
+    8: [dict(tp=2, pp=2, dp=2, sp=True, zero=0, overlap=True),
+        dict(tp=2, pp=2, dp=2, sp=True, zero=1, overlap=True, schedule="zb"),
+        dict(tp=2, pp=2, dp=2, sp=True, zero=2, overlap=True, schedule="interleaved", v=2)],
+}
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_zero_levels_and_overlap_equal_one_process(world):
+    ref = reference()
+    results = run_on_ranks(world, run_layouts, LAYOUTS[world])
+    for i, layout in enumerate(LAYOUTS[world]):
+        check(ref, [r[i] for r in results], layout)
+
+
+# -- memory: what a real step leaves allocated ----------------------------------------------------------------------
+
+SMALL = MODELS["llama"].replace(num_layers=2)  # several buckets still (BUCKET elements each)
+
+def _state_after_a_step(zeros: list[int]) -> list[tuple[int, int, dict]]:
+    """At each ZeRO level, on this rank: every storage allocated while building DistributedAdamW (bf16 weights)
+    and running one step (forward, backward, reduce, norm, AdamW) that is still alive afterwards."""
+    from tpzoo.plan.measure import live_activation_bytes
+    from tpzoo.train.optim import DistributedAdamW
+
+    dims = tpzoo.init_parallel(tp=1)  # every rank a data-parallel replica
+    try:
+        out = []
+        for zero in zeros:
+            model = Transformer(SMALL, dims=dims, seed=SEED)
+            ids = torch.randint(0, 97, (2, 8), generator=torch.Generator().manual_seed(dims.dp_rank))
+            with live_activation_bytes() as live:
+                opt = DistributedAdamW(list(model.parameters()), dims, model_dtype=torch.bfloat16, zero=zero,
+                                       bucket_elems=BUCKET)
+                opt.zero_grad()
+                model(ids, labels=ids).sum().backward()
+                opt.reduce_grads()
+                opt.global_grad_norm()
+                opt.step(LR)
+            out.append((zero, live.total, opt.buffer_bytes()))
+            del opt, model
+        return out
+    finally:
+        tpzoo.destroy_parallel()
+
+
+def test_state_bytes_of_a_real_step_follow_the_formulas():
+    """Measured at dp = 1, 2, 4 and ZeRO 0, 1, 2 (bf16 weights): the storages a step leaves alive are exactly the
+    documented training state (tpzoo.plan.state_bytes: weights 2, master 4/dp at ZeRO >= 1, moments 8/dp at
+    ZeRO >= 1, fp32 gradients 4 (+ the 4/dp shard at ZeRO-1) or, at ZeRO-2, only the 4/dp shard)."""
+    from tpzoo.plan import TrainingSpec, stage_params, state_bytes
+
+    count = stage_params(SMALL, 1, 1, 0)
+    for dp in (1, 2, 4):
+        for rank in run_on_ranks(dp, _state_after_a_step, [0, 1, 2]):
+            for zero, live, reported in rank:
+                est = state_bytes(count, TrainingSpec(8, 4, zero=zero, grad_bucket_elems=BUCKET), dp)
+                expected = {"params": est.params, "grads": est.grads, "master": est.master,
+                            "optimizer": est.optimizer}
+                assert reported == expected, (dp, zero)
+                assert live == sum(expected.values()), (dp, zero, live, expected)
+                if zero == 2 and dp > 1:  # no full-size fp32 gradient buffer
+                    assert est.grads == 4 * (-(-count.numel // dp))
