@@ -116,37 +116,44 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 
 class Pending:
-    """A collective in flight (async_op): `wait()` returns its result. Staged through host memory when needed."""
+    """A collective in flight (async_op): `wait()` blocks until it is done, copies a host-staged result back to
+    its device tensor, and returns the result (`finish(result)` when given: a reshape, no copy). `keep`: tensors
+    the collective reads, held until it is done."""
 
-    def __init__(self, work, out: torch.Tensor, dim: int, device: torch.device, keep=None):
-        self.work, self.out, self.dim, self.device, self.keep = work, out, dim, device, keep
+    def __init__(self, work, result: torch.Tensor, copy_back: tuple | None = None, finish=None, keep=None):
+        self.work, self.result, self.copy_back, self.finish, self.keep = work, result, copy_back, finish, keep
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
             self.work = self.keep = None
-        return self.out.to(self.device).movedim(0, self.dim)
+            if self.copy_back is not None:
+                self.copy_back[1].copy_(self.copy_back[0])
+                self.copy_back = None
+        return self.finish(self.result) if self.finish is not None else self.result
 
 
-def _done(t: torch.Tensor) -> Pending:
-    """A group of one: the result is the input, nothing to wait for."""
-    return Pending(None, t, 0, t.device)
+def _staged(t: torch.Tensor, shape: tuple, group):
+    """(buffer the collective writes, device result, copy_back) for an output of `shape` like `t`."""
+    result = torch.empty(shape, dtype=t.dtype, device=t.device)
+    if _via_host(t, group):
+        host = torch.empty(shape, dtype=t.dtype, device="cpu")
+        return host, result, (host, result)
+    return result, result, None
 
 
 def all_gather_start(t: torch.Tensor, group, dim: int = 0) -> Pending:
     """Start concatenating every rank's `t` along `dim` (rank order); `.wait()` returns the result."""
     p = group_size(group)
     if p == 1:
-        return _done(t)
+        return Pending(None, t)  # a group of one: the result is the input
     dim = dim % t.dim()
     moved = t.movedim(dim, 0).contiguous()
-    host = _via_host(t, group)
-    out = torch.empty((p * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype,
-                      device="cpu" if host else t.device)
-    _record("all_gather", group, out, (p - 1) / p)
-    src = moved.cpu() if host else moved
-    work = _all_gather_flat(out, src, group=group, async_op=True)
-    return Pending(work, out, dim, t.device, keep=src)
+    buf, result, copy_back = _staged(moved, (p * moved.shape[0],) + tuple(moved.shape[1:]), group)
+    _record("all_gather", group, result, (p - 1) / p)
+    src = moved.cpu() if copy_back else moved
+    work = _all_gather_flat(buf, src, group=group, async_op=True)
+    return Pending(work, result, copy_back, finish=lambda r: r.movedim(0, dim), keep=src)
 
 
 def all_gather(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
@@ -158,18 +165,16 @@ def reduce_scatter_start(t: torch.Tensor, group, dim: int = 0) -> Pending:
     """Start summing over ranks and keeping this rank's chunk of `dim`; `.wait()` returns the result."""
     p = group_size(group)
     if p == 1:
-        return _done(t)
+        return Pending(None, t)  # a group of one: the result is the input
     dim = dim % t.dim()
     if t.shape[dim] % p != 0:
         raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} is not divisible by group size {p}")
     moved = t.movedim(dim, 0).contiguous()
-    host = _via_host(t, group)
-    out = torch.empty((moved.shape[0] // p,) + tuple(moved.shape[1:]), dtype=t.dtype,
-                      device="cpu" if host else t.device)
+    buf, result, copy_back = _staged(moved, (moved.shape[0] // p,) + tuple(moved.shape[1:]), group)
     _record("reduce_scatter", group, moved, (p - 1) / p)
-    src = moved.cpu() if host else moved
-    work = _reduce_scatter_flat(out, src, group=group, async_op=True)
-    return Pending(work, out, dim, t.device, keep=src)
+    src = moved.cpu() if copy_back else moved
+    work = _reduce_scatter_flat(buf, src, group=group, async_op=True)
+    return Pending(work, result, copy_back, finish=lambda r: r.movedim(0, dim), keep=src)
 
 
 def reduce_scatter(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
@@ -266,54 +271,37 @@ def split_along(t: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tenso
 # -- asynchronous flat collectives for the data-parallel gradient buckets (tpzoo.parallel.data_parallel) ----------
 # Counted when started. The caller keeps the tensors alive and untouched until wait().
 
-class PendingCollective:
-    """An asynchronous collective in flight: wait() blocks until it is done (host-staged buffers are copied back
-    to their device tensors) and returns its result tensor."""
-
-    def __init__(self, work, result: torch.Tensor, copy_back: tuple | None = None):
-        self.work, self.result, self.copy_back = work, result, copy_back
-
-    def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-            if self.copy_back is not None:
-                self.copy_back[1].copy_(self.copy_back[0])
-                self.copy_back = None
-        return self.result
-
-
-def all_reduce_start(t: torch.Tensor, group) -> PendingCollective:
+def all_reduce_start(t: torch.Tensor, group) -> Pending:
     """Start an in-place sum of `t` over `group`; wait() returns t."""
     p = group_size(group)
     if p == 1:
-        return PendingCollective(None, t)
+        return Pending(None, t)
     _record("all_reduce", group, t, 2 * (p - 1) / p)
     if _via_host(t, group):
         host = t.cpu()
-        return PendingCollective(dist.all_reduce(host, group=group, async_op=True), t, (host, t))
-    return PendingCollective(dist.all_reduce(t, group=group, async_op=True), t)
+        return Pending(dist.all_reduce(host, group=group, async_op=True), t, (host, t), keep=host)
+    return Pending(dist.all_reduce(t, group=group, async_op=True), t)
 
 
-def reduce_scatter_into_start(out: torch.Tensor, t: torch.Tensor, group) -> PendingCollective:
+def reduce_scatter_into_start(out: torch.Tensor, t: torch.Tensor, group) -> Pending:
     """Start the sum of flat `t` over `group` whose rank-th 1/p lands in flat `out`; wait() returns out."""
     p = group_size(group)
     if p == 1:
-        return PendingCollective(None, out.copy_(t))
+        return Pending(None, out.copy_(t))
     _record("reduce_scatter", group, t, (p - 1) / p)
     if _via_host(t, group):
-        host = torch.empty(out.shape, dtype=out.dtype, device="cpu")
-        return PendingCollective(_reduce_scatter_flat(host, t.cpu(), group=group, async_op=True), out, (host, out))
-    return PendingCollective(_reduce_scatter_flat(out, t, group=group, async_op=True), out)
+        host, src = torch.empty(out.shape, dtype=out.dtype, device="cpu"), t.cpu()
+        return Pending(_reduce_scatter_flat(host, src, group=group, async_op=True), out, (host, out), keep=src)
+    return Pending(_reduce_scatter_flat(out, t, group=group, async_op=True), out)
 
 
-def all_gather_into_start(out: torch.Tensor, t: torch.Tensor, group) -> PendingCollective:
+def all_gather_into_start(out: torch.Tensor, t: torch.Tensor, group) -> Pending:
     """Start concatenating every rank's flat `t` (rank order) into flat `out`; wait() returns out."""
     p = group_size(group)
     if p == 1:
-        return PendingCollective(None, out.copy_(t))
+        return Pending(None, out.copy_(t))
     _record("all_gather", group, out, (p - 1) / p)
     if _via_host(t, group):
-        host = torch.empty(out.shape, dtype=out.dtype, device="cpu")
-        return PendingCollective(_all_gather_flat(host, t.cpu(), group=group, async_op=True), out, (host, out))
-    return PendingCollective(_all_gather_flat(out, t, group=group, async_op=True), out)
+        host, src = torch.empty(out.shape, dtype=out.dtype, device="cpu"), t.cpu()
+        return Pending(_all_gather_flat(host, src, group=group, async_op=True), out, (host, out), keep=src)
+    return Pending(_all_gather_flat(out, t, group=group, async_op=True), out)
