@@ -283,25 +283,23 @@ def all_reduce_start(t: torch.Tensor, group) -> Pending:
     return Pending(dist.all_reduce(t, group=group, async_op=True), t)
 
 
-def reduce_scatter_into_start(out: torch.Tensor, t: torch.Tensor, group) -> Pending:
-    """Start the sum of flat `t` over `group` whose rank-th 1/p lands in flat `out`; wait() returns out."""
+def _into_start(kind: str, collective, out: torch.Tensor, t: torch.Tensor, group) -> Pending:
+    """Start a flat collective from `t` into the preallocated `out` (host-staged when gloo meets CUDA)."""
     p = group_size(group)
     if p == 1:
         return Pending(None, out.copy_(t))
-    _record("reduce_scatter", group, t, (p - 1) / p)
+    _record(kind, group, t if kind == "reduce_scatter" else out, (p - 1) / p)
     if _via_host(t, group):
         host, src = torch.empty(out.shape, dtype=out.dtype, device="cpu"), t.cpu()
-        return Pending(_reduce_scatter_flat(host, src, group=group, async_op=True), out, (host, out), keep=src)
-    return Pending(_reduce_scatter_flat(out, t, group=group, async_op=True), out)
+        return Pending(collective(host, src, group=group, async_op=True), out, (host, out), keep=src)
+    return Pending(collective(out, t, group=group, async_op=True), out)
+
+
+def reduce_scatter_into_start(out: torch.Tensor, t: torch.Tensor, group) -> Pending:
+    """Start the sum of flat `t` over `group` whose rank-th 1/p lands in flat `out`; wait() returns out."""
+    return _into_start("reduce_scatter", _reduce_scatter_flat, out, t, group)
 
 
 def all_gather_into_start(out: torch.Tensor, t: torch.Tensor, group) -> Pending:
     """Start concatenating every rank's flat `t` (rank order) into flat `out`; wait() returns out."""
-    p = group_size(group)
-    if p == 1:
-        return Pending(None, out.copy_(t))
-    _record("all_gather", group, out, (p - 1) / p)
-    if _via_host(t, group):
-        host, src = torch.empty(out.shape, dtype=out.dtype, device="cpu"), t.cpu()
-        return Pending(_all_gather_flat(host, src, group=group, async_op=True), out, (host, out), keep=src)
-    return Pending(_all_gather_flat(out, t, group=group, async_op=True), out)
+    return _into_start("all_gather", _all_gather_flat, out, t, group)
