@@ -19,7 +19,7 @@ FLOPs of a micro-batch on one GPU, from its local shapes (replicated kv heads an
 matmuls 2 * tokens * weights (F), the same again for W, and for B; causal attention 4 * b * s * (s + 1)/2 *
 heads * head_dim per layer in F and twice that in B; full recompute adds a forward without the MLP's output
 matmul (torch's checkpoint stops recomputing early), selective the attention core. tpzoo's zero-bubble W
-re-walks the input-gradient chain (stage_times), so there B's work is done twice.
+runs only the weight-gradient work (and, under full recomputation, the recomputed forward again: stage_times).
 MFU counts the model's FLOPs, ModelConfig.flops_per_token (non-causal attention, the usual convention).
 """
 from __future__ import annotations
@@ -113,22 +113,25 @@ def stage_flops(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage:
     return {"forward": matmul + attn, "dgrad": matmul + 2 * attn, "wgrad": matmul, "recompute": extra}
 
 
-def stage_times(f: dict, tp_fwd: float, tp_bwd: float, peak: float, zero_bubble: bool, first: bool) -> dict:
+def stage_times(f: dict, tp_fwd: float, tp_bwd: float, peak: float, zero_bubble: bool, first: bool,
+                tp_regather: float = 0.0, tp_replay: float = 0.0) -> dict:
     """Seconds of one micro-batch's F, B and W actions on a stage, and their compute / recompute / comm parts.
 
-    tpzoo's zero-bubble W is `backward(out, inputs=params)` over the graph B kept: autograd re-walks the whole
-    input-gradient chain to reach each weight (dgrad and the backward collectives twice; recomputation twice).
+    tpzoo's zero-bubble split (tpzoo.pipeline.weight_grad): B computes only input gradients; W restarts autograd
+    where each weight's branch leaves the input path, so it runs only the weight-gradient matmuls and the SP
+    column layers' re-gathers (`tp_regather`, part of tp_bwd). Under full recomputation W is a second graph task
+    that re-runs the checkpointed forward: its FLOPs and its collectives (`tp_replay`, > 0 only then) once more.
     On the first stage B has no input to differentiate and W does the whole backward once."""
     fwd = f["forward"] / peak + tp_fwd
-    walk = (f["dgrad"] + f["recompute"]) / peak + tp_bwd  # one walk of the input-gradient chain
+    walk = (f["dgrad"] + f["recompute"]) / peak + tp_bwd  # the whole backward but the weight gradients
+    rec, tp = f["recompute"] / peak, tp_fwd + tp_bwd
     if not zero_bubble:
-        b, w, walks = walk, f["wgrad"] / peak, 1
-    elif first:
-        b, w, walks = 0.0, walk + f["wgrad"] / peak, 1
-    else:
-        b, w, walks = walk, walk + f["wgrad"] / peak, 2
-    return {"F": fwd, "B": b, "W": w, "recompute": walks * f["recompute"] / peak,
-            "tp": tp_fwd + walks * tp_bwd}
+        return {"F": fwd, "B": walk, "W": f["wgrad"] / peak, "recompute": rec, "tp": tp}
+    if first:
+        return {"F": fwd, "B": 0.0, "W": walk + f["wgrad"] / peak, "recompute": rec, "tp": tp}
+    again = rec if tp_replay else 0.0
+    return {"F": fwd, "B": walk - tp_regather, "W": f["wgrad"] / peak + tp_regather + again + tp_replay,
+            "recompute": rec + again, "tp": tp + tp_replay}
 
 
 def dp_sync_time(count, layout: Layout, training: TrainingSpec, cluster: ClusterSpec, m: int,
@@ -182,11 +185,13 @@ def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: T
         # The forward's share of a layer's collectives (equal sizes): without SP 2 all-reduces of 4, the backward
         # 2 more; with SP 2 all-gathers + 2 reduce-scatters of 10, the backward 4 all-gathers (2 re-gather the
         # column inputs) + 2 reduce-scatters. Full recomputation repeats most forward ones (1 resp. 3).
-        again = layout.recompute == "full"
-        share = 4 / (10 + 3 * again) if layout.sequence_parallel else 2 / (4 + again)
-        tp_fwd = tp_mb * share
+        again, sp = layout.recompute == "full", layout.sequence_parallel
+        unit = tp_mb / ((10 + 3 * again) if sp else (4 + again))
+        tp_fwd = unit * (4 if sp else 2)
+        # Zero-bubble's W: the re-gathers (SP), and under full recomputation the replayed forward's collectives
         st = stage_times(stage_flops(cfg, layout, training, s), tp_fwd, tp_mb - tp_fwd, peak,
-                         layout.schedule == "zb" and p > 1, s == 0)
+                         layout.schedule == "zb" and p > 1, s == 0, unit * 2 * sp,
+                         unit * (3 if sp else 1) * again)
         total = st["F"] + st["B"] + st["W"]
         if best is None or total > best[0]:
             best = (total, st, tp_fin, s)
