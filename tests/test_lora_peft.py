@@ -175,18 +175,21 @@ def test_lora_config_errors_before_any_rank_starts(tmp_path):
         assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
-def test_lora_with_zero1_and_recompute_matches_the_plain_run(tmp_path):
-    """dp=2: ZeRO-1 shards the adapters' optimizer state (and nothing of the frozen base); full recomputation
-    replays the adapters. Same losses and adapters as the plain data-parallel run."""
+def test_lora_with_zero_and_recompute_matches_the_plain_run(tmp_path):
+    """dp=2: ZeRO-1 shards the adapters' optimizer state, ZeRO-2 their gradients too, in small overlapped buckets
+    (the partial-gradient adapters reduced late), nothing of the frozen base; full recomputation replays the
+    adapters. Same losses and adapters as the plain data-parallel run."""
     sft = tmp_path / "sft.jsonl"
     sft.write_text("".join(json.dumps({"prompt": f"Say {w}.", "response": w * 3}) + "\n"
                            for w in ("apple", "river", "stone", "cloud", "green", "tiger", "piano", "lemon") * 3))
     base = tmp_path / "hf-base"
     _tiny_hf_llama(base)
     runs = {}
-    for name, extra in (("plain", {}), ("zero1", dict(zero1=True, recompute="full"))):
+    for name, extra in (("plain", {}), ("zero1", dict(zero1=True, recompute="full")),
+                        ("zero2", dict(zero=2, grad_bucket_elems=4096))):
         runs[name] = run_on_ranks(2, _train, _cfg(base=str(base), data=[str(sft)], lora_rank=4, lora_alpha=8.0,
                                                   steps=3, tp=1, dp=2, save=str(tmp_path / name), **extra))[0]
-    assert runs["zero1"]["losses"] == pytest.approx(runs["plain"]["losses"], rel=1e-6)
-    torch.testing.assert_close(_eval_logits(runs["zero1"]["checkpoint"]), _eval_logits(runs["plain"]["checkpoint"]),
-                               rtol=1e-5, atol=1e-6)
+    for name in ("zero1", "zero2"):
+        assert runs[name]["losses"] == pytest.approx(runs["plain"]["losses"], rel=1e-6), name
+        torch.testing.assert_close(_eval_logits(runs[name]["checkpoint"]), _eval_logits(runs["plain"]["checkpoint"]),
+                                   rtol=1e-5, atol=1e-6)
