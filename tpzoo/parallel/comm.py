@@ -133,15 +133,6 @@ class Pending:
         return self.finish(self.result) if self.finish is not None else self.result
 
 
-def _staged(t: torch.Tensor, shape: tuple, group):
-    """(buffer the collective writes, device result, copy_back) for an output of `shape` like `t`."""
-    result = torch.empty(shape, dtype=t.dtype, device=t.device)
-    if _via_host(t, group):
-        host = torch.empty(shape, dtype=t.dtype, device="cpu")
-        return host, result, (host, result)
-    return result, result, None
-
-
 def all_gather_start(t: torch.Tensor, group, dim: int = 0) -> Pending:
     """Start concatenating every rank's `t` along `dim` (rank order); `.wait()` returns the result."""
     p = group_size(group)
@@ -149,11 +140,10 @@ def all_gather_start(t: torch.Tensor, group, dim: int = 0) -> Pending:
         return Pending(None, t)  # a group of one: the result is the input
     dim = dim % t.dim()
     moved = t.movedim(dim, 0).contiguous()
-    buf, result, copy_back = _staged(moved, (p * moved.shape[0],) + tuple(moved.shape[1:]), group)
-    _record("all_gather", group, result, (p - 1) / p)
-    src = moved.cpu() if copy_back else moved
-    work = _all_gather_flat(buf, src, group=group, async_op=True)
-    return Pending(work, result, copy_back, finish=lambda r: r.movedim(0, dim), keep=src)
+    out = torch.empty((p * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
+    pending = _into_start("all_gather", _all_gather_flat, out, moved, group)
+    pending.finish = lambda r: r.movedim(0, dim)
+    return pending
 
 
 def all_gather(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
@@ -170,11 +160,10 @@ def reduce_scatter_start(t: torch.Tensor, group, dim: int = 0) -> Pending:
     if t.shape[dim] % p != 0:
         raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} is not divisible by group size {p}")
     moved = t.movedim(dim, 0).contiguous()
-    buf, result, copy_back = _staged(moved, (moved.shape[0] // p,) + tuple(moved.shape[1:]), group)
-    _record("reduce_scatter", group, moved, (p - 1) / p)
-    src = moved.cpu() if copy_back else moved
-    work = _reduce_scatter_flat(buf, src, group=group, async_op=True)
-    return Pending(work, result, copy_back, finish=lambda r: r.movedim(0, dim), keep=src)
+    out = torch.empty((moved.shape[0] // p,) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
+    pending = _into_start("reduce_scatter", _reduce_scatter_flat, out, moved, group)
+    pending.finish = lambda r: r.movedim(0, dim)
+    return pending
 
 
 def reduce_scatter(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
@@ -268,8 +257,8 @@ def split_along(t: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tenso
     return t.narrow(dim, rank * (size // parts), size // parts).contiguous()
 
 
-# -- asynchronous flat collectives for the data-parallel gradient buckets (tpzoo.parallel.data_parallel) ----------
-# Counted when started. The caller keeps the tensors alive and untouched until wait().
+# -- asynchronous flat collectives (the data-parallel gradient buckets; the sequence-dim ones above use them too) ----
+# Counted when started. The caller leaves the tensors untouched until wait() (the Pending holds the input).
 
 def all_reduce_start(t: torch.Tensor, group) -> Pending:
     """Start an in-place sum of `t` over `group`; wait() returns t."""
@@ -292,7 +281,7 @@ def _into_start(kind: str, collective, out: torch.Tensor, t: torch.Tensor, group
     if _via_host(t, group):
         host, src = torch.empty(out.shape, dtype=out.dtype, device="cpu"), t.cpu()
         return Pending(collective(host, src, group=group, async_op=True), out, (host, out), keep=src)
-    return Pending(collective(out, t, group=group, async_op=True), out)
+    return Pending(collective(out, t, group=group, async_op=True), out, keep=t)
 
 
 def reduce_scatter_into_start(out: torch.Tensor, t: torch.Tensor, group) -> Pending:
