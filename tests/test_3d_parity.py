@@ -46,17 +46,23 @@ def _full(name, t, cfg):
     return t[: cfg.vocab_size] if name in ("embed.weight", "lm_head.weight") else t
 
 
+def reference_step(model, cfg, step: int, opt) -> float:
+    """Forward and backward of the single-process model on step `step`'s global batch (the gradient of the mean
+    loss over its trained tokens); returns the summed loss. The caller reads the gradients and steps `opt`."""
+    ids, labels = global_batch(cfg, step)
+    opt.zero_grad(set_to_none=True)
+    per_token = model(ids, labels=labels)
+    (per_token.sum() / (labels != -100).sum()).backward()
+    return per_token.sum().item()
+
+
 def reference(cfg, steps: int = STEPS, recompute: str = "none") -> dict:
     """The same model in one process, no pipeline machinery: one forward over the whole global batch."""
     model = Transformer(cfg, seed=SEED, recompute=recompute)
     opt = make_optimizer(model.parameters())
     losses, grads, params = [], {}, []
     for step in range(steps):
-        ids, labels = global_batch(cfg, step)
-        opt.zero_grad(set_to_none=True)
-        per_token = model(ids, labels=labels)
-        (per_token.sum() / (labels != -100).sum()).backward()
-        losses.append(per_token.sum().item())
+        losses.append(reference_step(model, cfg, step, opt))
         if step == 0:
             grads = {n: _full(n, p.grad.clone(), cfg) for n, p in model.named_parameters()}
         opt.step()
@@ -75,6 +81,20 @@ def local_microbatches(cfg, step: int) -> tuple[list[dict], int]:
     return mbs, int((labels != -100).sum())
 
 
+def layout_step(chunks, dims, cfg, step: int, params: list, main_grads: GradBuffer, schedule: str = "1f1b") -> dict:
+    """Forward and backward of this rank's share of step `step`'s global batch at the chunks' layout, then the TP
+    and DP reductions; the parameters' .grad is their fp32 main grad, for an optimizer to step on. Returns the
+    executor's result (loss_sum, tokens, ...)."""
+    mbs, tokens = local_microbatches(cfg, step)
+    main_grads.zero()
+    out = forward_backward(chunks, mbs, dims, schedule=schedule, loss_scale=1.0 / tokens)
+    finalize_grads(chunks, dims)
+    main_grads.reduce(dims.grad_group)
+    for p in params:
+        p.grad = p.main_grad  # what the optimizer steps on
+    return out
+
+
 def train_layout(cfg, layout: dict, steps: int = STEPS) -> dict:
     """Train `steps` (or layout["steps"]) steps at one layout on this rank: loss, full (gathered over tp)
     gradients of the first step, full parameters at the end."""
@@ -90,14 +110,7 @@ def train_layout(cfg, layout: dict, steps: int = STEPS) -> dict:
         main_grads = GradBuffer(params, device=dims.device)  # fp32 main grads and the one DP reduction
         losses, grads, results = [], {}, []
         for step in range(steps):
-            mbs, tokens = local_microbatches(cfg, step)
-            main_grads.zero()
-            out = forward_backward(chunks, mbs, dims, schedule=layout.get("schedule", "1f1b"),
-                                   loss_scale=1.0 / tokens)
-            finalize_grads(chunks, dims)
-            main_grads.reduce(dims.grad_group)
-            for p in params:
-                p.grad = p.main_grad  # what the SGD steps on
+            out = layout_step(chunks, dims, cfg, step, params, main_grads, layout.get("schedule", "1f1b"))
             losses.append(out["loss_sum"])
             results.append({k: out[k] for k in ("tokens", "peak_inflight")})
             if step == 0:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tpzoo
-from test_3d_parity import assert_close, global_batch, local_microbatches
+from test_3d_parity import assert_close, global_batch, layout_step, local_microbatches, reference_step
 from tpzoo.models import Transformer, get_config
 from tpzoo.models.lora import LoRAConfig, add_lora, init_lora, sites, valid_targets
 from tpzoo.models.transformer import _seeded
@@ -16,7 +16,7 @@ from tpzoo.parallel import (GradBuffer, count_collectives, gather_tp_tensor, get
                             grad_of, param_spec)
 from tpzoo.parallel.layers import _init_shard
 from tpzoo.parallel.lora import LoRA
-from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward
+from tpzoo.pipeline import build_model_chunks, forward_backward
 from tpzoo.testing import run_on_ranks
 
 SEED, STEPS = 1234, 2
@@ -55,11 +55,7 @@ def reference(model: str, lora: str) -> dict:
     opt = torch.optim.SGD(trainable([net]), lr=0.5, momentum=0.9)
     losses, grads = [], {}
     for step in range(STEPS):
-        ids, labels = global_batch(cfg, step)
-        opt.zero_grad(set_to_none=True)
-        per_token = net(ids, labels=labels)
-        (per_token.sum() / (labels != -100).sum()).backward()
-        losses.append(per_token.sum().item())
+        losses.append(reference_step(net, cfg, step, opt))
         if step == 0:
             grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.requires_grad}
         opt.step()
@@ -82,14 +78,7 @@ def train_layout(model: str, lora: str, layout: dict) -> dict:
         main_grads = GradBuffer(params, device=dims.device)
         losses, grads = [], {}
         for step in range(STEPS):
-            mbs, tokens = local_microbatches(cfg, step)
-            main_grads.zero()
-            out = forward_backward(chunks, mbs, dims, schedule=layout.get("schedule", "1f1b"),
-                                   loss_scale=1.0 / tokens)
-            finalize_grads(chunks, dims)
-            main_grads.reduce(dims.grad_group)
-            for p in params:
-                p.grad = p.main_grad
+            out = layout_step(chunks, dims, cfg, step, params, main_grads, layout.get("schedule", "1f1b"))
             losses.append(out["loss_sum"])
             if step == 0:
                 grads = _adapters(chunks, cfg, grad=True)

@@ -19,7 +19,7 @@ from tpzoo.parallel import gather_tp_tensor, param_spec
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward
 from tpzoo.testing import run_on_ranks
 
-from test_3d_parity import MODELS, SEED, _full, assert_close, global_batch, local_microbatches
+from test_3d_parity import MODELS, SEED, _full, assert_close, local_microbatches, reference_step
 
 CFG = MODELS["llama"].replace(num_layers=4, tie_embeddings=True)
 STEPS, LR, BUCKET = 3, 1e-3, 2048
@@ -35,11 +35,7 @@ def reference() -> dict:
                                                    "weight_decay": 0.0}], lr=LR, **ADAM)
     losses, norms = [], []
     for step in range(STEPS):
-        ids, labels = global_batch(CFG, step)
-        opt.zero_grad(set_to_none=True)
-        per_token = model(ids, labels=labels)
-        (per_token.sum() / (labels != -100).sum()).backward()
-        losses.append(per_token.sum().item())
+        losses.append(reference_step(model, CFG, step, opt))
         norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
         opt.step()
     return {"loss_sum": losses, "norms": norms,
