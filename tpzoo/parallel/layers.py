@@ -21,7 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .column_linear import gathered_linear
-from .mappings import copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence, scatter_to_tp
+from .mappings import (copy_to_tp, gather_from_sequence, gather_from_tp, reduce_from_tp,
+                       reduce_scatter_to_sequence, scatter_to_tp)
 from .sharding import ShardSpec, shard
 from .dims import ParallelDims, divide
 from .state import get_dims
@@ -121,17 +122,26 @@ class ColumnParallelLinear(nn.Module):
         if self.bias is not None and self.bias.device.type != "meta":
             nn.init.zeros_(self.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def matmuls(self, x: torch.Tensor, extra: tuple = (), drop=None) -> tuple:
+        """Enter the TP region with `x` and return (x W^T + b, *(x w^T + b_e for (w, b_e) in extra)): the layer's
+        output and those of more weights fed the same input (LoRA's A), one entry collective for all. Under SP
+        the gather keeps only this rank's shard for backward (tpzoo.parallel.column_linear), unless `drop` (a
+        dropout for the extra matmuls' input) needs the gathered input itself."""
         group = self.dims.tp_group
         bias = None if self.skip_bias_add else self.bias
+        if self.sequence_parallel and self.tp_size > 1 and drop is None:
+            out = gathered_linear(x, self.weight, bias, self.sequence_dim, group, extra=extra)
+            return out if extra else (out,)
+        x = gather_from_sequence(x, self.sequence_dim, group) if self.sequence_parallel else copy_to_tp(x, group)
+        dropped = drop(x) if drop is not None else x
+        return (F.linear(x, self.weight, bias), *(F.linear(dropped, w, b) for w, b in extra))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora is not None:  # low-rank adapters (tpzoo.parallel.lora)
             y = self.lora.column_forward(self, x)
-        elif self.sequence_parallel and self.tp_size > 1:
-            # Gathers the sequence; keeps only this rank's shard for backward (tpzoo.parallel.column_linear).
-            y = gathered_linear(x, self.weight, bias, self.sequence_dim, group)
         else:
-            y = F.linear(copy_to_tp(x, group), self.weight, bias)
-        return gather_from_tp(y, group) if self.gather_output else y
+            (y,) = self.matmuls(x)
+        return gather_from_tp(y, self.dims.tp_group) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (local {self.out_per_rank}), tp={self.tp_size}, "

@@ -35,9 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .column_linear import gathered_linear
 from .layers import ColumnParallelLinear, RowParallelLinear, _init_shard, mark_parallel
-from .mappings import copy_to_tp, gather_from_sequence
 from .sharding import ShardSpec
 
 
@@ -130,17 +128,9 @@ class LoRA(nn.Module):
                           for o, rows in zip(out, self.local_rows)], dim=-1)
 
     def column_forward(self, layer: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
-        group = layer.dims.tp_group
-        bias = None if layer.skip_bias_add else layer.bias
-        a = [self.A[n] for n in self.names]  # one matmul per part: no concatenated copy of the A's to keep
-        if layer.sequence_parallel and layer.tp_size > 1 and self.dropout == 0:
-            y, *us = gathered_linear(x, layer.weight, bias, layer.sequence_dim, group,
-                                     extra=tuple((w, None) for w in a))
-        else:
-            x = (gather_from_sequence(x, layer.sequence_dim, group) if layer.sequence_parallel
-                 else copy_to_tp(x, group))
-            y, dropped = F.linear(x, layer.weight, bias), self._drop(x)
-            us = [F.linear(dropped, w) for w in a]
+        # One matmul per part (no concatenated copy of the A's to keep), on the layer's own entry into TP.
+        extra = tuple((self.A[n], None) for n in self.names)
+        y, *us = layer.matmuls(x, extra, self._drop if self.dropout > 0 else None)
         return y + self.scale * self._up(us)
 
     def row_partial(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
