@@ -25,6 +25,7 @@ from . import sources
 from .format import atomic_dir, aux_files_in, copy_aux_files, make_manifest, shard_file_name, write_manifest
 from .hf import HFSource, concat_structure, hf_config_for
 from .layout import ParamInfo, empty_meta, layout_plan, partition, spec_to_json, stages_from_ranges
+from .lora_io import lora_config_of
 from .safetensors_io import COPY_MIN_RUN, dtype_name, nbytes
 from .sources import CheckpointSource, check_source, shard_pieces
 from .st_writer import FileRuns, SafetensorsWriter
@@ -64,8 +65,6 @@ def write_checkpoint(source, out_dir, *, tp: int, pp: int, virtual_stages: int =
     stages = stages or stages_from_ranges(partition(cfg, pp, virtual_stages), pp)
     lora = (metadata or {}).get("lora")  # a LoRA checkpoint (reshard): its adapters are all there is
     if lora is not None:
-        from .lora_io import lora_config_of
-
         lora = lora_config_of(lora)
     plans = layout_plan(cfg, tp, stages, vocab_padding_multiple, lora)  # a tp that does not fit the heads fails here
     order = [(info, plan.pp_rank) for plan in plans for info in plan.params]

@@ -49,11 +49,14 @@ def lora_metadata(lora_cfg, base) -> dict:
     return {"lora": {**lora_cfg.to_dict(), "base": {"path": str(base), "fingerprint": fingerprint(base)}}}
 
 
+def lora_of_manifest(manifest: dict | None) -> dict | None:
+    """metadata.lora of a checkpoint manifest (None: not a LoRA checkpoint)."""
+    return ((manifest or {}).get("metadata") or {}).get("lora")
+
+
 def lora_info(path) -> dict | None:
-    """metadata.lora of a tpzoo checkpoint (None: not a LoRA checkpoint)."""
-    if not is_checkpoint(path):
-        return None
-    return (read_manifest(path).get("metadata") or {}).get("lora")
+    """metadata.lora of a tpzoo checkpoint directory (None: not a LoRA checkpoint, or not a tpzoo one)."""
+    return lora_of_manifest(read_manifest(path)) if is_checkpoint(path) else None
 
 
 def lora_config_of(info: dict):

@@ -18,7 +18,7 @@ from tpzoo.parallel.state import get_dims
 from tpzoo.pipeline.partition import as_chunks, tie_chunks
 
 from .format import CheckpointError, aux_files_in, copy_aux_files, make_manifest, shard_file_name, write_manifest
-from .lora_io import is_base_param, is_lora_param, lora_config_of, lora_info, resolve_base
+from .lora_io import is_base_param, is_lora_param, lora_config_of, lora_of_manifest, resolve_base
 from .layout import build_chunk, infer_padding_multiple, param_infos, partition, spec_to_json, stages_from_ranges
 from .safetensors_io import dtype_name
 from .st_writer import SafetensorsWriter
@@ -45,10 +45,11 @@ def load_model(ckpt, dims: ParallelDims | None = None, *, sequence_parallel: boo
     Each chunk is built on meta and filled straight into its device shards (no random init, no CPU copy of the
     model). dtype: default the checkpoint's; device: default dims.device."""
     dims = get_dims(dims)
-    lora = lora_info(ckpt)  # a LoRA checkpoint: the base's weights, then these adapters
-    base = open_source(resolve_base(lora, ckpt), verify=verify) if lora else None
-    source = open_source(ckpt, verify=verify)
+    source, base = open_source(ckpt, verify=verify), None
     try:
+        # A LoRA checkpoint: the base's weights, then these adapters.
+        lora = lora_of_manifest(getattr(source, "manifest", None))
+        base = open_source(resolve_base(lora, ckpt), verify=verify) if lora else None
         cfg = source.cfg
         stages = stages or _stages_for(source, cfg, dims.pp, virtual_stages)
         multiple = vocab_padding_multiple or (base or source).padding_multiple

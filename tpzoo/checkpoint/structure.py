@@ -25,6 +25,7 @@ from tpzoo.errors import UserError
 
 from .format import MANIFEST_NAME, CheckpointError, safe_path, verify_file
 from .layout import layout_plan, spec_from_json, spec_to_json
+from .lora_io import lora_config_of, lora_of_manifest
 
 _SHARD_PATTERN = "model-tp*-pp*.safetensors"
 
@@ -120,11 +121,9 @@ def _file_problems(m: dict) -> list[str]:
 def _model_problems(m: dict, cfg) -> list[str]:
     """The manifest's tensors against what the model config builds at the stored layout."""
     try:
-        lora = (m.get("metadata") or {}).get("lora")
+        lora = lora_of_manifest(m)
         if lora is not None:  # a LoRA checkpoint: the adapters only (the base is another checkpoint)
-            from tpzoo.models.lora import LoRAConfig
-
-            lora = LoRAConfig.from_dict(lora)
+            lora = lora_config_of(lora)
         plans = layout_plan(cfg, m["tp"], m["stages"], m["vocab"].get("padding_multiple", 1), lora)
     except (UserError, ValueError, TypeError, RuntimeError) as e:
         return [f"the model config cannot be built at tp={m['tp']} with the stored stages: {e}"]

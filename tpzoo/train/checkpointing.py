@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from tpzoo.checkpoint.atomic import temp_dirs, writer_gone
 from tpzoo.checkpoint.format import CheckpointError, atomic_dir, is_checkpoint, read_manifest
-from tpzoo.checkpoint.lora_io import is_lora_param, lora_info, lora_metadata
+from tpzoo.checkpoint.lora_io import is_lora_param, lora_info
 
 from . import rundir
 
@@ -281,8 +281,7 @@ def save_checkpoint(trainer, step: int) -> str:
     save_dir = Path(cfg.save)
     final = save_dir / f"step_{step:08d}"
     # A LoRA run saves its adapters only (and their optimizer state), naming the frozen base it trains on.
-    lora = {"select": is_lora_param, "metadata": lora_metadata(trainer.lora, trainer.lora_base)} \
-        if trainer.lora else {}
+    lora = {"select": is_lora_param, "metadata": trainer.lora_meta} if trainer.lora else {}
     with atomic_dir(final, force=True) as tmp:
         save_model_shards(trainer.chunks, tmp, trainer.model_cfg, tokenizer=trainer.tokenizer, **lora)
         _maybe_die_for_test("model-written", tmp)
@@ -325,6 +324,7 @@ def load_optimizer(opt, path, state: dict, chunks) -> None:
     A bf16 run resumed from an fp32 one takes its master weights from the (fp32) weights."""
     from tpzoo.checkpoint import load_weights_into
 
+    select = is_lora_param if lora_info(path) else None  # a LoRA run's state covers its adapters only
     for kind in opt.state_kinds():
         d = Path(path) / "optim" / kind
         if not d.is_dir():
@@ -334,6 +334,6 @@ def load_optimizer(opt, path, state: dict, chunks) -> None:
             raise FileNotFoundError(f"checkpoint {path} has no optimizer state {kind} ({d})")
         full = torch.zeros(opt.padded, dtype=torch.float32, device=opt.device)
         with opt.params_viewing(full):
-            load_weights_into(chunks, d, select=is_lora_param if lora_info(path) else None)
+            load_weights_into(chunks, d, select=select)
         opt.load_full_state(kind, full)
     opt.step_count = int(state["optimizer_steps"])

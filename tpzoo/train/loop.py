@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 import tpzoo
+from tpzoo.checkpoint.lora_io import lora_metadata
 from tpzoo.data import IGNORE_INDEX, micro_batches_per_step
 from tpzoo.errors import ConfigError
 from tpzoo.parallel import ParallelDims, comm, resolve_device, watchdog
@@ -118,6 +119,9 @@ class Trainer:
         # from the exact initial (or loaded) values.
         # LoRA: the base frozen in the model dtype (it has no fp32 master), the adapters trained.
         self.lora, self.lora_base = lora_setup.lora_of_run(cfg, self.resume_dir)
+        # What every LoRA checkpoint of the run records: the adapter config and the base as it was at the start
+        # (fingerprinted once here, not at every save).
+        self.lora_meta = lora_metadata(self.lora, self.lora_base) if self.lora else None
         self.chunks = build_model_chunks(model_cfg, dims, sequence_parallel=cfg.sequence_parallel,
                                          recompute=cfg.recompute, seed=cfg.seed, virtual_stages=cfg.virtual_stages,
                                          dtype=DTYPES[cfg.dtype] if self.lora else None, device="meta")
