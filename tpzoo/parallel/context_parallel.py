@@ -1,0 +1,47 @@
+"""Context parallelism (cp): each cp rank holds 2 of the 2N chunks of every sequence, in the load-balanced causal
+order (chunks r and 2N-1-r), and computes its tokens' activations, loss and gradients; attention is the only
+place where tokens of different ranks meet (tpzoo.parallel.ring_attention, or all-to-all over heads, "a2a").
+
+`shard_batch` cuts a micro-batch {"input_ids", "labels"[, ...]} of full sequences into this rank's share: the
+sequence is first padded to a multiple of 2N (times tp under sequence parallelism, which then splits each rank's
+tokens over tp) with ignored labels at the end, where causality hides the padding from every real token; the
+rank's tokens get their global positions ("position_ids"), so rotary and learned positions stay those of the whole
+sequence. Loss sums and token counts are then summed over the dp x cp group, and so are the gradients.
+"""
+from __future__ import annotations
+
+import torch
+
+from .dims import ParallelDims
+from .ring_attention import local_positions
+
+IGNORE_INDEX = -100
+CP_MODES = ("ring", "a2a")
+
+
+def padded_length(seq_len: int, cp: int, multiple: int = 1) -> int:
+    """The sequence length after padding to whole chunks: a multiple of 2 * cp * multiple."""
+    unit = 2 * cp * multiple
+    return -(-seq_len // unit) * unit
+
+
+def shard_batch(batch: dict, dims: ParallelDims, sequence_parallel: bool = False) -> dict:
+    """This cp rank's tokens of a batch of full sequences [b, s] (the batch itself at cp=1), with position_ids."""
+    cp = dims.cp
+    if cp == 1:
+        return batch
+    ids = batch["input_ids"]
+    s = ids.shape[1]
+    padded = padded_length(s, cp, dims.tp if sequence_parallel else 1)
+    pos = local_positions(padded // (2 * cp), cp, dims.cp_rank, "cpu")
+    out = {}
+    for key, t in batch.items():
+        if key in ("input_ids", "labels"):
+            fill = IGNORE_INDEX if key == "labels" else 0
+            if padded > s:
+                t = torch.cat([t, t.new_full((t.shape[0], padded - s), fill)], dim=1)
+            out[key] = t.index_select(1, pos.to(t.device))
+        else:
+            out[key] = t
+    out["position_ids"] = pos.unsqueeze(0).to(ids.device)
+    return out

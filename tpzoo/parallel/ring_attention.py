@@ -1,0 +1,196 @@
+"""Ring attention: causal self-attention over a sequence split across the context-parallel (cp) ranks.
+
+Layout (load-balanced, Megatron-Core / Llama 3): the (padded) sequence is cut into 2N chunks of c tokens for N cp
+ranks, and rank r holds chunks r and 2N-1-r, in that order (tpzoo.parallel.context_parallel cuts the batches).
+Every rank then does the same causal work: a rank early in the sequence also holds a chunk late in it.
+
+Forward: the K/V of every rank travel once around the ring (one batched isend/irecv per step, to rank r+1 and from
+rank r-1), the transfer of the next block overlapped with the attention of the one at hand. Each block gives a
+partial output and its log-sum-exp; partials merge exactly with the log-sum-exp rule. With the load-balanced order
+only three block shapes occur (the diagonal and the causal skipping of the other ranks' halves):
+    step 0 (own K/V):        all 2c queries x all 2c keys, causal mask by global position
+    K/V of an earlier rank:  all 2c queries x the first c keys (its second chunk lies in every query's future)
+    K/V of a later rank:     the last c queries x all 2c keys (our first chunk precedes both of its chunks)
+so each step after the first costs half the diagonal step.
+
+Backward (flash-attention style, from the saved output and log-sum-exp): K/V go around the ring again, and with
+them the dK/dV accumulated for that block, which ends at its owner after N transfers.
+
+Analytical volume per layer and rank (counted by tpzoo.parallel.comm under "send"/"recv" on the cp group):
+    forward  N-1 sends of K|V (2 * b * kv_heads * 2c * head_dim elements, the activations' dtype)
+    backward N-1 sends of K|V and N sends of dK|dV (same elements, fp32 or wider).
+
+Grouped-query attention: K/V travel with their kv heads only and are expanded to the query heads per block; the
+gradients of the expanded heads are summed back. (Under TP, ParallelAttention already holds the kv heads its query
+heads use, replicated or split.) Sliding windows mask by global position. `block_attention` is the seam for a
+fused kernel that returns (out, lse) on GPU; the torch version here is exact and runs anywhere.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import comm
+
+KV_TAG, DKV_TAG = 41, 42  # two exchanges may be in flight between the same pair of ranks in the backward
+
+
+def local_positions(chunk: int, cp: int, cp_rank: int, device) -> torch.Tensor:
+    """Global positions [2c] of the tokens rank cp_rank holds: chunks cp_rank and 2*cp-1-cp_rank of c tokens."""
+    first = torch.arange(chunk, device=device) + cp_rank * chunk
+    return torch.cat([first, first + (2 * cp - 1 - 2 * cp_rank) * chunk])
+
+
+def _block_slices(step_owner: int, cp_rank: int, chunk: int) -> tuple[slice, slice]:
+    """(query rows, key columns) of the local queries that can see any key of rank step_owner's block."""
+    if step_owner == cp_rank:
+        return slice(None), slice(None)
+    if step_owner < cp_rank:
+        return slice(None), slice(0, chunk)
+    return slice(chunk, None), slice(None)
+
+
+def _mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor | None:
+    """True where query i may see key j (None: every pair)."""
+    if not causal and window is None:
+        return None
+    mask = kpos.unsqueeze(0) <= qpos.unsqueeze(1)
+    if window is not None:
+        mask &= qpos.unsqueeze(1) - kpos.unsqueeze(0) < window
+    return mask
+
+
+def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """kv heads -> query heads (kv head i serves query heads i*groups .. i*groups+groups-1, as SDPA's enable_gqa)."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of _expand: sum the query heads' copies back onto their kv head."""
+    if groups == 1:
+        return t
+    b, h, s, d = t.shape
+    return t.view(b, h // groups, groups, s, d).sum(2)
+
+
+def block_attention(q, k, v, scale: float, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [b, h, sq, d], lse [b, h, sq], both at least fp32) of softmax(q k^T * scale) v over one block of keys.
+    A row with no visible key has lse = -inf and out = 0 (it merges as nothing)."""
+    scores = torch.matmul(q.to(_acc(q)), k.to(_acc(q)).transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - _finite(lse).unsqueeze(-1))
+    return torch.matmul(probs, v.to(_acc(q))), lse
+
+
+def _acc(t: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: fp32 for half precisions, else the input's own (fp64 stays fp64 for exact tests)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def merge(out, lse, block_out, block_lse):
+    """Log-sum-exp merge of two partial attentions over disjoint key sets (in place on out; returns new lse)."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    safe = _finite(new_lse)
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - safe).unsqueeze(-1))
+    return new_lse
+
+
+class _Ring:
+    """One neighbour exchange on the cp ring: send to rank r+1, receive from rank r-1 (global ranks)."""
+
+    def __init__(self, group, ranks: list[int], cp_rank: int):
+        self.group, n = group, len(ranks)
+        self.next, self.prev = ranks[(cp_rank + 1) % n], ranks[(cp_rank - 1) % n]
+
+    def start(self, t: torch.Tensor, tag: int):
+        out = torch.empty_like(t)
+        reqs = comm.batch_send_recv([(t, self.next, tag)], [(out, self.prev, tag)], group=self.group, wait=False)
+        return out, reqs, t  # t kept alive until the send is waited on
+
+    @staticmethod
+    def wait(pending):
+        out, reqs, _ = pending
+        for r in reqs:
+            r.wait()
+        return out
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, ranks, cp_rank, scale, window):
+        cp, chunk = len(ranks), q.shape[2] // 2
+        groups = q.shape[1] // k.shape[1]
+        pos = local_positions(chunk, cp, cp_rank, q.device)
+        ring = _Ring(group, ranks, cp_rank)
+        out = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=_acc(q), device=q.device)
+        kv = torch.stack([k, v])
+        for step in range(cp):
+            pending = ring.start(kv, KV_TAG) if step < cp - 1 else None  # overlapped with this block
+            owner = (cp_rank - step) % cp
+            rows, cols = _block_slices(owner, cp_rank, chunk)
+            kpos = local_positions(chunk, cp, owner, q.device)
+            mask = _mask(pos[rows], kpos[cols], window, causal=step == 0)
+            b_out, b_lse = block_attention(q[:, :, rows], _expand(kv[0][:, :, cols], groups),
+                                           _expand(kv[1][:, :, cols], groups), scale, mask)
+            lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], b_out, b_lse)
+            if pending is not None:
+                kv = ring.wait(pending)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.ranks, ctx.cp_rank, ctx.scale, ctx.window = group, ranks, cp_rank, scale, window
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, cp_rank, scale, window = len(ctx.ranks), ctx.cp_rank, ctx.scale, ctx.window
+        chunk, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
+        pos = local_positions(chunk, cp, cp_rank, q.device)
+        ring = _Ring(ctx.group, ctx.ranks, cp_rank)
+        d_out = grad_out.to(_acc(q))
+        delta = (d_out * out).sum(-1)  # rowsum(dO * O): the softmax backward's correction term
+        dq = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=_acc(q), device=q.device)
+        dkv_pending = None
+        for step in range(cp):
+            kv_pending = ring.start(kv, KV_TAG) if step < cp - 1 else None
+            owner = (cp_rank - step) % cp
+            rows, cols = _block_slices(owner, cp_rank, chunk)
+            kpos = local_positions(chunk, cp, owner, q.device)
+            mask = _mask(pos[rows], kpos[cols], window, causal=step == 0)
+            qb, kb, vb = q[:, :, rows].to(_acc(q)), _expand(kv[0][:, :, cols], groups).to(_acc(q)), \
+                _expand(kv[1][:, :, cols], groups).to(_acc(q))
+            scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            probs = torch.exp(scores - _finite(lse[:, :, rows]).unsqueeze(-1))
+            do = d_out[:, :, rows]
+            d_scores = probs * (torch.matmul(do, vb.transpose(-1, -2)) - delta[:, :, rows].unsqueeze(-1)) * scale
+            dq[:, :, rows] += torch.matmul(d_scores, kb)
+            if dkv_pending is not None:  # the dK/dV the previous ranks accumulated for this block
+                dkv = ring.wait(dkv_pending)
+            dkv[0][:, :, cols] += _fold(torch.matmul(d_scores.transpose(-1, -2), qb), groups)
+            dkv[1][:, :, cols] += _fold(torch.matmul(probs.transpose(-1, -2), do), groups)
+            dkv_pending = ring.start(dkv, DKV_TAG)  # to the next rank; after N sends, back at its owner
+            if kv_pending is not None:
+                kv = ring.wait(kv_pending)
+        dkv = ring.wait(dkv_pending)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+
+
+def ring_attention(q, k, v, group, ranks: list[int], cp_rank: int, *, scale: float | None = None,
+                   window: int | None = None) -> torch.Tensor:
+    """Causal attention of this rank's queries q [b, h, 2c, d] over every cp rank's keys/values ([b, kv_heads,
+    2c, d] here), the tokens in the load-balanced order; `ranks` are the cp group's global ranks."""
+    if q.shape[2] % 2:
+        raise ValueError(f"ring attention: the local sequence ({q.shape[2]}) must hold two equal chunks")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"ring attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return RingAttention.apply(q, k, v, group, list(ranks), cp_rank, scale, window)
