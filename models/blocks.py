@@ -15,6 +15,8 @@ from tpzoo import kernels
 from tpzoo.errors import ConfigError
 from tpzoo.parallel import (ColumnParallelLinear, ParallelDims, ParallelLayoutError, RowParallelLinear, ShardSpec,
                             mark_parallel)
+from tpzoo.parallel.ring_attention import ring_attention
+from tpzoo.parallel.ulysses import ulysses_attention
 
 from .config import ModelConfig
 from .qk_norm import full_width_qk_norm, make_qk_norms, softcapped_attention
@@ -110,6 +112,7 @@ class ParallelAttention(nn.Module):
         if cfg.qk_norm != "none":  # q_norm, k_norm (registered after out: the parameter order of other families stays)
             self.q_norm, self.k_norm = make_qk_norms(cfg, self.kv_replicas, dims, dtype, device)
         self.recompute_core = False
+        self.cp_mode = "ring"  # under context parallelism (dims.cp > 1): "ring" or "a2a" (Transformer sets it)
 
     def forward(self, x, cos, sin, kv_cache=None):
         # One matmul enters the TP region for q, k and v (under SP: gathers the sequence, keeps only the shard).
@@ -133,6 +136,22 @@ class ParallelAttention(nn.Module):
         return self.out(rearrange(ctx, "b heads s d -> b s (heads d)"))
 
     def _core(self, q, k, v, past: int):
+        if self.dims.cp > 1:  # this rank holds 2 of the 2*cp load-balanced chunks of the sequence
+            if past:
+                raise ConfigError("context parallelism (cp > 1) does not decode with a KV cache: generate at cp=1")
+            return self._context_core(q, k, v)
+        return self._local_core(q, k, v, past)
+
+    def _context_core(self, q, k, v):
+        dims = self.dims
+        if self.cp_mode == "a2a":
+            return ulysses_attention(q, k, v, dims.cp_group, dims.cp, lambda *qkv: self._local_core(*qkv, 0))
+        if self.softcap is not None:
+            raise ConfigError("attention softcapping (Gemma 2) runs with --cp-mode a2a, not ring")
+        return ring_attention(q, k, v, dims.cp_group, dims.ranks("cp"), dims.cp_rank, scale=self.scale,
+                              window=self.sliding_window)
+
+    def _local_core(self, q, k, v, past: int):
         s_q, s_k = q.shape[2], k.shape[2]
         gqa = self.heads != self.kv_heads
         window = self.sliding_window

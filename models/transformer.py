@@ -56,7 +56,8 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, dims: ParallelDims | None = None, layers: tuple[int, int] | None = None,
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
-                 recompute: str = "none", seed: int = 0, vocab_padding_multiple: int = 1, dtype=None, device=None):
+                 recompute: str = "none", seed: int = 0, vocab_padding_multiple: int = 1, dtype=None, device=None,
+                 cp_mode: str = "ring"):
         super().__init__()
         if recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
@@ -81,6 +82,7 @@ class Transformer(nn.Module):
         for i in range(start, end):
             self.layers[str(i)] = TransformerBlock(cfg, sequence_parallel, dims, layer=i, **kw)
             self.layers[str(i)].attn.recompute_core = recompute == "selective"
+            self.layers[str(i)].attn.cp_mode = cp_mode
         if post_process:
             self.final_norm = Norm(cfg, sequence_parallel, **kw)
             vocab_padded = padded_vocab_size(cfg.vocab_size, dims.tp, vocab_padding_multiple)
@@ -167,6 +169,9 @@ class Transformer(nn.Module):
     def _positions(self, input_like: torch.Tensor, seq_len: int, past: int, position_ids):
         if position_ids is not None:
             return position_ids
+        if self.dims.cp > 1:  # the tokens of this rank are not 0..s-1 (tpzoo.parallel.context_parallel)
+            raise ConfigError("context parallelism: pass the position_ids of this rank's tokens "
+                              "(tpzoo.parallel.context_parallel.shard_batch gives them)")
         return torch.arange(past, past + seq_len, device=input_like.device).unsqueeze(0)
 
     def _seq_chunk(self, t: torch.Tensor) -> torch.Tensor:

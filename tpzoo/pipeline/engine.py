@@ -146,13 +146,14 @@ def pipeline_forward(model_or_chunks, input_ids: torch.Tensor, labels: torch.Ten
 # -- the language-model loss: training and eval ------------------------------------------------------------------
 
 def lm_forward(label_smoothing: float = 0.0):
-    """The forward of one chunk for an {"input_ids"[, "labels"]} batch: on the last model stage the per-token
+    """The forward of one chunk for an {"input_ids"[, "labels"][, "position_ids"]} batch: on the last model stage the per-token
     loss, or the logits shard for a batch without labels."""
     def forward(index, chunk, batch, hidden):
-        device, labels = chunk.device, batch.get("labels")
+        device, labels, positions = chunk.device, batch.get("labels"), batch.get("position_ids")
         return chunk(input_ids=batch["input_ids"].to(device, non_blocking=True) if chunk.pre_process else None,
                      hidden=hidden, labels=labels.to(device, non_blocking=True)
-                     if labels is not None and chunk.post_process else None, label_smoothing=label_smoothing)
+                     if labels is not None and chunk.post_process else None, label_smoothing=label_smoothing,
+                     position_ids=None if positions is None else positions.to(device, non_blocking=True))
     return forward
 
 

@@ -76,7 +76,7 @@ def partition_layers(cfg, pp: int, boundaries: list[int] | None = None,
 def build_model_chunks(cfg, dims: ParallelDims | None = None, *, sequence_parallel: bool = False,
                        recompute: str = "none", seed: int = 0, virtual_stages: int = 1,
                        boundaries: list[int] | None = None, vocab_padding_multiple: int = 1, dtype=None,
-                       device=None) -> list:
+                       device=None, cp_mode: str = "ring") -> list:
     """This rank's model chunks (len == virtual_stages) at `dims` (default: the default dims).
 
     Chunk c is model stage c*pp + pp_rank; the first model stage embeds, the last one has the final norm and head.
@@ -95,7 +95,8 @@ def build_model_chunks(cfg, dims: ParallelDims | None = None, *, sequence_parall
         chunks.append(Transformer(cfg, dims=dims, layers=ranges[stage], pre_process=stage == 0,
                                   post_process=stage == last,
                                   sequence_parallel=sequence_parallel, recompute=recompute, seed=seed,
-                                  vocab_padding_multiple=vocab_padding_multiple, dtype=dtype, device=device))
+                                  vocab_padding_multiple=vocab_padding_multiple, dtype=dtype, device=device,
+                                  cp_mode=cp_mode))
     return tie_chunks(chunks)
 
 

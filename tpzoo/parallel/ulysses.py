@@ -1,0 +1,62 @@
+"""All-to-all context parallelism (DeepSpeed-Ulysses), `--cp-mode a2a`: before attention an all-to-all over the cp
+group trades the sequence split for a head split (each rank then holds every token of heads/cp of its heads), the
+attention runs locally on whole sequences, and a second all-to-all trades back. Needs the query heads on a rank
+(after TP) divisible by cp; kv heads that do not divide are expanded to the query heads first.
+
+Volume per layer and rank: forward 4 all-to-alls (q, k, v in; the output back), backward the same 4.
+The gathered sequence arrives in rank order of the load-balanced chunks; it is put in natural order (a permutation
+of the sequence dim) so that the local attention is the plain causal one.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import comm
+from .ring_attention import local_positions
+
+
+def _all_to_all(x: torch.Tensor, group, p: int, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Split x into p parts along scatter_dim, part i to rank i; concatenate the received parts along gather_dim."""
+    parts = torch.stack(x.chunk(p, dim=scatter_dim))  # [p, ...]: comm.all_to_all exchanges dim 0
+    received = comm.all_to_all(parts, group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """[b, h, s/p, d] -> [b, h/p, s, d]; the backward is the inverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, group, p):
+        ctx.group, ctx.p = group, p
+        return _all_to_all(x, group, p, scatter_dim=1, gather_dim=2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad.contiguous(), ctx.group, ctx.p, scatter_dim=2, gather_dim=1), None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, p):
+        ctx.group, ctx.p = group, p
+        return _all_to_all(x, group, p, scatter_dim=2, gather_dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad.contiguous(), ctx.group, ctx.p, scatter_dim=1, gather_dim=2), None, None
+
+
+def ulysses_attention(q, k, v, group, cp: int, attend) -> torch.Tensor:
+    """q [b, h, 2c, d], k/v [b, kv_heads, 2c, d] of this rank's load-balanced tokens; attend(q, k, v) is causal
+    attention over a whole sequence in natural order. Returns this rank's output rows [b, h, 2c, d]."""
+    h, hkv = q.shape[1], k.shape[1]
+    if h % cp:
+        raise ValueError(f"cp-mode a2a: {h} query heads per rank are not divisible by cp={cp}")
+    if hkv % cp:  # expand kv to the query heads (as SDPA's enable_gqa pairs them), then split those
+        k, v = (t.repeat_interleave(h // hkv, dim=1) for t in (k, v))
+    chunk = q.shape[2] // 2
+    order = torch.cat([local_positions(chunk, cp, r, "cpu") for r in range(cp)])  # position of gathered token j
+    natural = torch.argsort(order).to(q.device)
+    q, k, v = (_SeqToHeads.apply(t, group, cp).index_select(2, natural) for t in (q, k, v))
+    out = attend(q, k, v)
+    return _HeadsToSeq.apply(out.index_select(2, order.to(q.device)).contiguous(), group, cp)
