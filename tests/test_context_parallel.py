@@ -16,6 +16,7 @@ from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward
 from tpzoo.testing import run_on_ranks
 
 from test_3d_parity import SEED, _full, _gathered, assert_close
+from test_train import _train, store, tiny  # noqa: F401 (store: the token-store fixture)
 
 BATCH, MICRO = 4, 2
 SEQS = (8, 11)
@@ -96,3 +97,18 @@ def test_context_parallel_matches_one_process(model, world):
                     assert_close(g, ref["grads"][tied(name)], f"{what} grad {name}")
                     merged.add(tied(name))
             assert merged == set(ref["grads"]), f"{what}: no rank holds {set(ref['grads']) - merged}"
+
+
+# -- the trainer: --cp end to end --------------------------------------------------------------------------------
+
+def test_trainer_at_cp_equals_cp1(store):
+    """`tpzoo pretrain` at cp=2 and at cp=1: the same losses, global grad norms (AdamW steps) and held-out loss,
+    on sequences of 30 tokens (padded to whole chunks). (dp x cp reductions: the layouts above.)"""
+    kw = dict(model="nano-llama", seq_len=30, steps=3, eval_fraction=0.2, eval_batches=2)
+    ref = run_on_ranks(1, _train, tiny(store, **kw))[0]
+    results = run_on_ranks(2, _train, tiny(store, cp=2, **kw))
+    assert results[0]["losses"] == results[1]["losses"]
+    r = results[0]
+    assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert r["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
+    assert r["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)

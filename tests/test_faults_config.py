@@ -126,6 +126,9 @@ def test_a_missing_or_non_utf8_config_file_is_named(tmp_path, monkeypatch, capsy
     (["--model", "tiny-gtp"], "unknown model 'tiny-gtp' (did you mean 'tiny-gpt'?)"),
     (["--zero", "3"], "--zero 3: ZeRO-3 (parameters sharded over dp) is not implemented yet; use --zero 2"),
     (["--zero", "2", "--zero1"], "zero1 = true is --zero 1, but zero = 2 is also set: keep one of them"),
+    (["--cp", "3", "--seq-len", "4"], "cp=3 cuts every sequence into 2*cp = 6 chunks, more than seq_len 4 tokens"),
+    (["--cp", "4", "--cp-mode", "a2a"], "model tiny-gpt: --cp-mode a2a needs the 2 heads per TP rank (num_heads 4 / "
+                                        "tp 2) divisible by cp=4"),
     (["--device", "cuda:0"] if not __import__("torch").cuda.is_available() else ["--device", "tpu"], "device "),
 ])
 def test_a_combination_that_cannot_run_fails_before_spawning(monkeypatch, capsys, tmp_path, flags, says):
@@ -158,7 +161,10 @@ def test_the_world_size_under_torchrun_is_checked_before_the_process_groups(monk
     from tpzoo.cli import main
 
     rc = main(["pretrain", "--tp", "2"])  # the rank's own preflight: a ConfigError before init_parallel
-    one_error_line(rc, capsys.readouterr().err, "pretrain", "world size 3 is not divisible by tp*pp = 2*1 = 2")
+    one_error_line(rc, capsys.readouterr().err, "pretrain", "world size 3 is not divisible by tp*cp*pp = 2*1*1 = 2")
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    rc = main(["pretrain", "--tp", "2", "--cp", "2"])
+    one_error_line(rc, capsys.readouterr().err, "pretrain", "world size 6 is not divisible by tp*cp*pp = 2*2*1 = 4")
 
 
 def test_a_valid_config_passes_preflight_and_reaches_the_ranks(monkeypatch, tmp_path):
@@ -171,7 +177,8 @@ def test_a_valid_config_passes_preflight_and_reaches_the_ranks(monkeypatch, tmp_
     assert main(["pretrain", "--steps", "3"]) == 0
     assert main(["pretrain", "--tp", "1", "--pp", "2", "--dp", "2", "--micro-batch-size", "4", "--virtual-stages", "2",
                  "--schedule", "interleaved"]) == 0
-    assert started == [(2, "pretrain"), (4, "pretrain")]
+    assert main(["pretrain", "--cp", "2", "--seq-len", "30"]) == 0  # padded to whole chunks
+    assert started == [(2, "pretrain"), (4, "pretrain"), (4, "pretrain")]
 
 
 def test_config_schedule_names_are_the_pipelines():

@@ -146,8 +146,8 @@ def pipeline_forward(model_or_chunks, input_ids: torch.Tensor, labels: torch.Ten
 # -- the language-model loss: training and eval ------------------------------------------------------------------
 
 def lm_forward(label_smoothing: float = 0.0):
-    """The forward of one chunk for an {"input_ids"[, "labels"][, "position_ids"]} batch: on the last model stage the per-token
-    loss, or the logits shard for a batch without labels."""
+    """The forward of one chunk for an {"input_ids"[, "labels"][, "position_ids"]} batch: on the last model stage
+    the per-token loss, or the logits shard for a batch without labels."""
     def forward(index, chunk, batch, hidden):
         device, labels, positions = chunk.device, batch.get("labels"), batch.get("position_ids")
         return chunk(input_ids=batch["input_ids"].to(device, non_blocking=True) if chunk.pre_process else None,

@@ -65,7 +65,12 @@ class ModelSection:
 class ParallelSection:
     tp: int = _f(2, "tensor-parallel size (divides the heads; kv heads divide by it or it by them)", ge=1)
     pp: int = _f(1, "pipeline-parallel size (pp * virtual_stages <= layers)", ge=1)
-    dp: int = _f(0, "data-parallel size; 0 = world size / (tp * pp) under torchrun, 1 when self-spawning", ge=0)
+    dp: int = _f(0, "data-parallel size; 0 = world size / (tp * cp * pp) under torchrun, 1 when self-spawning", ge=0)
+    cp: int = _f(1, "context-parallel size: each rank holds 2 of the 2*cp load-balanced chunks of every sequence "
+                    "(padded to whole chunks), attention runs over the cp group", ge=1)
+    cp_mode: str = _f("ring", "context-parallel attention: 'ring' (K/V passed around the cp ring, overlapped) or "
+                              "'a2a' (all-to-all over heads, Ulysses; heads per TP rank divisible by cp)",
+                      choices=("ring", "a2a"))
     sequence_parallel: bool = _f(False, "shard activations along the sequence between TP regions (seq_len "
                                         "divisible by tp)")
     schedule: str = _f("1f1b", "pipeline schedule (tpzoo.pipeline.SCHEDULES; only interleaved runs "
@@ -226,19 +231,23 @@ class TrainConfig:
                               f"learning rate (set --min-lr at most --lr)")
         dp = self.dp or 1
         if world_size is not None:
-            mp = self.tp * self.pp
+            mp = self.tp * self.cp * self.pp
             if world_size % mp:
-                raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {self.tp}*{self.pp} = {mp}")
+                raise ConfigError(f"world size {world_size} is not divisible by tp*cp*pp = {self.tp}*{self.cp}*"
+                                  f"{self.pp} = {mp}")
             if self.dp and self.dp * mp != world_size:
-                raise ConfigError(f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {mp * self.dp} does not equal the "
-                                  f"world size {world_size} (dp = 0 infers it)")
+                raise ConfigError(f"tp*cp*pp*dp = {self.tp}*{self.cp}*{self.pp}*{self.dp} = {mp * self.dp} does not "
+                                  f"equal the world size {world_size} (dp = 0 infers it)")
             dp = world_size // mp
         per_step = self.micro_batch_size * dp
         if self.global_batch_size % per_step:
             raise ConfigError(f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
                               f"{self.micro_batch_size} x dp {dp} = {per_step}")
         n_micro = self.global_batch_size // per_step
-        if self.sequence_parallel and self.tp > 1 and self.seq_len % self.tp:
+        if self.cp > 1 and self.seq_len < 2 * self.cp:
+            raise ConfigError(f"cp={self.cp} cuts every sequence into 2*cp = {2 * self.cp} chunks, more than seq_len "
+                              f"{self.seq_len} tokens")
+        if self.sequence_parallel and self.tp > 1 and self.cp == 1 and self.seq_len % self.tp:  # cp pads
             raise ConfigError(f"sequence_parallel: seq_len {self.seq_len} is not divisible by tp={self.tp}")
         if self.pp > 1 and self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule = 'interleaved' (schedule "

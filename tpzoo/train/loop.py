@@ -28,6 +28,7 @@ from tpzoo.checkpoint.lora_io import lora_metadata
 from tpzoo.data import IGNORE_INDEX, micro_batches_per_step
 from tpzoo.errors import ConfigError
 from tpzoo.parallel import ParallelDims, comm, resolve_device, watchdog
+from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.parallel.state import get_dims, is_initialized
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward, materialize_chunks
 
@@ -51,13 +52,13 @@ def train(cfg: TrainConfig) -> dict:
     cfg.validate(get_dims().world_size if is_initialized() else None)  # the Python API checks what the CLI does
     owns = not is_initialized()
     if owns:
-        tpzoo.init_parallel(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp or None, device=cfg.device,
+        tpzoo.init_parallel(tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, dp=cfg.dp or None, device=cfg.device,
                             timeout=datetime.timedelta(seconds=cfg.dist_timeout))
     dims = get_dims()
     try:
-        if (dims.tp, dims.pp) != (cfg.tp, cfg.pp) or (cfg.dp and cfg.dp != dims.dp):
-            raise ConfigError(f"config asks for tp={cfg.tp} pp={cfg.pp} dp={cfg.dp or 'auto'}, but the process "
-                             f"groups are tp={dims.tp} pp={dims.pp} dp={dims.dp}")
+        if (dims.tp, dims.pp, dims.cp) != (cfg.tp, cfg.pp, cfg.cp) or (cfg.dp and cfg.dp != dims.dp):
+            raise ConfigError(f"config asks for tp={cfg.tp} cp={cfg.cp} pp={cfg.pp} dp={cfg.dp or 'auto'}, but the "
+                             f"process groups are tp={dims.tp} cp={dims.cp} pp={dims.pp} dp={dims.dp}")
         if cfg.device != "auto" and resolve_device(cfg.device) != dims.device:
             raise ConfigError(f"config asks for device {cfg.device}, but the parallel runtime computes on "
                              f"{dims.device}")
@@ -93,6 +94,7 @@ class Trainer:
         self.rank, self.world = dims.rank, dims.world_size
         self.tp_rank, self.pp_rank, self.dp_rank, self.dp = dims.tp_rank, dims.pp_rank, dims.dp_rank, dims.dp
         self.dp_group = dims.dp_group
+        self.grad_group = dims.grad_group  # dp x cp: where token counts and loss sums are summed
         self.is_main = self.rank == 0
         self.n_micro = micro_batches_per_step(cfg.global_batch_size, cfg.micro_batch_size, self.dp)
         _seed_everything(cfg.seed)
@@ -124,7 +126,8 @@ class Trainer:
         self.lora_meta = lora_metadata(self.lora, self.lora_base) if self.lora else None
         self.chunks = build_model_chunks(model_cfg, dims, sequence_parallel=cfg.sequence_parallel,
                                          recompute=cfg.recompute, seed=cfg.seed, virtual_stages=cfg.virtual_stages,
-                                         dtype=DTYPES[cfg.dtype] if self.lora else None, device="meta")
+                                         dtype=DTYPES[cfg.dtype] if self.lora else None, device="meta",
+                                         cp_mode=cfg.cp_mode)
         if self.lora:
             lora_setup.build(self.chunks, self.device, cfg, self.lora, self.lora_base, self.resume_dir)
         else:
@@ -171,14 +174,19 @@ class Trainer:
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=self.pin) for k, v in batch.items()}
 
+    def _local(self, batch: dict) -> dict:
+        """This rank's tokens of a batch (every cp rank of a dp rank loads the same sequences; cp > 1 keeps its
+        two load-balanced chunks and their positions)."""
+        return shard_batch(batch, self.dims, self.cfg.sequence_parallel)
+
     def train_step(self, step: int) -> dict:
         """Optimizer step number `step` (1-based)."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        host = [next(self.loader) for _ in range(self.n_micro)]
+        host = [self._local(next(self.loader)) for _ in range(self.n_micro)]
         local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in host)  # counted on the host copy
         batches = [self._to_device(b) for b in host]
-        (tokens,) = self._global_sum([local_tokens], self.dp_group)
+        (tokens,) = self._global_sum([local_tokens], self.grad_group)
         loss_scale = self.scaler.scale if self.scaler else 1.0
         scale = loss_scale / max(tokens, 1.0)
         if step in cfg.inject_nan_steps:
@@ -188,7 +196,7 @@ class Trainer:
                                label_smoothing=cfg.label_smoothing)
         finalize_grads(self.chunks, self.dims)
         self.optimizer.reduce_grads()
-        (loss_sum,) = self._global_sum([out["loss_sum"]], self.dp_group)
+        (loss_sum,) = self._global_sum([out["loss_sum"]], self.grad_group)
         loss = loss_sum / max(tokens, 1.0)
         grad_norm, bad = self.optimizer.global_grad_norm(flag=0.0 if math.isfinite(loss) else 1.0)
         grad_norm /= loss_scale  # the norm of the true (unscaled) gradients
@@ -226,14 +234,14 @@ class Trainer:
         if self.eval_ds is None or len(self.eval_ds) < cfg.micro_batch_size * self.dp:
             return None
         loader = make_loader(self.eval_ds, cfg, self.dp_rank, self.dp, train=False, pin_memory=self.pin)
-        batches = [self._to_device(b) for _, b in zip(range(cfg.eval_batches), loader)]
+        batches = [self._to_device(self._local(b)) for _, b in zip(range(cfg.eval_batches), loader)]
         loader.close()
         for c in self.chunks:
             c.eval()
         out = forward_backward(self.chunks, batches, self.dims, schedule=cfg.schedule, forward_only=True)
         for c in self.chunks:
             c.train()
-        loss_sum, tokens = self._global_sum([out["loss_sum"], out["tokens"]], self.dp_group)
+        loss_sum, tokens = self._global_sum([out["loss_sum"], out["tokens"]], self.grad_group)
         return loss_sum / max(tokens, 1.0)
 
     # -- the run --------------------------------------------------------------------------------------------
@@ -243,7 +251,7 @@ class Trainer:
         self.logger.print(
             f"tpzoo {cfg.task}: model {self.model_cfg.name or cfg.model} "
             f"({self.model_cfg.num_parameters() / 1e6:.2f}M params, vocab {self.model_cfg.vocab_size}) | "
-            f"tp={s.tp} pp={s.pp} dp={s.dp} sp={cfg.sequence_parallel} zero={cfg.zero_level} {cfg.dtype} on "
+            f"tp={s.tp} cp={s.cp}{'/' + cfg.cp_mode if s.cp > 1 else ''} pp={s.pp} dp={s.dp} sp={cfg.sequence_parallel} zero={cfg.zero_level} {cfg.dtype} on "
             f"{self.device} | "
             f"batch {cfg.global_batch_size}x{cfg.seq_len} ({self.n_micro} micro-batches of {cfg.micro_batch_size}"
             f" per dp rank) | data {self.data_desc}"
@@ -290,7 +298,9 @@ class Trainer:
                               f"{history[-1]['loss']:.4f} (step {history[-1]['step']})")
         if saved:
             self.logger.print(f"checkpoint: {saved}")
-        if status == "ok" and cfg.sample_prompt and cfg.sample_tokens > 0:
+        if status == "ok" and cfg.sample_prompt and cfg.sample_tokens > 0 and self.dims.cp > 1:
+            self.logger.print("sample skipped: generation runs at cp=1 (tpzoo generate on the checkpoint)")
+        elif status == "ok" and cfg.sample_prompt and cfg.sample_tokens > 0:
             text = generate(self.chunks, self.dims, self.tokenizer, cfg.sample_prompt, cfg.sample_tokens,
                             temperature=cfg.temperature, seed=cfg.seed, max_context=cfg.seq_len)
             result["sample"] = cfg.sample_prompt + text

@@ -51,6 +51,21 @@ def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str
         raise PartitionError(f"{what}: {e}") from None
 
 
+def check_context(model_cfg, tp: int, cp: int, mode: str, what: str = "the model") -> None:
+    """Context parallelism against the model: all-to-all splits each TP rank's heads over cp; the ring's blockwise
+    attention has no softcapping."""
+    from tpzoo.parallel.dims import ParallelLayoutError
+
+    if cp == 1:
+        return
+    if mode == "a2a" and (model_cfg.num_heads // tp) % cp:
+        raise ParallelLayoutError(f"{what}: --cp-mode a2a needs the {model_cfg.num_heads // tp} heads per TP rank "
+                                  f"(num_heads {model_cfg.num_heads} / tp {tp}) divisible by cp={cp}; use "
+                                  f"--cp-mode ring")
+    if mode == "ring" and model_cfg.attn_softcap is not None:
+        raise ParallelLayoutError(f"{what}: attention softcapping runs with --cp-mode a2a, not ring")
+
+
 def check_device(name: str) -> None:
     """The device string parses, and CUDA exists when asked for: the runtime's own choice, made here early (the
     ranks choose again, each with its LOCAL_RANK)."""
@@ -173,6 +188,7 @@ def check_train(cfg, world_size: int | None = None):
     model_cfg, tokenizer, what = _model_of_run(cfg)
     label = what or f"model {cfg.model}"
     check_layout(model_cfg, cfg.tp, cfg.pp, cfg.virtual_stages, label)
+    check_context(model_cfg, cfg.tp, cfg.cp, cfg.cp_mode, label)
     check_positions(model_cfg, cfg.seq_len, label)
     check_tokenizer(tokenizer, model_cfg.vocab_size if what else None, label)
     check_lora(cfg, model_cfg)
