@@ -82,7 +82,7 @@ class Transformer(nn.Module):
         for i in range(start, end):
             self.layers[str(i)] = TransformerBlock(cfg, sequence_parallel, dims, layer=i, **kw)
             self.layers[str(i)].attn.recompute_core = recompute == "selective"
-            self.layers[str(i)].attn.cp_mode = cp_mode
+        self.set_cp_mode(cp_mode)
         if post_process:
             self.final_norm = Norm(cfg, sequence_parallel, **kw)
             vocab_padded = padded_vocab_size(cfg.vocab_size, dims.tp, vocab_padding_multiple)
@@ -160,6 +160,14 @@ class Transformer(nn.Module):
     @property
     def device(self) -> torch.device:
         return next(self.parameters()).device
+
+    def set_cp_mode(self, mode: str) -> "Transformer":
+        """How attention spans the context-parallel ranks when dims.cp > 1: "ring" or "a2a" (all-to-all)."""
+        if mode not in ("ring", "a2a"):
+            raise ConfigError(f"cp_mode must be 'ring' or 'a2a', got {mode!r}")
+        for layer in self.layers.values():
+            layer.attn.cp_mode = mode
+        return self
 
     # -- helpers --------------------------------------------------------------------------------------------
     @property

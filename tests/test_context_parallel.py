@@ -46,7 +46,8 @@ def reference(cfg, seq: int) -> dict:
     ids, labels = packed_batch(cfg, seq)
     per_token = model(ids, labels=labels)
     (per_token.sum() / (labels != -100).sum()).backward()
-    return {"loss_sum": per_token.sum().item(), "grads": {n: _full(n, p.grad, cfg) for n, p in model.named_parameters()}}
+    grads = {n: _full(n, p.grad, cfg) for n, p in model.named_parameters()}
+    return {"loss_sum": per_token.sum().item(), "grads": grads}
 
 
 def run_layout(model: str, layout: dict, seq: int) -> dict:
@@ -54,8 +55,8 @@ def run_layout(model: str, layout: dict, seq: int) -> dict:
     tp, cp, pp, dp, sp = (layout.get(k, 1) for k in ("tp", "cp", "pp", "dp", "sp"))
     dims = tpzoo.init_parallel(tp=tp, cp=cp, pp=pp, dp=dp)
     try:
-        chunks = build_model_chunks(cfg, dims, sequence_parallel=bool(sp), seed=SEED, cp_mode=layout.get("mode", "ring"),
-                                    recompute=layout.get("recompute", "none"))
+        chunks = build_model_chunks(cfg, dims, sequence_parallel=bool(sp), seed=SEED,
+                                    cp_mode=layout.get("mode", "ring"), recompute=layout.get("recompute", "none"))
         params = list({id(p): p for c in chunks for p in c.parameters()}.values())
         main_grads = GradBuffer(params, device=dims.device)
         ids, labels = packed_batch(cfg, seq)

@@ -1,4 +1,4 @@
-"""Evaluation loss equals transformers' loss on the same token windows, at tp/pp/dp layouts and via the CLI
+"""Evaluation loss equals transformers' loss on the same token windows, at tp/pp/dp/cp layouts and via the CLI
 (self-spawned ranks, the checkpoint's own tokenizer)."""
 import json
 import math
@@ -38,9 +38,13 @@ def ckpt(tmp_path_factory):
 
 def _eval_layouts(path, tokens):
     out = []
-    for tp, pp in ((2, 2), (4, 1), (1, 1)):  # (1, 1) on 4 ranks: 4 data-parallel replicas
-        tpzoo.init_parallel(tp=tp, pp=pp)
-        out.append(evaluate(load_model(path, device="cpu").eval(), tokens, SEQ, batch_size=2))
+    # (1, 1, 1) on 4 ranks: 4 data-parallel replicas; cp: context parallel (the short last window padded to whole
+    # chunks), with sequence parallelism inside each cp rank, and the all-to-all mode.
+    for tp, pp, cp, mode, sp in ((2, 2, 1, "ring", False), (4, 1, 1, "ring", False), (1, 1, 1, "ring", False),
+                                 (2, 1, 2, "ring", True), (1, 1, 4, "a2a", False)):
+        tpzoo.init_parallel(tp=tp, pp=pp, cp=cp)
+        model = load_model(path, device="cpu", sequence_parallel=sp).eval().set_cp_mode(mode)
+        out.append(evaluate(model, tokens, SEQ, batch_size=2))
         tpzoo.destroy_parallel()
     return out
 

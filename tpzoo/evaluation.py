@@ -5,6 +5,8 @@ token), so every token but the first is predicted exactly once. The batches run 
 (forward only, the same executor and loss as training); data-parallel replicas take every dp-th batch and the
 sums are reduced over the data-parallel group at the end. Under sequence parallelism a window is padded on the
 right to a multiple of tp with ignored labels (causal attention: the padding changes no real position's loss).
+Under context parallelism every cp rank of a replica takes the same batches and keeps its load-balanced chunks
+(tpzoo.parallel.context_parallel.shard_batch, which pads to whole chunks); the sums are reduced over dp x cp.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import math
 import torch
 
 from tpzoo.parallel import comm
+from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.parallel.dims import ParallelDims
 from tpzoo.pipeline import as_chunks, forward_backward
 
@@ -43,13 +46,13 @@ def evaluate(model_or_chunks, tokens, seq_len: int, batch_size: int = 1, dims: P
     dims = dims or chunks[0].dims
     multiple = dims.tp if any(c.sequence_parallel for c in chunks) else 1
     device = chunks[0].device
-    replicas = dims.dp * dims.cp
+    sp = any(c.sequence_parallel for c in chunks)
     mine = [b for i, b in enumerate(batches(token_windows(tokens, seq_len), batch_size))
-            if i % replicas == dims.dp_cp_rank]
+            if i % dims.dp == dims.dp_rank]
     loss_sum, count = 0.0, 0
     # Micro-batches of one shape share one executor call (the pipeline streams them); a short tail runs alone.
     for shape in sorted({tuple(b.shape) for b in mine}, reverse=True):
-        group = [_padded({"input_ids": b[:, :-1], "labels": b[:, 1:]}, multiple, device)
+        group = [_padded(shard_batch({"input_ids": b[:, :-1], "labels": b[:, 1:]}, dims, sp), multiple, device)
                  for b in mine if tuple(b.shape) == shape]
         out = forward_backward(chunks, group, dims, forward_only=True)
         loss_sum, count = loss_sum + out["loss_sum"], count + out["tokens"]
@@ -64,7 +67,7 @@ def evaluate(model_or_chunks, tokens, seq_len: int, batch_size: int = 1, dims: P
 def _padded(batch: dict, multiple: int, device) -> dict:
     """Right-pad the sequence to a multiple of `multiple` (labels ignored there), on `device`."""
     pad = -batch["input_ids"].shape[1] % multiple
-    if pad:
+    if pad and "position_ids" not in batch:  # (a cp shard is padded already)
         batch = {k: torch.nn.functional.pad(v, (0, pad), value=0 if k == "input_ids" else IGNORE)
                  for k, v in batch.items()}
     return {k: v.to(device) for k, v in batch.items()}

@@ -23,6 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bos", action="store_true", help="add the tokenizer's special tokens (e.g. BOS) in front")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size: each rank holds 2 of the 2*cp "
+                   "load-balanced chunks of every window (default 1)")
+    p.add_argument("--cp-mode", default="ring", choices=["ring", "a2a"],
+                   help="context-parallel attention: ring (default) or a2a (all-to-all over heads)")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK with CUDA, else cpu), cpu, cuda, cuda:N")
     p.add_argument("--dist-timeout", type=float, default=600.0,
@@ -38,11 +42,11 @@ def _worker(args) -> None:
 
     from ._common import encode, load_tokenizer
 
-    dims = tpzoo.init_parallel(tp=args.tp, pp=args.pp, device=args.device,
+    dims = tpzoo.init_parallel(tp=args.tp, pp=args.pp, cp=args.cp, device=args.device,
                                timeout=datetime.timedelta(seconds=args.dist_timeout))
     try:
         model = load_model(args.ckpt, dims, sequence_parallel=args.sequence_parallel, virtual_stages=1,
-                           dtype=parse_dtype(args.dtype)).eval()
+                           dtype=parse_dtype(args.dtype)).eval().set_cp_mode(args.cp_mode)
         tokenizer = load_tokenizer(args.tokenizer or args.ckpt)
         with open(args.text_file, encoding="utf-8") as f:
             ids = encode(tokenizer, f.read(), special_tokens=args.bos)
@@ -51,7 +55,7 @@ def _worker(args) -> None:
         seq_len = args.seq_len or min(1024, model.cfg.max_position_embeddings)
         result = evaluate(model, ids, seq_len, args.batch_size, dims)
         if dims.rank == 0:
-            print(json.dumps({**result, "seq_len": seq_len, "tp": args.tp, "pp": args.pp, "dp": dims.dp,
+            print(json.dumps({**result, "seq_len": seq_len, "tp": args.tp, "cp": args.cp, "pp": args.pp, "dp": dims.dp,
                               "checkpoint": str(args.ckpt)}), flush=True)
     finally:
         tpzoo.destroy_parallel()
@@ -67,4 +71,4 @@ def run(args) -> int:
     if under_torchrun():
         return run_multirank(in_rank(check_eval, _worker), args, 1, "eval")
     check_eval(args)
-    return run_multirank(_worker, args, args.tp * args.pp, "eval")
+    return run_multirank(_worker, args, args.tp * args.cp * args.pp, "eval")

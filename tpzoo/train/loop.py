@@ -251,7 +251,8 @@ class Trainer:
         self.logger.print(
             f"tpzoo {cfg.task}: model {self.model_cfg.name or cfg.model} "
             f"({self.model_cfg.num_parameters() / 1e6:.2f}M params, vocab {self.model_cfg.vocab_size}) | "
-            f"tp={s.tp} cp={s.cp}{'/' + cfg.cp_mode if s.cp > 1 else ''} pp={s.pp} dp={s.dp} sp={cfg.sequence_parallel} zero={cfg.zero_level} {cfg.dtype} on "
+            f"tp={s.tp} cp={s.cp}{'/' + cfg.cp_mode if s.cp > 1 else ''} pp={s.pp} dp={s.dp} "
+            f"sp={cfg.sequence_parallel} zero={cfg.zero_level} {cfg.dtype} on "
             f"{self.device} | "
             f"batch {cfg.global_batch_size}x{cfg.seq_len} ({self.n_micro} micro-batches of {cfg.micro_batch_size}"
             f" per dp rank) | data {self.data_desc}"

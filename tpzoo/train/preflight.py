@@ -229,11 +229,12 @@ def _check_checkpoint(args, world_size: int | None):
     """The parts eval and generate share: sizes, device, the checkpoint's config and the layout against it."""
     from tpzoo.checkpoint import open_source
 
-    _positive(args, "tp", "pp")
+    _positive(args, "tp", "pp", "cp")
+    cp = getattr(args, "cp", 1)  # eval has --cp; generate runs at cp=1
     if not args.dist_timeout > 0:
         raise ConfigError(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
-    if world_size is not None and world_size % (args.tp * args.pp):
-        raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {args.tp}*{args.pp}")
+    if world_size is not None and world_size % (args.tp * cp * args.pp):
+        raise ConfigError(f"world size {world_size} is not divisible by tp*cp*pp = {args.tp}*{cp}*{args.pp}")
     check_device(args.device)
     source = open_source(args.ckpt, verify=False)  # the manifest or config.json, and the weight headers
     try:
@@ -242,6 +243,7 @@ def _check_checkpoint(args, world_size: int | None):
         source.close()
     what = f"checkpoint {args.ckpt}"
     check_layout(model_cfg, args.tp, args.pp, 1, what)
+    check_context(model_cfg, args.tp, cp, getattr(args, "cp_mode", "ring"), what)
     if args.tokenizer:
         check_tokenizer(args.tokenizer, model_cfg.vocab_size, what)
     return model_cfg, what
