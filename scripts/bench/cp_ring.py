@@ -1,0 +1,130 @@
+"""Context parallelism (ring attention): activation memory per rank, ring p2p volume and step time at cp = 1, 2, 4.
+
+    python scripts/bench/cp_ring.py                            # print the markdown section
+    python scripts/bench/cp_ring.py --write docs/benchmarks.md # and (re)write its section there
+
+One long sequence through a LLaMA-style model (embedding, layers, head and loss), fp32, torch kernels, on cp gloo
+ranks (cp = 1, 2, 4), each rank holding its two load-balanced chunks. Per rank: the bytes the forward leaves for
+the backward (tpzoo.plan.measure.live_activation_bytes: every storage alive when the forward returns, parameters
+and the batch excluded), the p2p sends per layer forward and backward (counted by tpzoo.parallel.comm) against the
+analytical count of tpzoo.parallel.ring_attention's docstring, and the forward + backward time (median of the timed
+repetitions; cp = 1 is the same code without a ring: SDPA over the whole sequence).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+from mdsection import write_section  # noqa: E402 (a sibling script module)
+
+S, LAYERS, REPS = 2048, 4, 3
+
+
+def bench_config():
+    from tpzoo.models import get_config
+
+    return get_config("nano-llama").replace(hidden_size=256, num_heads=8, num_kv_heads=4, ffn_hidden_size=704,
+                                            num_layers=LAYERS, max_position_embeddings=S, vocab_size=512)
+
+
+def measure(cp: int) -> dict:
+    import torch
+
+    import tpzoo
+    from tpzoo import kernels as K
+    from tpzoo.models import Transformer
+    from tpzoo.parallel import count_collectives
+    from tpzoo.parallel.context_parallel import shard_batch
+    from tpzoo.plan.measure import live_activation_bytes
+
+    dims = tpzoo.init_parallel(cp=cp)
+    try:
+        cfg = bench_config()
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, cfg.vocab_size, (1, S), generator=g)
+        batch = shard_batch({"input_ids": ids, "labels": torch.roll(ids, -1, 1)}, dims)
+        model = Transformer(cfg, dims=dims, seed=0)
+        with K.use_backend("torch"):
+            run = lambda: model(batch["input_ids"], labels=batch["labels"],  # noqa: E731
+                                position_ids=batch.get("position_ids")).sum()
+            with live_activation_bytes(list(model.parameters()) + list(batch.values())) as live:
+                loss = run()
+            del loss
+            with count_collectives() as fwd:
+                loss = run()
+            with count_collectives() as bwd:
+                loss.backward()
+            times = []
+            for rep in range(REPS + 1):
+                torch.distributed.barrier()
+                t0 = time.perf_counter()
+                run().backward()
+                torch.distributed.barrier()
+                if rep:  # the first is warm-up
+                    times.append(time.perf_counter() - t0)
+        sends = {phase: (c.get("send", "cp").calls / LAYERS, c.get("send", "cp").payload_bytes / LAYERS)
+                 for phase, c in (("forward", fwd), ("backward", bwd))}
+        return {"bytes": live.total, "sends": sends, "time": statistics.median(times)}
+    finally:
+        tpzoo.destroy_parallel()
+
+
+def analytical(cfg, cp: int) -> dict:
+    """Sends per layer and rank: forward N-1 K|V blocks, backward N-1 K|V and N dK|dV blocks (fp32 here)."""
+    if cp == 1:
+        return {"forward": (0, 0), "backward": (0, 0)}
+    block = 2 * 1 * cfg.num_kv_heads * (S // cp) * cfg.head_dim * 4
+    return {"forward": (cp - 1, (cp - 1) * block), "backward": (2 * cp - 1, (2 * cp - 1) * block)}
+
+
+def main(argv=None) -> None:
+    from tpzoo.testing import run_on_ranks, shutdown_pools
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", type=pathlib.Path, help="markdown file whose cp_ring section to (re)write")
+    args = parser.parse_args(argv)
+    cfg = bench_config()
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    try:
+        results = {cp: run_on_ranks(cp, measure, cp) for cp in (1, 2, 4)}
+    finally:
+        shutdown_pools()
+    elapsed = time.perf_counter() - t0
+    base_bytes, base_time = results[1][0]["bytes"], results[1][0]["time"]
+    lines = ["| cp | tokens per rank | activation MiB per rank (max over ranks) | vs cp=1 / cp | p2p sends per layer, "
+             "forward: calls, MiB (measured / analytical) | backward | fwd+bwd s (median, rank 0) | vs cp=1 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for cp, ranks in results.items():
+        most = max(r["bytes"] for r in ranks)
+        want = analytical(cfg, cp)
+        cells = []
+        for phase in ("forward", "backward"):
+            got = {(r["sends"][phase][0], r["sends"][phase][1]) for r in ranks}
+            (calls, nbytes), = got if len(got) == 1 else ((-1, -1),)  # every rank the same, else flagged
+            cells.append(f"{calls:g}, {nbytes / 2**20:.2f} / {want[phase][0]}, {want[phase][1] / 2**20:.2f}")
+        t = ranks[0]["time"]
+        lines.append(f"| {cp} | {S // cp} | {most / 2**20:.1f} | {most / (base_bytes / cp):.3f} | {cells[0]} | "
+                     f"{cells[1]} | {t:.2f} | {t / base_time:.2f} |")
+    body = (f"## Context parallelism: ring attention, one long sequence\n\n"
+            f"Command: `python scripts/bench/cp_ring.py --write docs/benchmarks.md` (cp gloo ranks on the 2-core CPU "
+            f"machine, shared with other jobs: load average {load:.1f} before the run; {elapsed:.0f} s in all). Model: LLaMA-style, {LAYERS} layers, hidden "
+            f"{cfg.hidden_size}, {cfg.num_heads} heads, {cfg.num_kv_heads} kv heads, ffn {cfg.ffn_hidden_size}, vocab "
+            f"{cfg.vocab_size}; one sequence of {S} tokens, fp32, torch kernels. Activation bytes: every storage the "
+            f"forward (embedding to loss) leaves alive for the backward on a rank (parameters and batch excluded); "
+            f"'vs cp=1 / cp' is that over the ideal 1/cp share of the cp=1 figure. p2p: sends per layer and rank "
+            f"(K|V blocks forward; K|V and dK|dV backward, fp32). Time: forward + backward of the whole model, "
+            f"median of {REPS} after a warm-up; cp=1 runs SDPA over the whole sequence, cp > 1 the torch blockwise "
+            f"attention (scores materialized per block) with more ranks than a 2-core machine has cores at cp=4.\n\n"
+            + "\n".join(lines))
+    print(body)
+    if args.write:
+        write_section(args.write, "cp_ring", body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
