@@ -1,14 +1,17 @@
 """Ring attention against one process: every cp rank's output and its q/k/v gradients must equal the matching rows
 of full causal attention (SDPA) over the whole sequence, for cp = 2 (two rings side by side, dp = 2) and cp = 4,
 with grouped-query heads, a sliding window, a sequence that needs padding, and the ring's p2p count and bytes equal
-to the analytical count of tpzoo.parallel.ring_attention's docstring. One 4-rank pool runs every case."""
+to the plan's analytical count (tpzoo.plan.volume.ring_layer_volume). One 4-rank pool runs every case."""
 import torch
 import torch.nn.functional as F
 
 import tpzoo
+from tpzoo.models import get_config
 from tpzoo.parallel import comm
 from tpzoo.parallel.context_parallel import padded_length
 from tpzoo.parallel.ring_attention import local_positions, ring_attention
+from tpzoo.plan import Layout
+from tpzoo.plan.volume import ring_layer_volume
 from tpzoo.testing import run_on_ranks
 
 CASES = [  # (cp, heads, kv heads, sequence length, window)
@@ -75,10 +78,15 @@ def test_ring_attention_matches_full_attention():
                                            msg=lambda m: f"case {i} {name}: {m}")
             if r["dp_rank"] == 0:
                 seen[r["idx"][real]] = True
-            # p2p volume: forward N-1 K|V sends, backward N-1 K|V and N dK|dV sends (fp64 here, like the inputs).
+            # p2p volume: the plan's analytical count (forward N-1 K|V sends, backward N-1 K|V and N dK|dV sends;
+            # fp64 here, like the inputs), and a hand count of the same.
+            want = ring_layer_volume(get_config("nano-llama").replace(num_heads=h, num_kv_heads=hkv, hidden_size=h * D),
+                                     Layout(cp=cp, micro_batch_size=B), padded_length(s, cp), 8)
             kv_bytes = 2 * B * hkv * (padded_length(s, cp) // cp) * D * 8
-            assert r["fwd"]["send"]["calls"] == cp - 1 and r["fwd"]["send"]["payload_bytes"] == (cp - 1) * kv_bytes
-            assert r["total"]["send"]["calls"] == 3 * cp - 2
-            assert r["total"]["send"]["payload_bytes"] == (cp - 1) * kv_bytes + (2 * cp - 1) * kv_bytes
-            assert r["total"]["recv"]["calls"] == 3 * cp - 2
+            assert want["forward"] == (cp - 1, (cp - 1) * kv_bytes)
+            assert want["backward"] == (2 * cp - 1, (2 * cp - 1) * kv_bytes)
+            assert (r["fwd"]["send"]["calls"], r["fwd"]["send"]["payload_bytes"]) == want["forward"]
+            bwd = [r["total"]["send"][k] - r["fwd"]["send"][k] for k in ("calls", "payload_bytes")]
+            assert tuple(bwd) == want["backward"]
+            assert r["total"]["recv"]["calls"] == r["total"]["send"]["calls"]
         assert seen.all(), f"case {i}: tokens {torch.nonzero(~seen).flatten().tolist()} on no rank"

@@ -13,6 +13,10 @@ DistributedAdamW.reduce_grads, step):
               reduce-scattered, ZeRO-2: reduce-scattered every micro-batch; overlapped with the backward passes,
               dp_sync_time) + under ZeRO the all-gather of the updated parameters in the model dtype
     + optimizer step, memory bound: ~40 bytes of HBM traffic per owned element.
+Context parallelism (cp > 1): each rank computes seq_len / cp tokens and 1/cp of the causal attention; ring
+attention's K|V (and in the backward dK|dV) transfers per layer (plan/volume.py ring_layer_volume) overlap the
+attention of the block at hand, and only what a transfer takes beyond one block's attention is exposed (cp_comm);
+activation recomputation runs the forward ring again. Gradients are reduced over dp x cp.
 A collective costs latency + ring bytes sent / bandwidth: intra-node when its whole group sits in one node,
 else the per-GPU inter-node bandwidth.
 FLOPs of a micro-batch on one GPU, from its local shapes (replicated kv heads and vocab padding included):
@@ -34,8 +38,8 @@ from .memory import (MemoryBreakdown, ParamCount, bucket_size, late_params, loca
                      stage_params)
 from .schedule import bubble_time
 from .spec import (RECOMPUTE, ClusterSpec, Layout, TrainingSpec, check_layout, group_is_intra_node,
-                   num_micro_batches, stage_layers)
-from .volume import tp_step_volume
+                   local_seq_len, num_micro_batches, stage_layers)
+from .volume import ring_layer_volume, tp_step_volume
 
 GIB = 1024 ** 3
 BUCKET = 1 << 24  # DistributedAdamW's all-reduce bucket (elements)
@@ -46,6 +50,7 @@ class TimeBreakdown:
     compute: float = 0.0      # forward + backward FLOPs of m micro-batches on the slowest stage
     recompute: float = 0.0    # the extra forward work of activation recomputation
     tp_comm: float = 0.0      # tensor/sequence-parallel collectives, incl. finish_tp_grads
+    cp_comm: float = 0.0      # ring attention transfers not hidden behind the attention of a block
     pp_comm: float = 0.0      # pipeline sends on the fill and drain path (the rest overlaps compute)
     bubble: float = 0.0       # pipeline fill and drain
     dp_comm: float = 0.0      # data-parallel reduction not hidden behind backward (+ ZeRO all-gather), tied sync
@@ -54,8 +59,8 @@ class TimeBreakdown:
 
     @property
     def total(self) -> float:
-        return (self.compute + self.recompute + self.tp_comm + self.pp_comm + self.bubble + self.dp_comm
-                + self.optimizer)
+        return (self.compute + self.recompute + self.tp_comm + self.cp_comm + self.pp_comm + self.bubble
+                + self.dp_comm + self.optimizer)
 
 
 @dataclass
@@ -94,13 +99,13 @@ def stage_flops(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage:
     """FLOPs of one micro-batch on one GPU of stage `stage`: forward, input gradients (dgrad), weight
     gradients (wgrad) and the forward work of recomputation (each time the backward walks the graph)."""
     t, b, s = layout.tp, layout.micro_batch_size, training.seq_len
-    tokens, h, d = b * s, cfg.hidden_size, local_dims(cfg, t, training.vocab_padding_multiple)
+    tokens, h, d = b * s // layout.cp, cfg.hidden_size, local_dims(cfg, t, training.vocab_padding_multiple)
     count = stage_params(cfg, t, layout.pp, stage, layout.virtual_stages, training.vocab_padding_multiple)
     layers = stage_layers(cfg, layout.pp, stage, layout.virtual_stages)
     def mean_keys(w):  # mean keys per query, causal, within a window of w
         return (s + 1) / 2 if (w is None or w >= s) else (w * s - w * (w - 1) / 2) / s
     keys = sum(mean_keys(cfg.layer_window(i)) for i in range(cfg.num_layers)) / cfg.num_layers  # mixed layers
-    attn = layers * 4 * b * s * keys * d.heads * cfg.head_dim
+    attn = layers * 4 * b * s * keys * d.heads * cfg.head_dim / layout.cp  # load-balanced: 1/cp of the causal work
     matmul = 2 * tokens * count.matmul + (2 * tokens * h * d.vocab if stage == layout.pp - 1 else 0)
     if layout.recompute == "full":
         extra = 2 * tokens * count.matmul + attn - layers * 2 * tokens * d.ffn * h
@@ -134,6 +139,31 @@ def stage_times(f: dict, tp_fwd: float, tp_bwd: float, peak: float, zero_bubble:
             "recompute": rec + again, "tp": tp + tp_replay}
 
 
+def ring_exposed(cfg: ModelConfig, layout: Layout, training: TrainingSpec, cluster: ClusterSpec, layers: int,
+                 peak: float) -> tuple[float, float]:
+    """(forward, backward) seconds per micro-batch of ring transfers a stage of `layers` layers cannot hide: each
+    step's transfer runs beside one block's attention (1/cp of the rank's attention; twice that in backward).
+    Recomputation (full or selective) replays the forward ring in the backward."""
+    c = layout.cp
+    if c == 1 or layers == 0:
+        return 0.0, 0.0
+    vol = ring_layer_volume(cfg, layout, local_seq_len(layout, training), training.act_bytes)
+    bw = _bandwidth(group_is_intra_node(layout.tp, c, cluster.gpus_per_node), cluster)
+    keys = (training.seq_len + 1) / 2  # mean keys per query, causal
+    heads = local_dims(cfg, layout.tp).heads
+    block = 4 * layout.micro_batch_size * training.seq_len * keys * heads * cfg.head_dim / c / c / peak  # one block
+    fwd_calls, fwd_bytes = vol["forward"]
+    bwd_calls, bwd_bytes = vol["backward"]
+    fwd = fwd_calls * max(0.0, _collective_time(fwd_bytes / fwd_calls, 1, bw, cluster) - block)
+    # backward: c - 1 steps with a K|V and a dK|dV transfer beside 2 blocks of work, then the last dK|dV alone
+    per_dkv = (bwd_bytes - fwd_bytes) / c
+    step = _collective_time(fwd_bytes / fwd_calls, 1, bw, cluster) + _collective_time(per_dkv, 1, bw, cluster)
+    bwd = (c - 1) * max(0.0, step - 2 * block) + _collective_time(per_dkv, 1, bw, cluster)
+    if layout.recompute != "none":
+        bwd += fwd
+    return layers * fwd, layers * bwd
+
+
 def dp_sync_time(count, layout: Layout, training: TrainingSpec, cluster: ClusterSpec, m: int,
                  backward: float) -> tuple[float, float]:
     """(exposed, hidden) seconds of one stage's data-parallel gradient sync, as DistributedAdamW runs it: fp32
@@ -142,7 +172,7 @@ def dp_sync_time(count, layout: Layout, training: TrainingSpec, cluster: Cluster
     bucket reduces as soon as its gradients are final: behind the stage's last backward (`backward`: one
     micro-batch's B + W) at ZeRO 0/1, behind each micro-batch's own backward at ZeRO-2; the bucket finished
     last (the first layers) and the late buckets (reduced after finalize_grads) stay exposed."""
-    dp, zero, e = layout.dp, training.zero_level, training.act_bytes
+    dp, zero, e = layout.grad_replicas, training.zero_level, training.act_bytes  # dp x cp
     if dp == 1:
         return 0.0, 0.0
     padded = -(-count.numel // dp) * dp
@@ -176,9 +206,10 @@ def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: T
     worst = max(mems, key=lambda mb: mb.total)
 
     best = None
+    s_local = local_seq_len(layout, training)
     for s in sorted({kind: s for s, kind in kinds.items()}.values()):
-        fin = tp_step_volume(cfg, layout, s, 0, training.seq_len, e, e, pad)
-        one = tp_step_volume(cfg, layout, s, 1, training.seq_len, e, e, pad)
+        fin = tp_step_volume(cfg, layout, s, 0, s_local, e, e, pad)
+        one = tp_step_volume(cfg, layout, s, 1, s_local, e, e, pad)
         tp_mb = _collective_time(one.sent("tp") - fin.sent("tp"), one.calls("tp") - fin.calls("tp"),
                                  cluster.intra_node_gbps, cluster)
         tp_fin = _collective_time(fin.sent("tp"), fin.calls("tp"), cluster.intra_node_gbps, cluster)
@@ -189,16 +220,18 @@ def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: T
         unit = tp_mb / ((10 + 3 * again) if sp else (4 + again))
         tp_fwd = unit * (4 if sp else 2)
         # Zero-bubble's W: the re-gathers (SP), and under full recomputation the replayed forward's collectives
-        st = stage_times(stage_flops(cfg, layout, training, s), tp_fwd, tp_mb - tp_fwd, peak,
+        flops = stage_flops(cfg, layout, training, s)
+        ring_fwd, ring_bwd = ring_exposed(cfg, layout, training, cluster, kinds[s][0], peak)
+        st = stage_times(flops, tp_fwd + ring_fwd, tp_mb - tp_fwd + ring_bwd, peak,
                          layout.schedule == "zb" and p > 1, s == 0, unit * 2 * sp,
                          unit * (3 if sp else 1) * again)
         total = st["F"] + st["B"] + st["W"]
         if best is None or total > best[0]:
-            best = (total, st, tp_fin, s)
-    tau, st, tp_fin, slow = best
+            best = (total, st, tp_fin, s, ring_fwd + ring_bwd)
+    tau, st, tp_fin, slow, ring = best
 
     pp_intra = group_is_intra_node(t * dp, p, K)
-    tokens = layout.micro_batch_size * training.seq_len
+    tokens = layout.micro_batch_size * s_local
     msg = e * cfg.hidden_size * tokens // (t if layout.sequence_parallel else 1)
     p2p = 2 * (p - 1) * _collective_time(msg, 1, _bandwidth(pp_intra, cluster), cluster)
 
@@ -216,7 +249,7 @@ def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: T
     opt = (40 * owned + e * padded) / (cluster.hbm_gbps * 1e9) + cluster.latency_us * 1e-6  # + the norm's
 
     tb = TimeBreakdown(compute=m * (tau - st["recompute"] - st["tp"]), recompute=m * st["recompute"],
-                       tp_comm=m * st["tp"] + tp_fin, pp_comm=p2p,
+                       tp_comm=m * (st["tp"] - ring) + tp_fin, cp_comm=m * ring, pp_comm=p2p,
                        bubble=bubble_time(layout, m, st["F"], st["B"], st["W"]), dp_comm=dp_time, optimizer=opt,
                        dp_hidden=dp_hidden)
     step_tokens = training.global_batch_size * training.seq_len
@@ -237,21 +270,29 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+LONG_SEQ = 16384  # from this sequence length on, the search also tries context parallelism
+
+
 def enumerate_layouts(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, max_micro_batch: int = 64,
                       tp: int | None = None, pp: int | None = None, recompute: str | None = None,
-                      max_virtual_stages: int = 8) -> list[Layout]:
+                      max_virtual_stages: int = 8, cp: int | None = None) -> list[Layout]:
     """Every layout tpzoo can run on this cluster (check_layout passes): tp within a node, pp <= layers, dp
     the rest; micro-batch sizes dividing the per-replica batch; recompute none/selective/full; sequence
     parallelism with tp > 1; 1F1B, zero-bubble, and interleaved with 2 <= v <= max_virtual_stages chunks per
-    stage (pp * v <= layers; tpzoo splits unevenly when they do not divide). `tp`, `pp`, `recompute` restrict
-    the search to one value."""
+    stage (pp * v <= layers; tpzoo splits unevenly when they do not divide); context parallelism (powers of two)
+    for sequences of LONG_SEQ tokens or more. `tp`, `pp`, `recompute`, `cp` restrict the search to one value."""
     out = []
     g, want_tp, want_pp = cluster.gpus, tp, pp
-    for tp in _divisors(min(cluster.gpus_per_node, g)):
-        for pp in range(1, min(cfg.num_layers, g // tp) + 1):
-            if g % (tp * pp) or want_tp not in (None, tp) or want_pp not in (None, pp):
+    if cp is not None:
+        cps = [cp]
+    else:
+        cps = [1] + ([2 ** k for k in range(1, g.bit_length()) if g % 2 ** k == 0]
+                     if training.seq_len >= LONG_SEQ else [])
+    for tp, cp in ((t, c) for t in _divisors(min(cluster.gpus_per_node, g)) for c in cps):
+        for pp in range(1, min(cfg.num_layers, g // (tp * cp)) + 1):
+            if g % (tp * cp * pp) or want_tp not in (None, tp) or want_pp not in (None, pp):
                 continue
-            dp = g // (tp * pp)
+            dp = g // (tp * cp * pp)
             if training.global_batch_size % dp:
                 continue
             scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("zb", 1)] + [
@@ -262,7 +303,7 @@ def enumerate_layouts(cfg: ModelConfig, cluster: ClusterSpec, training: Training
                 for rec in (RECOMPUTE if recompute is None else (recompute,)):
                     for sp in ((False, True) if tp > 1 else (False,)):
                         for sched, v in scheds:
-                            lay = Layout(tp, pp, dp, mbs, rec, sp, sched, v)
+                            lay = Layout(tp, pp, dp, mbs, rec, sp, sched, v, cp)
                             try:
                                 check_layout(cfg, lay, cluster, training)
                             except ParallelLayoutError:
@@ -273,7 +314,7 @@ def enumerate_layouts(cfg: ModelConfig, cluster: ClusterSpec, training: Training
 
 def search(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, max_micro_batch: int = 64,
            **only) -> list[Estimate]:
-    """Every valid layout (enumerate_layouts; `only`: tp=, pp=, recompute=), estimated: the ones that fit
+    """Every valid layout (enumerate_layouts; `only`: tp=, pp=, recompute=, cp=), estimated: the ones that fit
     first, fastest first; then the rest, fastest first."""
     layouts = enumerate_layouts(cfg, cluster, training, max_micro_batch, **only)
     ests = [estimate(cfg, lay, cluster, training) for lay in layouts]

@@ -36,7 +36,7 @@ from tpzoo.models.config import ModelConfig
 
 from .lora import lora_chunk_activation_delta, lora_layer_late, lora_layer_params
 from .schedule import held_states, peak_bytes
-from .spec import DTYPE_BYTES, Layout, TrainingSpec, num_micro_batches, stage_chunks
+from .spec import DTYPE_BYTES, Layout, TrainingSpec, local_seq_len, num_micro_batches, stage_chunks
 
 
 @dataclass(frozen=True)
@@ -241,6 +241,14 @@ def output_grad_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, micro_
     return e * cfg.hidden_size * tokens // (tp if sequence_parallel else 1)
 
 
+def ring_attention_bytes(cfg: ModelConfig, layout: Layout, tokens: int) -> int:
+    """What ring attention keeps per layer beyond the attention terms above (cp > 1, no recomputation): its
+    merged output in fp32 (the backward's rowsum(dO * O)); the log-sum-exp is the same 4a per token as SDPA's."""
+    if layout.cp == 1 or layout.recompute != "none":
+        return 0
+    return 4 * local_dims(cfg, layout.tp).q * tokens
+
+
 @dataclass
 class MemoryBreakdown:
     stage: int            # the pipeline stage this breakdown is for (the fullest one)
@@ -263,13 +271,15 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
                  reserve_bytes: int = 0) -> MemoryBreakdown:
     """Peak memory of one GPU of pipeline stage `stage` (any tp/dp rank: they hold the same sizes)."""
     e, k, p, v, t = training.act_bytes, training.kernels, layout.pp, layout.virtual_stages, layout.tp
-    b, s, sp, pad = layout.micro_batch_size, training.seq_len, layout.sequence_parallel, training.vocab_padding_multiple
+    b, s, sp, pad = layout.micro_batch_size, local_seq_len(layout, training), layout.sequence_parallel, \
+        training.vocab_padding_multiple
+    replicas = layout.grad_replicas  # the optimizer shards over dp x cp
     count = stage_params(cfg, t, p, stage, v, pad)
-    st = state_bytes(count, training, layout.dp, late_params(count, t, sp))
+    st = state_bytes(count, training, replicas, late_params(count, t, sp))
     if training.lora_rank:  # the base frozen in the model dtype; the adapters trained as a small model
         n_layers, r = sum(hi - lo for lo, hi in stage_chunks(cfg, p, stage, v)), training.lora_rank
         adapters = state_bytes(ParamCount(n_layers * lora_layer_params(cfg, t, r), 0, 0, 0, 0, 0), training,
-                               layout.dp, n_layers * lora_layer_late(cfg, t, r))
+                               replicas, n_layers * lora_layer_late(cfg, t, r))
         st = StateBytes(e * count.numel + adapters.params, adapters.grads, adapters.master, adapters.optimizer)
     m = num_micro_batches(layout, training)
     acts, grads = [], []
@@ -277,14 +287,14 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
         first, last = c * p + stage == 0, c * p + stage == p * v - 1
         parts = chunk_activation_bytes(cfg, t, sp, layout.recompute, hi - lo, b, s, e, first, last, k, pad,
                                        training.lora_rank)
-        acts.append(sum(parts.values()))
+        acts.append(sum(parts.values()) + (hi - lo) * ring_attention_bytes(cfg, layout, b * s))
         grads.append(output_grad_bytes(cfg, t, sp, b, s, e, last, pad))
     held = peak_bytes(held_states(layout.schedule, stage, p, m, v), acts, grads)
-    one_layer = layer_activation_bytes(cfg, t, sp, "none", b * s, e, k)
+    one_layer = layer_activation_bytes(cfg, t, sp, "none", b * s, e, k) + ring_attention_bytes(cfg, layout, b * s)
     logits_grad = output_grad_bytes(cfg, t, sp, b, s, e, True, pad) if stage == p - 1 else 0
     # The engine posts the receive buffers of the current and the next action ahead of need.
     recv = 2 * output_grad_bytes(cfg, t, sp, b, s, e, False) if p > 1 else 0
     # ZeRO-2: the fp32 staging buffers of the buckets being filled or reduce-scattered (about two at a time).
-    staging = 2 * 4 * min(bucket_size(training, layout.dp), count.numel) if training.zero_level >= 2 else 0
+    staging = 2 * 4 * min(bucket_size(training, replicas), count.numel) if training.zero_level >= 2 else 0
     return MemoryBreakdown(stage, st.params, st.grads, st.master, st.optimizer, held,
                            max(one_layer, logits_grad) + recv + staging, reserve_bytes)

@@ -43,11 +43,12 @@ _COLS = ("#", "tp", "pp", "dp", "mbs", "m", "recompute", "sp", "schedule", "para
          "acts", "total", "step s", "tokens/s", "MFU", "bubble", "comm")
 
 
-def _row(rank: int, est: Estimate) -> list[str]:
+def _row(rank: int, est: Estimate, with_cp: bool = False) -> list[str]:
     lay, mem, tb = est.layout, est.memory, est.time
     g = lambda b: f"{b / GIB:.1f}"  # noqa: E731
-    comm = tb.tp_comm + tb.pp_comm + tb.dp_comm
-    return [str(rank), str(lay.tp), str(lay.pp), str(lay.dp), str(lay.micro_batch_size), str(est.micro_batches),
+    comm = tb.tp_comm + tb.cp_comm + tb.pp_comm + tb.dp_comm
+    return [str(rank), str(lay.tp)] + ([str(lay.cp)] if with_cp else []) + [
+            str(lay.pp), str(lay.dp), str(lay.micro_batch_size), str(est.micro_batches),
             lay.recompute, "on" if lay.sequence_parallel else "off", _sched(est), g(mem.params), g(mem.grads),
             g(mem.master + mem.optimizer), g(mem.activations), g(mem.total), f"{tb.total:.2f}",
             f"{est.tokens_per_s:,.0f}", f"{100 * est.mfu:.1f}%", f"{100 * tb.bubble / tb.total:.0f}%",
@@ -56,10 +57,12 @@ def _row(rank: int, est: Estimate) -> list[str]:
 
 def table(estimates: list[Estimate], top: int = 10, rejected: int = 5) -> str:
     fitting = [e for e in estimates if e.fits][:top]
-    rows = [list(_COLS)] + [_row(i + 1, e) for i, e in enumerate(fitting)]
-    widths = [max(len(r[c]) for r in rows) for c in range(len(_COLS))]
+    with_cp = any(e.layout.cp > 1 for e in estimates)  # the cp column only when the search tried cp
+    cols = _COLS[:2] + ("cp",) + _COLS[2:] if with_cp else _COLS
+    rows = [list(cols)] + [_row(i + 1, e, with_cp) for i, e in enumerate(fitting)]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(cols))]
     left = {"recompute", "schedule", "sp"}
-    lines = ["  ".join(cell.ljust(w) if _COLS[c] in left else cell.rjust(w)
+    lines = ["  ".join(cell.ljust(w) if cols[c] in left else cell.rjust(w)
                        for c, (cell, w) in enumerate(zip(r, widths))) for r in rows]
     if not fitting:
         lines.append("(no layout fits: see the rejected ones below; try a higher --zero level, more GPUs or a shorter sequence)")
@@ -68,7 +71,8 @@ def table(estimates: list[Estimate], top: int = 10, rejected: int = 5) -> str:
     others = rejected_summary(estimates)[:rejected]
     if others:
         lines.append("")
-        lines.append("(tp, pp, dp) with no variant that fits, fastest first (the variant needing the least memory):")
+        lines.append(f"(tp, {'cp, ' if with_cp else ''}pp, dp) with no variant that fits, fastest first (the variant "
+                     f"needing the least memory):")
         for e in others:
             lines.append(f"  {e.layout.label()}: {e.reason}")
     return "\n".join(lines)
@@ -77,10 +81,10 @@ def table(estimates: list[Estimate], top: int = 10, rejected: int = 5) -> str:
 def rejected_summary(estimates: list[Estimate]) -> list[Estimate]:
     """For each (tp, pp, dp) none of whose variants fits, its variant needing the least memory (it says
     why even full recompute and a micro-batch of one are not enough), in order of estimated speed."""
-    fitting = {(e.layout.tp, e.layout.pp, e.layout.dp) for e in estimates if e.fits}
+    fitting = {(e.layout.tp, e.layout.cp, e.layout.pp, e.layout.dp) for e in estimates if e.fits}
     best: dict[tuple, Estimate] = {}
     for e in estimates:
-        key = (e.layout.tp, e.layout.pp, e.layout.dp)
+        key = (e.layout.tp, e.layout.cp, e.layout.pp, e.layout.dp)
         if key not in fitting and (key not in best or e.memory.total < best[key].memory.total):
             best[key] = e
     return sorted(best.values(), key=lambda e: e.time.total)

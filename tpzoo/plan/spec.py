@@ -1,8 +1,10 @@
 """What the plan advisor is asked about: the cluster, the training run, and one parallel layout.
 
-Rank placement follows tpzoo.parallel.state (Megatron's order, tp fastest, then dp, then pp; cp = 1 here), so
+Rank placement follows tpzoo.parallel.state (Megatron's order, tp fastest, then cp, then dp, then pp), so
 with K GPUs per node the tp group is K/tp-aligned consecutive ranks and tp must divide K: a tensor-parallel
-group never crosses a node (its collectives sit on the critical path of every layer).
+group never crosses a node (its collectives sit on the critical path of every layer). Context parallelism (cp):
+each cp rank holds seq_len / cp tokens of every sequence (the plan asks for whole load-balanced chunks, a
+multiple of 2 * cp, times tp under sequence parallelism); the gradients are reduced over dp x cp.
 """
 from __future__ import annotations
 
@@ -88,15 +90,22 @@ class Layout:
     sequence_parallel: bool = False
     schedule: str = "1f1b"             # ignored when pp == 1
     virtual_stages: int = 1            # > 1 only with the interleaved schedule
+    cp: int = 1                        # context parallel (ring attention)
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def grad_replicas(self) -> int:
+        """Ranks that hold the same parameters and reduce their gradients: dp x cp."""
+        return self.dp * self.cp
 
     def label(self) -> str:
         sched = "-" if self.pp == 1 else (f"interleaved(v={self.virtual_stages})" if self.schedule == "interleaved"
                                           else self.schedule)
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp} mbs={self.micro_batch_size} rec={self.recompute} "
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return (f"tp={self.tp}{cp} pp={self.pp} dp={self.dp} mbs={self.micro_batch_size} rec={self.recompute} "
                 f"sp={'on' if self.sequence_parallel else 'off'} sched={sched}")
 
     def to_dict(self) -> dict:
@@ -107,11 +116,21 @@ def num_micro_batches(layout: Layout, training: TrainingSpec) -> int:
     return training.global_batch_size // (layout.dp * layout.micro_batch_size)
 
 
+def local_seq_len(layout: Layout, training: TrainingSpec) -> int:
+    """Tokens of each sequence on one cp rank."""
+    return training.seq_len // layout.cp
+
+
 def check_layout(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: TrainingSpec) -> None:
     """Raise ParallelLayoutError (naming the numbers) for a layout tpzoo cannot run or the advisor forbids."""
-    t, p, d = layout.tp, layout.pp, layout.dp
+    t, p, d, c = layout.tp, layout.pp, layout.dp, layout.cp
     if layout.gpus != cluster.gpus:
-        raise ParallelLayoutError(f"tp*pp*dp = {t}*{p}*{d} = {layout.gpus} != {cluster.gpus} GPUs")
+        raise ParallelLayoutError(f"tp*pp*dp = {t}*{p}*{d} = {layout.gpus} != {cluster.gpus} GPUs" if c == 1 else
+                                  f"tp*cp*pp*dp = {t}*{c}*{p}*{d} = {layout.gpus} != {cluster.gpus} GPUs")
+    unit = 2 * c * (t if layout.sequence_parallel else 1)
+    if c > 1 and training.seq_len % unit:
+        raise ParallelLayoutError(f"cp={c}: seq_len={training.seq_len} is not a multiple of 2*cp"
+                                  f"{'*tp' if layout.sequence_parallel else ''} = {unit} (whole chunks)")
     if t > cluster.gpus_per_node or cluster.gpus_per_node % t:
         raise ParallelLayoutError(f"tp={t} must divide the {cluster.gpus_per_node} GPUs of a node (no tp across nodes)")
     nh, nkv = cfg.num_heads, cfg.num_kv_heads

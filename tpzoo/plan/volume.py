@@ -115,3 +115,16 @@ def tp_step_volume(cfg: ModelConfig, layout: Layout, stage: int, micro_batches: 
         if cfg.qk_norm == "full":  # k_norm's weight holds the replicated heads too
             vt.add("all_gather", "tp", t, t * d.kv * grad_bytes, layers)
     return vt
+
+
+def ring_layer_volume(cfg: ModelConfig, layout: Layout, seq_len: int, act_bytes: int) -> dict:
+    """Ring attention's sends per layer, micro-batch and cp rank (tpzoo.parallel.ring_attention): forward cp-1
+    K|V blocks in the activation dtype; backward cp-1 K|V blocks and cp dK|dV blocks in fp32 (or wider). A block is
+    this rank's keys and values: 2 * b * (seq_len / cp) * kv features. {"forward"|"backward": (calls, bytes)}."""
+    c = layout.cp
+    if c == 1:
+        return {"forward": (0, 0), "backward": (0, 0)}
+    elems = 2 * layout.micro_batch_size * (seq_len // c) * local_dims(cfg, layout.tp).kv
+    acc = max(act_bytes, 4)
+    return {"forward": (c - 1, (c - 1) * elems * act_bytes),
+            "backward": (2 * c - 1, (c - 1) * elems * act_bytes + c * elems * acc)}
