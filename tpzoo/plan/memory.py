@@ -25,7 +25,9 @@ buffer in the model dtype padded to a multiple of dp (P elements); the fp32 main
 micro-batch's gradients are added into as autograd produces them (Megatron's main_grad: no 16-bit .grad is kept);
 fp32 master (16-bit models), exp_avg and exp_avg_sq over the owned range (P, or P/dp under ZeRO-1); under ZeRO-1
 with dp > 1 the reduce-scattered fp32 gradient shard (P/dp). So 18 bytes per element in bf16 without ZeRO-1
-(Megatron's figure), 16 in fp32.
+(Megatron's figure), 16 in fp32. Under context parallelism "dp" here is dp x cp (the ranks that hold the same
+parameters), and every activation term counts the seq_len / cp tokens of a cp rank (ring_attention_bytes adds
+what ring attention keeps beyond SDPA).
 """
 from __future__ import annotations
 
