@@ -254,3 +254,6 @@ def test_eval_seq_len_beyond_learned_positions_fails_before_spawning(tmp_path, m
                    "seq_len 512 exceeds the model's max_position_embeddings 128")
     one_error_line(*cli(monkeypatch, capsys, "eval", hf_gpt2, "--text-file", text, "--batch-size", "0"), "eval",
                    "--batch-size must be >= 1, got 0")
+    one_error_line(*cli(monkeypatch, capsys, "eval", hf_gpt2, "--text-file", text, "--cp", "8", "--cp-mode", "a2a"),
+                   "eval", f"checkpoint {hf_gpt2}: --cp-mode a2a needs the 4 heads per TP rank (num_heads 4 / tp 1) "
+                           f"divisible by cp=8")

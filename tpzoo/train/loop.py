@@ -1,4 +1,4 @@
-"""The training loop: `train(config) -> result`, on every rank, at any (tp, pp, dp).
+"""The training loop: `train(config) -> result`, on every rank, at any (tp, cp, pp, dp).
 
 One optimizer step: the step's micro-batches (global batch / (micro batch * dp) per dp rank) go through
 `tpzoo.pipeline.forward_backward` with loss scale 1 / (non-ignored tokens of the whole global batch), so the summed
