@@ -1,7 +1,8 @@
 """Ring attention against one process: every cp rank's output and its q/k/v gradients must equal the matching rows
 of full causal attention (SDPA) over the whole sequence, for cp = 2 (two rings side by side, dp = 2) and cp = 4,
-with grouped-query heads, a sliding window, a sequence that needs padding, and the ring's p2p count and bytes equal
-to the plan's analytical count (tpzoo.plan.volume.ring_layer_volume). One 4-rank pool runs every case."""
+with grouped-query heads, a sliding window, a sequence that needs padding, blocks by the CPU flash kernel and by
+the torch math, and the ring's p2p count and bytes equal to the plan's analytical count
+(tpzoo.plan.volume.ring_layer_volume). One 4-rank pool runs every case."""
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +22,7 @@ CASES = [  # (cp, heads, kv heads, sequence length, window)
     (4, 4, 2, 16, None),
     (4, 2, 2, 13, 5),     # padded to 16, sliding window
 ]
+RUNS = [(i, fused) for i in range(len(CASES)) for fused in (None, False)]  # CPU flash blocks (no window), torch math
 B, D = 2, 8
 
 
@@ -44,7 +46,8 @@ def _reference(q, k, v, grad, window):
 
 def run_cases():
     results = []
-    for i, (cp, h, hkv, s, window) in enumerate(CASES):
+    for i, fused in RUNS:
+        cp, h, hkv, s, window = CASES[i]
         dims = tpzoo.init_parallel(cp=cp)
         try:
             padded = padded_length(s, cp)
@@ -53,7 +56,7 @@ def run_cases():
             idx = local_positions(padded // (2 * cp), cp, dims.cp_rank, "cpu")
             mine = [pad(t).index_select(2, idx).clone().requires_grad_() for t in (q, k, v)]
             with comm.count_collectives() as counter:
-                out = ring_attention(*mine, dims.cp_group, dims.ranks("cp"), dims.cp_rank, window=window)
+                out = ring_attention(*mine, dims.cp_group, dims.ranks("cp"), dims.cp_rank, window=window, fused=fused)
                 fwd = {kind: vars(counter.get(kind, "cp")).copy() for kind in ("send", "recv")}
                 out.backward(pad(grad).index_select(2, idx))
             total = {kind: vars(counter.get(kind, "cp")) for kind in ("send", "recv")}
@@ -66,16 +69,17 @@ def run_cases():
 
 def test_ring_attention_matches_full_attention():
     per_rank = run_on_ranks(4, run_cases)
-    for i, (cp, h, hkv, s, window) in enumerate(CASES):
+    for run, (i, fused) in enumerate(RUNS):
+        cp, h, hkv, s, window = CASES[i]
         q, k, v, grad = _data(h, hkv, s, i)
         ref = _reference(q, k, v, grad, window)
         seen = torch.zeros(s, dtype=torch.bool)
         for rank in per_rank:
-            r = rank[i]
+            r = rank[run]
             real = r["idx"] < s  # padding rows have no reference
             for name, got, want in zip(("out", "dq", "dk", "dv"), [r["out"], *r["grads"]], ref):
                 torch.testing.assert_close(got[:, :, real], want[:, :, r["idx"][real]], rtol=1e-9, atol=1e-9,
-                                           msg=lambda m: f"case {i} {name}: {m}")
+                                           msg=lambda m: f"case {i} fused={fused} {name}: {m}")
             if r["dp_rank"] == 0:
                 seen[r["idx"][real]] = True
             # p2p volume: the plan's analytical count (forward N-1 K|V sends, backward N-1 K|V and N dK|dV sends;

@@ -22,8 +22,13 @@ Analytical volume per layer and rank (counted by tpzoo.parallel.comm under "send
 
 Grouped-query attention: K/V travel with their kv heads only and are expanded to the query heads per block; the
 gradients of the expanded heads are summed back. (Under TP, ParallelAttention already holds the kv heads its query
-heads use, replicated or split.) Sliding windows mask by global position. `block_attention` is the seam for a
-fused kernel that returns (out, lse) on GPU; the torch version here is exact and runs anywhere.
+heads use, replicated or split.) Sliding windows mask by global position.
+
+Per block (`block_forward` / `block_backward`, the seam for fused kernels): on CPU, blocks without a sliding window
+run torch's fused flash-attention kernel, which returns the log-sum-exp and takes the merged output and
+log-sum-exp in its backward (so the backward of a block against the global softmax is the kernel's own); elsewhere
+(GPU for now, sliding windows) exact torch math that materializes one block's scores. `fused=False` forces the
+torch math (tests run both).
 """
 from __future__ import annotations
 
@@ -70,6 +75,42 @@ def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
         return t
     b, h, s, d = t.shape
     return t.view(b, h // groups, groups, s, d).sum(2)
+
+
+# torch's CPU flash attention with its log-sum-exp (private ops; None where this torch has none)
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _use_fused(q: torch.Tensor, window, fused) -> bool:
+    return fused is not False and window is None and q.device.type == "cpu" and _CPU_FLASH_BWD is not None
+
+
+def block_forward(q, k, v, scale: float, causal: bool, mask, fused: bool):
+    """(out, lse) of one block, in the accumulation dtype; causal: the diagonal block (local index order is
+    position order there), mask: the explicit mask of the torch path."""
+    if fused:
+        out, lse = _CPU_FLASH(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
+        return out.to(_acc(q)), lse.to(_acc(q))
+    return block_attention(q, k, v, scale, mask)
+
+
+def block_backward(d_out, q, k, v, out, lse, delta, scale: float, causal: bool, mask, fused: bool):
+    """(dq, dk, dv) of one block given the merged output and log-sum-exp of its query rows: the block's share of
+    the gradients of the whole attention (P = exp(S - lse) with the global lse)."""
+    if fused:
+        dt = q.dtype
+        grads = _CPU_FLASH_BWD(d_out.to(dt).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+                               out.to(dt).contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
+        return tuple(g.to(_acc(q)) for g in grads)
+    qb, kb, vb = (t.to(_acc(q)) for t in (q, k, v))
+    scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.exp(scores - _finite(lse).unsqueeze(-1))
+    d_scores = probs * (torch.matmul(d_out, vb.transpose(-1, -2)) - delta.unsqueeze(-1)) * scale
+    return (torch.matmul(d_scores, kb), torch.matmul(d_scores.transpose(-1, -2), qb),
+            torch.matmul(probs.transpose(-1, -2), d_out))
 
 
 def block_attention(q, k, v, scale: float, mask) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,9 +163,10 @@ class _Ring:
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, ranks, cp_rank, scale, window):
+    def forward(ctx, q, k, v, group, ranks, cp_rank, scale, window, fused):
         cp, chunk = len(ranks), q.shape[2] // 2
         groups = q.shape[1] // k.shape[1]
+        fused = _use_fused(q, window, fused)
         pos = local_positions(chunk, cp, cp_rank, q.device)
         ring = _Ring(group, ranks, cp_rank)
         out = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
@@ -135,25 +177,26 @@ class RingAttention(torch.autograd.Function):
             owner = (cp_rank - step) % cp
             rows, cols = _block_slices(owner, cp_rank, chunk)
             kpos = local_positions(chunk, cp, owner, q.device)
-            mask = _mask(pos[rows], kpos[cols], window, causal=step == 0)
-            b_out, b_lse = block_attention(q[:, :, rows], _expand(kv[0][:, :, cols], groups),
-                                           _expand(kv[1][:, :, cols], groups), scale, mask)
+            mask = None if fused else _mask(pos[rows], kpos[cols], window, causal=step == 0)
+            b_out, b_lse = block_forward(q[:, :, rows], _expand(kv[0][:, :, cols], groups),
+                                         _expand(kv[1][:, :, cols], groups), scale, step == 0, mask, fused)
             lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], b_out, b_lse)
             if pending is not None:
                 kv = ring.wait(pending)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.ranks, ctx.cp_rank, ctx.scale, ctx.window = group, ranks, cp_rank, scale, window
+        ctx.fused = fused
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, cp_rank, scale, window = len(ctx.ranks), ctx.cp_rank, ctx.scale, ctx.window
+        cp, cp_rank, scale, window, fused = len(ctx.ranks), ctx.cp_rank, ctx.scale, ctx.window, ctx.fused
         chunk, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
         pos = local_positions(chunk, cp, cp_rank, q.device)
         ring = _Ring(ctx.group, ctx.ranks, cp_rank)
         d_out = grad_out.to(_acc(q))
-        delta = (d_out * out).sum(-1)  # rowsum(dO * O): the softmax backward's correction term
+        delta = None if fused else (d_out * out).sum(-1)  # rowsum(dO * O): the softmax backward's correction
         dq = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=_acc(q), device=q.device)
@@ -163,29 +206,24 @@ class RingAttention(torch.autograd.Function):
             owner = (cp_rank - step) % cp
             rows, cols = _block_slices(owner, cp_rank, chunk)
             kpos = local_positions(chunk, cp, owner, q.device)
-            mask = _mask(pos[rows], kpos[cols], window, causal=step == 0)
-            qb, kb, vb = q[:, :, rows].to(_acc(q)), _expand(kv[0][:, :, cols], groups).to(_acc(q)), \
-                _expand(kv[1][:, :, cols], groups).to(_acc(q))
-            scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale
-            if mask is not None:
-                scores = scores.masked_fill(~mask, float("-inf"))
-            probs = torch.exp(scores - _finite(lse[:, :, rows]).unsqueeze(-1))
-            do = d_out[:, :, rows]
-            d_scores = probs * (torch.matmul(do, vb.transpose(-1, -2)) - delta[:, :, rows].unsqueeze(-1)) * scale
-            dq[:, :, rows] += torch.matmul(d_scores, kb)
+            mask = None if fused else _mask(pos[rows], kpos[cols], window, causal=step == 0)
+            dq_b, dk_b, dv_b = block_backward(d_out[:, :, rows], q[:, :, rows], _expand(kv[0][:, :, cols], groups),
+                                              _expand(kv[1][:, :, cols], groups), out[:, :, rows], lse[:, :, rows],
+                                              None if fused else delta[:, :, rows], scale, step == 0, mask, fused)
+            dq[:, :, rows] += dq_b
             if dkv_pending is not None:  # the dK/dV the previous ranks accumulated for this block
                 dkv = ring.wait(dkv_pending)
-            dkv[0][:, :, cols] += _fold(torch.matmul(d_scores.transpose(-1, -2), qb), groups)
-            dkv[1][:, :, cols] += _fold(torch.matmul(probs.transpose(-1, -2), do), groups)
+            dkv[0][:, :, cols] += _fold(dk_b, groups)
+            dkv[1][:, :, cols] += _fold(dv_b, groups)
             dkv_pending = ring.start(dkv, DKV_TAG)  # to the next rank; after N sends, back at its owner
             if kv_pending is not None:
                 kv = ring.wait(kv_pending)
         dkv = ring.wait(dkv_pending)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
 def ring_attention(q, k, v, group, ranks: list[int], cp_rank: int, *, scale: float | None = None,
-                   window: int | None = None) -> torch.Tensor:
+                   window: int | None = None, fused: bool | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries q [b, h, 2c, d] over every cp rank's keys/values ([b, kv_heads,
     2c, d] here), the tokens in the load-balanced order; `ranks` are the cp group's global ranks."""
     if q.shape[2] % 2:
@@ -193,4 +231,4 @@ def ring_attention(q, k, v, group, ranks: list[int], cp_rank: int, *, scale: flo
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"ring attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return RingAttention.apply(q, k, v, group, list(ranks), cp_rank, scale, window)
+    return RingAttention.apply(q, k, v, group, list(ranks), cp_rank, scale, window, fused)
