@@ -102,15 +102,19 @@ def test_context_parallel_matches_one_process(model, world):
 
 # -- the trainer: --cp end to end --------------------------------------------------------------------------------
 
-def test_trainer_at_cp_equals_cp1(store):
+def test_trainer_at_cp_equals_cp1(store, tmp_path):
     """`tpzoo pretrain` at cp=2 (ZeRO-1 sharding the optimizer over the 2 cp ranks) and at cp=1: the same losses,
-    global grad norms (AdamW steps) and held-out loss,
-    on sequences of 30 tokens (padded to whole chunks). (dp x cp reductions: the layouts above.)"""
+    global grad norms (AdamW steps) and held-out loss, on sequences of 30 tokens (padded to whole chunks); the cp=2
+    run's step-2 checkpoint resumed at cp=1 continues with cp=2's step-3 loss. (dp x cp reductions: the layouts
+    above.)"""
     kw = dict(model="nano-llama", seq_len=30, steps=3, eval_fraction=0.2, eval_batches=2)
     ref = run_on_ranks(1, _train, tiny(store, **kw))[0]
-    results = run_on_ranks(2, _train, tiny(store, cp=2, zero1=True, **kw))  # ZeRO-1 over the dp x cp group
+    save = str(tmp_path / "run")
+    results = run_on_ranks(2, _train, tiny(store, cp=2, zero1=True, save=save, save_every=2, **kw))
     assert results[0]["losses"] == results[1]["losses"]
     r = results[0]
     assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     assert r["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
     assert r["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
+    resumed = run_on_ranks(1, _train, tiny(store, save=save, resume=save + "/step_00000002", **kw))[0]
+    assert resumed["steps"] == [3] and resumed["losses"] == pytest.approx(r["losses"][2:], rel=1e-5)

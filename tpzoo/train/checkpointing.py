@@ -298,7 +298,7 @@ def save_checkpoint(trainer, step: int) -> str:
             state = {"format": FORMAT, "version": 1, "step": step, "optimizer_steps": opt.step_count,
                      "consecutive_skips": trainer.skips, "loader": trainer.loader.state_dict(),
                      "loss_scaler": trainer.scaler.state_dict() if trainer.scaler else None,
-                     "layout": {"tp": s.tp, "pp": s.pp, "dp": s.dp, "virtual_stages": cfg.virtual_stages,
+                     "layout": {"tp": s.tp, "cp": s.cp, "pp": s.pp, "dp": s.dp, "virtual_stages": cfg.virtual_stages,
                                 "zero": cfg.zero_level, "dtype": cfg.dtype},
                      "world_size": s.world_size, "optimizer_state": opt.state_kinds(),
                      "config": cfg.to_dict(), "model_config": trainer.model_cfg.to_dict()}
