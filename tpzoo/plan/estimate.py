@@ -230,7 +230,7 @@ def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: T
             best = (total, st, tp_fin, s, ring_fwd + ring_bwd)
     tau, st, tp_fin, slow, ring = best
 
-    pp_intra = group_is_intra_node(t * dp, p, K)
+    pp_intra = group_is_intra_node(t * layout.cp * dp, p, K)  # pipeline peers are tp*cp*dp ranks apart
     tokens = layout.micro_batch_size * s_local
     msg = e * cfg.hidden_size * tokens // (t if layout.sequence_parallel else 1)
     p2p = 2 * (p - 1) * _collective_time(msg, 1, _bandwidth(pp_intra, cluster), cluster)
