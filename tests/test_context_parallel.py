@@ -122,3 +122,33 @@ def test_trainer_at_cp_equals_cp1(store, tmp_path):
     assert r["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
     resumed = run_on_ranks(1, _train, tiny(store, save=save, resume=save + "/step_00000002", **kw))[0]
     assert resumed["steps"] == [3] and resumed["losses"] == pytest.approx(r["losses"][2:], rel=1e-5)
+
+
+def live_activation_bytes_at(cp: int, seq: int) -> int:
+    from tpzoo import kernels as K
+    from tpzoo.plan.measure import live_activation_bytes
+
+    dims = tpzoo.init_parallel(cp=cp)
+    try:
+        model = Transformer(MODELS["llama"], dims=dims, seed=SEED)
+        ids, labels = packed_batch(model.cfg, seq)
+        batch = shard_batch({"input_ids": ids[:MICRO], "labels": labels[:MICRO]}, dims)
+        with K.use_backend("torch"):
+            with live_activation_bytes(list(model.parameters()) + list(batch.values())) as live:
+                loss = model(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"]).sum()
+        del loss
+        return live.total
+    finally:
+        tpzoo.destroy_parallel()
+
+
+def test_activation_bytes_per_rank_equal_the_plan():
+    """What a cp=2 rank's forward leaves for the backward (every live storage, measured) equals the plan's
+    activation estimate at cp=2 (seq/cp tokens per rank, ring attention's fp32 output), within 2%."""
+    from tpzoo.plan import Layout, TrainingSpec, stage_memory
+
+    seq = 64
+    run = TrainingSpec(seq_len=seq, global_batch_size=MICRO, dtype="fp32", kernels="reference")
+    want = stage_memory(MODELS["llama"], Layout(cp=2, micro_batch_size=MICRO), run, 0).activations
+    for got in run_on_ranks(2, live_activation_bytes_at, 2, seq):
+        assert got == pytest.approx(want, rel=0.02)

@@ -89,6 +89,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", type=pathlib.Path, help="markdown file whose cp_ring section to (re)write")
     args = parser.parse_args(argv)
+    from tpzoo.plan import Layout, TrainingSpec, stage_memory
+
     cfg = bench_config()
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -98,9 +100,11 @@ def main(argv=None) -> None:
         shutdown_pools()
     elapsed = time.perf_counter() - t0
     base_bytes, base_time, base_cpu = results[1][0]["bytes"], results[1][0]["time"], results[1][0]["cpu"]
-    lines = ["| cp | tokens per rank | activation MiB per rank (max over ranks) | vs cp=1 / cp | p2p sends per layer, "
+    lines = ["| cp | tokens per rank | activation MiB per rank (max over ranks) | plan estimate | vs cp=1 / cp | "
+             "p2p sends per layer, "
              "forward: calls, MiB (measured / analytical) | backward | fwd+bwd wall s (median, rank 0) | vs cp=1 | "
-             "fwd+bwd CPU s per rank (median, max over ranks) | vs cp=1 |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "fwd+bwd CPU s per rank (median, max over ranks) | vs cp=1 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for cp, ranks in results.items():
         most = max(r["bytes"] for r in ranks)
         want = analytical(cfg, cp)
@@ -110,14 +114,19 @@ def main(argv=None) -> None:
             (calls, nbytes), = got if len(got) == 1 else ((-1, -1),)  # every rank the same, else flagged
             cells.append(f"{calls:g}, {nbytes / 2**20:.2f} / {want[phase][0]}, {want[phase][1] / 2**20:.2f}")
         t, c = ranks[0]["time"], max(r["cpu"] for r in ranks)
-        lines.append(f"| {cp} | {S // cp} | {most / 2**20:.1f} | {most / (base_bytes / cp):.3f} | {cells[0]} | "
+        plan = stage_memory(cfg, Layout(cp=cp), TrainingSpec(seq_len=S, global_batch_size=1, dtype="fp32",
+                                                             kernels="reference"), 0).activations
+        lines.append(f"| {cp} | {S // cp} | {most / 2**20:.1f} | {plan / 2**20:.1f} | {most / (base_bytes / cp):.3f} | "
+                     f"{cells[0]} | "
                      f"{cells[1]} | {t:.2f} | {t / base_time:.2f} | {c:.2f} | {c / base_cpu:.2f} |")
     body = (f"## Context parallelism: ring attention, one long sequence\n\n"
             f"Command: `python scripts/bench/cp_ring.py --write docs/benchmarks.md` (cp gloo ranks on the 2-core CPU "
             f"machine, shared with other jobs: load average {load:.1f} before the run; {elapsed:.0f} s in all). "
-            f"Model: LLaMA-style, {LAYERS} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads, {cfg.num_kv_heads} kv heads, ffn {cfg.ffn_hidden_size}, vocab "
-            f"{cfg.vocab_size}; one sequence of {S} tokens, fp32, torch kernels. Activation bytes: every storage the "
-            f"forward (embedding to loss) leaves alive for the backward on a rank (parameters and batch excluded); "
+            f"Model: LLaMA-style, {LAYERS} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads, "
+            f"{cfg.num_kv_heads} kv heads, ffn {cfg.ffn_hidden_size}, vocab {cfg.vocab_size}; one sequence of {S} "
+            f"tokens, fp32, torch kernels. Activation bytes: every storage the "
+            f"forward (embedding to loss) leaves alive for the backward on a rank (parameters and batch excluded), "
+            f"beside tpzoo.plan's estimate (stage_memory, torch kernels); "
             f"'vs cp=1 / cp' is that over the ideal 1/cp share of the cp=1 figure. p2p: sends per layer and rank "
             f"(K|V blocks forward; K|V and dK|dV backward, fp32). Time: forward + backward of the whole model, "
             f"median of {REPS} after a warm-up, wall clock on rank 0 and CPU time of each rank's process (less "
