@@ -144,7 +144,7 @@ def live_activation_bytes_at(cp: int, seq: int) -> int:
 
 def test_activation_bytes_per_rank_equal_the_plan():
     """What a cp=2 rank's forward leaves for the backward (every live storage, measured) equals the plan's
-    activation estimate at cp=2 (seq/cp tokens per rank, ring attention's fp32 output), within 2%."""
+    activation estimate at cp=2 (seq/cp tokens per rank; ring attention keeps what SDPA keeps), within 2%."""
     from tpzoo.plan import Layout, TrainingSpec, stage_memory
 
     seq = 64

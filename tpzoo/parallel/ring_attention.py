@@ -169,7 +169,10 @@ class RingAttention(torch.autograd.Function):
         fused = _use_fused(q, window, fused)
         pos = local_positions(chunk, cp, cp_rank, q.device)
         ring = _Ring(group, ranks, cp_rank)
-        out = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
+        # [b, s, h, d] in memory (seen as [b, h, s, d]): the layout SDPA returns, so that the caller's
+        # "b h s d -> b s (h d)" for the output projection is a view, not a copy
+        b, h, s, d = q.shape
+        out = torch.zeros(b, s, h, d, dtype=_acc(q), device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=_acc(q), device=q.device)
         kv = torch.stack([k, v])
         for step in range(cp):
@@ -183,10 +186,13 @@ class RingAttention(torch.autograd.Function):
             lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], b_out, b_lse)
             if pending is not None:
                 kv = ring.wait(pending)
-        ctx.save_for_backward(q, k, v, out, lse)
+        result = out.to(q.dtype)  # (the same tensor in fp32)
+        # The output in the activations' dtype is what the backward needs (as flash attention keeps it): the one
+        # the output projection keeps anyway, so ring attention saves nothing beyond what SDPA saves.
+        ctx.save_for_backward(q, k, v, result, lse)
         ctx.group, ctx.ranks, ctx.cp_rank, ctx.scale, ctx.window = group, ranks, cp_rank, scale, window
         ctx.fused = fused
-        return out.to(q.dtype)
+        return result
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -196,7 +202,7 @@ class RingAttention(torch.autograd.Function):
         pos = local_positions(chunk, cp, cp_rank, q.device)
         ring = _Ring(ctx.group, ctx.ranks, cp_rank)
         d_out = grad_out.to(_acc(q))
-        delta = None if fused else (d_out * out).sum(-1)  # rowsum(dO * O): the softmax backward's correction
+        delta = None if fused else (d_out * out.to(d_out.dtype)).sum(-1)  # rowsum(dO * O): softmax backward term
         dq = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=_acc(q), device=q.device)

@@ -26,8 +26,8 @@ micro-batch's gradients are added into as autograd produces them (Megatron's mai
 fp32 master (16-bit models), exp_avg and exp_avg_sq over the owned range (P, or P/dp under ZeRO-1); under ZeRO-1
 with dp > 1 the reduce-scattered fp32 gradient shard (P/dp). So 18 bytes per element in bf16 without ZeRO-1
 (Megatron's figure), 16 in fp32. Under context parallelism "dp" here is dp x cp (the ranks that hold the same
-parameters), and every activation term counts the seq_len / cp tokens of a cp rank (ring_attention_bytes adds
-what ring attention keeps beyond SDPA).
+parameters), and every activation term counts the seq_len / cp tokens of a cp rank (ring attention keeps what
+SDPA keeps: q, k, v, its output and the log-sum-exp).
 """
 from __future__ import annotations
 
@@ -243,14 +243,6 @@ def output_grad_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, micro_
     return e * cfg.hidden_size * tokens // (tp if sequence_parallel else 1)
 
 
-def ring_attention_bytes(cfg: ModelConfig, layout: Layout, tokens: int) -> int:
-    """What ring attention keeps per layer beyond the attention terms above (cp > 1, no recomputation): its
-    merged output in fp32 (the backward's rowsum(dO * O)); the log-sum-exp is the same 4a per token as SDPA's."""
-    if layout.cp == 1 or layout.recompute != "none":
-        return 0
-    return 4 * local_dims(cfg, layout.tp).q * tokens
-
-
 @dataclass
 class MemoryBreakdown:
     stage: int            # the pipeline stage this breakdown is for (the fullest one)
@@ -289,10 +281,10 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
         first, last = c * p + stage == 0, c * p + stage == p * v - 1
         parts = chunk_activation_bytes(cfg, t, sp, layout.recompute, hi - lo, b, s, e, first, last, k, pad,
                                        training.lora_rank)
-        acts.append(sum(parts.values()) + (hi - lo) * ring_attention_bytes(cfg, layout, b * s))
+        acts.append(sum(parts.values()))
         grads.append(output_grad_bytes(cfg, t, sp, b, s, e, last, pad))
     held = peak_bytes(held_states(layout.schedule, stage, p, m, v), acts, grads)
-    one_layer = layer_activation_bytes(cfg, t, sp, "none", b * s, e, k) + ring_attention_bytes(cfg, layout, b * s)
+    one_layer = layer_activation_bytes(cfg, t, sp, "none", b * s, e, k)
     logits_grad = output_grad_bytes(cfg, t, sp, b, s, e, True, pad) if stage == p - 1 else 0
     # The engine posts the receive buffers of the current and the next action ahead of need.
     recv = 2 * output_grad_bytes(cfg, t, sp, b, s, e, False) if p > 1 else 0
