@@ -68,14 +68,16 @@ def run_layout(model: str, layout: dict, seq: int) -> dict:
         rows = slice(dims.dp_rank * BATCH // dp, (dims.dp_rank + 1) * BATCH // dp)
         mbs = [shard_batch({"input_ids": ids[rows][i: i + MICRO], "labels": labels[rows][i: i + MICRO]}, dims,
                            bool(sp)) for i in range(0, BATCH // dp, MICRO)]
-        out = forward_backward(chunks, mbs, dims, loss_scale=1.0 / int((labels != -100).sum()))
+        with comm.count_collectives() as counter:
+            out = forward_backward(chunks, mbs, dims, loss_scale=1.0 / int((labels != -100).sum()))
         finalize_grads(chunks, dims)
         main_grads.reduce(dims.grad_group)
         for p in params:
             p.grad = p.main_grad
         totals = torch.tensor([out["loss_sum"], out["tokens"]], dtype=torch.float64)
         comm.all_reduce(totals, dims.grad_group)  # the trainer's loss and token count: over dp x cp
-        return {"loss_sum": float(totals[0]), "tokens": int(totals[1]), "grads": _gathered(chunks, cfg, grad=True)}
+        return {"loss_sum": float(totals[0]), "tokens": int(totals[1]), "grads": _gathered(chunks, cfg, grad=True),
+                "a2a_calls": counter.get("all_to_all", "cp").calls, "micro_batches": len(mbs)}
     finally:
         tpzoo.destroy_parallel()
 
@@ -102,6 +104,10 @@ def test_context_parallel_matches_one_process(model, world):
                     assert_close(g, ref["grads"][tied(name)], f"{what} grad {name}")
                     merged.add(tied(name))
             assert merged == set(ref["grads"]), f"{what}: no rank holds {set(ref['grads']) - merged}"
+            if layout.get("mode") == "a2a" and layout.get("recompute", "none") == "none":
+                # per layer: q, k, v and the output exchanged forward, and their gradients backward
+                assert all(r[li][si]["a2a_calls"] == 8 * cfg.num_layers * r[li][si]["micro_batches"]
+                           for r in per_rank), what
 
 
 # -- the trainer: --cp end to end --------------------------------------------------------------------------------
