@@ -1,13 +1,15 @@
 """ZeRO levels and the overlapped data-parallel reduction against one process.
 
 A tiny LLaMA (grouped-query attention, tied embeddings, so pp > 1 has a tied head copy) trains three AdamW steps
-with DistributedAdamW at (tp, pp, dp) = (1,1,2), (1,1,4), (2,1,2)+SP, (1,2,2), (2,2,2)+SP, ZeRO 0, 1 and 2,
+with DistributedAdamW at (tp, pp, dp) = (1,1,2), (1,1,4), (2,1,2)+SP, (1,2,2), (2,2,2)+SP, ZeRO 0, 1, 2 and 3
+(ZeRO-3 also with full and selective recomputation and a stage kept gathered for the step),
 the overlapped bucketed reduction on (small buckets: about twenty per rank, some cutting through a parameter) and
 off, the 1f1b, zero-bubble and interleaved schedules. Loss, global grad norm and every parameter after the third step must equal torch.optim.AdamW on the dense
 model in one process. With overlap, at ZeRO 0/1 every bucket without a late parameter must have started during
 the backward pass that made its gradients final (the last backward, or zero-bubble W, action of its chunk), in
-order from the end of the buffer; at ZeRO-2 every bucket is reduce-scattered during each backward pass that
-filled it.
+order from the end of the buffer; at ZeRO-2 and 3 every bucket is reduce-scattered during each backward pass that
+filled it. At ZeRO-3 the layers were gathered when used: at most three layers' buffers alive at once (one in use,
+one prefetched, one a finished backward left), or with the stage kept gathered all of them.
 
 Layouts of one world size run in one run_on_ranks call (shared worker pools)."""
 import pytest
@@ -49,9 +51,10 @@ def train_zero(layout: dict) -> dict:
     dims = tpzoo.init_parallel(tp=tp, pp=pp, dp=dp)
     try:
         chunks = build_model_chunks(CFG, dims, sequence_parallel=layout.get("sp", False), seed=SEED,
-                                    virtual_stages=layout.get("v", 1))
+                                    virtual_stages=layout.get("v", 1), recompute=layout.get("recompute", "none"))
         opt = DistributedAdamW([p for c in chunks for p in c.parameters()], dims, zero=layout["zero"],
-                               overlap=layout["overlap"], bucket_elems=BUCKET, **ADAM)
+                               overlap=layout["overlap"], bucket_elems=BUCKET, modules=chunks,
+                               keep_gathered=layout.get("keep", False), **ADAM)
         losses, norms, timing = [], [], []
         for step in range(STEPS):
             mbs, tokens = local_microbatches(CFG, step)
@@ -70,11 +73,22 @@ def train_zero(layout: dict) -> dict:
             late = [k for k, is_late in enumerate(grads.late) if is_late]
             timing.append({"early": early, "n_early": grads.overlapped, "n_buckets": len(grads.buckets), "m": len(mbs),
                            "late": late, "started": [k for k, _ in grads.started], "actions": grad_actions})
-        params = {n: _full(n, gather_tp_tensor(p, param_spec(p), reduce="first"), CFG)
-                  for c in chunks for n, p in c.named_parameters()}
-        return {"loss_sum": losses, "norms": norms, "params": params, "timing": timing}
+        with opt.weights_readable():  # ZeRO-3: the weights all-gathered from the shards
+            params = {n: _full(n, gather_tp_tensor(p, param_spec(p), reduce="first"), CFG)
+                      for c in chunks for n, p in c.named_parameters()}
+        return {"loss_sum": losses, "norms": norms, "params": params, "timing": timing, "sharded": _sharded(opt)}
     finally:
         tpzoo.destroy_parallel()
+
+
+def _sharded(opt) -> dict | None:
+    """ZeRO-3: the bytes of the layers' buffers (all of them, the most alive at once during the steps) and what
+    stays allocated (the owned shard, late buckets, resident parameters), against the whole flat weights."""
+    if opt.shards is None:
+        return None
+    units = [u.nbytes for u in opt.shards.units if not u.resident]
+    return {"units": sum(units), "largest": max(units), "peak": opt.shards.peak, "kept": opt.shards.nbytes(),
+            "full": opt.padded * 4, "dp": opt.dp_size}
 
 
 def run_layouts(layouts: list[dict]) -> list[dict]:
@@ -84,6 +98,12 @@ def run_layouts(layouts: list[dict]) -> list[dict]:
 def check(ref: dict, ranks: list[dict], layout: dict) -> None:
     for r in ranks:
         assert r["loss_sum"][-1] != 0
+        if layout["zero"] == 3:  # the layers were gathered when used: at most three at once, or all kept
+            sh = r["sharded"]
+            if layout.get("keep"):
+                assert sh["peak"] == sh["units"], layout
+            else:
+                assert 0 < sh["peak"] <= 3 * sh["largest"] and sh["peak"] <= sh["units"], (layout, sh)
         assert r["norms"] == pytest.approx(ref["norms"], rel=1e-5), layout
         for name, p in r["params"].items():
             ref_name = "embed.weight" if name == "lm_head.weight" else name
@@ -93,7 +113,7 @@ def check(ref: dict, ranks: list[dict], layout: dict) -> None:
                 assert t["n_early"] == 0, layout
                 continue
             normal = sorted(set(range(t["n_buckets"])) - set(t["late"]), reverse=True)
-            if layout["zero"] == 2:
+            if layout["zero"] >= 2:
                 # every micro-batch's backward reduce-scatters every bucket it filled, during that backward
                 passes = t["m"] * layout.get("v", 1)
                 assert t["n_early"] >= len(normal) * t["m"] and t["n_early"] <= passes * len(normal), layout
@@ -111,15 +131,20 @@ def check(ref: dict, ranks: list[dict], layout: dict) -> None:
     assert by_step == pytest.approx(ref["loss_sum"], rel=1e-5), layout
 
 
-LAYOUTS = {  # every layout at ZeRO 0, 1 and 2; schedules and overlap off spread over them
-    2: [dict(tp=1, dp=2, zero=z, overlap=o) for z in (0, 1, 2) for o in (True, False)],
-    4: [dict(tp=1, dp=4, zero=z, overlap=True) for z in (0, 1, 2)]
-       + [dict(tp=2, dp=2, sp=True, zero=z, overlap=True) for z in (0, 1, 2)]
+LAYOUTS = {  # every layout at ZeRO 0, 1, 2 and 3; schedules, recomputation and overlap off spread over them
+    2: [dict(tp=1, dp=2, zero=z, overlap=o) for z in (0, 1, 2, 3) for o in (True, False)]
+       + [dict(tp=1, dp=2, zero=3, overlap=True, recompute="full")],
+    4: [dict(tp=1, dp=4, zero=z, overlap=True) for z in (0, 1, 2, 3)]
+       + [dict(tp=2, dp=2, sp=True, zero=z, overlap=True) for z in (0, 1, 2, 3)]
        + [dict(tp=1, pp=2, dp=2, zero=0, overlap=False), dict(tp=1, pp=2, dp=2, zero=1, overlap=True),
-          dict(tp=1, pp=2, dp=2, zero=2, overlap=True, schedule="zb")],
+          dict(tp=1, pp=2, dp=2, zero=2, overlap=True, schedule="zb"),
+          dict(tp=1, pp=2, dp=2, zero=3, overlap=True, schedule="zb"),
+          dict(tp=1, pp=2, dp=2, zero=3, overlap=True, keep=True, recompute="selective")],
     8: [dict(tp=2, pp=2, dp=2, sp=True, zero=0, overlap=True),
         dict(tp=2, pp=2, dp=2, sp=True, zero=1, overlap=True, schedule="zb"),
-        dict(tp=2, pp=2, dp=2, sp=True, zero=2, overlap=True, schedule="interleaved", v=2)],
+        dict(tp=2, pp=2, dp=2, sp=True, zero=2, overlap=True, schedule="interleaved", v=2),
+        dict(tp=2, pp=2, dp=2, sp=True, zero=3, overlap=True),
+        dict(tp=2, pp=2, dp=2, sp=True, zero=3, overlap=True, schedule="interleaved", v=2, recompute="full")],
 }
 
 
