@@ -358,5 +358,10 @@ class DistributedAdamW:
         if self.shards is None:
             yield
             return
-        with self.params_viewing(self.shards.full(self.padded)):
+        with self.params_viewing(self.full_weights()):
             yield
+
+    def full_weights(self) -> torch.Tensor:
+        """The flat weights (model dtype, padded layout): the buffer itself, or under ZeRO-3 all-gathered from
+        the shards (collective over dp)."""
+        return self.flat if self.shards is None else self.shards.full(self.padded)
