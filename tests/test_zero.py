@@ -174,13 +174,13 @@ def _state_after_a_step(zeros: list[int]) -> list[tuple[int, int, dict]]:
             ids = torch.randint(0, 97, (2, 8), generator=torch.Generator().manual_seed(dims.dp_rank))
             with live_activation_bytes() as live:
                 opt = DistributedAdamW(list(model.parameters()), dims, model_dtype=torch.bfloat16, zero=zero,
-                                       bucket_elems=BUCKET)
+                                       bucket_elems=BUCKET, modules=[model])
                 opt.zero_grad()
                 model(ids, labels=ids).sum().backward()
                 opt.reduce_grads()
                 opt.global_grad_norm()
                 opt.step(LR)
-            out.append((zero, live.total, opt.buffer_bytes()))
+            out.append((zero, live.total, opt.buffer_bytes(), opt.shards.peak if opt.shards else 0))
             del opt, model
         return out
     finally:
@@ -188,16 +188,22 @@ def _state_after_a_step(zeros: list[int]) -> list[tuple[int, int, dict]]:
 
 
 def test_state_bytes_of_a_real_step_follow_the_formulas():
-    """Measured at dp = 1, 2, 4 and ZeRO 0, 1, 2 (bf16 weights): the storages a step leaves alive are exactly the
-    documented training state (tpzoo.plan.state_bytes: weights 2, master 4/dp at ZeRO >= 1, moments 8/dp at
-    ZeRO >= 1, fp32 gradients 4 (+ the 4/dp shard at ZeRO-1) or, at ZeRO-2, only the 4/dp shard)."""
+    """Measured at dp = 1, 2, 4 and ZeRO 0, 1, 2, 3 (bf16 weights): the storages a step leaves alive are exactly
+    the documented training state (tpzoo.plan.state_bytes: weights 2 (ZeRO-3: 2/dp), master 4/dp at ZeRO >= 1,
+    moments 8/dp at ZeRO >= 1, fp32 gradients 4 (+ the 4/dp shard at ZeRO-1) or, at ZeRO-2/3, only the 4/dp
+    shard); at ZeRO-3 the layers gathered during the step never exceeded the plan's working set."""
     from tpzoo.plan import TrainingSpec, stage_params, state_bytes
+    from tpzoo.plan.memory import gathered_bytes
 
     count = stage_params(SMALL, 1, 1, 0)
     for dp in (1, 2, 4):
-        for rank in run_on_ranks(dp, _state_after_a_step, [0, 1, 2]):
-            for zero, live, reported in rank:
-                est = state_bytes(count, TrainingSpec(8, 4, zero=zero, grad_bucket_elems=BUCKET), dp)
+        for rank in run_on_ranks(dp, _state_after_a_step, [0, 1, 2, 3]):
+            for zero, live, reported, peak in rank:
+                training = TrainingSpec(8, 4, zero=zero, grad_bucket_elems=BUCKET)
+                est = state_bytes(count, training, dp)
+                if zero == 3:
+                    assert 0 < peak <= gathered_bytes(SMALL, count, training, 1, dp), (dp, peak)
+                    assert est.params == 2 * (-(-count.numel // dp))
                 expected = {"params": est.params, "grads": est.grads, "master": est.master,
                             "optimizer": est.optimizer}
                 assert reported == expected, (dp, zero)
