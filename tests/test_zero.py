@@ -88,7 +88,8 @@ def _sharded(opt) -> dict | None:
         return None
     units = [u.nbytes for u in opt.shards.units if not u.resident]
     return {"units": sum(units), "largest": max(units), "peak": opt.shards.peak, "kept": opt.shards.nbytes(),
-            "full": opt.padded * 4, "dp": opt.dp_size}
+            "full": opt.padded * 4, "dp": opt.dp_size, "gathers": opt.shards.gathers,
+            "prefetched": opt.shards.prefetched}
 
 
 def run_layouts(layouts: list[dict]) -> list[dict]:
@@ -104,6 +105,10 @@ def check(ref: dict, ranks: list[dict], layout: dict) -> None:
                 assert sh["peak"] == sh["units"], layout
             else:
                 assert 0 < sh["peak"] <= 3 * sh["largest"] and sh["peak"] <= sh["units"], (layout, sh)
+            # most gathers were started ahead of need (the next layer's in forward, the previous one's in backward;
+            # within a chunk: the interleaved layout's chunks hold one layer each)
+            if layout.get("v", 1) == 1:
+                assert sh["prefetched"] >= sh["gathers"] // 3 > 0, (layout, sh)
         assert r["norms"] == pytest.approx(ref["norms"], rel=1e-5), layout
         for name, p in r["params"].items():
             ref_name = "embed.weight" if name == "lm_head.weight" else name

@@ -71,6 +71,7 @@ class Unit:
         self.nbytes = self.buffer.untyped_storage().nbytes()
         self.pending: list | None = None
         self.live = True  # storage allocated (gathered, or a gather in flight)
+        self.prefetch = False  # gathered by a prefetch not yet used
         self.prev = self.next = None  # neighbours in forward order, in the same chunk
 
 
@@ -138,6 +139,9 @@ class ParamShards:
             if not u.resident:
                 self.release(u)
         self.peak = 0  # most bytes of unit buffers alive at once (tests, the plan's working set)
+        # gathers started, and how many of them were prefetches a later ensure() found in flight or done
+        self.gathers = self.prefetched = 0
+        self.prefetching = True  # off: every gather waited on when the layer needs it (benchmarks)
         self._hooks = []
         for u in self.units:
             if u.module is not None:
@@ -162,6 +166,7 @@ class ParamShards:
         """Allocate u's storage and start the all-gather of each of its buckets from the owned segments."""
         u.buffer.untyped_storage().resize_(u.nbytes)
         u.live, group = True, self._group()
+        self.gathers += 1
         u.pending = []
         for k in u.keys:
             s, e = self.buckets[k]
@@ -171,13 +176,17 @@ class ParamShards:
         self.peak = max(self.peak, self.gathered_bytes())
 
     def prefetch(self, u: Unit | None) -> None:
-        if u is not None and not u.live:
+        if u is not None and not u.live and self.prefetching:
             self._start(u)
+            u.prefetch = True
 
     def ensure(self, u: Unit) -> None:
         """u gathered (waits for its prefetch, or gathers now)."""
         if not u.live:
             self._start(u)
+        elif u.prefetch:
+            self.prefetched += 1
+        u.prefetch = False
         if u.pending:
             for w in u.pending:
                 w.wait()
@@ -191,7 +200,7 @@ class ParamShards:
                 w.wait()
             u.pending = None
         u.buffer.untyped_storage().resize_(0)
-        u.live = False
+        u.live = u.prefetch = False
 
     def release_all(self) -> None:
         for u in self.units:
