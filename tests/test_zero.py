@@ -149,7 +149,7 @@ LAYOUTS = {  # every layout at ZeRO 0, 1, 2 and 3; schedules, recomputation and 
         dict(tp=2, pp=2, dp=2, sp=True, zero=1, overlap=True, schedule="zb"),
         dict(tp=2, pp=2, dp=2, sp=True, zero=2, overlap=True, schedule="interleaved", v=2),
         dict(tp=2, pp=2, dp=2, sp=True, zero=3, overlap=True),
-        dict(tp=2, pp=2, dp=2, sp=True, zero=3, overlap=True, schedule="interleaved", v=2, recompute="full")],
+        dict(tp=2, pp=2, dp=2, sp=True, zero=3, overlap=True, schedule="interleaved", v=2)],
 }
 
 
