@@ -33,6 +33,7 @@ The gradients go through the ZeRO-2 path unchanged (tpzoo.parallel.grad_shards).
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 
 import torch
@@ -55,6 +56,26 @@ def unit_modules(chunk: nn.Module) -> list[nn.Module]:
         else:
             out.append(child)
     return out
+
+
+class FlatReader:
+    """Ranges of the flat layout read straight from the parameters as they are now (their storage kept until the
+    reader is dropped, whatever .data they are given meanwhile), so sharding never builds the whole flat buffer."""
+
+    def __init__(self, params, offsets, dtype, device):
+        self.tensors = [p.detach().reshape(-1) for p in params]
+        self.offsets, self.dtype, self.device = list(offsets), dtype, device
+
+    def __call__(self, lo: int, hi: int, dtype=None) -> torch.Tensor:
+        out = torch.zeros(hi - lo, dtype=dtype or self.dtype, device=self.device)  # padding reads as zeros
+        i = max(bisect.bisect_right(self.offsets, lo) - 1, 0)
+        while i < len(self.tensors) and self.offsets[i] < hi:
+            o, t = self.offsets[i], self.tensors[i]
+            a, b = max(o, lo), min(o + t.numel(), hi)
+            if a < b:
+                out[a - lo:b - lo] = t[a - o:b - o]
+            i += 1
+        return out
 
 
 class Unit:
@@ -80,24 +101,25 @@ class ParamShards:
 
     params, offsets, buckets, owned: the optimizer's flat layout, buckets and owned segments ((lo, hi, position)
     per bucket, end to end); late: which parameters are late; modules: the model chunks (gathering units are
-    their children); flat: the full weights in that layout (model dtype), read once here; group: a callable
-    returning the dp(-cp) group, looked up when first needed; keep: free nothing before release_all()."""
+    their children); read: a FlatReader of the weights as they are (model dtype), each range read once here, so
+    no rank ever holds the whole flat buffer; padded: the layout's size; group: a callable returning the dp(-cp)
+    group, looked up when first needed; keep: free nothing before release_all()."""
 
-    def __init__(self, params, offsets, buckets, owned, late, modules, flat: torch.Tensor, group, *,
+    def __init__(self, params, offsets, buckets, owned, late, modules, read: FlatReader, padded: int, group, *,
                  keep: bool = False):
         self.buckets, self.owned, self._group, self.keep = buckets, owned, group, keep
-        dtype, device = flat.dtype, flat.device
+        self.dtype, self.device = read.dtype, read.device
         n_owned = owned[-1][2] + owned[-1][1] - owned[-1][0]
-        self.shard = torch.empty(n_owned, dtype=dtype, device=device)
+        self.shard = torch.empty(n_owned, dtype=self.dtype, device=self.device)
         for lo, hi, pos in owned:
-            self.shard[pos:pos + hi - lo] = flat[lo:hi]
+            self.shard[pos:pos + hi - lo] = read(lo, hi)
         offset = {id(p): o for p, o in zip(params, offsets)}
         late_ids = {id(p) for p in params if late(p)}
         # Late buckets: from the first one holding a late parameter to the end of the buffer, kept in full.
-        late_start = min((o for p, o in zip(params, offsets) if id(p) in late_ids), default=flat.numel())
+        late_start = min((o for p, o in zip(params, offsets) if id(p) in late_ids), default=padded)
         self.late_keys = [k for k, (s, e) in enumerate(buckets) if e > late_start]
-        self.late_from = buckets[self.late_keys[0]][0] if self.late_keys else flat.numel()
-        self.late = flat[self.late_from:].clone()
+        self.late_from = buckets[self.late_keys[0]][0] if self.late_keys else padded
+        self.late = read(self.late_from, padded)
 
         def touched(ps):
             ks = set()
@@ -121,7 +143,8 @@ class ParamShards:
                     ps = [p for p in mod.parameters() if id(p) in offset and id(p) not in placed]
                     if not ps:
                         continue
-                    unit = self._add_unit(mod, ps, touched(ps), flat, offset)
+                    unit = self._add_unit(mod, ps, touched(ps), read, offset)
+                    self.release(unit)  # filled from the reader; gathered again when first used
                     placed.update(id(p) for p in ps)
                     unit.prev = prev
                     if prev is not None:
@@ -130,14 +153,11 @@ class ParamShards:
             # Parameters outside every unit, or in two, stay gathered, like the late ones.
             rest = [p for p in params if id(p) not in late_ids and (id(p) not in placed or users.get(id(p), 0) > 1)]
             if rest:
-                self._add_unit(None, rest, touched(rest), flat, offset, resident=True)
+                self._add_unit(None, rest, touched(rest), read, offset, resident=True)
             for p in params:
                 if id(p) in late_ids:
                     o = offset[id(p)] - self.late_from
                     p.data = self.late[o:o + p.numel()].view(p.shape)
-        for u in self.units:
-            if not u.resident:
-                self.release(u)
         self.peak = 0  # most bytes of unit buffers alive at once (tests, the plan's working set)
         # gathers started, and how many of them were prefetches a later ensure() found in flight or done
         self.gathers = self.prefetched = 0
@@ -148,11 +168,11 @@ class ParamShards:
                 self._hooks.append(u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u)))
                 self._hooks.append(u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out)))
 
-    def _add_unit(self, mod, ps, keys, flat, offset, resident=False) -> Unit:
-        unit = Unit(mod, keys, self.buckets, flat.dtype, flat.device, resident)
+    def _add_unit(self, mod, ps, keys, read, offset, resident=False) -> Unit:
+        unit = Unit(mod, keys, self.buckets, self.dtype, self.device, resident)
         for k in keys:
             s, e = self.buckets[k]
-            unit.buffer[unit.base[k]:unit.base[k] + e - s] = flat[s:e]
+            unit.buffer[unit.base[k]:unit.base[k] + e - s] = read(s, e)
         for p in ps:
             o = offset[id(p)]
             k = next(k for k in keys if self.buckets[k][0] <= o < self.buckets[k][1])

@@ -36,7 +36,7 @@ from tpzoo.parallel import GradBuffer, ParallelDims, comm
 from tpzoo.parallel.data_parallel import DEFAULT_BUCKET_ELEMS, bucket_ranges, flat_layout, is_late, shard_segments
 from tpzoo.parallel.dims import SELF_GROUP
 from tpzoo.parallel.grad_shards import ShardedGradBuffer
-from tpzoo.parallel.param_shards import ParamShards
+from tpzoo.parallel.param_shards import FlatReader, ParamShards
 from tpzoo.parallel.utils import param_spec
 
 
@@ -103,27 +103,21 @@ class DistributedAdamW:
         self.owned = _end_to_end(self.segments) if self.zero1 else [(0, self.padded, 0)]
         n_owned = self.owned[-1][2] + self.owned[-1][1] - self.owned[-1][0]
 
-        full_master = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
-        for p, o in zip(self.params, self.offsets):
-            full_master[o:o + p.numel()] = p.detach().reshape(-1).float()
-        self.flat = full_master.to(model_dtype) if model_dtype != torch.float32 else full_master
-        with torch.no_grad():
-            for p, o in zip(self.params, self.offsets):
-                p.data = self.flat[o:o + p.numel()].view(p.shape)
-        # fp32 weights: the flat buffer is the master (the owned segments of it); bf16: a separate fp32 copy of the
-        # owned segments, end to end.
-        self.master = None if self.master_is_flat else self._owned_of(full_master)
-        del full_master
-        # ZeRO-3: the flat weights become the owned shard (the fp32 master itself with fp32 weights), the late
-        # buckets and per-layer buffers gathered when used.
         self.shards = None
         if self.zero >= 3:
-            if modules is None:
-                raise ValueError("ZeRO-3 needs the model chunks (modules=) to gather their layers")
-            self.shards = ParamShards(self.params, self.offsets, self.buckets, self.owned, late, modules, self.flat,
-                                      lambda: self.dims.grad_group if self.dp_size > 1 else SELF_GROUP,
-                                      keep=keep_gathered)
-            self.flat = None
+            self._shard_weights(modules, late, keep_gathered)
+        else:
+            full_master = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
+            for p, o in zip(self.params, self.offsets):
+                full_master[o:o + p.numel()] = p.detach().reshape(-1).float()
+            self.flat = full_master.to(model_dtype) if model_dtype != torch.float32 else full_master
+            with torch.no_grad():
+                for p, o in zip(self.params, self.offsets):
+                    p.data = self.flat[o:o + p.numel()].view(p.shape)
+            # fp32 weights: the flat buffer is the master (the owned segments of it); bf16: a separate fp32 copy of
+            # the owned segments, end to end.
+            self.master = None if self.master_is_flat else self._owned_of(full_master)
+            del full_master
         self.exp_avg = torch.zeros(n_owned, dtype=torch.float32, device=self.device)
         self.exp_avg_sq = torch.zeros(n_owned, dtype=torch.float32, device=self.device)
         # Last, once the parameters' old storage is freed: the same layout as `flat`, element for element.
@@ -138,6 +132,20 @@ class DistributedAdamW:
         self.ranges = self._update_ranges()
 
     # -- construction helpers -------------------------------------------------------------------------------
+    def _shard_weights(self, modules, late, keep: bool) -> None:
+        """ZeRO-3: no flat weight buffer. The owned segments (the fp32 master itself with fp32 weights), the late
+        buckets and one buffer per layer, gathered when used (tpzoo.parallel.param_shards), each read straight
+        from the parameters: the whole flat layout is never built."""
+        if modules is None:
+            raise ValueError("ZeRO-3 needs the model chunks (modules=) to gather their layers")
+        read = FlatReader(self.params, self.offsets, self.model_dtype, self.device)
+        self.master = None if self.master_is_flat else torch.cat([read(a, b, torch.float32)
+                                                                  for a, b, _ in self.owned])
+        self.flat = None
+        self.shards = ParamShards(self.params, self.offsets, self.buckets, self.owned, late, modules, read,
+                                  self.padded, lambda: self.dims.grad_group if self.dp_size > 1 else SELF_GROUP,
+                                  keep=keep)
+
     def _owned_of(self, full: torch.Tensor) -> torch.Tensor:
         """The owned segments of a flat tensor in this layout, end to end (a new fp32 tensor)."""
         if not self.zero1:
