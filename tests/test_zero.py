@@ -76,9 +76,24 @@ def train_zero(layout: dict) -> dict:
         with opt.weights_readable():  # ZeRO-3: the weights all-gathered from the shards
             params = {n: _full(n, gather_tp_tensor(p, param_spec(p), reduce="first"), CFG)
                       for c in chunks for n, p in c.named_parameters()}
-        return {"loss_sum": losses, "norms": norms, "params": params, "timing": timing, "sharded": _sharded(opt)}
+        return {"loss_sum": losses, "norms": norms, "params": params, "timing": timing,
+                "sharded": _sharded(opt), "state": (opt.buffer_bytes(), _planned(layout, dims))}
     finally:
         tpzoo.destroy_parallel()
+
+
+def _planned(layout: dict, dims) -> dict:
+    """tpzoo.plan's training state for this rank's stage (fp32 weights, the test's buckets): late buckets, a
+    tied embedding kept whole at pp = 1 (ZeRO-3) included."""
+    from tpzoo.plan import TrainingSpec, stage_params, state_bytes
+    from tpzoo.plan.memory import late_params, resident_params
+
+    tp, pp, dp = dims.tp, dims.pp, dims.dp
+    count = stage_params(CFG, tp, pp, dims.pp_rank, layout.get("v", 1))
+    training = TrainingSpec(8, 4, dtype="fp32", zero=layout["zero"], grad_bucket_elems=BUCKET)
+    est = state_bytes(count, training, dp, late_params(count, tp, layout.get("sp", False)),
+                      resident_params(CFG, count, training, tp, dp, dims.pp_rank == 0, dims.pp_rank == pp - 1))
+    return {"params": est.params, "grads": est.grads, "master": est.master, "optimizer": est.optimizer}
 
 
 def _sharded(opt) -> dict | None:
@@ -99,6 +114,8 @@ def run_layouts(layouts: list[dict]) -> list[dict]:
 def check(ref: dict, ranks: list[dict], layout: dict) -> None:
     for r in ranks:
         assert r["loss_sum"][-1] != 0
+        if layout["zero"] >= 2:  # the plan's training state, late buckets (and ZeRO-3's resident embedding) included
+            assert r["state"][0] == r["state"][1], (layout, r["state"])
         if layout["zero"] == 3:  # the layers were gathered when used: at most three at once, or all kept
             sh = r["sharded"]
             if layout.get("keep"):
