@@ -276,10 +276,18 @@ class ParamShards:
         for w in pending:
             w.wait()
 
-    def full(self, padded: int) -> torch.Tensor:
-        """The whole flat weight buffer (model dtype), all-gathered bucket by bucket (collective over dp)."""
-        out = torch.empty(padded, dtype=self.shard.dtype, device=self.shard.device)
+    def full(self, padded: int, host: bool = False) -> torch.Tensor:
+        """The whole flat weight buffer (model dtype), all-gathered bucket by bucket (collective over dp). `host`:
+        in host memory, one bucket at a time through the device (a checkpoint writer copies to the host anyway,
+        and the device may not have room for a second copy of the weights)."""
         group = self._group()
+        if host and self.device.type != "cpu":
+            out = torch.empty(padded, dtype=self.dtype, device="cpu")
+            for (s, e), (lo, hi, pos) in zip(self.buckets, self.owned):
+                tmp = torch.empty(e - s, dtype=self.dtype, device=self.device)
+                out[s:e].copy_(comm.all_gather_into_start(tmp, self.shard[pos:pos + hi - lo], group).wait())
+            return out
+        out = torch.empty(padded, dtype=self.dtype, device=self.device)
         pending = [comm.all_gather_into_start(out[s:e], self.shard[pos:pos + hi - lo], group)
                    for (s, e), (lo, hi, pos) in zip(self.buckets, self.owned)]
         for w in pending:

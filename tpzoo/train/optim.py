@@ -362,11 +362,11 @@ class DistributedAdamW:
     def weights_readable(self):
         """Inside, every parameter holds its current weights outside any forward (the checkpoint writer, tests):
         a no-op except under ZeRO-3, where the flat weights are all-gathered for the duration (collective over
-        dp; one model-sized copy, as full_state's) and the parameters view them."""
+        dp) into host memory, a bucket at a time through the device, and the parameters view them."""
         if self.shards is None:
             yield
             return
-        with self.params_viewing(self.full_weights()):
+        with self.params_viewing(self.shards.full(self.padded, host=True)):
             yield
 
     def full_weights(self) -> torch.Tensor:
