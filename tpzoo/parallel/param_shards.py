@@ -34,7 +34,6 @@ The gradients go through the ZeRO-2 path unchanged (tpzoo.parallel.grad_shards).
 from __future__ import annotations
 
 import bisect
-import contextlib
 
 import torch
 import torch.nn as nn
@@ -293,16 +292,6 @@ class ParamShards:
         for w in pending:
             w.wait()
         return out
-
-    @contextlib.contextmanager
-    def gathered(self):
-        """Every unit gathered inside (readers that do not go through the modules' forward: tests, exports)."""
-        for u in self.units:
-            self.ensure(u)
-        try:
-            yield
-        finally:
-            self.release_all()
 
     def nbytes(self) -> int:
         """What stays allocated between uses: the owned shard, the late buckets, resident units."""

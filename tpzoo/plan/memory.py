@@ -190,7 +190,8 @@ def gathered_bytes(cfg: ModelConfig, count: ParamCount, training: TrainingSpec, 
 
 def state_bytes_per_param(training: TrainingSpec) -> str:
     """What one parameter costs in training state (weights, fp32 main grads, master, AdamW moments), as `tpzoo
-    plan` prints it: "18 B/param" in bf16, "6 + 16/dp B/param" in bf16 with ZeRO-1 (derived from state_bytes)."""
+    plan` prints it: "18 B/param" in bf16, "6 + 16/dp B/param" in bf16 with ZeRO-1, "18/dp B/param" with ZeRO-3
+    (derived from state_bytes)."""
     n = 1 << 20
 
     def per_param(dp: int) -> float:
@@ -200,7 +201,8 @@ def state_bytes_per_param(training: TrainingSpec) -> str:
     if not training.zero_level:
         return f"{per_param(1):g} B/param"
     sharded = 4 * (per_param(2) - per_param(4))
-    return f"{per_param(2) - sharded / 2:g} + {sharded:g}/dp B/param"
+    whole = per_param(2) - sharded / 2
+    return f"{whole:g} + {sharded:g}/dp B/param" if whole else f"{sharded:g}/dp B/param"  # ZeRO-3: all sharded
 
 
 # -- activations --------------------------------------------------------------------------------------------
