@@ -63,6 +63,7 @@ def run_case(zero: int, steps: int, bucket_elems: int, B: int, S: int, M: int) -
             if opt.shards is not None:
                 opt.shards.prefetching = opt.overlap
             dist.barrier()
+            gather0 = opt.shards.wait_s if opt.shards is not None else 0.0
             t0 = time.perf_counter()
             opt.zero_grad()
             forward_backward(chunks, mbs, dims, loss_scale=1.0 / (dims.dp * M * B * S))
@@ -74,7 +75,8 @@ def run_case(zero: int, steps: int, bucket_elems: int, B: int, S: int, M: int) -
             opt.step(1e-4)
             t3 = time.perf_counter()
             if i >= 2:
-                rows.append({"overlap": opt.overlap, "step": t3 - t0, "wait": t2 - t1,
+                gather = (opt.shards.wait_s if opt.shards is not None else 0.0) - gather0
+                rows.append({"overlap": opt.overlap, "step": t3 - t0, "wait": t2 - t1, "gather": gather,
                              "early": opt.grads.overlapped if opt.overlap else 0, "buckets": len(opt.buckets)})
         return rows
     finally:
@@ -90,20 +92,27 @@ def summarize(dp: int, zero: int, per_rank: list[list[dict]]) -> dict:
                                                                  for k in range(len(steps[0])))
         out["wait_on" if on else "wait_off"] = statistics.median(statistics.mean(s[k]["wait"] for s in steps)
                                                                  for k in range(len(steps[0])))
+        out["gather_on" if on else "gather_off"] = statistics.median(statistics.mean(s[k]["gather"] for s in steps)
+                                                                     for k in range(len(steps[0])))
         if on:
             out["early"] = per_rank[0][0]["early"]
     out["hidden"] = 1 - out["wait_on"] / out["wait_off"] if out["wait_off"] > 0 else float("nan")
+    # ZeRO-3: the weights' all-gathers the layers waited for, prefetched (on) or not (off)
+    out["gather_hidden"] = 1 - out["gather_on"] / out["gather_off"] if out["gather_off"] > 0 else float("nan")
     return out
 
 
 def table(rows: list[dict]) -> str:
     out = ["| dp | ZeRO | buckets (started during backward) | step, overlap off (s) | step, overlap on (s) | "
-           "on / off | DP wait off (ms) | DP wait on (ms) | hidden behind backward |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "on / off | DP wait off (ms) | DP wait on (ms) | hidden behind backward | ZeRO-3 gather wait off / on "
+           "(ms; hidden) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['dp']} | {r['zero']} | {r['buckets']} ({r['early']}) | {r['step_off']:.3f} | "
                    f"{r['step_on']:.3f} | {r['step_on'] / r['step_off']:.2f} | {1e3 * r['wait_off']:.0f} | "
-                   f"{1e3 * r['wait_on']:.0f} | " + ("n/a |" if r["zero"] >= 2 else f"{100 * r['hidden']:.0f}% |"))
+                   f"{1e3 * r['wait_on']:.0f} | " + ("n/a |" if r["zero"] >= 2 else f"{100 * r['hidden']:.0f}% |")
+                   + (f" {1e3 * r['gather_off']:.0f} / {1e3 * r['gather_on']:.0f} ({100 * r['gather_hidden']:.0f}%) |"
+                      if r["zero"] >= 3 else " |"))
     return "\n".join(out) + "\n"
 
 
@@ -149,7 +158,9 @@ def main(argv=None) -> None:
             f"ZeRO-2 and 3 reduce-scatter during every backward pass whether overlap is on or not (off: each "
             f"pass waits for its buckets at its end), so their DP wait off is not the whole reduction and no hidden "
             f"fraction is given: compare their step times; at ZeRO-3 overlap off also stops the prefetch of the "
-            f"next layer's weights (each layer's all-gather waited on when the layer starts). "
+            f"next layer's weights (each layer's all-gather waited on when the layer starts); the last column is "
+            f"the time the layers waited for their weights' all-gathers per step (mean over ranks, median over "
+            f"steps) and the share the prefetch hid. "
             f"Step time: the slowest rank, median over steps. DP wait: time in reduce_grads() (with overlap off, "
             f"the whole reduction; with overlap on, what the backward did not hide), mean over ranks, median over "
             f"steps; hidden = 1 - wait on / wait off. Machine: {os.cpu_count()} CPU cores, load average {load:.1f} "

@@ -34,6 +34,7 @@ The gradients go through the ZeRO-2 path unchanged (tpzoo.parallel.grad_shards).
 from __future__ import annotations
 
 import bisect
+import time
 
 import torch
 import torch.nn as nn
@@ -161,6 +162,7 @@ class ParamShards:
         # gathers started, and how many of them were prefetches a later ensure() found in flight or done
         self.gathers = self.prefetched = 0
         self.prefetching = True  # off: every gather waited on when the layer needs it (benchmarks)
+        self.wait_s = 0.0  # host seconds ensure() waited for gathers (benchmarks, CPU: gloo waits block)
         self._hooks = []
         for u in self.units:
             if u.module is not None:
@@ -207,8 +209,10 @@ class ParamShards:
             self.prefetched += 1
         u.prefetch = False
         if u.pending:
+            t0 = time.perf_counter()
             for w in u.pending:
                 w.wait()
+            self.wait_s += time.perf_counter() - t0
         u.pending = None
 
     def release(self, u: Unit) -> None:
