@@ -113,14 +113,14 @@ def test_context_parallel_matches_one_process(model, world):
 # -- the trainer: --cp end to end --------------------------------------------------------------------------------
 
 def test_trainer_at_cp_equals_cp1(store, tmp_path):
-    """`tpzoo pretrain` at cp=2 (ZeRO-1 sharding the optimizer over the 2 cp ranks) and at cp=1: the same losses,
-    global grad norms (AdamW steps) and held-out loss, on sequences of 30 tokens (padded to whole chunks); the cp=2
-    run's step-2 checkpoint resumed at cp=1 continues with cp=2's step-3 loss. (dp x cp reductions: the layouts
-    above.)"""
+    """`tpzoo pretrain` at cp=2 (ZeRO-3 sharding weights and optimizer over the 2 cp ranks) and at cp=1: the same
+    losses, global grad norms (AdamW steps) and held-out loss, on sequences of 30 tokens (padded to whole chunks);
+    the cp=2 run's step-2 checkpoint resumed at cp=1 continues with cp=2's step-3 loss. (dp x cp reductions: the
+    layouts above.)"""
     kw = dict(model="nano-llama", seq_len=30, steps=3, eval_fraction=0.2, eval_batches=2)
     ref = run_on_ranks(1, _train, tiny(store, **kw))[0]
     save = str(tmp_path / "run")
-    results = run_on_ranks(2, _train, tiny(store, cp=2, zero1=True, save=save, save_every=2, **kw))
+    results = run_on_ranks(2, _train, tiny(store, cp=2, zero=3, save=save, save_every=2, **kw))
     assert results[0]["losses"] == results[1]["losses"]
     r = results[0]
     assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5)

@@ -171,7 +171,9 @@ def dp_sync_time(count, layout: Layout, training: TrainingSpec, cluster: Cluster
     then under ZeRO the updated parameters all-gathered (model dtype, after the step: exposed). With overlap a
     bucket reduces as soon as its gradients are final: behind the stage's last backward (`backward`: one
     micro-batch's B + W) at ZeRO 0/1, behind each micro-batch's own backward at ZeRO-2; the bucket finished
-    last (the first layers) and the late buckets (reduced after finalize_grads) stay exposed."""
+    last (the first layers) and the late buckets (reduced after finalize_grads) stay exposed. ZeRO-3 adds the
+    weights' all-gathers of every micro-batch's forward and backward (prefetched: mostly hidden) and keeps of the
+    after-step all-gather only the late buckets. The group is dp x cp (the ranks holding the same parameters)."""
     dp, zero, e = layout.grad_replicas, training.zero_level, training.act_bytes  # dp x cp
     if dp == 1:
         return 0.0, 0.0
@@ -183,13 +185,23 @@ def dp_sync_time(count, layout: Layout, training: TrainingSpec, cluster: Cluster
     passes = m if zero >= 2 else 1
     reduce = passes * _collective_time(ring, buckets, bw, cluster)
     gather = _collective_time((dp - 1) / dp * padded * e, buckets, bw, cluster) if zero else 0.0
-    if not training.overlap_grad_reduce:
-        return reduce + gather, 0.0
     late = min(late_params(count, layout.tp, layout.sequence_parallel), count.numel) / max(count.numel, 1)
+    weights_exposed = weights_hidden = 0.0
+    if zero >= 3:
+        # ZeRO-3: every micro-batch's forward and backward all-gather the weights layer by layer, the next
+        # layer's gather prefetched behind the current one's compute (a forward ~ half a backward): exposed only
+        # the first bucket of each pass, or what the pass's compute cannot cover. After the step only the late
+        # buckets are all-gathered.
+        first = gather * min(1.0, size / max(count.numel, 1))
+        weights_exposed = m * (max(gather - backward / 2, first) + max(gather - backward, first))
+        weights_hidden = 2 * m * gather - weights_exposed
+        gather *= late
+    if not training.overlap_grad_reduce:
+        return reduce + gather + weights_exposed, weights_hidden
     normal = reduce * (1 - late)
     last_bucket = normal * min(1.0, size / max(count.numel * (1 - late), 1))
     exposed = reduce * late + max(normal - passes * backward, last_bucket)
-    return exposed + gather, reduce - exposed + 0.0
+    return exposed + gather + weights_exposed, reduce - exposed + weights_hidden + 0.0
 
 
 def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: TrainingSpec) -> Estimate:
@@ -241,11 +253,12 @@ def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: T
     count = max((stage_params(cfg, t, p, s, v, pad) for s in {0, fullest, p - 1}), key=lambda c: c.numel)
     if training.lora_rank:  # only the adapters are reduced, updated and (tied copies aside) kept in sync
         count = ParamCount(kinds[fullest][0] * lora_layer_params(cfg, t, training.lora_rank), 0, 0, 0, 0, 0)
-    padded = -(-count.numel // dp) * dp
+    replicas = layout.grad_replicas  # the optimizer shards over dp x cp
+    padded = -(-count.numel // replicas) * replicas
     dp_time, dp_hidden = dp_sync_time(count, layout, training, cluster, m, st["B"] + st["W"])
     if count.embedding:  # tied embedding and head on two stages: all-reduce their gradients (model dtype)
         dp_time += _collective_time(count.embedding * e, 1, _bandwidth(pp_intra, cluster), cluster)
-    owned = padded // dp if training.zero_level else padded
+    owned = padded // replicas if training.zero_level else padded
     opt = (40 * owned + e * padded) / (cluster.hbm_gbps * 1e9) + cluster.latency_us * 1e-6  # + the norm's
 
     tb = TimeBreakdown(compute=m * (tau - st["recompute"] - st["tp"]), recompute=m * st["recompute"],
