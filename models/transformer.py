@@ -26,6 +26,8 @@ from .blocks import Norm, TransformerBlock, rope_cos_sin, rope_inv_freq
 from .config import ModelConfig
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+ROUTER_LOSS_PP = ("the router auxiliary loss (output_router_logits) with pipeline parallelism is not implemented; "
+                  "set output_router_logits false or use pp=1")
 
 
 @contextlib.contextmanager
@@ -99,11 +101,6 @@ class Transformer(nn.Module):
         self.moe_layers = [i for i in range(start, end) if cfg.is_moe_layer(i)]
         self.router_loss_on = bool(self.moe_layers) and cfg.output_router_logits and (
             cfg.router_aux_loss_coef or cfg.router_z_loss_coef)
-        if self.router_loss_on and not (pre_process and post_process) and dims.pp > 1:
-            # HF's load-balancing loss couples every layer's routing (one product of global sums), so a stage
-            # cannot add its share alone.
-            raise ConfigError("the router auxiliary loss (output_router_logits) with pipeline parallelism is not "
-                              "implemented; set output_router_logits false or use pp=1")
         self.aux_loss = self.z_loss = None  # of the last forward (detached; HF's aux_loss output)
         if cfg.position == "rope":
             self.register_buffer("inv_freq", torch.empty(cfg.rotary_dim // 2, device="meta"), persistent=False)
@@ -219,6 +216,10 @@ class Transformer(nn.Module):
                 h = checkpoint(layer, h, cos, sin, cache, use_reentrant=False)
             else:
                 h = layer(h, cos, sin, cache)
+        if self.router_loss_on and not (self.pre_process and self.post_process):
+            # HF's load-balancing loss couples every layer's routing (one product of global sums), so a pipeline
+            # stage cannot add its share alone. (The CLI refuses this before any rank starts.)
+            raise ConfigError(ROUTER_LOSS_PP)
         if self.moe_layers:
             aux = self._router_losses()
         if not self.post_process:
