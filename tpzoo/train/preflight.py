@@ -31,9 +31,11 @@ __all__ = ["check_train", "check_eval", "check_generate", "check_layout"]
 
 # -- shared checks -----------------------------------------------------------------------------------------------
 
-def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str = "the model") -> None:
-    """The model splits over tp (heads, kv heads, FFN) and pp * virtual_stages stages; errors name `what` and
-    are the types the ranks would raise (ParallelLayoutError, PartitionError)."""
+def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str = "the model", ep: int = 1,
+                 world_size: int | None = None) -> None:
+    """The model splits over tp (heads, kv heads, FFN), pp * virtual_stages stages and ep (experts; ep divides
+    the data x context parallel ranks); errors name `what` and are the types the ranks would raise
+    (ParallelLayoutError, PartitionError)."""
     from tpzoo.parallel.dims import ParallelLayoutError
     from tpzoo.pipeline import partition_layers
     from tpzoo.pipeline.partition import PartitionError
@@ -45,10 +47,40 @@ def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str
         raise ParallelLayoutError(f"{what}: tp={tp} neither divides nor is a multiple of num_kv_heads={nkv}")
     if ffn % tp:
         raise ParallelLayoutError(f"{what}: tp={tp} does not divide ffn_hidden_size={ffn}")
+    check_experts(model_cfg, tp, ep, what, world_size // (tp * pp) if world_size else None)
     try:
         partition_layers(model_cfg, pp, virtual_stages=virtual_stages)
     except PartitionError as e:
         raise PartitionError(f"{what}: {e}") from None
+
+
+def check_experts(model_cfg, tp: int, ep: int, what: str, dp: int | None = None) -> None:
+    """Expert parallelism against the model (ep divides the experts, tp each expert's FFN) and the layout (ep
+    divides dp; dp None: the command spawns dp = ep ranks itself)."""
+    from tpzoo.parallel.dims import ParallelLayoutError
+
+    if not isinstance(ep, int) or ep < 1:
+        raise ParallelLayoutError(f"--ep must be a positive integer, got {ep!r}")
+    if ep > 1 and not model_cfg.num_experts:
+        raise ParallelLayoutError(f"{what}: ep={ep} needs a mixture-of-experts model (this one has no experts)")
+    if model_cfg.num_experts:
+        if model_cfg.num_experts % ep:
+            raise ParallelLayoutError(f"{what}: ep={ep} does not divide num_experts={model_cfg.num_experts}")
+        if model_cfg.expert_ffn % tp:
+            raise ParallelLayoutError(f"{what}: tp={tp} does not divide the expert hidden size "
+                                      f"{model_cfg.expert_ffn}")
+    if dp is not None and dp % ep:
+        raise ParallelLayoutError(f"ep={ep} does not divide dp={dp} (expert parallelism is carved out of the "
+                                  f"data-parallel ranks)")
+
+
+def check_router_loss(model_cfg, pp: int, what: str) -> None:
+    """The router loss couples every layer's routing: not with pipeline parallelism (yet)."""
+    from tpzoo.models.transformer import ROUTER_LOSS_PP
+
+    if pp > 1 and model_cfg.num_experts and model_cfg.output_router_logits and (
+            model_cfg.router_aux_loss_coef or model_cfg.router_z_loss_coef):
+        raise ConfigError(f"{what}: {ROUTER_LOSS_PP}")
 
 
 def check_device(name: str) -> None:
@@ -173,6 +205,7 @@ def check_train(cfg, world_size: int | None = None):
     model_cfg, tokenizer, what = _model_of_run(cfg)
     label = what or f"model {cfg.model}"
     check_layout(model_cfg, cfg.tp, cfg.pp, cfg.virtual_stages, label)
+    check_router_loss(model_cfg, cfg.pp, label)
     check_positions(model_cfg, cfg.seq_len, label)
     check_tokenizer(tokenizer, model_cfg.vocab_size if what else None, label)
     check_lora(cfg, model_cfg)
@@ -213,7 +246,7 @@ def _check_checkpoint(args, world_size: int | None):
     """The parts eval and generate share: sizes, device, the checkpoint's config and the layout against it."""
     from tpzoo.checkpoint import open_source
 
-    _positive(args, "tp", "pp")
+    _positive(args, "tp", "pp", "ep")
     if not args.dist_timeout > 0:
         raise ConfigError(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
     if world_size is not None and world_size % (args.tp * args.pp):
@@ -225,7 +258,7 @@ def _check_checkpoint(args, world_size: int | None):
     finally:
         source.close()
     what = f"checkpoint {args.ckpt}"
-    check_layout(model_cfg, args.tp, args.pp, 1, what)
+    check_layout(model_cfg, args.tp, args.pp, 1, what, ep=args.ep, world_size=world_size)
     if args.tokenizer:
         check_tokenizer(args.tokenizer, model_cfg.vocab_size, what)
     return model_cfg, what
@@ -235,6 +268,7 @@ def check_eval(args, world_size: int | None = None) -> None:
     _positive(args, "batch_size", "seq_len", "max_tokens")
     check_text_file(args.text_file, "--text-file")  # before the checkpoint: it is the cheaper of the two
     model_cfg, what = _check_checkpoint(args, world_size)
+    check_router_loss(model_cfg, args.pp, what)
     if args.seq_len:
         check_positions(model_cfg, args.seq_len, what)
 
