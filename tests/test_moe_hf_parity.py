@@ -3,7 +3,8 @@
 feeds its own samples, so the tokens each ep rank's experts receive come from several ranks). Logits, every
 layer's router logits, HF's load-balancing loss and the loss with it (output_router_logits) must equal
 transformers' on the same samples to 1e-4 (1e-5 for the losses). The routers are drawn large so the routing is
-uneven: the test checks that some expert of some rank receives no token."""
+uneven: the test checks that some expert of some rank receives no token. The expert all-to-alls of a forward
+are counted: calls and bytes per MoE layer are the analytical ones."""
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -11,7 +12,7 @@ from safetensors.torch import load_file
 import tpzoo
 from tpzoo.checkpoint.tensors import hf_to_full, load_full_tensors
 from tpzoo.models import Transformer, from_hf_config
-from tpzoo.parallel import comm
+from tpzoo.parallel import comm, count_collectives
 from tpzoo.testing import run_on_ranks
 
 VOCAB, BATCH, SEQ = 101, 4, 8
@@ -71,8 +72,15 @@ def _check_layouts(path, ids, labels, refs, layouts):
             per = BATCH // dims.dp
             rows = slice(dims.dp_rank * per, (dims.dp_rank + 1) * per)
             ref_logits, ref_router, ref_aux, ref_loss = refs[(dims.dp_rank * per, per)]
+            with torch.no_grad(), count_collectives() as counted:
+                logits_shard = model(ids[rows])
+            moe = len(model.moe_layers)
+            if ep > 1:  # per MoE layer: one all-to-all of E counts, then the rows there and back
+                assert counted.get("all_to_all", "ep").calls == moe
+                assert counted.get("all_to_all", "ep").payload_bytes == moe * cfg.num_experts * 8
+                assert counted.get("all_to_all_v", "ep").calls == 2 * moe
             with torch.no_grad():
-                logits = model.full_logits(model(ids[rows]))
+                logits = model.full_logits(logits_shard)
                 torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4, msg=lambda m: f"{layout}: {m}")
                 for ours, theirs in zip(model.router_logits(), ref_router):
                     ours = ours.view(per, -1, cfg.num_experts)
@@ -85,7 +93,8 @@ def _check_layouts(path, ids, labels, refs, layouts):
                 torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
                 empty = max(int((layer.mlp.last_stats["counts"] == 0).sum()) for layer in model.layers.values()
                             if hasattr(layer.mlp, "router"))
-            results.append(empty)
+            results.append({"empty": empty, "a2a_bytes": counted.get("all_to_all_v", "ep").payload_bytes,
+                            "moe": moe, "per": per})
         finally:
             tpzoo.destroy_parallel()
     return results
@@ -96,4 +105,11 @@ def test_moe_logits_router_logits_and_aux_loss_match_transformers(hf_runs, kind)
     path, ids, labels, refs = hf_runs[kind]
     per_rank = run_on_ranks(4, _check_layouts, path, ids, labels, refs, LAYOUTS)
     # Uneven routing: with one sample per rank, some expert of some layer got no token.
-    assert any(n > 0 for rank in per_rank for n in rank)
+    assert any(r["empty"] > 0 for rank in per_rank for r in rank)
+    # The rows each rank sends (T*k of h fp32 per MoE layer) come back from the experts' ranks: over the world,
+    # twice the dispatched rows (a single rank's return trip is what its experts received).
+    hidden, k = 32, 2
+    for i, layout in enumerate(LAYOUTS):
+        if layout["ep"] > 1:
+            dispatched = sum(r[i]["moe"] * r[i]["per"] * SEQ * k * hidden * 4 for r in per_rank)
+            assert sum(r[i]["a2a_bytes"] for r in per_rank) == 2 * dispatched, layout
