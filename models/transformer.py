@@ -216,7 +216,7 @@ class Transformer(nn.Module):
                 h = checkpoint(layer, h, cos, sin, cache, use_reentrant=False)
             else:
                 h = layer(h, cos, sin, cache)
-        if self.router_loss_on and not (self.pre_process and self.post_process):
+        if self.router_loss_on and labels is not None and not self.pre_process:
             # HF's load-balancing loss couples every layer's routing (one product of global sums), so a pipeline
             # stage cannot add its share alone. (The CLI refuses this before any rank starts.)
             raise ConfigError(ROUTER_LOSS_PP)

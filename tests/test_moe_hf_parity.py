@@ -1,5 +1,5 @@
 """Mixture of experts against transformers: tiny Mixtral and Qwen3-MoE written by save_pretrained, loaded at
-(tp, ep) = (1, 1), (2, 1), (1, 2), (1, 4), (2, 2) + SP on 4 gloo ranks (dp = 4 / tp: each data-parallel rank
+(tp, ep) = (1, 1), (2, 1), (1, 2), (1, 4), (2, 2) + SP and (tp, ep, pp) = (1, 2, 2) on 4 gloo ranks (dp = 4 / tp: each data-parallel rank
 feeds its own samples, so the tokens each ep rank's experts receive come from several ranks). Logits, every
 layer's router logits, HF's load-balancing loss and the loss with it (output_router_logits) must equal
 transformers' on the same samples to 1e-4 (1e-5 for the losses). The routers are drawn large so the routing is
@@ -10,13 +10,16 @@ import torch
 from safetensors.torch import load_file
 
 import tpzoo
+from tpzoo.checkpoint import load_model
 from tpzoo.checkpoint.tensors import hf_to_full, load_full_tensors
 from tpzoo.models import Transformer, from_hf_config
 from tpzoo.parallel import comm, count_collectives
+from tpzoo.pipeline import pipeline_forward
 from tpzoo.testing import run_on_ranks
 
 VOCAB, BATCH, SEQ = 101, 4, 8
-LAYOUTS = [dict(tp=1, ep=1), dict(tp=2, ep=1), dict(tp=1, ep=2), dict(tp=1, ep=4), dict(tp=2, ep=2, sp=True)]
+LAYOUTS = [dict(tp=1, ep=1), dict(tp=2, ep=1), dict(tp=1, ep=2), dict(tp=1, ep=4), dict(tp=2, ep=2, sp=True),
+           dict(tp=1, ep=2, pp=2)]
 
 
 def make_hf_moe(kind: str):
@@ -58,11 +61,34 @@ def hf_runs(tmp_path_factory):
     return out
 
 
+def _check_pipeline(path, ids, refs, dims):
+    """pp = 2: logits through the pipeline executor, and each stage's layers' router logits."""
+    model = load_model(path).eval()  # this stage's layers, straight from the HF files
+    per = BATCH // dims.dp
+    rows = slice(dims.dp_rank * per, (dims.dp_rank + 1) * per)
+    ref_logits, ref_router, _, _ = refs[(dims.dp_rank * per, per)]
+    with torch.no_grad():
+        logits = pipeline_forward(model, ids[rows])
+    if dims.is_last_stage:
+        torch.testing.assert_close(model.full_logits(logits), ref_logits, rtol=1e-4, atol=1e-4)
+    hf_index = {layer: j for j, layer in enumerate(i for i in range(model.cfg.num_layers)
+                                                   if model.cfg.is_moe_layer(i))}
+    for layer, ours in zip(model.moe_layers, model.router_logits()):
+        torch.testing.assert_close(ours.view(per, SEQ, -1), ref_router[hf_index[layer]], rtol=1e-4, atol=1e-4)
+    return {"empty": 0, "a2a_bytes": 0, "moe": 0, "per": per}
+
+
 def _check_layouts(path, ids, labels, refs, layouts):
     results = []
     for layout in layouts:
         tp, ep, sp = layout["tp"], layout["ep"], layout.get("sp", False)
-        dims = tpzoo.init_parallel(tp=tp, ep=ep)
+        dims = tpzoo.init_parallel(tp=tp, ep=ep, pp=layout.get("pp", 1))
+        if dims.pp > 1:
+            try:
+                results.append(_check_pipeline(path, ids, refs, dims))
+            finally:
+                tpzoo.destroy_parallel()
+            continue
         try:
             cfg = from_hf_config(path)
             full = dict(hf_to_full(cfg, load_file(f"{path}/model.safetensors")))
@@ -110,6 +136,6 @@ def test_moe_logits_router_logits_and_aux_loss_match_transformers(hf_runs, kind)
     # twice the dispatched rows (a single rank's return trip is what its experts received).
     hidden, k = 32, 2
     for i, layout in enumerate(LAYOUTS):
-        if layout["ep"] > 1:
+        if layout["ep"] > 1 and layout.get("pp", 1) == 1:
             dispatched = sum(r[i]["moe"] * r[i]["per"] * SEQ * k * hidden * 4 for r in per_rank)
             assert sum(r[i]["a2a_bytes"] for r in per_rank) == 2 * dispatched, layout
