@@ -201,3 +201,7 @@ register_config("tiny-mixtral", ModelConfig(
     family="mixtral", vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden_size=256,
     max_position_embeddings=512, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
     output_router_logits=True))
+register_config("nano-mixtral", ModelConfig(
+    family="mixtral", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=32,
+    max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
+    output_router_logits=True))

@@ -66,8 +66,8 @@ class ParallelSection:
     tp: int = _f(2, "tensor-parallel size (divides the heads; kv heads divide by it or it by them)", ge=1)
     pp: int = _f(1, "pipeline-parallel size (pp * virtual_stages <= layers)", ge=1)
     dp: int = _f(0, "data-parallel size; 0 = world size / (tp * pp) under torchrun, 1 when self-spawning", ge=0)
-    ep: int = _f(1, "expert-parallel size of a mixture-of-experts model (carved out of dp); the trainer runs "
-                    "ep = 1 only for now (the MoE layer, its gradients and checkpoints support ep > 1)", ge=1)
+    ep: int = _f(1, "expert-parallel size of a mixture-of-experts model: the experts split over ep of the dp "
+                    "replicas (ep divides dp and the experts; docs/moe.md)", ge=1)
     sequence_parallel: bool = _f(False, "shard activations along the sequence between TP regions (seq_len "
                                         "divisible by tp)")
     schedule: str = _f("1f1b", "pipeline schedule (tpzoo.pipeline.SCHEDULES; only interleaved runs "
@@ -226,10 +226,6 @@ class TrainConfig:
         if self.min_lr > self.lr:
             raise ConfigError(f"min_lr {self.min_lr:g} is above lr {self.lr:g}: the cosine decay would raise the "
                               f"learning rate (set --min-lr at most --lr)")
-        if self.ep > 1:
-            raise ConfigError(f"ep={self.ep}: expert parallelism in pretrain/finetune is not implemented yet (the "
-                              f"optimizer cannot yet reduce and shard expert weights over their own group); train "
-                              f"mixture-of-experts models at ep=1 (any tp, pp, dp)")
         dp = self.dp or 1
         if world_size is not None:
             mp = self.tp * self.pp
@@ -239,6 +235,9 @@ class TrainConfig:
                 raise ConfigError(f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {mp * self.dp} does not equal the "
                                   f"world size {world_size} (dp = 0 infers it)")
             dp = world_size // mp
+        if dp % self.ep:
+            raise ConfigError(f"ep={self.ep} does not divide dp={dp} (expert parallelism is carved out of the "
+                              f"data-parallel ranks)")
         per_step = self.micro_batch_size * dp
         if self.global_batch_size % per_step:
             raise ConfigError(f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "

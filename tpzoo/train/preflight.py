@@ -204,7 +204,7 @@ def check_train(cfg, world_size: int | None = None):
     check_device(cfg.device)
     model_cfg, tokenizer, what = _model_of_run(cfg)
     label = what or f"model {cfg.model}"
-    check_layout(model_cfg, cfg.tp, cfg.pp, cfg.virtual_stages, label)
+    check_layout(model_cfg, cfg.tp, cfg.pp, cfg.virtual_stages, label, ep=cfg.ep)
     check_router_loss(model_cfg, cfg.pp, label)
     check_positions(model_cfg, cfg.seq_len, label)
     check_tokenizer(tokenizer, model_cfg.vocab_size if what else None, label)
