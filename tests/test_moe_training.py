@@ -1,6 +1,7 @@
 """Mixture-of-experts training against one process: a tiny Mixtral-shaped model (8 experts, top-2, with the
 load-balancing loss and a router z-loss in the loss) trains two SGD steps at (tp, ep, dp, pp) = (1, 2, 2, 1),
-(2, 2, 2, 1) + SP and (1, 2, 2, 2) (no router loss: it couples the stages, refused with pp > 1). The loss sum,
+(2, 2, 2, 1) + SP, (1, 2, 2, 1) with full recomputation (the dispatch runs again inside the backward) and
+(1, 2, 2, 2) (no router loss: it couples the stages, refused with pp > 1). The loss sum,
 every gradient of the first step (tp shards and ep experts gathered to full tensors) and every parameter after
 the second step equal the single-process model on the same micro-batches (1e-5 of each tensor's largest entry).
 
@@ -22,7 +23,7 @@ CFG = ModelConfig(family="mixtral", vocab_size=64, hidden_size=32, num_layers=2,
                   ffn_hidden_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                   router_aux_loss_coef=0.05, router_z_loss_coef=0.01, output_router_logits=True)
 NO_ROUTER_LOSS = CFG.replace(output_router_logits=False)
-LAYOUTS = {2: [dict(tp=1, ep=2, dp=2)],
+LAYOUTS = {2: [dict(tp=1, ep=2, dp=2), dict(tp=1, ep=2, dp=2, recompute="full")],
            4: [dict(tp=2, ep=2, dp=2, sp=True), dict(tp=1, ep=2, dp=2, pp=2, cfg="no_router_loss")]}
 
 
@@ -64,7 +65,8 @@ def train(layout: dict) -> dict:
     cfg = NO_ROUTER_LOSS if layout.get("cfg") == "no_router_loss" else CFG
     dims = tpzoo.init_parallel(tp=layout["tp"], pp=layout.get("pp", 1), dp=layout["dp"], ep=layout["ep"])
     try:
-        chunks = build_model_chunks(cfg, dims, sequence_parallel=layout.get("sp", False), seed=SEED)
+        chunks = build_model_chunks(cfg, dims, sequence_parallel=layout.get("sp", False), seed=SEED,
+                                    recompute=layout.get("recompute", "none"))
         params = list({id(p): p for c in chunks for p in c.parameters()}.values())
         experts = [p for p in params if getattr(p, "expert_parallel", False)]
         dense = [p for p in params if not getattr(p, "expert_parallel", False)]
