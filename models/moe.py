@@ -153,10 +153,13 @@ class MoELayer(nn.Module):
         """The local experts over their contiguous row groups (a loop: no grouped GEMM kernel on every device).
         Every expert runs, an empty one on zero rows, so each expert weight gets a (possibly zero) gradient."""
         outs, start = [], 0
+        # unbind: one backward that stacks the experts' gradients (indexing each expert would zero-fill a
+        # whole-tensor gradient per expert)
+        gate_ups, downs = self.gate_up.unbind(0), self.down.unbind(0)
         for e, n in enumerate(counts):
-            gate, up = F.linear(rows[start:start + n], self.gate_up[e]).chunk(2, dim=-1)
+            gate, up = F.linear(rows[start:start + n], gate_ups[e]).chunk(2, dim=-1)
             act = kernels.swiglu(gate, up) if self.activation == "swiglu" else kernels.geglu(gate, up)
-            outs.append(F.linear(act, self.down[e]))
+            outs.append(F.linear(act, downs[e]))
             start += n
         return torch.cat(outs, dim=0)
 
