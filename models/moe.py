@@ -176,10 +176,11 @@ def _source_major_to_expert_major(recv: list[int], ep: int, local: int, device):
     for n in recv:
         offsets.append(off)
         off += n
-    pieces = [torch.arange(offsets[r * local + e], offsets[r * local + e] + recv[r * local + e])
+    # built on the host from the host split sizes (explicitly: a default device may be meta or cuda), one copy over
+    pieces = [torch.arange(offsets[r * local + e], offsets[r * local + e] + recv[r * local + e], device="cpu")
               for e in range(local) for r in range(ep)]
     per_expert = [sum(recv[r * local + e] for r in range(ep)) for e in range(local)]
-    perm = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    perm = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device="cpu")
     return perm.to(device), per_expert
 
 

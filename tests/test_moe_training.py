@@ -127,16 +127,23 @@ def test_moe_training_matches_one_process():
 
 # -- the trainer ----------------------------------------------------------------------------------------------------
 
-def _train(cfg):
+def _train(cfg, meta: bool = False):
+    """The trainer on this rank; with `meta`, under torch.set_default_device("meta") (the device-placement proof of
+    tests/test_device_placement.py: a tensor created without the runtime's device lands on meta and fails)."""
     from tpzoo.train import train
 
-    return train(cfg)
+    if meta:
+        torch.set_default_device("meta")
+    try:
+        return train(cfg)
+    finally:
+        torch.set_default_device(None)
 
 
 def test_trainer_with_expert_parallelism(tmp_path):
     """`tpzoo pretrain` at dp=2, ep=2 with ZeRO-1 (expert weights in their own AdamW over the edp group) gives the
-    losses and global grad norms of ep=1; its checkpoint (optimizer state included) resumes at ep=1 on the same
-    path."""
+    losses and global grad norms of ep=1 (run with the default device meta: every tensor of the expert dispatch is
+    placed explicitly); its checkpoint (optimizer state included) resumes at ep=1 on the same path."""
     import sysconfig
     from pathlib import Path
 
@@ -152,7 +159,7 @@ def test_trainer_with_expert_parallelism(tmp_path):
                 log_interval=100, eval_fraction=0.0, seed=0, prefetch=1)
     ref = run_on_ranks(2, _train, load_config(None, base))[0]
     saved = run_on_ranks(2, _train, load_config(None, {**base, "ep": 2, "zero1": True, "steps": 2,
-                                                       "save": str(tmp_path / "run"), "save_every": 2}))[0]
+                                                       "save": str(tmp_path / "run"), "save_every": 2}), True)[0]
     resumed = run_on_ranks(2, _train, load_config(None, {**base, "save": str(tmp_path / "run"),
                                                          "resume": "auto"}))[0]
     assert saved["losses"] == pytest.approx(ref["losses"][:2], abs=1e-5)
