@@ -124,7 +124,8 @@ def test_a_missing_or_non_utf8_config_file_is_named(tmp_path, monkeypatch, capsy
      "needs the micro-batches per step (global_batch_size / (micro_batch_size * dp) = 3) to be a multiple of pp=2"),
     (["--seq-len", "512"], "model tiny-gpt: seq_len 512 exceeds the model's max_position_embeddings 256"),
     (["--model", "tiny-gtp"], "unknown model 'tiny-gtp' (did you mean 'tiny-gpt'?)"),
-    (["--zero", "3"], "--zero 3: ZeRO-3 (parameters sharded over dp) is not implemented yet; use --zero 2"),
+    (["--zero", "3", "--base", "b", "--lora-rank", "4"], "--zero 3 with LoRA: the frozen base is not sharded"),
+    (["--zero", "2", "--zero3-gather-per-step"], "zero3_gather_per_step needs --zero 3 (zero = 2)"),
     (["--zero", "2", "--zero1"], "zero1 = true is --zero 1, but zero = 2 is also set: keep one of them"),
     (["--device", "cuda:0"] if not __import__("torch").cuda.is_available() else ["--device", "tpu"], "device "),
 ])

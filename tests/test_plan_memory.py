@@ -189,3 +189,5 @@ def test_plan_reports_megatrons_18_bytes_per_parameter_in_bf16():
     assert state_bytes_per_param(TrainingSpec(**spec)) == "18 B/param"  # 2 weights + 4 main grads + 4 + 8
     assert state_bytes_per_param(TrainingSpec(**spec, dtype="fp32")) == "16 B/param"
     assert state_bytes_per_param(TrainingSpec(**spec, zero1=True)) == "6 + 16/dp B/param"
+    assert state_bytes_per_param(TrainingSpec(**spec, zero=2)) == "2 + 16/dp B/param"  # the weights stay whole
+    assert state_bytes_per_param(TrainingSpec(**spec, zero=3)) == "18/dp B/param"  # everything sharded

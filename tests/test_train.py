@@ -226,7 +226,7 @@ def _named_state(trainer) -> dict:
     names = {id(p): n for c in trainer.chunks for n, p in c.named_parameters()}
     out = {}
     for kind in ["weights"] + opt.state_kinds():
-        full = opt.flat.float() if kind == "weights" else opt.full_state(kind)
+        full = opt.full_weights().float() if kind == "weights" else opt.full_state(kind)
         for p, o in zip(opt.params, opt.offsets):
             out[f"{kind}:{names[id(p)]}"] = full[o:o + p.numel()].view(p.shape).clone()
     return out
@@ -272,6 +272,28 @@ def test_resume_from_zero2_at_another_dp_and_zero_level(store, tmp_path):
         for name, t in saved.items():
             assert torch.equal(loaded[name], t), (dp, zero, name)
         assert resumed["losses"] == pytest.approx(straight["losses"][4:], abs=1e-4), (dp, zero)
+
+
+def test_resume_from_zero3_at_another_dp_and_zero_level(store, tmp_path):
+    """Saved at dp=2 ZeRO-3 (bf16, weights sharded, layers gathered when used; evaluation and a sample generated
+    by the run's layers gathered one by one), resumed at dp=4 ZeRO-1 and at dp=1 ZeRO-3: weights, fp32 master
+    and moments equal the saved ones exactly, and the runs continue on the saved run's curve."""
+    save = str(tmp_path / "run")
+    kw = dict(dtype="bf16", grad_bucket_elems=4096, eval_fraction=0.1)
+    (straight, saved), _ = run_on_ranks(2, _train_capturing_state,
+                                        tiny(store, steps=6, dp=2, zero=3, save=save, save_every=3,
+                                             eval_every=3, sample_prompt="de",
+                                             sample_tokens=4, **kw), 3)
+    assert len(saved) == 4 * 28 and straight["sample"].startswith("de") and len(straight["sample"]) > 2
+    assert straight["eval_loss"] is not None and abs(straight["eval_loss"] - straight["losses"][-1]) < 1.0
+    for dp, zero in ((4, 1), (1, 3)):
+        (resumed, loaded), *_ = run_on_ranks(dp, _train_capturing_state,
+                                             tiny(store, steps=6, dp=dp, zero=zero, save=save,
+                                                  resume=save + "/step_00000003", **kw), 0)
+        assert resumed["start_step"] == 3 and loaded.keys() == saved.keys()
+        for name, t in saved.items():
+            assert torch.equal(loaded[name], t), (dp, zero, name)
+        assert resumed["losses"] == pytest.approx(straight["losses"][3:], abs=1e-4), (dp, zero)
 
 
 def test_resume_at_another_layout_reshards_weights_and_optimizer(store, tmp_path):

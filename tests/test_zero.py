@@ -1,13 +1,15 @@
 """ZeRO levels and the overlapped data-parallel reduction against one process.
 
 A tiny LLaMA (grouped-query attention, tied embeddings, so pp > 1 has a tied head copy) trains three AdamW steps
-with DistributedAdamW at (tp, pp, dp) = (1,1,2), (1,1,4), (2,1,2)+SP, (1,2,2), (2,2,2)+SP, ZeRO 0, 1 and 2,
+with DistributedAdamW at (tp, pp, dp) = (1,1,2), (1,1,4), (2,1,2)+SP, (1,2,2), (2,2,2)+SP, ZeRO 0, 1, 2 and 3
+(ZeRO-3 also with full and selective recomputation and a stage kept gathered for the step),
 the overlapped bucketed reduction on (small buckets: about twenty per rank, some cutting through a parameter) and
 off, the 1f1b, zero-bubble and interleaved schedules. Loss, global grad norm and every parameter after the third step must equal torch.optim.AdamW on the dense
 model in one process. With overlap, at ZeRO 0/1 every bucket without a late parameter must have started during
 the backward pass that made its gradients final (the last backward, or zero-bubble W, action of its chunk), in
-order from the end of the buffer; at ZeRO-2 every bucket is reduce-scattered during each backward pass that
-filled it.
+order from the end of the buffer; at ZeRO-2 and 3 every bucket is reduce-scattered during each backward pass that
+filled it. At ZeRO-3 the layers were gathered when used: at most three layers' buffers alive at once (one in use,
+one prefetched, one a finished backward left), or with the stage kept gathered all of them.
 
 Layouts of one world size run in one run_on_ranks call (shared worker pools)."""
 import pytest
@@ -49,9 +51,10 @@ def train_zero(layout: dict) -> dict:
     dims = tpzoo.init_parallel(tp=tp, pp=pp, dp=dp)
     try:
         chunks = build_model_chunks(CFG, dims, sequence_parallel=layout.get("sp", False), seed=SEED,
-                                    virtual_stages=layout.get("v", 1))
+                                    virtual_stages=layout.get("v", 1), recompute=layout.get("recompute", "none"))
         opt = DistributedAdamW([p for c in chunks for p in c.parameters()], dims, zero=layout["zero"],
-                               overlap=layout["overlap"], bucket_elems=BUCKET, **ADAM)
+                               overlap=layout["overlap"], bucket_elems=BUCKET, modules=chunks,
+                               keep_gathered=layout.get("keep", False), **ADAM)
         losses, norms, timing = [], [], []
         for step in range(STEPS):
             mbs, tokens = local_microbatches(CFG, step)
@@ -70,11 +73,38 @@ def train_zero(layout: dict) -> dict:
             late = [k for k, is_late in enumerate(grads.late) if is_late]
             timing.append({"early": early, "n_early": grads.overlapped, "n_buckets": len(grads.buckets), "m": len(mbs),
                            "late": late, "started": [k for k, _ in grads.started], "actions": grad_actions})
-        params = {n: _full(n, gather_tp_tensor(p, param_spec(p), reduce="first"), CFG)
-                  for c in chunks for n, p in c.named_parameters()}
-        return {"loss_sum": losses, "norms": norms, "params": params, "timing": timing}
+        with opt.weights_readable():  # ZeRO-3: the weights all-gathered from the shards
+            params = {n: _full(n, gather_tp_tensor(p, param_spec(p), reduce="first"), CFG)
+                      for c in chunks for n, p in c.named_parameters()}
+        return {"loss_sum": losses, "norms": norms, "params": params, "timing": timing,
+                "sharded": _sharded(opt), "state": (opt.buffer_bytes(), _planned(layout, dims))}
     finally:
         tpzoo.destroy_parallel()
+
+
+def _planned(layout: dict, dims) -> dict:
+    """tpzoo.plan's training state for this rank's stage (fp32 weights, the test's buckets): late buckets, a
+    tied embedding kept whole at pp = 1 (ZeRO-3) included."""
+    from tpzoo.plan import TrainingSpec, stage_params, state_bytes
+    from tpzoo.plan.memory import late_params, resident_params
+
+    tp, pp, dp = dims.tp, dims.pp, dims.dp
+    count = stage_params(CFG, tp, pp, dims.pp_rank, layout.get("v", 1))
+    training = TrainingSpec(8, 4, dtype="fp32", zero=layout["zero"], grad_bucket_elems=BUCKET)
+    est = state_bytes(count, training, dp, late_params(count, tp, layout.get("sp", False)),
+                      resident_params(CFG, count, training, tp, dp, dims.pp_rank == 0, dims.pp_rank == pp - 1))
+    return {"params": est.params, "grads": est.grads, "master": est.master, "optimizer": est.optimizer}
+
+
+def _sharded(opt) -> dict | None:
+    """ZeRO-3: the bytes of the layers' buffers (all of them, the most alive at once during the steps) and what
+    stays allocated (the owned shard, late buckets, resident parameters), against the whole flat weights."""
+    if opt.shards is None:
+        return None
+    units = [u.nbytes for u in opt.shards.units if not u.resident]
+    return {"units": sum(units), "largest": max(units), "peak": opt.shards.peak, "kept": opt.shards.nbytes(),
+            "full": opt.padded * 4, "dp": opt.dp_size, "gathers": opt.shards.gathers,
+            "prefetched": opt.shards.prefetched}
 
 
 def run_layouts(layouts: list[dict]) -> list[dict]:
@@ -84,6 +114,18 @@ def run_layouts(layouts: list[dict]) -> list[dict]:
 def check(ref: dict, ranks: list[dict], layout: dict) -> None:
     for r in ranks:
         assert r["loss_sum"][-1] != 0
+        if layout["zero"] >= 2:  # the plan's training state, late buckets (and ZeRO-3's resident embedding) included
+            assert r["state"][0] == r["state"][1], (layout, r["state"])
+        if layout["zero"] == 3:  # the layers were gathered when used: at most three at once, or all kept
+            sh = r["sharded"]
+            if layout.get("keep"):
+                assert sh["peak"] == sh["units"], layout
+            else:
+                assert 0 < sh["peak"] <= 3 * sh["largest"] and sh["peak"] <= sh["units"], (layout, sh)
+            # most gathers were started ahead of need (the next layer's in forward, the previous one's in backward;
+            # within a chunk: the interleaved layout's chunks hold one layer each)
+            if layout.get("v", 1) == 1:
+                assert sh["prefetched"] >= sh["gathers"] // 3 > 0, (layout, sh)
         assert r["norms"] == pytest.approx(ref["norms"], rel=1e-5), layout
         for name, p in r["params"].items():
             ref_name = "embed.weight" if name == "lm_head.weight" else name
@@ -93,7 +135,7 @@ def check(ref: dict, ranks: list[dict], layout: dict) -> None:
                 assert t["n_early"] == 0, layout
                 continue
             normal = sorted(set(range(t["n_buckets"])) - set(t["late"]), reverse=True)
-            if layout["zero"] == 2:
+            if layout["zero"] >= 2:
                 # every micro-batch's backward reduce-scatters every bucket it filled, during that backward
                 passes = t["m"] * layout.get("v", 1)
                 assert t["n_early"] >= len(normal) * t["m"] and t["n_early"] <= passes * len(normal), layout
@@ -111,15 +153,20 @@ def check(ref: dict, ranks: list[dict], layout: dict) -> None:
     assert by_step == pytest.approx(ref["loss_sum"], rel=1e-5), layout
 
 
-LAYOUTS = {  # every layout at ZeRO 0, 1 and 2; schedules and overlap off spread over them
-    2: [dict(tp=1, dp=2, zero=z, overlap=o) for z in (0, 1, 2) for o in (True, False)],
-    4: [dict(tp=1, dp=4, zero=z, overlap=True) for z in (0, 1, 2)]
-       + [dict(tp=2, dp=2, sp=True, zero=z, overlap=True) for z in (0, 1, 2)]
+LAYOUTS = {  # every layout at ZeRO 0, 1, 2 and 3; schedules, recomputation and overlap off spread over them
+    2: [dict(tp=1, dp=2, zero=z, overlap=o) for z in (0, 1, 2, 3) for o in (True, False)]
+       + [dict(tp=1, dp=2, zero=3, overlap=True, recompute="full")],
+    4: [dict(tp=1, dp=4, zero=z, overlap=True) for z in (0, 1, 2, 3)]
+       + [dict(tp=2, dp=2, sp=True, zero=z, overlap=True) for z in (0, 1, 2, 3)]
        + [dict(tp=1, pp=2, dp=2, zero=0, overlap=False), dict(tp=1, pp=2, dp=2, zero=1, overlap=True),
-          dict(tp=1, pp=2, dp=2, zero=2, overlap=True, schedule="zb")],
+          dict(tp=1, pp=2, dp=2, zero=2, overlap=True, schedule="zb"),
+          dict(tp=1, pp=2, dp=2, zero=3, overlap=True, schedule="zb"),
+          dict(tp=1, pp=2, dp=2, zero=3, overlap=True, keep=True, recompute="selective")],
     8: [dict(tp=2, pp=2, dp=2, sp=True, zero=0, overlap=True),
         dict(tp=2, pp=2, dp=2, sp=True, zero=1, overlap=True, schedule="zb"),
-        dict(tp=2, pp=2, dp=2, sp=True, zero=2, overlap=True, schedule="interleaved", v=2)],
+        dict(tp=2, pp=2, dp=2, sp=True, zero=2, overlap=True, schedule="interleaved", v=2),
+        dict(tp=2, pp=2, dp=2, sp=True, zero=3, overlap=True),
+        dict(tp=2, pp=2, dp=2, sp=True, zero=3, overlap=True, schedule="interleaved", v=2)],
 }
 
 
@@ -149,13 +196,13 @@ def _state_after_a_step(zeros: list[int]) -> list[tuple[int, int, dict]]:
             ids = torch.randint(0, 97, (2, 8), generator=torch.Generator().manual_seed(dims.dp_rank))
             with live_activation_bytes() as live:
                 opt = DistributedAdamW(list(model.parameters()), dims, model_dtype=torch.bfloat16, zero=zero,
-                                       bucket_elems=BUCKET)
+                                       bucket_elems=BUCKET, modules=[model])
                 opt.zero_grad()
                 model(ids, labels=ids).sum().backward()
                 opt.reduce_grads()
                 opt.global_grad_norm()
                 opt.step(LR)
-            out.append((zero, live.total, opt.buffer_bytes()))
+            out.append((zero, live.total, opt.buffer_bytes(), opt.shards.peak if opt.shards else 0))
             del opt, model
         return out
     finally:
@@ -163,16 +210,22 @@ def _state_after_a_step(zeros: list[int]) -> list[tuple[int, int, dict]]:
 
 
 def test_state_bytes_of_a_real_step_follow_the_formulas():
-    """Measured at dp = 1, 2, 4 and ZeRO 0, 1, 2 (bf16 weights): the storages a step leaves alive are exactly the
-    documented training state (tpzoo.plan.state_bytes: weights 2, master 4/dp at ZeRO >= 1, moments 8/dp at
-    ZeRO >= 1, fp32 gradients 4 (+ the 4/dp shard at ZeRO-1) or, at ZeRO-2, only the 4/dp shard)."""
+    """Measured at dp = 1, 2, 4 and ZeRO 0, 1, 2, 3 (bf16 weights): the storages a step leaves alive are exactly
+    the documented training state (tpzoo.plan.state_bytes: weights 2 (ZeRO-3: 2/dp), master 4/dp at ZeRO >= 1,
+    moments 8/dp at ZeRO >= 1, fp32 gradients 4 (+ the 4/dp shard at ZeRO-1) or, at ZeRO-2/3, only the 4/dp
+    shard); at ZeRO-3 the layers gathered during the step never exceeded the plan's working set."""
     from tpzoo.plan import TrainingSpec, stage_params, state_bytes
+    from tpzoo.plan.memory import gathered_bytes
 
     count = stage_params(SMALL, 1, 1, 0)
     for dp in (1, 2, 4):
-        for rank in run_on_ranks(dp, _state_after_a_step, [0, 1, 2]):
-            for zero, live, reported in rank:
-                est = state_bytes(count, TrainingSpec(8, 4, zero=zero, grad_bucket_elems=BUCKET), dp)
+        for rank in run_on_ranks(dp, _state_after_a_step, [0, 1, 2, 3]):
+            for zero, live, reported, peak in rank:
+                training = TrainingSpec(8, 4, zero=zero, grad_bucket_elems=BUCKET)
+                est = state_bytes(count, training, dp)
+                if zero == 3:
+                    assert 0 < peak <= gathered_bytes(SMALL, count, training, 1, dp), (dp, peak)
+                    assert est.params == 2 * (-(-count.numel // dp))
                 expected = {"params": est.params, "grads": est.grads, "master": est.master,
                             "optimizer": est.optimizer}
                 assert reported == expected, (dp, zero)

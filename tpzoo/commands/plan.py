@@ -27,8 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2],
-                   help="ZeRO level: 1 shards fp32 master + AdamW states over dp, 2 the fp32 gradients too")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                   help="ZeRO level: 1 shards fp32 master + AdamW states over dp, 2 the fp32 gradients too, 3 the "
+                        "weights too (layers gathered when used)")
     p.add_argument("--zero1", action="store_true", help="alias of --zero 1")
     p.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
                    help="model the data-parallel reduction after the backward instead of overlapped with it")

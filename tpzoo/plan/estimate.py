@@ -142,7 +142,9 @@ def dp_sync_time(count, layout: Layout, training: TrainingSpec, cluster: Cluster
     then under ZeRO the updated parameters all-gathered (model dtype, after the step: exposed). With overlap a
     bucket reduces as soon as its gradients are final: behind the stage's last backward (`backward`: one
     micro-batch's B + W) at ZeRO 0/1, behind each micro-batch's own backward at ZeRO-2; the bucket finished
-    last (the first layers) and the late buckets (reduced after finalize_grads) stay exposed."""
+    last (the first layers) and the late buckets (reduced after finalize_grads) stay exposed. ZeRO-3 adds the
+    weights' all-gathers of every micro-batch's forward and backward (prefetched: mostly hidden) and keeps of the
+    after-step all-gather only the late buckets."""
     dp, zero, e = layout.dp, training.zero_level, training.act_bytes
     if dp == 1:
         return 0.0, 0.0
@@ -154,13 +156,23 @@ def dp_sync_time(count, layout: Layout, training: TrainingSpec, cluster: Cluster
     passes = m if zero >= 2 else 1
     reduce = passes * _collective_time(ring, buckets, bw, cluster)
     gather = _collective_time((dp - 1) / dp * padded * e, buckets, bw, cluster) if zero else 0.0
-    if not training.overlap_grad_reduce:
-        return reduce + gather, 0.0
     late = min(late_params(count, layout.tp, layout.sequence_parallel), count.numel) / max(count.numel, 1)
+    weights_exposed = weights_hidden = 0.0
+    if zero >= 3:
+        # ZeRO-3: every micro-batch's forward and backward all-gather the weights layer by layer, the next
+        # layer's gather prefetched behind the current one's compute (a forward ~ half a backward): exposed only
+        # the first bucket of each pass, or what the pass's compute cannot cover. After the step only the late
+        # buckets are all-gathered.
+        first = gather * min(1.0, size / max(count.numel, 1))
+        weights_exposed = m * (max(gather - backward / 2, first) + max(gather - backward, first))
+        weights_hidden = 2 * m * gather - weights_exposed
+        gather *= late
+    if not training.overlap_grad_reduce:
+        return reduce + gather + weights_exposed, weights_hidden
     normal = reduce * (1 - late)
     last_bucket = normal * min(1.0, size / max(count.numel * (1 - late), 1))
     exposed = reduce * late + max(normal - passes * backward, last_bucket)
-    return exposed + gather, reduce - exposed + 0.0
+    return exposed + gather + weights_exposed, reduce - exposed + weights_hidden + 0.0
 
 
 def refuse_experts(cfg: ModelConfig) -> None:

@@ -37,13 +37,13 @@ class _LiveStorages(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                key = _storage_key(t)
-                if key in self.exclude:
+                if _storage_key(t) in self.exclude:
                     continue
-                old = self.seen.get(key)
-                # A freed storage's address can be reused: keep the newest owner of each address.
-                if old is None or old[0].expired():
-                    self.seen[key] = (StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes(), str(func))
+                # One entry per storage object (not per address: a storage resized to zero bytes, as ZeRO-3 frees
+                # a gathered layer, gives its address to the next allocation while staying alive itself).
+                ref = StorageWeakRef(t.untyped_storage())
+                if ref.cdata not in self.seen:
+                    self.seen[ref.cdata] = (ref, t.untyped_storage().nbytes(), str(func))
         return out
 
 
@@ -75,6 +75,8 @@ def live_activation_bytes(exclude=()):
         by_op = {}
         for ref, nbytes, op in mode.seen.values():
             if not ref.expired():
+                # its size now: a storage resized since (ZeRO-3 frees a gathered layer's to zero bytes) counts as is
+                nbytes = torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
                 by_op[op] = by_op.get(op, 0) + nbytes
         total, now = sum(by_op.values()), time.monotonic()
         if total != previous:

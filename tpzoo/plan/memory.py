@@ -132,30 +132,66 @@ def bucket_size(training: TrainingSpec, dp: int) -> int:
     return -(-training.grad_bucket_elems // dp) * dp
 
 
-def state_bytes(count: ParamCount, training: TrainingSpec, dp: int = 1, late: int = 0) -> StateBytes:
+def state_bytes(count: ParamCount, training: TrainingSpec, dp: int = 1, late: int = 0,
+                resident: int = 0) -> StateBytes:
     """Bytes of one rank's training state under DistributedAdamW (what its `buffer_bytes()` reports): the flat
     weight buffer (model dtype, padded to a multiple of dp); gradients: the fp32 main-gradient buffer that
     micro-batches accumulate into (no 16-bit .grad is kept), plus the reduce-scattered shard under ZeRO-1; under
     ZeRO-2 only the fp32 shard (1/dp of every bucket) and full storage for the buckets from the first one holding
     one of the `late` elements (late_params) on; a separate fp32 master of the owned range (none for fp32
     weights); AdamW's two fp32 moments of the owned range. The global-norm bookkeeping keeps no per-element
-    state, so tp rank and a tied head copy change nothing else here."""
+    state, so tp rank and a tied head copy change nothing else here.
+    ZeRO-3 (tpzoo.parallel.param_shards) keeps of the weights only the owned shard, the late buckets in full (as
+    ZeRO-2 keeps their gradients) and `resident` elements (buckets of a weight two layers share: a tied embedding
+    and head on one stage, `resident_params`); the layers gathered for use are `gathered_bytes`."""
     n, e, zero = count.numel, DTYPE_BYTES[training.dtype], training.zero_level
     padded = -(-max(n, 1) // dp) * dp
     shard = padded // dp
     owned = shard if zero else padded
+    late_full = padded
     if zero >= 2:
         size = bucket_size(training, dp)
         late_start = (n - late) // size * size if late else padded
-        grads = 4 * shard + 4 * (padded - late_start)
+        late_full = padded - late_start
+        grads = 4 * shard + 4 * late_full
     else:
         grads = 4 * padded + (4 * shard if zero and dp > 1 else 0)
-    return StateBytes(e * padded, grads, 4 * owned if e < 4 else 0, 8 * owned)
+    weights = e * (shard + late_full + resident) if zero >= 3 else e * padded
+    return StateBytes(weights, grads, 4 * owned if e < 4 else 0, 8 * owned)
+
+
+def _in_buckets(elems: int, size: int, padded: int) -> int:
+    """Elements of the whole buckets a run of `elems` elements touches (at most two more than its own)."""
+    return min(padded, (-(-elems // size) + 1) * size)
+
+
+def resident_params(cfg: ModelConfig, count: ParamCount, training: TrainingSpec, tp: int, dp: int,
+                    first: bool, last: bool) -> int:
+    """ZeRO-3: elements kept gathered besides the late buckets: the buckets of a tied embedding that is also this
+    stage's head (pp = 1: first and last; with pp > 1 the copies are late). Laid out first, so from bucket 0."""
+    if training.zero_level < 3 or not (cfg.tie_embeddings and first and last):
+        return 0
+    padded = -(-max(count.numel, 1) // dp) * dp
+    table = local_dims(cfg, tp, training.vocab_padding_multiple).vocab * cfg.hidden_size
+    return min(padded, -(-table // bucket_size(training, dp)) * bucket_size(training, dp))
+
+
+def gathered_bytes(cfg: ModelConfig, count: ParamCount, training: TrainingSpec, tp: int, dp: int) -> int:
+    """ZeRO-3's gathered working set: at most three layers' buffers at once (the one in use, the next one
+    prefetched, one whose backward just ended), each the whole buckets its weights touch; the largest layer is a
+    transformer block or the (untied) embedding table or head."""
+    if training.zero_level < 3:
+        return 0
+    padded = -(-max(count.numel, 1) // dp) * dp
+    table = local_dims(cfg, tp, training.vocab_padding_multiple).vocab * cfg.hidden_size
+    largest = max(layer_params(cfg, tp).numel, table)
+    return 3 * DTYPE_BYTES[training.dtype] * _in_buckets(largest, bucket_size(training, dp), padded)
 
 
 def state_bytes_per_param(training: TrainingSpec) -> str:
     """What one parameter costs in training state (weights, fp32 main grads, master, AdamW moments), as `tpzoo
-    plan` prints it: "18 B/param" in bf16, "6 + 16/dp B/param" in bf16 with ZeRO-1 (derived from state_bytes)."""
+    plan` prints it: "18 B/param" in bf16, "6 + 16/dp B/param" in bf16 with ZeRO-1, "18/dp B/param" with ZeRO-3
+    (derived from state_bytes)."""
     n = 1 << 20
 
     def per_param(dp: int) -> float:
@@ -165,7 +201,8 @@ def state_bytes_per_param(training: TrainingSpec) -> str:
     if not training.zero_level:
         return f"{per_param(1):g} B/param"
     sharded = 4 * (per_param(2) - per_param(4))
-    return f"{per_param(2) - sharded / 2:g} + {sharded:g}/dp B/param"
+    whole = per_param(2) - sharded / 2
+    return f"{whole:g} + {sharded:g}/dp B/param" if whole else f"{sharded:g}/dp B/param"  # ZeRO-3: all sharded
 
 
 # -- activations --------------------------------------------------------------------------------------------
@@ -250,7 +287,7 @@ class MemoryBreakdown:
     optimizer: int
     activations: int
     transient: int        # backward working set (one layer's activations or the logits' gradient) + recv buffers
-                          # (+ ZeRO-2's gradient staging buffers)
+                          # (+ ZeRO-2's gradient staging buffers, + ZeRO-3's gathered layers)
     reserve: int
 
     @property
@@ -265,7 +302,8 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
     e, k, p, v, t = training.act_bytes, training.kernels, layout.pp, layout.virtual_stages, layout.tp
     b, s, sp, pad = layout.micro_batch_size, training.seq_len, layout.sequence_parallel, training.vocab_padding_multiple
     count = stage_params(cfg, t, p, stage, v, pad)
-    st = state_bytes(count, training, layout.dp, late_params(count, t, sp))
+    st = state_bytes(count, training, layout.dp, late_params(count, t, sp),
+                     resident_params(cfg, count, training, t, layout.dp, stage == 0, stage == p - 1))
     if training.lora_rank:  # the base frozen in the model dtype; the adapters trained as a small model
         n_layers, r = sum(hi - lo for lo, hi in stage_chunks(cfg, p, stage, v)), training.lora_rank
         adapters = state_bytes(ParamCount(n_layers * lora_layer_params(cfg, t, r), 0, 0, 0, 0, 0), training,
@@ -286,5 +324,7 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
     recv = 2 * output_grad_bytes(cfg, t, sp, b, s, e, False) if p > 1 else 0
     # ZeRO-2: the fp32 staging buffers of the buckets being filled or reduce-scattered (about two at a time).
     staging = 2 * 4 * min(bucket_size(training, layout.dp), count.numel) if training.zero_level >= 2 else 0
+    # ZeRO-3: the layers gathered for use (gathered_bytes)
+    gathered = gathered_bytes(cfg, count, training, t, layout.dp) if not training.lora_rank else 0
     return MemoryBreakdown(stage, st.params, st.grads, st.master, st.optimizer, held,
-                           max(one_layer, logits_grad) + recv + staging, reserve_bytes)
+                           max(one_layer, logits_grad) + recv + staging + gathered, reserve_bytes)

@@ -54,7 +54,8 @@ class TrainingSpec:
     kernels: str = "fused"
     lora_rank: int = 0                 # > 0: LoRA on every linear layer of a frozen base (tpzoo.plan.lora)
     zero: int = 0                      # 1: master + AdamW moments sharded over dp (Megatron distributed
-                                       # optimizer); 2: the fp32 gradients too (reduce-scattered per micro-batch)
+                                       # optimizer); 2: the fp32 gradients too (reduce-scattered per micro-batch);
+                                       # 3: the weights too (each layer all-gathered when used)
     overlap_grad_reduce: bool = True   # gradient buckets reduce during the backward passes
     grad_bucket_elems: int = 1 << 24   # DistributedAdamW's bucket (elements)
 
@@ -65,8 +66,10 @@ class TrainingSpec:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.lora_rank < 0:
             raise ValueError(f"lora rank must be >= 0, got {self.lora_rank}")
-        if self.zero_level not in (0, 1, 2):
-            raise ValueError(f"zero must be 0, 1 or 2 (ZeRO-3 is not modeled: not implemented), got {self.zero}")
+        if self.zero_level not in (0, 1, 2, 3):
+            raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
+        if self.zero_level == 3 and self.lora_rank:
+            raise ValueError("ZeRO-3 with LoRA is not supported (the frozen base is not sharded): use --zero 2")
 
     @property
     def zero_level(self) -> int:

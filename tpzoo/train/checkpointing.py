@@ -283,7 +283,8 @@ def save_checkpoint(trainer, step: int) -> str:
     # A LoRA run saves its adapters only (and their optimizer state), naming the frozen base it trains on.
     lora = {"select": is_lora_param, "metadata": trainer.lora_meta} if trainer.lora else {}
     with atomic_dir(final, force=True) as tmp:
-        save_model_shards(trainer.chunks, tmp, trainer.model_cfg, tokenizer=trainer.tokenizer, **lora)
+        with opt.weights_readable():  # ZeRO-3: the weights all-gathered from the dp shards while written
+            save_model_shards(trainer.chunks, tmp, trainer.model_cfg, tokenizer=trainer.tokenizer, **lora)
         _maybe_die_for_test("model-written", tmp)
         for kind in opt.state_kinds():  # one state at a time: at most one model-sized gathered copy in memory
             full = opt.full_state(kind)  # all-gather over dp under ZeRO-1 (every rank, same order)

@@ -77,9 +77,13 @@ class ParallelSection:
                         choices=("none", "selective", "full"))
     zero: int = _f(0, "ZeRO level over dp: 0 replicated optimizer; 1 optimizer state (fp32 master, moments) "
                       "sharded, gradients reduce-scattered, updated weights all-gathered; 2 also no full-size fp32 "
-                      "gradient buffer (reduce-scattered as buckets fill, every micro-batch); 3 (parameters "
-                      "sharded) is not implemented yet (docs/design.md)", ge=0, le=3)
+                      "gradient buffer (reduce-scattered as buckets fill, every micro-batch); 3 also the weights "
+                      "sharded, each layer all-gathered when used (next one prefetched) and freed after",
+                   ge=0, le=3)
     zero1: bool = _f(False, "alias of --zero 1")
+    zero3_gather_per_step: bool = _f(False, "ZeRO-3: keep each layer gathered from its first use to the end of the "
+                                            "step (one all-gather per step; the stage's whole weights held) "
+                                            "instead of gathering it for every micro-batch's forward and backward")
     overlap_grad_reduce: bool = _f(True, "start each gradient bucket's data-parallel reduction during the "
                                          "backward passes, as soon as its gradients are final")
     grad_bucket_elems: int = _f(1 << 24, "elements per data-parallel gradient bucket (one collective each)",
@@ -256,9 +260,14 @@ class TrainConfig:
                               "--base (or --resume a LoRA run)")
         if self.zero1 and self.zero not in (0, 1):
             raise ConfigError(f"zero1 = true is --zero 1, but zero = {self.zero} is also set: keep one of them")
-        if self.zero_level == 3:
-            raise ConfigError("--zero 3: ZeRO-3 (parameters sharded over dp) is not implemented yet; use --zero 2 "
-                              "(gradients and optimizer state sharded; docs/design.md says what is planned)")
+        if self.zero_level == 3 and (self.lora_rank or self.lora_from):
+            raise ConfigError("--zero 3 with LoRA: the frozen base is not sharded (ZeRO-3 shards trained weights "
+                              "only); use --zero 2")
+        if self.zero_level == 3 and self.ep > 1:
+            raise ConfigError(f"--zero 3 with ep={self.ep}: sharding the expert weights over their own group is not "
+                              f"implemented; use --zero 2 (or ep=1)")
+        if self.zero3_gather_per_step and self.zero_level != 3:
+            raise ConfigError(f"zero3_gather_per_step needs --zero 3 (zero = {self.zero_level})")
         if self.task == "sft" and len(self.data) != 1:
             raise ConfigError(f"task 'sft' needs exactly one SFT JSONL file (--data PATH.jsonl), got "
                               f"{len(self.data)}: {self.data}")

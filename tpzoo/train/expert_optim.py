@@ -6,7 +6,8 @@ The global gradient norm is one all-reduce of both local shares (each counts eve
 the edp ranks split the experts' buffer as the dp x cp ranks split the rest). For checkpoints the two flat layouts
 are laid end to end: `padded`, `full_state`, `params_viewing` and `load_full_state` work on the concatenation, so
 tpzoo.train.checkpointing saves and loads the state exactly like a single optimizer's (the expert part gathered
-over ep like the weights, docs/moe.md)."""
+over ep like the weights, docs/moe.md). ZeRO-3 (the weights themselves sharded) is refused with ep > 1 (TrainConfig).
+"""
 from __future__ import annotations
 
 import contextlib
@@ -76,6 +77,11 @@ class ExpertParallelAdamW:
     def params_viewing(self, full: torch.Tensor):
         with self.dense.params_viewing(full[: self.dense.padded]), \
                 self.experts.params_viewing(full[self.dense.padded:]):
+            yield
+
+    @contextlib.contextmanager
+    def weights_readable(self):
+        with self.dense.weights_readable(), self.experts.weights_readable():
             yield
 
     def buffer_bytes(self) -> dict[str, int]:

@@ -36,6 +36,7 @@ from tpzoo.parallel import GradBuffer, ParallelDims, comm
 from tpzoo.parallel.data_parallel import DEFAULT_BUCKET_ELEMS, bucket_ranges, flat_layout, is_late, shard_segments
 from tpzoo.parallel.dims import SELF_GROUP
 from tpzoo.parallel.grad_shards import ShardedGradBuffer
+from tpzoo.parallel.param_shards import FlatReader, ParamShards
 from tpzoo.parallel.utils import param_spec
 
 
@@ -75,12 +76,15 @@ class DistributedAdamW:
     zero: 0 (replicated state), 1 (ZeRO-1; `zero1=True` is the same) or 2 (ZeRO-2: gradients reduce-scattered
     into the owned shard during the backward passes, no full-size fp32 gradient buffer: ShardedGradBuffer);
     overlap: start each gradient bucket's reduction during the backward passes (call zero_grad() before them);
+    3 (ZeRO-3: ZeRO-2 plus the weights sharded, each layer of `modules` (the model chunks) gathered when used:
+    tpzoo.parallel.param_shards; `keep_gathered` keeps them gathered from first use to the end of the step);
     group: the dims group the gradients are summed (and ZeRO-sharded) over: "dp_cp", or "edp" for expert weights
     (tpzoo.train.expert_optim)."""
 
     def __init__(self, params, dims: ParallelDims, *, model_dtype: torch.dtype = torch.float32, zero: int = 0,
                  zero1: bool = False, overlap: bool = True, betas=(0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0, bucket_elems: int = DEFAULT_BUCKET_ELEMS, group: str = "dp_cp"):
+                 weight_decay: float = 0.0, bucket_elems: int = DEFAULT_BUCKET_ELEMS, modules=None,
+                 keep_gathered: bool = False, group: str = "dp_cp"):
         self.dims, self.device, self.group_name = dims, dims.device, group
         self.dp_size = dims.group_size(group)
         self.dp_rank = dims.edp_rank if group == "edp" else dims.dp_cp_rank
@@ -102,21 +106,25 @@ class DistributedAdamW:
         self.owned = _end_to_end(self.segments) if self.zero1 else [(0, self.padded, 0)]
         n_owned = self.owned[-1][2] + self.owned[-1][1] - self.owned[-1][0]
 
-        full_master = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
-        for p, o in zip(self.params, self.offsets):
-            full_master[o:o + p.numel()] = p.detach().reshape(-1).float()
-        self.flat = full_master.to(model_dtype) if model_dtype != torch.float32 else full_master
-        with torch.no_grad():
+        self.shards = None
+        if self.zero >= 3:
+            self._shard_weights(modules, late, keep_gathered)
+        else:
+            full_master = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
             for p, o in zip(self.params, self.offsets):
-                p.data = self.flat[o:o + p.numel()].view(p.shape)
-        # fp32 weights: the flat buffer is the master (the owned segments of it); bf16: a separate fp32 copy of the
-        # owned segments, end to end.
-        self.master = None if self.master_is_flat else self._owned_of(full_master)
-        del full_master
+                full_master[o:o + p.numel()] = p.detach().reshape(-1).float()
+            self.flat = full_master.to(model_dtype) if model_dtype != torch.float32 else full_master
+            with torch.no_grad():
+                for p, o in zip(self.params, self.offsets):
+                    p.data = self.flat[o:o + p.numel()].view(p.shape)
+            # fp32 weights: the flat buffer is the master (the owned segments of it); bf16: a separate fp32 copy of
+            # the owned segments, end to end.
+            self.master = None if self.master_is_flat else self._owned_of(full_master)
+            del full_master
         self.exp_avg = torch.zeros(n_owned, dtype=torch.float32, device=self.device)
         self.exp_avg_sq = torch.zeros(n_owned, dtype=torch.float32, device=self.device)
         # Last, once the parameters' old storage is freed: the same layout as `flat`, element for element.
-        if self.zero >= 2:
+        if self.zero >= 2:  # ZeRO-3's gradients take ZeRO-2's path
             self.grads = ShardedGradBuffer(self.params, device=self.device, pad_to=self.dp_size, late=late,
                                            dp_rank=self.dp_rank, overlap=overlap, bucket_elems=bucket_elems)
         else:
@@ -127,6 +135,20 @@ class DistributedAdamW:
         self.ranges = self._update_ranges()
 
     # -- construction helpers -------------------------------------------------------------------------------
+    def _shard_weights(self, modules, late, keep: bool) -> None:
+        """ZeRO-3: no flat weight buffer. The owned segments (the fp32 master itself with fp32 weights), the late
+        buckets and one buffer per layer, gathered when used (tpzoo.parallel.param_shards), each read straight
+        from the parameters: the whole flat layout is never built."""
+        if modules is None:
+            raise ValueError("ZeRO-3 needs the model chunks (modules=) to gather their layers")
+        read = FlatReader(self.params, self.offsets, self.model_dtype, self.device)
+        self.master = None if self.master_is_flat else torch.cat([read(a, b, torch.float32)
+                                                                  for a, b, _ in self.owned])
+        self.flat = None
+        self.shards = ParamShards(self.params, self.offsets, self.buckets, self.owned, late, modules, read,
+                                  self.padded, lambda: self.dp_group if self.dp_size > 1 else SELF_GROUP,
+                                  keep=keep)
+
     def _owned_of(self, full: torch.Tensor) -> torch.Tensor:
         """The owned segments of a flat tensor in this layout, end to end (a new fp32 tensor)."""
         if not self.zero1:
@@ -177,7 +199,9 @@ class DistributedAdamW:
 
     def _master(self, a: int, b: int, flat_a: int) -> torch.Tensor:
         """The fp32 master of owned positions [a, b) (flat position flat_a onwards)."""
-        return self.master[a:b] if self.master is not None else self.flat[flat_a:flat_a + b - a]
+        if self.master is not None:
+            return self.master[a:b]
+        return self.shards.shard[a:b] if self.shards is not None else self.flat[flat_a:flat_a + b - a]
 
     @property
     def dp_group(self):
@@ -198,6 +222,8 @@ class DistributedAdamW:
         """Sum the main gradients over dp (all-reduce, or reduce-scatter under ZeRO): the GradBuffer's one
         reduction path; waits for the buckets already in flight and reduces the rest. Call after the TP /
         tied-weight reductions (finalize_grads)."""
+        if self.shards is not None:  # the backward is over: free what it left gathered
+            self.shards.release_all()
         if self.zero >= 2 or (self.overlap and self.dp_size > 1):
             self.grad_owned = self.grads.finish()
         else:
@@ -260,8 +286,13 @@ class DistributedAdamW:
 
     def publish(self) -> None:
         """Make every parameter (on every dp rank) hold the master weights: under ZeRO each bucket is all-gathered
-        from the ranks' segments (all buckets in flight at once)."""
-        if self.zero1 and self.dp_size > 1:
+        from the ranks' segments (all buckets in flight at once); under ZeRO-3 only the late buckets, the layers
+        are gathered when next used."""
+        if self.shards is not None:
+            if self.master is not None:
+                self.shards.shard.copy_(self.master)
+            self.shards.refresh()
+        elif self.zero1 and self.dp_size > 1:
             pending = []
             for (s, e), (lo, hi, pos) in zip(self.buckets, self.owned):
                 src = self._master(pos, pos + hi - lo, lo).to(self.model_dtype)
@@ -275,12 +306,14 @@ class DistributedAdamW:
 
     def buffer_bytes(self) -> dict[str, int]:
         """Bytes this optimizer holds, by kind (what a memory planner should count):
-        params  the flat weight buffer (model dtype, padded to a multiple of dp);
+        params  the flat weight buffer (model dtype, padded to a multiple of dp); under ZeRO-3 the owned shard
+                and the late buckets (layers gathered for use come and go: `shards.peak`);
         grads   the fp32 main-gradient buffer, plus the reduce-scattered shard under ZeRO-1 (dp > 1);
         master  the separate fp32 master of the owned range (0 with fp32 weights: the weights are the master);
         optimizer  exp_avg + exp_avg_sq of the owned range."""
         zero1_shard = self.shard * 4 if self.zero == 1 and self.dp_size > 1 else 0  # ZeRO-2: in grads.nbytes()
-        return {"params": self.flat.nbytes, "grads": self.grads.nbytes() + zero1_shard,
+        params = self.shards.nbytes() if self.shards is not None else self.flat.nbytes
+        return {"params": params, "grads": self.grads.nbytes() + zero1_shard,
                 "master": 0 if self.master_is_flat else self.master.nbytes,
                 "optimizer": self.exp_avg.nbytes + self.exp_avg_sq.nbytes}
 
@@ -292,7 +325,7 @@ class DistributedAdamW:
     def sync_master_from_params(self) -> None:
         """After weights were loaded into the parameters (views of `flat`): refresh a separate fp32 master."""
         if self.master is not None:
-            self.master.copy_(self._owned_of(self.flat))
+            self.master.copy_(self.shards.shard if self.shards is not None else self._owned_of(self.flat))
 
     def state_kinds(self) -> list[str]:
         """The parameter-shaped state tensors a checkpoint must keep (fp32 weights are their own master)."""
@@ -333,3 +366,19 @@ class DistributedAdamW:
             for p, (d, g) in zip(self.params, saved):
                 p.data = d
                 p.grad = g
+
+    @contextlib.contextmanager
+    def weights_readable(self):
+        """Inside, every parameter holds its current weights outside any forward (the checkpoint writer, tests):
+        a no-op except under ZeRO-3, where the flat weights are all-gathered for the duration (collective over
+        dp) into host memory, a bucket at a time through the device, and the parameters view them."""
+        if self.shards is None:
+            yield
+            return
+        with self.params_viewing(self.shards.full(self.padded, host=True)):
+            yield
+
+    def full_weights(self) -> torch.Tensor:
+        """The flat weights (model dtype, padded layout): the buffer itself, or under ZeRO-3 all-gathered from
+        the shards (collective over dp)."""
+        return self.flat if self.shards is None else self.shards.full(self.padded)
