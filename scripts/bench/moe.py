@@ -131,7 +131,8 @@ row block; transformers loops over the experts hit with a one-hot mask and `inde
 Expert all-to-all of one forward at ep = 2 (2 gloo ranks, {SEQ} tokens each, counted by
 `tpzoo.parallel.count_collectives`): rank 0 issued {counts['all_to_all']['calls']} all-to-alls of the expert counts
 ({counts['all_to_all']['payload_bytes']} bytes: {layers} layers x 8 int64) and {v['calls']} `all_to_all_v` of rows
-(2 per layer: dispatch and return). Rows sent by both ranks: {sent_total:,} bytes; analytical 2 ranks x 2 x {layers}
+(2 per layer: dispatch and return). Their payload on both ranks (every dispatched row, those a rank keeps for its own
+experts included): {sent_total:,} bytes; analytical 2 ranks x 2 x {layers}
 layers x {SEQ} tokens x top-{k} x {h} x 4 bytes = {analytic:,} bytes ({'equal' if sent_total == analytic else 'DIFFERENT'}).
 """
     print(body)
