@@ -218,7 +218,12 @@ class TransformerBlock(nn.Module):
         self.attn = ParallelAttention(cfg, sequence_parallel, dims, dtype, device, layer=layer)
         if cfg.pre_norm:
             self.mlp_norm = Norm(cfg, sequence_parallel, dtype, device)
-        self.mlp = ParallelMLP(cfg, sequence_parallel, dims, dtype, device)
+        if cfg.is_moe_layer(layer):
+            from .moe import MoELayer
+
+            self.mlp = MoELayer(cfg, sequence_parallel, dims, dtype, device)
+        else:
+            self.mlp = ParallelMLP(cfg, sequence_parallel, dims, dtype, device)
         if cfg.post_norm:
             self.post_attn_norm = Norm(cfg, sequence_parallel, dtype, device)
             self.post_mlp_norm = Norm(cfg, sequence_parallel, dtype, device)

@@ -56,6 +56,17 @@ class ModelConfig:
     attn_scale: float | None = None  # Gemma's query_pre_attn_scalar: scores scaled by attn_scale**-0.5 (None: head_dim)
     attn_softcap: float | None = None   # Gemma 2: attention scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap) (elementwise: vocab-parallel)
+    # Mixture of experts (models/moe.py): num_experts > 0 makes the MLP of the MoE layers a routed set of experts.
+    num_experts: int = 0             # 0: dense. Mixtral num_local_experts, Qwen3-MoE / OLMoE num_experts
+    num_experts_per_tok: int = 0     # top-k experts per token
+    moe_ffn_hidden_size: int | None = None  # each expert's hidden size (None: ffn_hidden_size); Qwen3-MoE's
+                                            # moe_intermediate_size
+    norm_topk_prob: bool = True      # renormalize the top-k probabilities to sum to 1 (Mixtral: always)
+    router_aux_loss_coef: float = 0.0   # HF's load-balancing loss weight, added to the loss when
+    output_router_logits: bool = False  # output_router_logits is set (HF's semantics; off in published configs)
+    router_z_loss_coef: float = 0.0  # ST-MoE router z-loss weight (mean logsumexp(logits)^2 per layer, summed)
+    mlp_only_layers: list | None = None  # Qwen3-MoE: layers that keep a dense MLP
+    decoder_sparse_step: int = 1     # Qwen3-MoE: layer i is MoE when (i + 1) % step == 0
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
@@ -98,6 +109,12 @@ class ModelConfig:
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} must give an even rotary dim "
                               f"in (0, head_dim={self.head_dim}]")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ConfigError(f"num_experts_per_tok (top-k) must be in [1, num_experts={self.num_experts}], got "
+                                  f"{self.num_experts_per_tok!r}")
+            if not self.gated:
+                raise ConfigError("mixture of experts: only gated (swiglu / geglu_tanh) experts are implemented")
         if self.norm_offset and self.norm != "rmsnorm":
             raise ConfigError("norm_offset (1 + weight) is only defined for rmsnorm")
 
@@ -122,6 +139,15 @@ class ModelConfig:
         """How many leading dims of each q/k head the rotary turns (the rest pass through)."""
         return int(self.head_dim * self.partial_rotary_factor)
 
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is a mixture of experts (Qwen3-MoE's mlp_only_layers / decoder_sparse_step)."""
+        return (self.num_experts > 0 and i not in (self.mlp_only_layers or ())
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
     @property
     def gated(self) -> bool:
         return self.activation in GATED
@@ -143,8 +169,9 @@ class ModelConfig:
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
-    def num_parameters(self, include_embeddings: bool = True) -> int:
-        """Exact parameter count of the full (unsharded, unpadded) model."""
+    def num_parameters(self, include_embeddings: bool = True, active: bool = False) -> int:
+        """Exact parameter count of the full (unsharded, unpadded) model; with `active`, the parameters one token
+        uses (a MoE layer's router and top-k of its experts)."""
         h, hd, L = self.hidden_size, self.head_dim, self.num_layers
         q, kv = self.num_heads * hd, self.num_kv_heads * hd
         norm = h * (2 if self.norm == "layernorm" else 1)
@@ -153,7 +180,10 @@ class ModelConfig:
         n_in = 2 * self.ffn_hidden_size if self.gated else self.ffn_hidden_size
         mlp = h * n_in + self.ffn_hidden_size * h + ((n_in + h) if self.mlp_bias else 0)
         norms_per_layer = 2 * (int(self.pre_norm) + int(self.post_norm))
-        total = L * (attn + mlp + norms_per_layer * norm) + norm
+        moe_layers = sum(self.is_moe_layer(i) for i in range(L))
+        expert = 3 * h * self.expert_ffn  # gate, up, down
+        moe = h * self.num_experts + expert * (self.num_experts_per_tok if active else self.num_experts)
+        total = (L - moe_layers) * mlp + moe_layers * moe + L * (attn + norms_per_layer * norm) + norm
         if include_embeddings:
             total += self.vocab_size * h * (1 if self.tie_embeddings else 2)
             if self.position == "learned":
@@ -163,6 +193,6 @@ class ModelConfig:
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward = 3x forward), matmuls and attention scores."""
         h, L = self.hidden_size, self.num_layers
-        matmul_params = self.num_parameters(include_embeddings=False) + self.vocab_size * h
+        matmul_params = self.num_parameters(include_embeddings=False, active=True) + self.vocab_size * h
         attn = 2 * 2 * L * seq_len * self.num_heads * self.head_dim  # QK^T and AV, causal not discounted
         return 3 * (2 * matmul_params + attn)

@@ -56,9 +56,10 @@ def read_layer_types(family: str, hf: dict, num_layers: int) -> list | None:
     return list(types)
 
 
-def decoder_tensor_map(cfg: ModelConfig, norms: dict[str, str]) -> list:
+def decoder_tensor_map(cfg: ModelConfig, norms: dict[str, str], moe_maps=None) -> list:
     """Map of a decoder whose HF layers are model.layers.{i}.self_attn.{q,k,v,o}_proj (+ q_norm, k_norm) and
-    mlp.{gate,up,down}_proj; `norms`: tpzoo norm name -> HF module name within the layer."""
+    mlp.{gate,up,down}_proj; `norms`: tpzoo norm name -> HF module name within the layer. `moe_maps(cfg, i, p, q)`
+    maps the MLP of a mixture-of-experts layer (models/moe_families.py)."""
     hd = cfg.head_dim
     qkv_sizes = (cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd)
     ffn = cfg.ffn_hidden_size
@@ -69,10 +70,13 @@ def decoder_tensor_map(cfg: ModelConfig, norms: dict[str, str]) -> list:
         maps += [
             concatenated(p + "attn.qkv.weight", tuple(n + ".weight" for n in proj), qkv_sizes, layer=i),
             same(p + "attn.out.weight", q + "self_attn.o_proj.weight", layer=i),
-            concatenated(p + "mlp.fc_in.weight", (q + "mlp.gate_proj.weight", q + "mlp.up_proj.weight"), (ffn, ffn),
-                         layer=i),
-            same(p + "mlp.fc_out.weight", q + "mlp.down_proj.weight", layer=i),
         ]
+        if cfg.is_moe_layer(i):
+            maps += moe_maps(cfg, i, p, q)
+        else:
+            maps += [concatenated(p + "mlp.fc_in.weight", (q + "mlp.gate_proj.weight", q + "mlp.up_proj.weight"),
+                                  (ffn, ffn), layer=i),
+                     same(p + "mlp.fc_out.weight", q + "mlp.down_proj.weight", layer=i)]
         maps += [same(p + ours + ".weight", q + theirs + ".weight", layer=i) for ours, theirs in norms.items()]
         if cfg.qk_norm != "none":
             maps += [same(p + f"attn.{n}_norm.weight", q + f"self_attn.{n}_norm.weight", layer=i) for n in "qk"]

@@ -26,6 +26,8 @@ from .blocks import Norm, TransformerBlock, rope_cos_sin, rope_inv_freq
 from .config import ModelConfig
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+ROUTER_LOSS_PP = ("the router auxiliary loss (output_router_logits) with pipeline parallelism is not implemented; "
+                  "set output_router_logits false or use pp=1")
 
 
 @contextlib.contextmanager
@@ -98,6 +100,10 @@ class Transformer(nn.Module):
                 mark_tied(self.embed.weight, "embedding", primary=True)
             elif post_process:
                 mark_tied(self.lm_head.weight, "embedding", primary=False)
+        self.moe_layers = [i for i in range(start, end) if cfg.is_moe_layer(i)]
+        self.router_loss_on = bool(self.moe_layers) and cfg.output_router_logits and (
+            cfg.router_aux_loss_coef or cfg.router_z_loss_coef)
+        self.aux_loss = self.z_loss = None  # of the last forward (detached; HF's aux_loss output)
         if cfg.position == "rope":
             self.register_buffer("inv_freq", torch.empty(cfg.rotary_dim // 2, device="meta"), persistent=False)
         if cfg.rope_local_theta is not None:  # Gemma 3: sliding layers rotate with their own base
@@ -223,6 +229,12 @@ class Transformer(nn.Module):
                 h = checkpoint(layer, h, cos, sin, cache, use_reentrant=False)
             else:
                 h = layer(h, cos, sin, cache)
+        if self.router_loss_on and labels is not None and not self.pre_process:
+            # HF's load-balancing loss couples every layer's routing (one product of global sums), so a pipeline
+            # stage cannot add its share alone. (The CLI refuses this before any rank starts.)
+            raise ConfigError(ROUTER_LOSS_PP)
+        if self.moe_layers:
+            aux = self._router_losses()
         if not self.post_process:
             return h
         logits = self.lm_head(self.final_norm(h))
@@ -231,8 +243,26 @@ class Transformer(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         if labels is None:
             return logits
-        return kernels.cross_entropy(logits, labels, label_smoothing=label_smoothing, vocab_size=self.cfg.vocab_size,
-                                     group=self.dims.tp_group)
+        per_token = kernels.cross_entropy(logits, labels, label_smoothing=label_smoothing,
+                                          vocab_size=self.cfg.vocab_size, group=self.dims.tp_group)
+        if self.router_loss_on:
+            # HF: loss = mean CE + coef * aux. Added to every trained token, the mean over tokens (the loss tpzoo
+            # backpropagates and reports) gets exactly that; over micro-batches, a token-weighted mean of each's.
+            per_token = per_token + aux * (labels.to(per_token.device) != -100)
+        return per_token
+
+    def router_logits(self) -> list[torch.Tensor]:
+        """Each MoE layer's router logits of the last forward ([tokens, E]; this rank's sequence shard under SP)."""
+        return [self.layers[str(i)].mlp.last_stats["logits"] for i in self.moe_layers]
+
+    def _router_losses(self) -> torch.Tensor:
+        """HF's load-balancing loss and the z-loss of the last forward (stored detached), and their weighted sum."""
+        from .moe import router_losses
+
+        stats = [self.layers[str(i)].mlp.last_stats for i in self.moe_layers]
+        aux, z = router_losses(stats, self.cfg.num_experts, self.dims.tp_group, self.sequence_parallel)
+        self.aux_loss, self.z_loss = aux.detach(), z.detach()
+        return self.cfg.router_aux_loss_coef * aux + self.cfg.router_z_loss_coef * z
 
     @torch.no_grad()
     def full_logits(self, logits_shard: torch.Tensor) -> torch.Tensor:

@@ -166,3 +166,42 @@ register_config("nano-gpt", ModelConfig(
 register_config("nano-llama", ModelConfig(
     family="llama", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=64,
     max_position_embeddings=64))
+
+# Mixtures of experts (models/moe.py). `tpzoo models` shows total and active (per token) parameters.
+def _mixtral(name, *, vocab, h, layers, heads, ffn, pos, src):
+    register_config(name, ModelConfig(
+        family="mixtral", vocab_size=vocab, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=8,
+        ffn_hidden_size=ffn, max_position_embeddings=pos, norm_eps=1e-5, rope_theta=1000000.0, num_experts=8,
+        num_experts_per_tok=2, router_aux_loss_coef=0.02, bos_token_id=1, eos_token_id=2, hf_source=src))
+
+
+_mixtral("mixtral-8x7b", vocab=32000, h=4096, layers=32, heads=32, ffn=14336, pos=32768,
+         src="mistralai/Mixtral-8x7B-v0.1")
+_mixtral("mixtral-8x22b", vocab=32768, h=6144, layers=56, heads=48, ffn=16384, pos=65536,
+         src="mistralai/Mixtral-8x22B-v0.1")
+
+
+def _qwen3_moe(size, *, h, layers, heads, ffn, moe_ffn):
+    register_config(f"qwen3-{size}", ModelConfig(
+        family="qwen3_moe", vocab_size=151936, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=4,
+        head_dim=128, ffn_hidden_size=ffn, moe_ffn_hidden_size=moe_ffn, max_position_embeddings=40960,
+        norm_eps=1e-6, rope_theta=1000000.0, qk_norm="head", num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, router_aux_loss_coef=0.001, bos_token_id=151643, eos_token_id=151645,
+        hf_source=f"Qwen/Qwen3-{size.upper()}"))
+
+
+_qwen3_moe("30b-a3b", h=2048, layers=48, heads=32, ffn=6144, moe_ffn=768)
+_qwen3_moe("235b-a22b", h=4096, layers=94, heads=64, ffn=12288, moe_ffn=1536)
+register_config("olmoe-1b-7b", ModelConfig(
+    family="olmoe", vocab_size=50304, hidden_size=2048, num_layers=16, num_heads=16, ffn_hidden_size=1024,
+    max_position_embeddings=4096, norm_eps=1e-5, qk_norm="full", num_experts=64, num_experts_per_tok=8,
+    norm_topk_prob=False, router_aux_loss_coef=0.01, eos_token_id=50279, pad_token_id=1,
+    hf_source="allenai/OLMoE-1B-7B-0924"))
+register_config("tiny-mixtral", ModelConfig(
+    family="mixtral", vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden_size=256,
+    max_position_embeddings=512, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
+    output_router_logits=True))
+register_config("nano-mixtral", ModelConfig(
+    family="mixtral", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=32,
+    max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
+    output_router_logits=True))

@@ -47,13 +47,22 @@ def evaluate(model_or_chunks, tokens, seq_len: int, batch_size: int = 1, dims: P
     multiple = dims.tp if any(c.sequence_parallel for c in chunks) else 1
     device = chunks[0].device
     sp = any(c.sequence_parallel for c in chunks)
-    mine = [b for i, b in enumerate(batches(token_windows(tokens, seq_len), batch_size))
-            if i % dims.dp == dims.dp_rank]
+    # Every cp rank of a replica takes the same windows (and keeps its own chunks of them).
+    every = batches(token_windows(tokens, seq_len), batch_size)
+    mine = [b for i, b in enumerate(every) if i % dims.dp == dims.dp_rank]
     loss_sum, count = 0.0, 0
     # Micro-batches of one shape share one executor call (the pipeline streams them); a short tail runs alone.
-    for shape in sorted({tuple(b.shape) for b in mine}, reverse=True):
+    for shape in sorted({tuple(b.shape) for b in (every if dims.ep > 1 else mine)}, reverse=True):
         group = [_padded(shard_batch({"input_ids": b[:, :-1], "labels": b[:, 1:]}, dims, sp), multiple, device)
                  for b in mine if tuple(b.shape) == shape]
+        if dims.ep > 1:
+            # Expert dispatch is collective over the ep group: every replica runs as many forwards of each shape,
+            # the ones short of a batch on a filler whose labels are all ignored (no loss, no tokens).
+            same = [b for b in every if tuple(b.shape) == shape]
+            filler = _padded(shard_batch({"input_ids": same[0][:, :-1],
+                                          "labels": torch.full_like(same[0][:, 1:], IGNORE)}, dims, sp),
+                             multiple, device)
+            group += [filler] * (-(-len(same) // dims.dp) - len(group))
         out = forward_backward(chunks, group, dims, forward_only=True)
         loss_sum, count = loss_sum + out["loss_sum"], count + out["tokens"]
     totals = torch.tensor([loss_sum, float(count)], dtype=torch.float64, device=device)
@@ -61,7 +70,6 @@ def evaluate(model_or_chunks, tokens, seq_len: int, batch_size: int = 1, dims: P
     n = int(totals[1].item())
     loss = totals[0].item() / max(n, 1)
     return {"tokens": n, "loss": loss, "perplexity": math.exp(loss) if n else float("nan")}
-
 
 
 def _padded(batch: dict, multiple: int, device) -> dict:

@@ -109,6 +109,7 @@ class ParamInfo:
     full_shape: tuple             # full and unpadded
     vocab_dim: int | None = None  # the dim padded to `padded` rows
     padded: int | None = None     # padded full size along vocab_dim at this tp
+    rows: tuple | None = None     # (start, end) of dim 0 this rank holds: its experts under expert parallelism
 
 
 @dataclass
@@ -144,7 +145,12 @@ def param_infos(model, cfg, tp: int, select=None) -> list[ParamInfo]:
             full[d] = sum(spec.parts) if spec.parts else p.shape[d] * tp
             if vdim is not None:
                 padded, full[d] = full[d], cfg.vocab_size
-        out.append(ParamInfo(name, tuple(p.shape), spec, tuple(full), vdim, padded))
+        rows = None
+        ep = getattr(getattr(model, "dims", None), "ep", 1)
+        if getattr(p, "expert_parallel", False) and ep > 1:  # checkpoints hold every expert (no ep in the layout)
+            full[0] = p.shape[0] * ep
+            rows = (model.dims.ep_rank * p.shape[0], (model.dims.ep_rank + 1) * p.shape[0])
+        out.append(ParamInfo(name, tuple(p.shape), spec, tuple(full), vdim, padded, rows))
     return out
 
 

@@ -8,6 +8,8 @@ checkpoint written at any layout (or of a Hugging Face checkpoint) at the curren
 """
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import torch
@@ -96,14 +98,33 @@ def load_weights_into(model_or_chunks, ckpt, *, verify: bool = True, select=None
         source.close()
 
 
+def _gather_experts(chunks, select=None) -> dict:
+    """Every expert of this rank's expert weights (all_gather over the ep group, dim 0): a checkpoint holds the
+    experts whole, so it loads at any ep. Collective over the ep group; only the ranks of the first
+    expert-data-parallel slice (edp_rank 0, which holds the writers dp = cp = 0) call it."""
+    from tpzoo.parallel import comm
+
+    out = {}
+    for chunk in chunks:
+        dims = chunk.dims
+        for name, p in chunk.named_parameters():
+            if getattr(p, "expert_parallel", False) and (select is None or select(name)):
+                out[name] = comm.all_gather(p.detach(), dims.group("ep"), dim=0)
+    return out
+
+
 def _write_own_shard(chunks, cfg, out_dir: Path, dtype, tp: int, tp_rank: int, pp_rank: int, checksum: str,
-                     select=None) -> dict:
-    """Write this rank's file; return what rank 0 needs for the manifest."""
+                     select=None, experts: dict | None = None) -> dict:
+    """Write this rank's file; return what rank 0 needs for the manifest. `experts`: whole expert tensors
+    (gathered over ep) to write instead of this rank's share."""
     items = []
     for chunk in chunks:
         params = dict(chunk.named_parameters())
         for info in param_infos(chunk, cfg, tp, select):
             p = params[info.name]
+            if info.rows is not None:
+                p = experts[info.name]
+                info = dataclasses.replace(info, local_shape=tuple(p.shape), rows=None)
             items.append((info, p, dtype if dtype is not None and p.is_floating_point() else p.dtype))
     entries = [(info.name, dt, info.local_shape) for info, _, dt in items]
     path = out_dir / shard_file_name(tp_rank, pp_rank)
@@ -164,9 +185,10 @@ def save_model_shards(chunks_or_model, out_dir, cfg=None, *, tokenizer=None, met
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
     mine: dict = {}
+    experts = _gather_experts(chunks, select) if dims.ep > 1 and dims.edp_rank == 0 else None
     try:
         if dims.dp_rank == 0 and dims.cp_rank == 0:
-            mine = _write_own_shard(chunks, cfg, out_dir, dtype, tp, tp_rank, pp_rank, checksum, select)
+            mine = _write_own_shard(chunks, cfg, out_dir, dtype, tp, tp_rank, pp_rank, checksum, select, experts)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         if not distributed:
             raise

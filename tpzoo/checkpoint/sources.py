@@ -204,8 +204,9 @@ def shard_pieces(source, info: ParamInfo, rank: int, tp: int, max_bytes: int | N
         # Sized by the full row: a piece's rows, all columns, fit in max_bytes, so one read of that span can
         # serve every tp rank's piece (SafetensorsReader keeps the last span; the converter goes round-robin).
         step = max(1, max_bytes // max(1, math.prod(full[1:]) * esize))
-        for r in range(0, full[0], step):
-            rows = (r, min(step, full[0] - r))
+        first, end = info.rows or (0, full[0])  # an expert-parallel rank reads only its experts
+        for r in range(first, end, step):
+            rows = (r, min(step, end - r))
             parts = [p for seg in segments
                      for p in read([rows] + whole[1:d] + [seg] + whole[d + 1:], as_runs and len(segments) == 1)]
             yield parts[0] if len(parts) == 1 else torch.cat(parts, dim=d)

@@ -53,7 +53,7 @@ def load_full_tensors(model: nn.Module, get_full: Callable[[str], torch.Tensor],
     cfg = model.cfg
     vdims = vocab_dims(cfg)
     for name, param in model.named_parameters():
-        full = get_full(name)
+        full = expert_slice(get_full(name), param, getattr(model, "dims", None))
         spec = getattr(param, "tp_spec", ShardSpec(None))
         local = shard_full(full, spec, tp_rank, tp, vdims.get(name), _padded_rows(param, spec, tp))
         if local.shape != param.shape:
@@ -61,6 +61,14 @@ def load_full_tensors(model: nn.Module, get_full: Callable[[str], torch.Tensor],
                              f"{tuple(param.shape)} (wrong config or tp?)")
         with torch.no_grad():
             param.copy_(local)
+
+
+def expert_slice(full: torch.Tensor, param, dims) -> torch.Tensor:
+    """This ep rank's experts (dim 0) of a stacked expert tensor; any other tensor unchanged."""
+    if not getattr(param, "expert_parallel", False) or dims is None or dims.ep == 1:
+        return full
+    local = param.shape[0]
+    return full[dims.ep_rank * local:(dims.ep_rank + 1) * local]
 
 
 def _padded_rows(param: torch.Tensor, spec: ShardSpec, tp: int) -> int | None:

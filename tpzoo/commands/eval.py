@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "load-balanced chunks of every window (default 1)")
     p.add_argument("--cp-mode", default="ring", choices=["ring", "a2a"],
                    help="context-parallel attention: ring (default) or a2a (all-to-all over heads)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel size of a mixture-of-experts model (default 1; spawns tp*pp*ep ranks, the "
+                        "experts split over ep data-parallel replicas)")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK with CUDA, else cpu), cpu, cuda, cuda:N")
     p.add_argument("--dist-timeout", type=float, default=600.0,
@@ -42,7 +45,7 @@ def _worker(args) -> None:
 
     from ._common import encode, load_tokenizer
 
-    dims = tpzoo.init_parallel(tp=args.tp, pp=args.pp, cp=args.cp, device=args.device,
+    dims = tpzoo.init_parallel(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, device=args.device,
                                timeout=datetime.timedelta(seconds=args.dist_timeout))
     try:
         model = load_model(args.ckpt, dims, sequence_parallel=args.sequence_parallel, virtual_stages=1,
@@ -71,4 +74,4 @@ def run(args) -> int:
     if under_torchrun():
         return run_multirank(in_rank(check_eval, _worker), args, 1, "eval")
     check_eval(args)
-    return run_multirank(_worker, args, args.tp * args.cp * args.pp, "eval")
+    return run_multirank(_worker, args, args.tp * args.cp * args.pp * args.ep, "eval")

@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="tokenizer spec (default: the checkpoint's)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel size of a mixture-of-experts model (default 1; spawns tp*pp*ep ranks, the "
+                        "experts split over ep data-parallel replicas)")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK with CUDA, else cpu), cpu, cuda, cuda:N")
     p.add_argument("--dist-timeout", type=float, default=600.0,
@@ -60,7 +63,7 @@ def _worker(args) -> None:
 
     from ._common import decode, encode, load_tokenizer
 
-    dims = tpzoo.init_parallel(tp=args.tp, pp=args.pp, device=args.device,
+    dims = tpzoo.init_parallel(tp=args.tp, pp=args.pp, ep=args.ep, device=args.device,
                                timeout=datetime.timedelta(seconds=args.dist_timeout))
     try:
         model = load_model(args.ckpt, dims, sequence_parallel=args.sequence_parallel, virtual_stages=1,
@@ -93,4 +96,4 @@ def run(args) -> int:
     if under_torchrun():
         return run_multirank(in_rank(check_generate, _worker), args, 1, "generate")
     check_generate(args)
-    return run_multirank(_worker, args, args.tp * args.pp, "generate")
+    return run_multirank(_worker, args, args.tp * args.pp * args.ep, "generate")

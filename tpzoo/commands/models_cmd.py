@@ -24,13 +24,15 @@ def run(args) -> int:
     if args.json:
         for name, cfg in rows:
             print(json.dumps({"name": name, "family": cfg.family, "parameters": cfg.num_parameters(),
+                              "active_parameters": cfg.num_parameters(active=True), "experts": cfg.num_experts,
                               "layers": cfg.num_layers, "hidden": cfg.hidden_size, "heads": cfg.num_heads,
                               "kv_heads": cfg.num_kv_heads, "vocab": cfg.vocab_size, "hf_source": cfg.hf_source}))
         return 0
-    print(f"{'name':16s} {'family':8s} {'params':>8s} {'layers':>6s} {'hidden':>6s} {'heads':>5s} {'kv':>3s} "
+    print(f"{'name':16s} {'family':9s} {'params':>8s} {'active':>8s} {'layers':>6s} {'hidden':>6s} {'heads':>5s} {'kv':>3s} "
           f"{'vocab':>7s}  hf source")
     for name, cfg in rows:
-        print(f"{name:16s} {cfg.family:8s} {_count(cfg.num_parameters()):>8s} {cfg.num_layers:>6d} "
+        active = _count(cfg.num_parameters(active=True)) if cfg.num_experts else "="
+        print(f"{name:16s} {cfg.family:9s} {_count(cfg.num_parameters()):>8s} {active:>8s} {cfg.num_layers:>6d} "
               f"{cfg.hidden_size:>6d} {cfg.num_heads:>5d} {cfg.num_kv_heads:>3d} {cfg.vocab_size:>7d}  "
               f"{cfg.hf_source or '-'}")
     return 0

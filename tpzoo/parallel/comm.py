@@ -8,7 +8,8 @@ Byte conventions (per rank, per call), with p the group size:
                  broadcast -> the tensor; send/recv -> the tensor; all_to_all -> the input.
   sent_bytes:    what a bandwidth-optimal ring sends from this rank: all_reduce 2(p-1)/p * payload,
                  all_gather and reduce_scatter (p-1)/p * payload, send the tensor, recv 0,
-                 broadcast the tensor on the source rank (0 elsewhere), all_to_all (p-1)/p * payload.
+                 broadcast the tensor on the source rank (0 elsewhere), all_to_all (p-1)/p * payload;
+                 all_to_all_v (uneven splits: expert dispatch) the rows sent to the other ranks.
 This is how Megatron's papers count volume: an all-reduce costs one reduce-scatter plus one all-gather.
 
 A group of size one (SELF_GROUP included) costs nothing and is not counted. CUDA tensors over a gloo group
@@ -194,6 +195,25 @@ def all_to_all(t: torch.Tensor, group) -> torch.Tensor:
     out = torch.empty_like(src)
     _record("all_to_all", group, t, (p - 1) / p)
     dist.all_to_all_single(out, src, group=group)
+    return out.to(t.device) if host else out
+
+
+def all_to_all_v(t: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+    """Uneven all-to-all along dim 0: rows [sum(send[:i]), sum(send[:i+1])) go to rank i, recv[i] rows arrive
+    from rank i. Split sizes are host ints (the caller learned them with a small all_to_all of counts)."""
+    p = group_size(group)
+    if p == 1:
+        return t
+    t = t.contiguous()
+    host = _via_host(t, group)
+    src = t.cpu() if host else t
+    out = src.new_empty((sum(recv_splits), *t.shape[1:]))
+    me = dist.get_rank(group)
+    for c in _COUNTERS:  # payload: the input; sent: the rows leaving this rank
+        c.record("all_to_all_v", group, t.numel(), t.element_size(),
+                 (1 - send_splits[me] / max(t.shape[0], 1)) if t.shape[0] else 0.0)
+    dist.all_to_all_single(out, src, output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits),
+                           group=group)
     return out.to(t.device) if host else out
 
 

@@ -1,6 +1,6 @@
 """ParallelDims: the parallel layout of one rank, passed to everything that needs it.
 
-One small object holds the degrees (tp, cp, dp, pp; ep reserved), this rank's coordinates, its process groups and
+One small object holds the degrees (tp, cp, dp, pp, and ep for the experts), this rank's coordinates, its process groups and
 the device this rank computes on. Models, layers, schedules, the executor and the trainer take it explicitly
 (torchtitan's ParallelDims, Megatron's explicit tp_group); `tpzoo.init_parallel()` builds the real one and also
 makes it the default for the simple public API (`ColumnParallelLinear(512, 2048)` without dims).
@@ -8,6 +8,13 @@ makes it the default for the simple public API (`ColumnParallelLinear(512, 2048)
 Megatron's rank order: tensor parallel varies fastest, then context parallel, then data parallel, then pipeline
 parallel: rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)), so the ranks of one tensor-parallel
 group are neighbours (on one node, where the bandwidth is).
+
+Expert parallelism (Megatron-Core's layout) is carved out of the data x context parallel ranks: the dp x cp
+ranks that share a (tp, pp) coordinate are numbered j = cp_rank + cp * dp_rank, and split into consecutive groups of
+ep: ep_rank = j % ep (the "ep" group: ranks that exchange tokens and each hold E / ep experts), edp_rank = j // ep
+(the "edp" group, expert-data-parallel: ranks holding the same experts, where expert gradients are summed). Expert
+tensor parallelism etp equals tp (each expert's matrices split over the tp group like the dense MLP's), so the
+expert groups never cross a tp coordinate.
 
 `ParallelDims.virtual(tp=4, pp=2, tp_rank=1, pp_rank=0)` describes one rank of a layout without any process
 group, to build that rank's part of a model on the meta device in one process (checkpoint conversion, the plan
@@ -47,9 +54,9 @@ def divide(numerator: int, denominator: int, what: str = "value") -> int:
     return numerator // denominator
 
 
-def check_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None) -> int:
+def check_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, ep: int = 1) -> int:
     """Validate degrees against a world size and return dp (inferred when None)."""
-    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
         if not isinstance(value, int) or value < 1:
             raise ParallelLayoutError(f"{name} must be a positive integer, got {value!r}")
     model_parallel = tp * pp * cp
@@ -57,12 +64,18 @@ def check_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, dp: int
         raise ParallelLayoutError(
             f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {model_parallel}")
     inferred = world_size // model_parallel
-    if dp is None:
-        return inferred
-    if dp != inferred:
+    if dp is not None and dp != inferred:
         raise ParallelLayoutError(
             f"tp*pp*cp*dp = {tp}*{pp}*{cp}*{dp} = {model_parallel * dp} does not equal world size {world_size}")
-    return dp
+    check_expert_layout(inferred, cp, ep)
+    return inferred
+
+
+def check_expert_layout(dp: int, cp: int, ep: int) -> None:
+    """ep is carved out of the data x context parallel ranks: it must divide dp * cp."""
+    if (dp * cp) % ep:
+        raise ParallelLayoutError(f"ep={ep} does not divide dp*cp = {dp}*{cp} = {dp * cp} (expert parallelism is "
+                                  f"carved out of the data/context-parallel ranks)")
 
 
 # Groups every rank creates, by name -> the coordinates that vary within one group.
@@ -81,24 +94,30 @@ class ParallelDims:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     groups: dict = field(default_factory=dict)       # name -> this rank's ProcessGroup (real dims only)
     group_ranks: dict = field(default_factory=dict)  # name -> the global ranks of this rank's group
-    ep: int = 1                                      # expert parallelism: reserved (carved out of dp x cp)
+    ep: int = 1                                      # expert parallelism (carved out of dp x cp; see module doc)
     virtual: bool = False                            # True: no process groups (see module docstring)
     owns_default_group: bool = False                 # init_parallel created torch.distributed's default group
 
     def __post_init__(self):
         self.device = torch.device(self.device)
-        if self.ep != 1:
-            raise ParallelLayoutError(f"expert parallelism (ep={self.ep}) is not implemented yet")
+        if not isinstance(self.ep, int) or self.ep < 1:
+            raise ParallelLayoutError(f"ep must be a positive integer, got {self.ep!r}")
+        check_expert_layout(self.dp, self.cp, self.ep)
+
+    @property
+    def etp(self) -> int:
+        """Expert tensor parallelism: each expert's matrices are split over the tp group (etp = tp)."""
+        return self.tp
 
     # -- construction ---------------------------------------------------------------------------------------
     @classmethod
     def for_rank(cls, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1, *, tp_rank: int = 0, pp_rank: int = 0,
-                 cp_rank: int = 0, dp_rank: int = 0, device="meta") -> "ParallelDims":
+                 cp_rank: int = 0, dp_rank: int = 0, device="meta", ep: int = 1) -> "ParallelDims":
         """One rank of a layout, with no process group: for building that rank's model part in one process."""
         for name, size, r in (("tp", tp, tp_rank), ("pp", pp, pp_rank), ("cp", cp, cp_rank), ("dp", dp, dp_rank)):
             if not 0 <= r < size:
                 raise ParallelLayoutError(f"{name} rank {r} is outside a {name} size of {size}")
-        dims = cls(tp=tp, pp=pp, cp=cp, dp=dp, world_size=tp * pp * cp * dp, device=device, virtual=True)
+        dims = cls(tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, world_size=tp * pp * cp * dp, device=device, virtual=True)
         dims.rank = dims.rank_of(tp=tp_rank, cp=cp_rank, dp=dp_rank, pp=pp_rank)
         dims.group_ranks = {name: ranks for name, ranks in dims.enumerate_groups() if dims.rank in ranks}
         return dims
@@ -123,6 +142,12 @@ class ParallelDims:
             out += [(name, ranks) for ranks in self._groups_varying(varying)]
         for ranks in self._groups_varying(("pp",)):
             out.append(("embedding", sorted({ranks[0], ranks[-1]})))
+        if self.ep > 1:  # only then: layouts without experts create exactly the groups they always did
+            for dp_cp in self._groups_varying(("dp", "cp")):
+                ordered = sorted(dp_cp, key=lambda r: self.coords(r)["cp"] + self.cp * self.coords(r)["dp"])
+                n = len(ordered) // self.ep
+                out += [("ep", sorted(ordered[i * self.ep:(i + 1) * self.ep])) for i in range(n)]
+                out += [("edp", sorted(ordered[i::self.ep])) for i in range(self.ep)]
         return out
 
     def _groups_varying(self, varying: tuple) -> list[list[int]]:
@@ -159,6 +184,16 @@ class ParallelDims:
         return self.cp_rank + self.cp * self.dp_rank
 
     @property
+    def ep_rank(self) -> int:
+        """Position in the expert-parallel group: this rank holds experts [ep_rank * E/ep, (ep_rank + 1) * E/ep)."""
+        return self.dp_cp_rank % self.ep
+
+    @property
+    def edp_rank(self) -> int:
+        """Position in the expert-data-parallel group (the ranks holding the same experts)."""
+        return self.dp_cp_rank // self.ep
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
@@ -182,11 +217,12 @@ class ParallelDims:
     def group_size(self, name: str) -> int:
         if name == "embedding":
             return len(self.group_ranks.get("embedding", [self.rank]))
-        return {"dp_cp": self.dp * self.cp, "mp": self.tp * self.pp, "world": self.world_size}.get(
+        return {"dp_cp": self.dp * self.cp, "mp": self.tp * self.pp, "world": self.world_size, "ep": self.ep,
+                "edp": self.dp * self.cp // self.ep}.get(
             name, self.sizes().get(name, 1))
 
     def group(self, name: str):
-        """This rank's process group `name` (tp, cp, dp, pp, dp_cp, mp, embedding, world); SELF_GROUP for a group
+        """This rank's process group `name` (tp, cp, dp, pp, dp_cp, mp, embedding, world, ep, edp); SELF_GROUP for a group
         of one. Virtual dims have no groups: asking for one of size > 1 is an error (nothing may communicate)."""
         if self.group_size(name) == 1:
             return SELF_GROUP
@@ -220,6 +256,14 @@ class ParallelDims:
         """Where gradients are summed: the data-parallel ranks (times context parallel when cp > 1)."""
         return self.group("dp_cp")
 
+    @property
+    def ep_group(self):
+        return self.group("ep")
+
+    @property
+    def expert_grad_group(self):
+        """Where expert gradients are summed: the ranks holding the same experts (dp x cp / ep of them)."""
+        return self.group("edp")
 
 
 def local_dims(device="cpu") -> ParallelDims:

@@ -33,10 +33,10 @@ _LOCAL: ParallelDims | None = None    # the default before init_parallel: one CP
 _GROUP_NAMES: dict = {}  # ProcessGroup -> short name, for the collective counter
 
 
-def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, *, device=None,
+def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, ep: int = 1, *, device=None,
                   backend: str | None = None, timeout: datetime.timedelta | None = None,
                   watchdog: bool | None = None) -> ParallelDims:
-    """Create the tp/cp/dp/pp process groups of this rank and choose its device; return them as ParallelDims
+    """Create the tp/cp/dp/pp (and with ep > 1 the expert ep/edp) process groups of this rank and choose its device; return them as ParallelDims
     (also the default dims from now on).
 
     Works under torchrun (reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR), after an explicit
@@ -54,11 +54,11 @@ def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, 
     owns = False
     if dist.is_initialized():
         world_size, rank = dist.get_world_size(), dist.get_rank()
-        dp = check_layout(world_size, tp, pp, cp, dp)
+        dp = check_layout(world_size, tp, pp, cp, dp, ep)
     else:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
-        dp = check_layout(world_size, tp, pp, cp, dp)
+        dp = check_layout(world_size, tp, pp, cp, dp, ep)
         backend = backend or default_backend(device)
         if backend == "nccl" and device.type != "cuda":
             raise ConfigError(f"backend nccl needs a CUDA device, got {device}")
@@ -72,7 +72,7 @@ def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, 
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
-    dims = ParallelDims(tp=tp, pp=pp, cp=cp, dp=dp, rank=rank, world_size=world_size, device=device,
+    dims = ParallelDims(tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, rank=rank, world_size=world_size, device=device,
                         owns_default_group=owns)
     # Every rank must create every group, in the same order (new_group is collective over the world).
     for name, ranks in dims.enumerate_groups():

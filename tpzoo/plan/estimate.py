@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from tpzoo.errors import ConfigError
 from tpzoo.models.config import ModelConfig
 from tpzoo.parallel.dims import ParallelLayoutError
 
@@ -204,8 +205,18 @@ def dp_sync_time(count, layout: Layout, training: TrainingSpec, cluster: Cluster
     return exposed + gather + weights_exposed, reduce - exposed + weights_hidden + 0.0
 
 
+def refuse_experts(cfg: ModelConfig) -> None:
+    """The advisor's memory, time and volume models are dense: an MoE model would be planned as if its MLP were
+    one dense FFN (wrong memory, no all-to-all, no ep). Refused until they model experts (docs/moe.md)."""
+    if cfg.num_experts:
+        raise ConfigError(f"tpzoo plan does not model mixtures of experts yet ({cfg.name or cfg.family}: "
+                          f"{cfg.num_experts} experts; total {cfg.num_parameters() / 1e9:.2f}B, active "
+                          f"{cfg.num_parameters(active=True) / 1e9:.2f}B parameters)")
+
+
 def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: TrainingSpec) -> Estimate:
     """Memory and step time of `layout`; raises ParallelLayoutError when tpzoo cannot run it."""
+    refuse_experts(cfg)
     check_layout(cfg, layout, cluster, training)
     t, p, dp, v = layout.tp, layout.pp, layout.dp, layout.virtual_stages
     m, e, K = num_micro_batches(layout, training), training.act_bytes, cluster.gpus_per_node
@@ -329,6 +340,7 @@ def search(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, max_m
            **only) -> list[Estimate]:
     """Every valid layout (enumerate_layouts; `only`: tp=, pp=, recompute=, cp=), estimated: the ones that fit
     first, fastest first; then the rest, fastest first."""
+    refuse_experts(cfg)
     layouts = enumerate_layouts(cfg, cluster, training, max_micro_batch, **only)
     ests = [estimate(cfg, lay, cluster, training) for lay in layouts]
     return sorted(ests, key=lambda est: (not est.fits, est.time.total, est.memory.total))

@@ -71,6 +71,8 @@ class ParallelSection:
     cp_mode: str = _f("ring", "context-parallel attention: 'ring' (K/V passed around the cp ring, overlapped) or "
                               "'a2a' (all-to-all over heads, Ulysses; heads per TP rank divisible by cp)",
                       choices=("ring", "a2a"))
+    ep: int = _f(1, "expert-parallel size of a mixture-of-experts model: the experts split over ep of the dp "
+                    "replicas (ep divides dp and the experts; docs/moe.md)", ge=1)
     sequence_parallel: bool = _f(False, "shard activations along the sequence between TP regions (seq_len "
                                         "divisible by tp)")
     schedule: str = _f("1f1b", "pipeline schedule (tpzoo.pipeline.SCHEDULES; only interleaved runs "
@@ -243,6 +245,9 @@ class TrainConfig:
                 raise ConfigError(f"tp*cp*pp*dp = {self.tp}*{self.cp}*{self.pp}*{self.dp} = {mp * self.dp} does not "
                                   f"equal the world size {world_size} (dp = 0 infers it)")
             dp = world_size // mp
+        if dp % self.ep:
+            raise ConfigError(f"ep={self.ep} does not divide dp={dp} (expert parallelism is carved out of the "
+                              f"data-parallel ranks)")
         per_step = self.micro_batch_size * dp
         if self.global_batch_size % per_step:
             raise ConfigError(f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
@@ -267,6 +272,9 @@ class TrainConfig:
         if self.zero_level == 3 and (self.lora_rank or self.lora_from):
             raise ConfigError("--zero 3 with LoRA: the frozen base is not sharded (ZeRO-3 shards trained weights "
                               "only); use --zero 2")
+        if self.zero_level == 3 and self.ep > 1:
+            raise ConfigError(f"--zero 3 with ep={self.ep}: sharding the expert weights over their own group is not "
+                              f"implemented; use --zero 2 (or ep=1)")
         if self.zero3_gather_per_step and self.zero_level != 3:
             raise ConfigError(f"zero3_gather_per_step needs --zero 3 (zero = {self.zero_level})")
         if self.task == "sft" and len(self.data) != 1:

@@ -41,6 +41,7 @@ from .generate import generate
 from .loss_scale import DynamicLossScaler
 from .lr import lr_at
 from .metrics import MetricsLogger, Throughput, format_line, peak_memory_gb
+from .expert_optim import ExpertParallelAdamW
 from .optim import DistributedAdamW
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -52,13 +53,14 @@ def train(cfg: TrainConfig) -> dict:
     cfg.validate(get_dims().world_size if is_initialized() else None)  # the Python API checks what the CLI does
     owns = not is_initialized()
     if owns:
-        tpzoo.init_parallel(tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, dp=cfg.dp or None, device=cfg.device,
+        tpzoo.init_parallel(tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, dp=cfg.dp or None, ep=cfg.ep, device=cfg.device,
                             timeout=datetime.timedelta(seconds=cfg.dist_timeout))
     dims = get_dims()
     try:
-        if (dims.tp, dims.pp, dims.cp) != (cfg.tp, cfg.pp, cfg.cp) or (cfg.dp and cfg.dp != dims.dp):
-            raise ConfigError(f"config asks for tp={cfg.tp} cp={cfg.cp} pp={cfg.pp} dp={cfg.dp or 'auto'}, but the "
-                             f"process groups are tp={dims.tp} cp={dims.cp} pp={dims.pp} dp={dims.dp}")
+        if (dims.tp, dims.pp, dims.cp, dims.ep) != (cfg.tp, cfg.pp, cfg.cp, cfg.ep) or (cfg.dp and cfg.dp != dims.dp):
+            raise ConfigError(f"config asks for tp={cfg.tp} cp={cfg.cp} pp={cfg.pp} dp={cfg.dp or 'auto'} ep={cfg.ep}, "
+                             f"but the process groups are tp={dims.tp} cp={dims.cp} pp={dims.pp} dp={dims.dp} "
+                             f"ep={dims.ep}")
         if cfg.device != "auto" and resolve_device(cfg.device) != dims.device:
             raise ConfigError(f"config asks for device {cfg.device}, but the parallel runtime computes on "
                              f"{dims.device}")
@@ -135,8 +137,11 @@ class Trainer:
             materialize_chunks(self.chunks, self.device, init=not weights_from)
             if weights_from:
                 ckpt.load_weights(self.chunks, weights_from)
-        self.optimizer = DistributedAdamW(  # the trainable parameters only (all of them, or the adapters)
-            [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad], dims,
+        # Expert weights under ep > 1 reduce over their own group: a second AdamW (tpzoo.train.expert_optim).
+        trainable = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
+        experts = dims.ep > 1 and any(getattr(p, "expert_parallel", False) for p in trainable)
+        self.optimizer = (ExpertParallelAdamW if experts else DistributedAdamW)(  # all parameters, or the adapters
+            trainable, dims,
             model_dtype=DTYPES[cfg.dtype], zero=cfg.zero_level, overlap=cfg.overlap_grad_reduce,
             bucket_elems=cfg.grad_bucket_elems, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
             weight_decay=cfg.weight_decay, modules=self.chunks, keep_gathered=cfg.zero3_gather_per_step)
@@ -251,8 +256,8 @@ class Trainer:
         self.logger.print(
             f"tpzoo {cfg.task}: model {self.model_cfg.name or cfg.model} "
             f"({self.model_cfg.num_parameters() / 1e6:.2f}M params, vocab {self.model_cfg.vocab_size}) | "
-            f"tp={s.tp} cp={s.cp}{'/' + cfg.cp_mode if s.cp > 1 else ''} pp={s.pp} dp={s.dp} "
-            f"sp={cfg.sequence_parallel} zero={cfg.zero_level} {cfg.dtype} on "
+            f"tp={s.tp} cp={s.cp}{'/' + cfg.cp_mode if s.cp > 1 else ''} pp={s.pp} dp={s.dp}"
+            f"{f' ep={s.ep}' if s.ep > 1 else ''} sp={cfg.sequence_parallel} zero={cfg.zero_level} {cfg.dtype} on "
             f"{self.device} | "
             f"batch {cfg.global_batch_size}x{cfg.seq_len} ({self.n_micro} micro-batches of {cfg.micro_batch_size}"
             f" per dp rank) | data {self.data_desc}"

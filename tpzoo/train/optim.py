@@ -77,14 +77,17 @@ class DistributedAdamW:
     into the owned shard during the backward passes, no full-size fp32 gradient buffer: ShardedGradBuffer);
     overlap: start each gradient bucket's reduction during the backward passes (call zero_grad() before them);
     3 (ZeRO-3: ZeRO-2 plus the weights sharded, each layer of `modules` (the model chunks) gathered when used:
-    tpzoo.parallel.param_shards; `keep_gathered` keeps them gathered from first use to the end of the step)."""
+    tpzoo.parallel.param_shards; `keep_gathered` keeps them gathered from first use to the end of the step);
+    group: the dims group the gradients are summed (and ZeRO-sharded) over: "dp_cp", or "edp" for expert weights
+    (tpzoo.train.expert_optim)."""
 
     def __init__(self, params, dims: ParallelDims, *, model_dtype: torch.dtype = torch.float32, zero: int = 0,
                  zero1: bool = False, overlap: bool = True, betas=(0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, bucket_elems: int = DEFAULT_BUCKET_ELEMS, modules=None,
-                 keep_gathered: bool = False):
-        self.dims, self.device = dims, dims.device
-        self.dp_size, self.dp_rank = dims.dp * dims.cp, dims.dp_cp_rank
+                 keep_gathered: bool = False, group: str = "dp_cp"):
+        self.dims, self.device, self.group_name = dims, dims.device, group
+        self.dp_size = dims.group_size(group)
+        self.dp_rank = dims.edp_rank if group == "edp" else dims.dp_cp_rank
         self.zero = max(zero, 1 if zero1 else 0)
         self.zero1, self.overlap = self.zero >= 1, overlap  # zero1: the optimizer state is sharded (ZeRO >= 1)
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
@@ -143,7 +146,7 @@ class DistributedAdamW:
                                                                   for a, b, _ in self.owned])
         self.flat = None
         self.shards = ParamShards(self.params, self.offsets, self.buckets, self.owned, late, modules, read,
-                                  self.padded, lambda: self.dims.grad_group if self.dp_size > 1 else SELF_GROUP,
+                                  self.padded, lambda: self.dp_group if self.dp_size > 1 else SELF_GROUP,
                                   keep=keep)
 
     def _owned_of(self, full: torch.Tensor) -> torch.Tensor:
@@ -202,9 +205,9 @@ class DistributedAdamW:
 
     @property
     def dp_group(self):
-        """The gradient-reduction group (dp x cp); looked up when first used, so an optimizer can be built for a
-        virtual rank (memory planning tests) without process groups."""
-        return self.dims.grad_group
+        """The gradient-reduction group (dp x cp, or edp); looked up when first used, so an optimizer can be built
+        for a virtual rank (memory planning tests) without process groups."""
+        return self.dims.group(self.group_name)
 
     # -- one step -------------------------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -226,12 +229,18 @@ class DistributedAdamW:
         else:
             self.grad_owned = self.grads.reduce(self.dp_group, shard=self.zero1)
 
-    def global_grad_norm(self, flag: float = 0.0) -> tuple[float, float]:
-        """(global L2 norm of the reduced gradients, world sum of `flag`): one all-reduce over every rank."""
+    def local_sq_norm(self) -> torch.Tensor:
+        """This rank's share of the squared global norm (fp64 scalar on the device)."""
         g = self.grad_owned
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         for a, b, w in self.norm_runs:
             local += w * torch.dot(g[a:b], g[a:b]).double()
+        return local
+
+    def global_grad_norm(self, flag: float = 0.0, extra_sq: torch.Tensor | None = None) -> tuple[float, float]:
+        """(global L2 norm of the reduced gradients, world sum of `flag`): one all-reduce over every rank.
+        `extra_sq`: another optimizer's local_sq_norm() (expert weights) counted in the same norm."""
+        local = self.local_sq_norm() + (extra_sq if extra_sq is not None else 0.0)
         t = torch.stack([local, torch.tensor(float(flag), dtype=torch.float64, device=self.device)])
         if self.dims.world_size > 1:
             comm.all_reduce(t, None)

@@ -31,9 +31,11 @@ __all__ = ["check_train", "check_eval", "check_generate", "check_layout"]
 
 # -- shared checks -----------------------------------------------------------------------------------------------
 
-def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str = "the model") -> None:
-    """The model splits over tp (heads, kv heads, FFN) and pp * virtual_stages stages; errors name `what` and
-    are the types the ranks would raise (ParallelLayoutError, PartitionError)."""
+def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str = "the model", ep: int = 1,
+                 world_size: int | None = None) -> None:
+    """The model splits over tp (heads, kv heads, FFN), pp * virtual_stages stages and ep (experts; ep divides
+    the data x context parallel ranks); errors name `what` and are the types the ranks would raise
+    (ParallelLayoutError, PartitionError)."""
     from tpzoo.parallel.dims import ParallelLayoutError
     from tpzoo.pipeline import partition_layers
     from tpzoo.pipeline.partition import PartitionError
@@ -45,6 +47,7 @@ def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str
         raise ParallelLayoutError(f"{what}: tp={tp} neither divides nor is a multiple of num_kv_heads={nkv}")
     if ffn % tp:
         raise ParallelLayoutError(f"{what}: tp={tp} does not divide ffn_hidden_size={ffn}")
+    check_experts(model_cfg, tp, ep, what, world_size // (tp * pp) if world_size else None)
     try:
         partition_layers(model_cfg, pp, virtual_stages=virtual_stages)
     except PartitionError as e:
@@ -53,17 +56,50 @@ def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str
 
 def check_context(model_cfg, tp: int, cp: int, mode: str, what: str = "the model") -> None:
     """Context parallelism against the model: all-to-all splits each TP rank's heads over cp; the ring's blockwise
-    attention has no softcapping."""
+    attention has no softcapping; no mixture of experts yet."""
     from tpzoo.parallel.dims import ParallelLayoutError
 
     if cp == 1:
         return
+    if model_cfg.num_experts:
+        # The router statistics (load-balancing loss) are reduced over tp only, not over the cp ranks' chunks.
+        raise ParallelLayoutError(f"{what}: context parallelism (cp={cp}) with a mixture-of-experts model is not "
+                                  f"supported yet; use cp=1")
     if mode == "a2a" and (model_cfg.num_heads // tp) % cp:
         raise ParallelLayoutError(f"{what}: --cp-mode a2a needs the {model_cfg.num_heads // tp} heads per TP rank "
                                   f"(num_heads {model_cfg.num_heads} / tp {tp}) divisible by cp={cp}; use "
                                   f"--cp-mode ring")
     if mode == "ring" and model_cfg.attn_softcap is not None:
         raise ParallelLayoutError(f"{what}: attention softcapping runs with --cp-mode a2a, not ring")
+
+
+def check_experts(model_cfg, tp: int, ep: int, what: str, dp: int | None = None) -> None:
+    """Expert parallelism against the model (ep divides the experts, tp each expert's FFN) and the layout (ep
+    divides dp; dp None: the command spawns dp = ep ranks itself)."""
+    from tpzoo.parallel.dims import ParallelLayoutError
+
+    if not isinstance(ep, int) or ep < 1:
+        raise ParallelLayoutError(f"--ep must be a positive integer, got {ep!r}")
+    if ep > 1 and not model_cfg.num_experts:
+        raise ParallelLayoutError(f"{what}: ep={ep} needs a mixture-of-experts model (this one has no experts)")
+    if model_cfg.num_experts:
+        if model_cfg.num_experts % ep:
+            raise ParallelLayoutError(f"{what}: ep={ep} does not divide num_experts={model_cfg.num_experts}")
+        if model_cfg.expert_ffn % tp:
+            raise ParallelLayoutError(f"{what}: tp={tp} does not divide the expert hidden size "
+                                      f"{model_cfg.expert_ffn}")
+    if dp is not None and dp % ep:
+        raise ParallelLayoutError(f"ep={ep} does not divide dp={dp} (expert parallelism is carved out of the "
+                                  f"data-parallel ranks)")
+
+
+def check_router_loss(model_cfg, pp: int, what: str) -> None:
+    """The router loss couples every layer's routing: not with pipeline parallelism (yet)."""
+    from tpzoo.models.transformer import ROUTER_LOSS_PP
+
+    if pp > 1 and model_cfg.num_experts and model_cfg.output_router_logits and (
+            model_cfg.router_aux_loss_coef or model_cfg.router_z_loss_coef):
+        raise ConfigError(f"{what}: {ROUTER_LOSS_PP}")
 
 
 def check_device(name: str) -> None:
@@ -187,8 +223,9 @@ def check_train(cfg, world_size: int | None = None):
     check_device(cfg.device)
     model_cfg, tokenizer, what = _model_of_run(cfg)
     label = what or f"model {cfg.model}"
-    check_layout(model_cfg, cfg.tp, cfg.pp, cfg.virtual_stages, label)
+    check_layout(model_cfg, cfg.tp, cfg.pp, cfg.virtual_stages, label, ep=cfg.ep)
     check_context(model_cfg, cfg.tp, cfg.cp, cfg.cp_mode, label)
+    check_router_loss(model_cfg, cfg.pp, label)
     check_positions(model_cfg, cfg.seq_len, label)
     check_tokenizer(tokenizer, model_cfg.vocab_size if what else None, label)
     check_lora(cfg, model_cfg)
@@ -229,7 +266,7 @@ def _check_checkpoint(args, world_size: int | None):
     """The parts eval and generate share: sizes, device, the checkpoint's config and the layout against it."""
     from tpzoo.checkpoint import open_source
 
-    _positive(args, "tp", "pp", "cp")
+    _positive(args, "tp", "pp", "cp", "ep")
     cp = getattr(args, "cp", 1)  # eval has --cp; generate runs at cp=1
     if not args.dist_timeout > 0:
         raise ConfigError(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
@@ -242,7 +279,7 @@ def _check_checkpoint(args, world_size: int | None):
     finally:
         source.close()
     what = f"checkpoint {args.ckpt}"
-    check_layout(model_cfg, args.tp, args.pp, 1, what)
+    check_layout(model_cfg, args.tp, args.pp, 1, what, ep=args.ep, world_size=world_size)
     check_context(model_cfg, args.tp, cp, getattr(args, "cp_mode", "ring"), what)
     if args.tokenizer:
         check_tokenizer(args.tokenizer, model_cfg.vocab_size, what)
@@ -253,6 +290,7 @@ def check_eval(args, world_size: int | None = None) -> None:
     _positive(args, "batch_size", "seq_len", "max_tokens")
     check_text_file(args.text_file, "--text-file")  # before the checkpoint: it is the cheaper of the two
     model_cfg, what = _check_checkpoint(args, world_size)
+    check_router_loss(model_cfg, args.pp, what)
     if args.seq_len:
         check_positions(model_cfg, args.seq_len, what)
 

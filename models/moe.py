@@ -1,0 +1,213 @@
+"""Mixture of experts (Mixtral, Qwen3-MoE, OLMoE): a top-k router, dropless token dispatch over the
+expert-parallel group, the local experts as a grouped matmul, and the combine weighted by the router.
+
+Layout (Megatron-Core's classic default; rank order in tpzoo/parallel/dims.py):
+  - experts are split over ep: ep rank r holds experts [r * E/ep, (r + 1) * E/ep) (`gate_up` [E/ep, 2 ffn/tp, h],
+    `down` [E/ep, h, ffn/tp]); expert tensor parallelism etp = tp: every expert's gate|up is split column-wise
+    over the tp group and its down projection row-wise, exactly like the dense MLP.
+  - tokens enter the TP region as the dense MLP's do: under sequence parallelism the sequence shards are
+    all-gathered (every tp rank then holds the same full sequence), else they are already full. The router runs
+    on the tokens *before* that entry (this rank's sequence shard under SP), and its top-k weights enter the
+    region through the same collective, so each router gradient is counted once.
+  - each tp rank dispatches its tokens over the ep group (the ep peers share its tp coordinate) with
+    all_to_all_single and per-rank split sizes (one small all-to-all of per-expert counts first: those sizes are
+    host ints, the one host sync of the layer), computes its slice of every local expert, sends the partial
+    outputs back, and the weighted combine is followed by the MLP's usual TP all-reduce (reduce-scatter under SP).
+
+Gradients: `gate_up` and `down` are marked `expert_parallel`; they are summed over the expert-data-parallel
+group (dims.expert_grad_group) instead of dp x cp. The router weight is replicated (partial under SP, like a norm).
+
+Router statistics for the load-balancing loss are left in `last_stats` (overwritten at each call, so a
+recomputation during backward does not add a second copy); Transformer.forward turns them into HF's loss.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tpzoo import kernels
+from tpzoo.parallel import (ParallelDims, ParallelLayoutError, ShardSpec, copy_to_tp, gather_from_sequence,
+                            mark_parallel, reduce_from_tp, reduce_scatter_to_sequence, shard)
+from tpzoo.parallel import comm
+
+from .config import ModelConfig
+
+
+class _AllToAllV(torch.autograd.Function):
+    """Uneven all-to-all of rows; its gradient goes back the same way with the split sizes swapped."""
+
+    @staticmethod
+    def forward(ctx, x, send: list, recv: list, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return comm.all_to_all_v(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_to_all_v(grad.contiguous(), ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+class Router(nn.Module):
+    """Linear gate h -> E, softmax in fp32, top-k, optionally renormalized (Mixtral's top-k softmax is exactly
+    this with renormalization). Replicated over tp; its gradient is partial under sequence parallelism."""
+
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, dtype=None, device=None):
+        super().__init__()
+        self.top_k, self.normalize, self.std = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.initializer_range
+        self.weight = mark_parallel(nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype,
+                                                             device=device)), None, sequence_parallel)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight.device.type != "meta":
+            nn.init.normal_(self.weight, std=self.std)
+
+    def forward(self, x: torch.Tensor):
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits.float(), dim=-1)
+        top, index = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, probs, top.to(logits.dtype), index
+
+
+class MoELayer(nn.Module):
+    """Drop-in for ParallelMLP on the MoE layers ([b, s(/tp under SP), h] in and out)."""
+
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, dims: ParallelDims, dtype=None, device=None):
+        super().__init__()
+        E, ffn, h, tp, ep = cfg.num_experts, cfg.expert_ffn, cfg.hidden_size, dims.tp, dims.ep
+        if E % ep:
+            raise ParallelLayoutError(f"ep={ep} does not divide num_experts={E}")
+        if ffn % tp:
+            raise ParallelLayoutError(f"tp={tp} does not divide the expert hidden size {ffn}")
+        self.cfg, self.dims, self.sequence_parallel = cfg, dims, sequence_parallel
+        self.num_experts, self.top_k, self.local = E, cfg.num_experts_per_tok, E // ep
+        self.router = Router(cfg, sequence_parallel, dtype, device)
+        kw = {"dtype": dtype, "device": device}
+        self.gate_up = _expert_param(torch.empty(self.local, 2 * ffn // tp, h, **kw), ShardSpec(1, parts=(ffn, ffn)))
+        self.down = _expert_param(torch.empty(self.local, h, ffn // tp, **kw), ShardSpec(2))
+        self.std, self.out_std = cfg.initializer_range, cfg.initializer_range / math.sqrt(2 * cfg.num_layers)
+        self.activation = cfg.activation
+        self.last_stats: dict | None = None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Draw every expert's full weights (the same at any tp, ep), keep this rank's experts and tp shard."""
+        if self.gate_up.device.type == "meta":
+            return
+        cfg, dims = self.cfg, self.dims
+        E, ffn, h = self.num_experts, cfg.expert_ffn, cfg.hidden_size
+        mine = slice(dims.ep_rank * self.local, (dims.ep_rank + 1) * self.local)
+        for param, shape, std in ((self.gate_up, (E, 2 * ffn, h), self.std), (self.down, (E, h, ffn), self.out_std)):
+            full = torch.empty(shape, dtype=torch.float32, device=param.device).normal_(std=std)
+            param.copy_(shard(full[mine], param.tp_spec, dims.tp_rank, dims.tp))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, h = x.shape[0], x.shape[-1]
+        group = self.dims.tp_group
+        logits, probs, weights, index = self.router(x.reshape(-1, h))
+        self.last_stats = _router_stats(logits, probs, index, self.num_experts)
+        k = self.top_k
+        # Enter the TP region: x (and the router's output, computed on the same tokens) as the dense MLP does.
+        if self.sequence_parallel and self.dims.tp > 1:
+            x_full = gather_from_sequence(x, -2, group)
+            weights = gather_from_sequence(weights.view(b, -1, k), -2, group)
+            index = comm.all_gather(index.view(b, -1, k), group, dim=1)
+        else:
+            x_full = copy_to_tp(x, group)
+            weights = copy_to_tp(weights, group)
+        tokens = x_full.reshape(-1, h)
+        y = self._dispatch_compute_return(tokens, index.reshape(-1))  # [T * k, h], partial over tp
+        out = (y.view(-1, k, h) * weights.reshape(-1, k, 1).to(y.dtype)).sum(dim=1).view(x_full.shape)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(out, -2, group)
+        return reduce_from_tp(out, group)
+
+    def _dispatch_compute_return(self, tokens: torch.Tensor, expert_of: torch.Tensor) -> torch.Tensor:
+        """Rows of `tokens` repeated for each of their k experts (assignment a = token * k + j), sent to the rank
+        of the expert, computed, returned, in assignment order."""
+        order = torch.argsort(expert_of, stable=True)  # assignments grouped by expert
+        rows = tokens[order // self.top_k]
+        counts = torch.bincount(expert_of, minlength=self.num_experts)
+        ep, group = self.dims.ep, self.dims.group("ep")
+        if ep == 1:
+            y = self._experts(rows, counts.tolist())
+        else:
+            # received[r, e]: how many rows ep rank r sends to my local expert e
+            received = comm.all_to_all(counts.view(ep, self.local), group)
+            host = torch.cat([counts, received.flatten()]).cpu().tolist()  # the split sizes, as host ints
+            send_counts, recv = host[: self.num_experts], host[self.num_experts:]
+            send = [sum(send_counts[r * self.local:(r + 1) * self.local]) for r in range(ep)]
+            recv_splits = [sum(recv[r * self.local:(r + 1) * self.local]) for r in range(ep)]
+            arrived = _AllToAllV.apply(rows, send, recv_splits, group)  # ordered (source rank, local expert)
+            by_expert, per_expert = _source_major_to_expert_major(recv, ep, self.local, tokens.device)
+            y_local = self._experts(arrived[by_expert], per_expert)
+            y = _AllToAllV.apply(y_local[torch.argsort(by_expert)], recv_splits, send, group)
+        return y[torch.argsort(order)]
+
+    def _experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The local experts over their contiguous row groups (a loop: no grouped GEMM kernel on every device).
+        Every expert runs, an empty one on zero rows, so each expert weight gets a (possibly zero) gradient."""
+        outs, start = [], 0
+        # unbind: one backward that stacks the experts' gradients (indexing each expert would zero-fill a
+        # whole-tensor gradient per expert)
+        gate_ups, downs = self.gate_up.unbind(0), self.down.unbind(0)
+        for e, n in enumerate(counts):
+            gate, up = F.linear(rows[start:start + n], gate_ups[e]).chunk(2, dim=-1)
+            act = kernels.swiglu(gate, up) if self.activation == "swiglu" else kernels.geglu(gate, up)
+            outs.append(F.linear(act, downs[e]))
+            start += n
+        return torch.cat(outs, dim=0)
+
+
+def _expert_param(t: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
+    p = mark_parallel(nn.Parameter(t), spec)
+    p.expert_parallel = True  # dim 0 split over ep; gradients summed over the expert-data-parallel group
+    return p
+
+
+def _source_major_to_expert_major(recv: list[int], ep: int, local: int, device):
+    """Row permutation from (source rank, expert) blocks to (expert, source rank) blocks, and rows per expert."""
+    offsets, off = [], 0
+    for n in recv:
+        offsets.append(off)
+        off += n
+    # built on the host from the host split sizes (explicitly: a default device may be meta or cuda), one copy over
+    pieces = [torch.arange(offsets[r * local + e], offsets[r * local + e] + recv[r * local + e], device="cpu")
+              for e in range(local) for r in range(ep)]
+    per_expert = [sum(recv[r * local + e] for r in range(ep)) for e in range(local)]
+    perm = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device="cpu")
+    return perm.to(device), per_expert
+
+
+def _router_stats(logits, probs, index, num_experts: int) -> dict:
+    """This call's sums over its tokens (this rank's sequence shard under SP): the top-k assignments per expert
+    (no gradient), the routing probabilities per expert and logsumexp(logits)^2 (both with gradient)."""
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=probs.device)
+    counts.index_add_(0, index.reshape(-1), torch.ones(index.numel(), dtype=torch.float32, device=probs.device))
+    return {"logits": logits, "counts": counts, "prob_sum": probs.sum(dim=0),
+            "z_sum": torch.logsumexp(logits.float(), dim=-1).square().sum(), "tokens": probs.shape[0]}
+
+
+def router_losses(stats: list[dict], num_experts: int, tp_group, sequence_parallel: bool) -> tuple:
+    """(load-balancing loss, z-loss) of one forward over `stats` (every MoE layer of the model, in order).
+
+    The load-balancing loss is transformers' load_balancing_loss_func on the concatenated layers: E * sum_e
+    f_e * P_e, f_e the fraction of all (layer, token, top-k slot) assignments that chose expert e (over layers *
+    tokens rows), P_e the mean routing probability of e over all (layer, token) rows. Under SP each rank holds
+    its shard's sums; one all-reduce (identity backward: every rank computes the same loss) makes them total."""
+    counts = torch.stack([s["counts"] for s in stats]).sum(0)
+    probs = torch.stack([s["prob_sum"] for s in stats]).sum(0)
+    z = torch.stack([s["z_sum"] for s in stats])
+    rows = sum(s["tokens"] for s in stats)
+    if sequence_parallel:
+        flat = reduce_from_tp(torch.cat([counts, probs, z]), tp_group)
+        counts, probs, z = flat.split([num_experts, num_experts, len(stats)])
+        rows = rows * comm.group_size(tp_group)
+    aux = num_experts * torch.sum((counts / rows) * (probs / rows))
+    z_loss = z.sum() / (rows / len(stats))  # per layer: mean over its tokens; summed over layers
+    return aux, z_loss

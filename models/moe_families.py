@@ -1,0 +1,139 @@
+"""The mixture-of-experts families: Mixtral, Qwen3-MoE and OLMoE (models/moe.py is their MoE layer).
+
+All three are Llama-shaped decoders whose MLP is a router plus E SwiGLU experts. HF checkpoints (what
+transformers 5 writes with save_pretrained) store each expert separately:
+  Mixtral     model.layers.{i}.block_sparse_moe.gate.weight, ...experts.{e}.w1 (gate) / w3 (up) / w2 (down)
+  Qwen3-MoE   model.layers.{i}.mlp.gate.weight, mlp.experts.{e}.gate_proj / up_proj / down_proj (+ q/k norms
+              per head; dense layers in mlp_only_layers / decoder_sparse_step keep mlp.{gate,up,down}_proj)
+  OLMoE       as Qwen3-MoE, with q/k norms over the whole projection width (OLMo 2's)
+tpzoo stacks them: layers.{i}.mlp.router.weight [E, h], mlp.gate_up [E, 2 ffn, h] (gate|up of each expert),
+mlp.down [E, h, ffn]; the stacked dim 0 is what expert parallelism splits.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+from .hf_common import check, common_fields, common_to_hf, decoder_tensor_map, read_rope, rope_to_hf
+from .hf_mapping import TensorMap, same
+from .registry import Family, register_family
+
+NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+
+
+def stacked_gate_up(name: str, gates: list[str], ups: list[str], ffn: int, **kw) -> TensorMap:
+    """Per-expert gate and up [ffn, h] <-> one [E, 2 ffn, h] (expert e: rows gate then up)."""
+    hf = tuple(n for pair in zip(gates, ups) for n in pair)
+
+    def to_tpzoo(ts):
+        return torch.stack([torch.cat(ts[2 * e: 2 * e + 2], dim=0) for e in range(len(gates))])
+
+    def to_hf(x):
+        return [part.clone() for e in range(x.shape[0]) for part in x[e].split([ffn, ffn], dim=0)]
+
+    return TensorMap(name, hf, to_tpzoo, to_hf, **kw)
+
+
+def stacked(name: str, hfs: list[str], **kw) -> TensorMap:
+    """Per-expert [out, in] <-> one [E, out, in]."""
+    return TensorMap(name, tuple(hfs), lambda ts: torch.stack(list(ts)), lambda x: [t.clone() for t in x.unbind(0)],
+                     **kw)
+
+
+def _expert_maps(block: str, router: str, names: tuple[str, str, str]):
+    """moe_maps for decoder_tensor_map: HF module `block` holds `router` and experts.{e}.{gate, up, down}."""
+    def maps(cfg: ModelConfig, i: int, p: str, q: str) -> list:
+        experts = [f"{q}{block}.experts.{e}." for e in range(cfg.num_experts)]
+        gate, up, down = ([x + n + ".weight" for x in experts] for n in names)
+        return [same(p + "mlp.router.weight", f"{q}{block}.{router}.weight", layer=i),
+                stacked_gate_up(p + "mlp.gate_up", gate, up, cfg.expert_ffn, layer=i),
+                stacked(p + "mlp.down", down, layer=i)]
+    return maps
+
+
+def _moe_fields(family: str, hf: dict, experts_key: str) -> dict:
+    check(family, hf, "hidden_act", ("silu",), "silu")
+    theta, scaling = read_rope(family, hf)
+    return dict(**common_fields(hf), activation="swiglu", rope_theta=theta, rope_scaling=scaling,
+                num_experts=hf.get(experts_key) or hf.get("num_local_experts") or hf["num_experts"],
+                num_experts_per_tok=hf["num_experts_per_tok"],
+                router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
+                output_router_logits=bool(hf.get("output_router_logits", False)))
+
+
+def _moe_to_hf(cfg: ModelConfig, model_type: str, architecture: str, experts_key: str) -> dict:
+    hf = common_to_hf(cfg, model_type, architecture)
+    hf.update(hidden_act="silu", rope_parameters=rope_to_hf(cfg), num_experts_per_tok=cfg.num_experts_per_tok,
+              router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=cfg.output_router_logits)
+    hf[experts_key] = cfg.num_experts
+    return hf
+
+
+# -- Mixtral ----------------------------------------------------------------------------------------------------
+
+def mixtral_from_hf(hf: dict) -> ModelConfig:
+    if hf.get("router_jitter_noise"):
+        check("mixtral", hf, "router_jitter_noise", (0, 0.0))
+    return ModelConfig(family="mixtral", **_moe_fields("mixtral", hf, "num_local_experts"), norm_topk_prob=True,
+                       sliding_window=hf.get("sliding_window"))
+
+
+def mixtral_to_hf(cfg: ModelConfig) -> dict:
+    hf = _moe_to_hf(cfg, "mixtral", "MixtralForCausalLM", "num_local_experts")
+    hf["sliding_window"] = cfg.sliding_window
+    return hf
+
+
+register_family(Family(
+    name="mixtral", hf_model_types=("mixtral",), hf_architecture="MixtralForCausalLM",
+    config_from_hf=mixtral_from_hf, config_to_hf=mixtral_to_hf,
+    hf_tensor_map=lambda cfg: decoder_tensor_map(cfg, NORMS, _expert_maps("block_sparse_moe", "gate",
+                                                                          ("w1", "w3", "w2")))))
+
+
+# -- Qwen3-MoE --------------------------------------------------------------------------------------------------
+
+def qwen3_moe_from_hf(hf: dict) -> ModelConfig:
+    if hf.get("use_sliding_window"):
+        check("qwen3_moe", hf, "use_sliding_window", (False,))
+    bias = hf.get("attention_bias", False)
+    return ModelConfig(family="qwen3_moe", **_moe_fields("qwen3_moe", hf, "num_experts"), qk_norm="head",
+                       qkv_bias=bias, out_bias=bias, moe_ffn_hidden_size=hf["moe_intermediate_size"],
+                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                       mlp_only_layers=list(hf.get("mlp_only_layers") or []) or None,
+                       decoder_sparse_step=hf.get("decoder_sparse_step", 1))
+
+
+def qwen3_moe_to_hf(cfg: ModelConfig) -> dict:
+    hf = _moe_to_hf(cfg, "qwen3_moe", "Qwen3MoeForCausalLM", "num_experts")
+    hf.update(attention_bias=cfg.qkv_bias, moe_intermediate_size=cfg.expert_ffn, norm_topk_prob=cfg.norm_topk_prob,
+              mlp_only_layers=list(cfg.mlp_only_layers or []), decoder_sparse_step=cfg.decoder_sparse_step)
+    return hf
+
+
+_MLP_EXPERTS = _expert_maps("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))
+register_family(Family(
+    name="qwen3_moe", hf_model_types=("qwen3_moe",), hf_architecture="Qwen3MoeForCausalLM",
+    config_from_hf=qwen3_moe_from_hf, config_to_hf=qwen3_moe_to_hf,
+    hf_tensor_map=lambda cfg: decoder_tensor_map(cfg, NORMS, _MLP_EXPERTS)))
+
+
+# -- OLMoE ------------------------------------------------------------------------------------------------------
+
+def olmoe_from_hf(hf: dict) -> ModelConfig:
+    check("olmoe", hf, "clip_qkv", (None,))
+    bias = hf.get("attention_bias", False)
+    return ModelConfig(family="olmoe", **_moe_fields("olmoe", hf, "num_experts"), qk_norm="full", qkv_bias=bias,
+                       out_bias=bias, norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+
+
+def olmoe_to_hf(cfg: ModelConfig) -> dict:
+    hf = _moe_to_hf(cfg, "olmoe", "OlmoeForCausalLM", "num_experts")
+    hf.update(attention_bias=cfg.qkv_bias, norm_topk_prob=cfg.norm_topk_prob)
+    return hf
+
+
+register_family(Family(
+    name="olmoe", hf_model_types=("olmoe",), hf_architecture="OlmoeForCausalLM",
+    config_from_hf=olmoe_from_hf, config_to_hf=olmoe_to_hf,
+    hf_tensor_map=lambda cfg: decoder_tensor_map(cfg, NORMS, _MLP_EXPERTS)))
