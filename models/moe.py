@@ -193,21 +193,31 @@ def _router_stats(logits, probs, index, num_experts: int) -> dict:
             "z_sum": torch.logsumexp(logits.float(), dim=-1).square().sum(), "tokens": probs.shape[0]}
 
 
-def router_losses(stats: list[dict], num_experts: int, tp_group, sequence_parallel: bool) -> tuple:
-    """(load-balancing loss, z-loss) of one forward over `stats` (every MoE layer of the model, in order).
+def stage_stats(stats: list[dict], num_experts: int, device) -> torch.Tensor:
+    """The sums of this chunk's MoE layers as one fp32 tensor [counts (E, no gradient), routing-probability sums
+    (E), sum of logsumexp^2 (1)]: what a pipeline stage adds to the statistics it passes on (all additive)."""
+    if not stats:
+        return torch.zeros(2 * num_experts + 1, dtype=torch.float32, device=device)
+    counts = torch.stack([s["counts"] for s in stats]).sum(0)
+    probs = torch.stack([s["prob_sum"] for s in stats]).sum(0)
+    z = torch.stack([s["z_sum"] for s in stats]).sum().reshape(1)
+    return torch.cat([counts, probs.float(), z.float()])
+
+
+def router_losses(totals: torch.Tensor, tokens: int, num_layers: int, num_experts: int, tp_group,
+                  sequence_parallel: bool) -> tuple:
+    """(load-balancing loss, z-loss) of one forward from `totals` (stage_stats summed over every MoE layer of the
+    model, all pipeline stages included), `tokens` routed per layer on this rank, `num_layers` MoE layers.
 
     The load-balancing loss is transformers' load_balancing_loss_func on the concatenated layers: E * sum_e
     f_e * P_e, f_e the fraction of all (layer, token, top-k slot) assignments that chose expert e (over layers *
-    tokens rows), P_e the mean routing probability of e over all (layer, token) rows. Under SP each rank holds
-    its shard's sums; one all-reduce (identity backward: every rank computes the same loss) makes them total."""
-    counts = torch.stack([s["counts"] for s in stats]).sum(0)
-    probs = torch.stack([s["prob_sum"] for s in stats]).sum(0)
-    z = torch.stack([s["z_sum"] for s in stats])
-    rows = sum(s["tokens"] for s in stats)
+    tokens rows), P_e the mean routing probability of e over all (layer, token) rows. The z-loss is the mean over
+    tokens of logsumexp(logits)^2, summed over layers. Under SP each rank holds its shard's sums; one all-reduce
+    (identity backward: every rank computes the same loss) makes them total."""
     if sequence_parallel:
-        flat = reduce_from_tp(torch.cat([counts, probs, z]), tp_group)
-        counts, probs, z = flat.split([num_experts, num_experts, len(stats)])
-        rows = rows * comm.group_size(tp_group)
+        totals = reduce_from_tp(totals, tp_group)
+        tokens = tokens * comm.group_size(tp_group)
+    counts, probs, z = totals.split([num_experts, num_experts, 1])
+    rows = tokens * num_layers
     aux = num_experts * torch.sum((counts / rows) * (probs / rows))
-    z_loss = z.sum() / (rows / len(stats))  # per layer: mean over its tokens; summed over layers
-    return aux, z_loss
+    return aux, z.sum() / tokens

@@ -26,8 +26,8 @@ from .blocks import Norm, TransformerBlock, rope_cos_sin, rope_inv_freq
 from .config import ModelConfig
 
 RECOMPUTE_MODES = ("none", "selective", "full")
-ROUTER_LOSS_PP = ("the router auxiliary loss (output_router_logits) with pipeline parallelism is not implemented; "
-                  "set output_router_logits false or use pp=1")
+ROUTER_LOSS_PP = ("a last pipeline stage computing the router loss needs the earlier stages' router statistics: "
+                  "pass router_stats (the pipeline executor carries them beside the activations)")
 
 
 @contextlib.contextmanager
@@ -101,7 +101,10 @@ class Transformer(nn.Module):
             elif post_process:
                 mark_tied(self.lm_head.weight, "embedding", primary=False)
         self.moe_layers = [i for i in range(start, end) if cfg.is_moe_layer(i)]
-        self.router_loss_on = bool(self.moe_layers) and cfg.output_router_logits and (
+        # The router loss couples every MoE layer of the whole model (not only this chunk's): with pipeline
+        # parallelism each stage adds its layers' sums to statistics that travel with the activations.
+        self.num_moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+        self.router_loss_on = bool(self.num_moe_layers) and bool(cfg.output_router_logits) and bool(
             cfg.router_aux_loss_coef or cfg.router_z_loss_coef)
         self.aux_loss = self.z_loss = None  # of the last forward (detached; HF's aux_loss output)
         if cfg.position == "rope":
@@ -197,8 +200,14 @@ class Transformer(nn.Module):
     # -- forward --------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                kv_caches: list | None = None, label_smoothing: float = 0.0) -> torch.Tensor:
-        """input_ids [b, s] on the first stage, else `hidden` from the previous stage (seq-sharded under SP)."""
+                kv_caches: list | None = None, label_smoothing: float = 0.0,
+                router_stats: torch.Tensor | None = None):
+        """input_ids [b, s] on the first stage, else `hidden` from the previous stage (seq-sharded under SP).
+
+        router_stats (pipeline training with the router loss): the router statistics of the earlier stages
+        (models.moe.stage_stats; zeros on the first stage). This chunk adds its layers' sums; a chunk without the
+        head then returns (hidden, statistics) for the next stage, the last one computes the router loss from the
+        totals. Without it, a chunk that is the whole model computes the loss from its own layers."""
         tp = self.dims.tp
         seq_len = input_ids.shape[1] if input_ids is not None else hidden.shape[1] * (
             tp if self.sequence_parallel else 1)
@@ -229,12 +238,27 @@ class Transformer(nn.Module):
                 h = checkpoint(layer, h, cos, sin, cache, use_reentrant=False)
             else:
                 h = layer(h, cos, sin, cache)
-        if self.router_loss_on and labels is not None and not self.pre_process:
-            # HF's load-balancing loss couples every layer's routing (one product of global sums), so a pipeline
-            # stage cannot add its share alone. (The CLI refuses this before any rank starts.)
-            raise ConfigError(ROUTER_LOSS_PP)
-        if self.moe_layers:
-            aux = self._router_losses()
+        if router_stats is not None:
+            from .moe import stage_stats
+
+            stats = [self.layers[str(i)].mlp.last_stats for i in self.moe_layers]
+            E = self.cfg.num_experts
+            # the incoming counts carry no gradient (assignments): only the probability and z sums send one back
+            incoming = torch.cat([router_stats[:E].detach(), router_stats[E:]])
+            router_stats = incoming + stage_stats(stats, E, h.device)
+            if not self.post_process:
+                return h, router_stats
+            aux = self._router_losses(router_stats, h)
+        else:
+            if self.router_loss_on and labels is not None and not (self.pre_process and self.post_process):
+                # HF's load-balancing loss couples every layer's routing (one product of global sums), so a
+                # pipeline stage cannot add its share alone.
+                raise ConfigError(ROUTER_LOSS_PP)
+            if self.moe_layers and self.pre_process and self.post_process:
+                from .moe import stage_stats
+
+                stats = [self.layers[str(i)].mlp.last_stats for i in self.moe_layers]
+                aux = self._router_losses(stage_stats(stats, self.cfg.num_experts, h.device), h)
         if not self.post_process:
             return h
         logits = self.lm_head(self.final_norm(h))
@@ -255,12 +279,14 @@ class Transformer(nn.Module):
         """Each MoE layer's router logits of the last forward ([tokens, E]; this rank's sequence shard under SP)."""
         return [self.layers[str(i)].mlp.last_stats["logits"] for i in self.moe_layers]
 
-    def _router_losses(self) -> torch.Tensor:
-        """HF's load-balancing loss and the z-loss of the last forward (stored detached), and their weighted sum."""
+    def _router_losses(self, totals: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """HF's load-balancing loss and the z-loss of the last forward (stored detached), and their weighted sum,
+        from the statistics of every MoE layer of the model (`totals`); h: this rank's hidden [b, s_local, h]."""
         from .moe import router_losses
 
-        stats = [self.layers[str(i)].mlp.last_stats for i in self.moe_layers]
-        aux, z = router_losses(stats, self.cfg.num_experts, self.dims.tp_group, self.sequence_parallel)
+        tokens = h.shape[0] * h.shape[1]
+        aux, z = router_losses(totals, tokens, self.num_moe_layers, self.cfg.num_experts, self.dims.tp_group,
+                               self.sequence_parallel)
         self.aux_loss, self.z_loss = aux.detach(), z.detach()
         return self.cfg.router_aux_loss_coef * aux + self.cfg.router_z_loss_coef * z
 

@@ -89,7 +89,8 @@ def execute(chunks, microbatches: list[dict], dims: ParallelDims | None, step: S
     p, rank, v, m = dims.pp, dims.pp_rank, len(chunks), len(microbatches)
     actions = plan(schedule, rank, p, m, v, forward_only)
     param = next(q for q in chunks[0].parameters() if q.is_floating_point())
-    stage_comm = StageComm(dims, v, m, activation_shape(chunks, microbatches, dims), param.dtype, param.device)
+    stage_comm = StageComm(dims, v, m, activation_shape(chunks, microbatches, dims), param.dtype, param.device,
+                           extra=router_stats_size(chunks[0], microbatches[0]))
     runners = [StageRunner(c, i, stage_comm, microbatches, step, forward_only=forward_only)
                for i, c in enumerate(chunks)]
     split = any(a.kind == "W" for a in actions)
@@ -150,11 +151,27 @@ def lm_forward(label_smoothing: float = 0.0):
     the per-token loss, or the logits shard for a batch without labels."""
     def forward(index, chunk, batch, hidden):
         device, labels, positions = chunk.device, batch.get("labels"), batch.get("position_ids")
+        stats = None
+        if router_stats_size(chunk, batch):  # the router statistics ride beside the activation (engine docs)
+            hidden, stats = hidden if hidden is not None else (None, torch.zeros(
+                router_stats_size(chunk, batch), dtype=torch.float32, device=device))
         return chunk(input_ids=batch["input_ids"].to(device, non_blocking=True) if chunk.pre_process else None,
                      hidden=hidden, labels=labels.to(device, non_blocking=True)
                      if labels is not None and chunk.post_process else None, label_smoothing=label_smoothing,
-                     position_ids=None if positions is None else positions.to(device, non_blocking=True))
+                     position_ids=None if positions is None else positions.to(device, non_blocking=True),
+                     router_stats=stats)
     return forward
+
+
+def router_stats_size(chunk, batch: dict) -> int:
+    """Length of the router statistics a pipeline stage passes on beside its activation (models.moe.stage_stats:
+    the load-balancing and z-losses couple every MoE layer of the model), 0 when none travel: only for a batch
+    with labels, a model training with the router loss, split into several chunks."""
+    if not getattr(chunk, "router_loss_on", False) or "labels" not in batch:
+        return 0
+    if chunk.pre_process and chunk.post_process:
+        return 0
+    return 2 * chunk.cfg.num_experts + 1
 
 
 class LossSum:

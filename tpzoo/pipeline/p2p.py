@@ -23,11 +23,15 @@ _WARMED_UP: set = set()  # NCCL: pp groups whose communicator a collective of al
 
 class StageComm:
     def __init__(self, dims: ParallelDims, num_chunks: int, num_microbatches: int, shape: tuple,
-                 dtype: torch.dtype, device):
+                 dtype: torch.dtype, device, extra: int = 0):
         self.p, self.rank = dims.pp, dims.pp_rank
         self.v, self.m = num_chunks, num_microbatches
         self.last_stage = self.p * self.v - 1
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
+        # extra > 0: every message is a pair (activation, fp32 vector of `extra` values: the router statistics
+        # of the stages so far, or their gradient), sent as two tensors of one batched send (tags: _tag, and that + _tags)
+        self.extra = extra
+        self._tags = 2 * (self.last_stage + 1) * self.m  # the activations' tags; the statistics' come after them
         self.ranks = dims.ranks("pp") if self.p > 1 else None
         self.group = dims.pp_group if self.p > 1 else None
         self._posted: dict = {}  # (direction, stage, mb) -> (buffer, request or None)
@@ -57,10 +61,13 @@ class StageComm:
         if key in self._posted or self.p == 1:
             return
         src = stage - 1 if direction == FORWARD else stage + 1
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        (req,) = comm.batch_send_recv([], [(buf, self._peer(src), self._tag(direction, stage, mb))], self.group,
-                                      wait=False)
-        self._posted[key] = (buf, req)
+        peer, tag = self._peer(src), self._tag(direction, stage, mb)
+        bufs = [torch.empty(self.shape, dtype=self.dtype, device=self.device)]
+        if self.extra:
+            bufs.append(torch.empty(self.extra, dtype=torch.float32, device=self.device))
+        reqs = comm.batch_send_recv([], [(b, peer, tag + i * self._tags) for i, b in enumerate(bufs)], self.group,
+                                    wait=False)
+        self._posted[key] = (bufs[0] if not self.extra else tuple(bufs), reqs)
 
     def recv(self, direction: int, chunk: int, mb: int) -> torch.Tensor:
         """The activation (FORWARD) or gradient (BACKWARD) that chunk needs for mb; blocks until it arrives."""
@@ -68,8 +75,9 @@ class StageComm:
         if self.p == 1:
             return self._local.pop((direction, stage, mb))
         self.post_recv(direction, chunk, mb)
-        buf, req = self._posted.pop((direction, stage, mb))
-        req.wait()
+        buf, reqs = self._posted.pop((direction, stage, mb))
+        for req in reqs:
+            req.wait()
         return buf
 
     # -- sending --------------------------------------------------------------------------------------------
@@ -78,15 +86,22 @@ class StageComm:
         previous stage) for mb, without waiting."""
         stage = self.stage_of(chunk)
         dst = stage + 1 if direction == FORWARD else stage - 1
+        if self.extra:  # (activation, statistics): the statistics stay fp32 whatever the activations' dtype
+            t, stats = t
+            stats = stats.detach().float().contiguous()
+            if stats.shape != (self.extra,):
+                raise RuntimeError(f"pipeline stage {stage}: router statistics of shape {tuple(stats.shape)}, "
+                                   f"expected ({self.extra},)")
         t = t.detach().to(self.dtype).contiguous()
         if tuple(t.shape) != self.shape:
             raise RuntimeError(f"pipeline stage {stage} produced shape {tuple(t.shape)}, expected {self.shape}")
         if self.p == 1:
-            self._local[(direction, dst, mb)] = t
+            self._local[(direction, dst, mb)] = (t, stats) if self.extra else t
             return
-        (req,) = comm.batch_send_recv([(t, self._peer(dst), self._tag(direction, dst, mb))], [], self.group,
-                                      wait=False)
-        self._sends.append((req, t))
+        peer, tag = self._peer(dst), self._tag(direction, dst, mb)
+        sends = [(t, peer, tag)] + ([(stats, peer, tag + self._tags)] if self.extra else [])
+        for req in comm.batch_send_recv(sends, [], self.group, wait=False):
+            self._sends.append((req, sends))
         self._sends = [(r, x) for r, x in self._sends if not r.is_completed()]
 
     def finish(self) -> None:

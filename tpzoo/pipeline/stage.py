@@ -50,8 +50,9 @@ class StageRunner:
 
     def forward(self, mb: int, x) -> None:
         batch = self.microbatches[mb]
-        if x is not None and not self.forward_only:
-            x.requires_grad_()
+        if x is not None and not self.forward_only:  # a tensor, or (activation, router statistics)
+            for t in _tensors(x):
+                t.requires_grad_()
         out = self.step.forward(self.index, self.chunk, batch, x)
         if self.last:
             out = self.step.last(mb, out, batch)
@@ -64,19 +65,20 @@ class StageRunner:
         """The whole backward from the output gradient (None on the last stage: the output is the loss): input
         gradient (sent to the previous stage) and weight gradients."""
         x, out, _ = self.saved.pop(mb)
-        torch.autograd.backward(out, grad)
+        torch.autograd.backward(_tensors(out), None if grad is None else _tensors(grad))
         if x is not None:
-            self.comm.send(BACKWARD, self.index, mb, x.grad)
+            self.comm.send(BACKWARD, self.index, mb, _like(x, [t.grad for t in _tensors(x)]))
 
     def backward_input(self, mb: int, grad) -> None:
         """B of zero-bubble: only the gradient the previous stage waits for; the weight gradients are owed."""
         state = self.saved[mb]
         x, out, _ = state
+        outs, grads = _tensors(out), None if grad is None else _tensors(grad)
         if x is None:  # the first stage has no input gradient to hurry: its W is the whole backward
-            state[2] = lambda: torch.autograd.backward(out, grad, inputs=self.params)
+            state[2] = lambda: torch.autograd.backward(outs, grads, inputs=self.params)
             return
-        gx, owed = backward_input(out, grad, x, self.params)
-        self.comm.send(BACKWARD, self.index, mb, gx)
+        gx, owed = backward_input(outs, grads, _tensors(x), self.params)
+        self.comm.send(BACKWARD, self.index, mb, _like(x, gx))
         state[2] = owed.run
 
     def backward_weights(self, mb: int) -> None:
@@ -87,3 +89,15 @@ class StageRunner:
     @property
     def inflight(self) -> int:
         return len(self.saved)
+
+
+def _tensors(x) -> list:
+    """A stage's message as a list: [activation] or [activation, router statistics] (the pair of p2p.StageComm)."""
+    return list(x) if isinstance(x, (tuple, list)) else [x]
+
+
+def _like(x, grads: list):
+    """The gradients of `x`'s tensors in x's form (one tensor or the pair). A statistics input through which no
+    gradient flowed gets zeros."""
+    grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, _tensors(x))]
+    return tuple(grads) if isinstance(x, (tuple, list)) else grads[0]

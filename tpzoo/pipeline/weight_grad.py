@@ -11,8 +11,10 @@ weight branches: the weight-gradient matmuls, nothing of the activation-gradient
 are the all-gathers of sequence-parallel column inputs, kept sharded between B and W (tpzoo.parallel
 .column_linear; `grad_phase` tells that Python autograd node which part it is asked for).
 
-A parameter reached from several frontier nodes (one weight used twice) could have a branch counted twice that
-way; it takes the safe path instead: W re-walks from the stage output for it.
+A parameter reached from several frontier nodes (one weight used twice) restarts from all of them at once when
+none of them passes gradient to another (the experts of an MoE layer: slices of one weight, each in its own
+matmul); otherwise a branch could be counted twice that way, and it takes the safe path instead: W re-walks from
+the stage output for it.
 """
 from __future__ import annotations
 
@@ -25,9 +27,10 @@ from tpzoo.parallel.column_linear import grad_phase
 from tpzoo.parallel.data_parallel import accumulate_grad
 
 
-def _reverse_edges(root) -> dict:
-    """node -> the nodes that pass it gradient (its consumers in the forward), for the graph below root."""
-    parents, stack, seen = defaultdict(list), [root], {root}
+def _reverse_edges(roots: list) -> dict:
+    """node -> the nodes that pass it gradient (its consumers in the forward), for the graph below the roots."""
+    roots = [r for r in roots if r is not None]
+    parents, stack, seen = defaultdict(list), list(roots), set(roots)
     while stack:
         node = stack.pop()
         for child, _ in node.next_functions:
@@ -40,9 +43,9 @@ def _reverse_edges(root) -> dict:
     return parents
 
 
-def _ancestors(node, parents: dict) -> set:
-    """Every node from which `node` is reachable (itself included): here, the input path of the stage."""
-    found, stack = {node}, [node]
+def _ancestors(nodes: list, parents: dict) -> set:
+    """Every node from which one of `nodes` is reachable (themselves included): here, the input path."""
+    found, stack = set(nodes), list(nodes)
     while stack:
         for p in parents.get(stack.pop(), ()):
             if p not in found:
@@ -65,6 +68,22 @@ def _frontier(accumulator, parents: dict, input_path: set) -> set:
     return found
 
 
+def _independent(frontier: set, parents: dict, input_path: set) -> bool:
+    """Whether no frontier node passes gradient to another along the input path: then W may restart from all of
+    them at once without counting a branch twice (a weight used by several independent matmuls: the experts of
+    a mixture-of-experts layer, one row group each)."""
+    for node in frontier:
+        found, stack = {node}, [node]  # the input-path nodes that reach `node`
+        while stack:
+            for p in parents.get(stack.pop(), ()):
+                if p in input_path and p not in found:
+                    if p in frontier:
+                        return False
+                    found.add(p)
+                    stack.append(p)
+    return True
+
+
 class WeightGrad:
     """The W pass still owed for one micro-batch (keeps the graph alive until run)."""
 
@@ -73,12 +92,13 @@ class WeightGrad:
 
     def run(self) -> None:
         fallback = list(self.fallback)
-        for node, params in self.groups.items():
-            grads_in = self.captured.get(node)
-            if grads_in is None:  # B did not run this node: take the safe path rather than lose a gradient
+        for nodes, params in self.groups.items():
+            grads_in = [self.captured.get(node) for node in nodes]
+            if any(g is None for g in grads_in):  # B did not run a node: the safe path rather than lose a gradient
                 fallback += params
                 continue
-            edges = [(GradientEdge(node, k), g) for k, g in enumerate(grads_in) if g is not None]
+            edges = [(GradientEdge(node, k), g) for node, gs in zip(nodes, grads_in) for k, g in enumerate(gs)
+                     if g is not None]
             with grad_phase("weight"):  # a sequence-parallel column matmul: gather x again, skip grad_x
                 grads = torch.autograd.grad([e for e, _ in edges], [get_gradient_edge(p) for p in params],
                                             [g for _, g in edges], retain_graph=True, allow_unused=True)
@@ -95,18 +115,23 @@ def _accumulate(params, grads) -> None:
             accumulate_grad(p, g)
 
 
-def backward_input(out: torch.Tensor, grad, x: torch.Tensor, params: list) -> tuple[torch.Tensor, WeightGrad]:
-    """B: the gradient of the stage input x (returned), and the W pass still owed."""
-    parents = _reverse_edges(out.grad_fn)
-    input_path = _ancestors(get_gradient_edge(x).node, parents)
+def backward_input(out: list, grad, x: list, params: list) -> tuple[list, WeightGrad]:
+    """B: the gradients of the stage inputs x (returned; a list, as x: the activation and, with the router loss
+    under pipelining, the router statistics), and the W pass still owed. out, grad: the stage outputs and their
+    gradients (lists); a single tensor for each is taken too (and the gradient of x returned as one)."""
+    if isinstance(x, torch.Tensor):
+        (gx,), owed = backward_input([out], None if grad is None else [grad], [x], params)
+        return gx, owed
+    parents = _reverse_edges([o.grad_fn for o in out])
+    input_path = _ancestors([get_gradient_edge(t).node for t in x], parents)
     groups, fallback = defaultdict(list), []
     for p in params:
         accumulator = get_gradient_edge(p).node
         if accumulator not in parents:
             continue  # not used by this stage's forward
         frontier = _frontier(accumulator, parents, input_path)
-        if len(frontier) == 1:
-            groups[next(iter(frontier))].append(p)
+        if len(frontier) == 1 or _independent(frontier, parents, input_path):
+            groups[tuple(sorted(frontier, key=id))].append(p)
         else:
             fallback.append(p)
     captured = {}
@@ -116,10 +141,10 @@ def backward_input(out: torch.Tensor, grad, x: torch.Tensor, params: list) -> tu
             captured[node] = grad_outputs
         return hook
 
-    hooks = [node.register_prehook(recorder(node)) for node in groups]
+    hooks = [node.register_prehook(recorder(node)) for node in {n for nodes in groups for n in nodes}]
     try:
         with grad_phase("input"):  # a sequence-parallel column matmul: no weight matmul, no re-gather
-            (gx,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+            gx = torch.autograd.grad(out, x, grad, retain_graph=True, allow_unused=True)
     finally:
         for h in hooks:
             h.remove()

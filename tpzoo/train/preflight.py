@@ -93,15 +93,6 @@ def check_experts(model_cfg, tp: int, ep: int, what: str, dp: int | None = None)
                                   f"data-parallel ranks)")
 
 
-def check_router_loss(model_cfg, pp: int, what: str) -> None:
-    """The router loss couples every layer's routing: not with pipeline parallelism (yet)."""
-    from tpzoo.models.transformer import ROUTER_LOSS_PP
-
-    if pp > 1 and model_cfg.num_experts and model_cfg.output_router_logits and (
-            model_cfg.router_aux_loss_coef or model_cfg.router_z_loss_coef):
-        raise ConfigError(f"{what}: {ROUTER_LOSS_PP}")
-
-
 def check_device(name: str) -> None:
     """The device string parses, and CUDA exists when asked for: the runtime's own choice, made here early (the
     ranks choose again, each with its LOCAL_RANK)."""
@@ -225,7 +216,6 @@ def check_train(cfg, world_size: int | None = None):
     label = what or f"model {cfg.model}"
     check_layout(model_cfg, cfg.tp, cfg.pp, cfg.virtual_stages, label, ep=cfg.ep)
     check_context(model_cfg, cfg.tp, cfg.cp, cfg.cp_mode, label)
-    check_router_loss(model_cfg, cfg.pp, label)
     check_positions(model_cfg, cfg.seq_len, label)
     check_tokenizer(tokenizer, model_cfg.vocab_size if what else None, label)
     check_lora(cfg, model_cfg)
@@ -290,7 +280,6 @@ def check_eval(args, world_size: int | None = None) -> None:
     _positive(args, "batch_size", "seq_len", "max_tokens")
     check_text_file(args.text_file, "--text-file")  # before the checkpoint: it is the cheaper of the two
     model_cfg, what = _check_checkpoint(args, world_size)
-    check_router_loss(model_cfg, args.pp, what)
     if args.seq_len:
         check_positions(model_cfg, args.seq_len, what)
 
