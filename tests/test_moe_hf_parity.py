@@ -2,7 +2,8 @@
 (tp, ep) = (1, 1), (2, 1), (1, 2), (1, 4), (2, 2) + SP and (tp, ep, pp) = (1, 2, 2) on 4 gloo ranks (dp = 4 / tp: each data-parallel rank
 feeds its own samples, so the tokens each ep rank's experts receive come from several ranks). Logits, every
 layer's router logits, HF's load-balancing loss and the loss with it (output_router_logits) must equal
-transformers' on the same samples to 1e-4 (1e-5 for the losses). The routers are drawn large so the routing is
+transformers' on the same samples to 1e-4 (1e-5 for the losses; at pp = 2 the aux loss and the loss come
+from the last stage, the router statistics carried through the pipeline). The routers are drawn large so the routing is
 uneven: the test checks that some expert of some rank receives no token. The expert all-to-alls of a forward
 are counted: calls and bytes per MoE layer are the analytical ones."""
 import pytest
@@ -61,16 +62,22 @@ def hf_runs(tmp_path_factory):
     return out
 
 
-def _check_pipeline(path, ids, refs, dims):
-    """pp = 2: logits through the pipeline executor, and each stage's layers' router logits."""
+def _check_pipeline(path, ids, labels, refs, dims):
+    """pp = 2: logits through the pipeline executor, each stage's layers' router logits, and on the last stage
+    HF's aux loss and the loss with it (the router statistics of stage 0 travel with the activations; for
+    Qwen3-MoE stage 0 holds only the dense layer and passes on zeros)."""
     model = load_model(path).eval()  # this stage's layers, straight from the HF files
     per = BATCH // dims.dp
     rows = slice(dims.dp_rank * per, (dims.dp_rank + 1) * per)
-    ref_logits, ref_router, _, _ = refs[(dims.dp_rank * per, per)]
+    ref_logits, ref_router, ref_aux, ref_loss = refs[(dims.dp_rank * per, per)]
     with torch.no_grad():
         logits = pipeline_forward(model, ids[rows])
+        per_token = pipeline_forward(model, ids[rows], labels[rows])
     if dims.is_last_stage:
         torch.testing.assert_close(model.full_logits(logits), ref_logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(model.aux_loss, ref_aux, rtol=1e-5, atol=1e-6)
+        loss = per_token.sum() / (labels[rows] != -100).sum()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     hf_index = {layer: j for j, layer in enumerate(i for i in range(model.cfg.num_layers)
                                                    if model.cfg.is_moe_layer(i))}
     for layer, ours in zip(model.moe_layers, model.router_logits()):
@@ -85,7 +92,7 @@ def _check_layouts(path, ids, labels, refs, layouts):
         dims = tpzoo.init_parallel(tp=tp, ep=ep, pp=layout.get("pp", 1))
         if dims.pp > 1:
             try:
-                results.append(_check_pipeline(path, ids, refs, dims))
+                results.append(_check_pipeline(path, ids, labels, refs, dims))
             finally:
                 tpzoo.destroy_parallel()
             continue
