@@ -92,6 +92,9 @@ class MoELayer(nn.Module):
         self.std, self.out_std = cfg.initializer_range, cfg.initializer_range / math.sqrt(2 * cfg.num_layers)
         self.activation = cfg.activation
         self.last_stats: dict | None = None
+        # [tokens] float, 1 for the tokens the router statistics count (0: context parallelism's padding; set by
+        # Transformer.forward for each call, None: every token counts)
+        self.token_mask: torch.Tensor | None = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -110,7 +113,7 @@ class MoELayer(nn.Module):
         b, h = x.shape[0], x.shape[-1]
         group = self.dims.tp_group
         logits, probs, weights, index = self.router(x.reshape(-1, h))
-        self.last_stats = _router_stats(logits, probs, index, self.num_experts)
+        self.last_stats = _router_stats(logits, probs, index, self.num_experts, self.token_mask)
         k = self.top_k
         # Enter the TP region: x (and the router's output, computed on the same tokens) as the dense MLP does.
         if self.sequence_parallel and self.dims.tp > 1:
@@ -184,40 +187,70 @@ def _source_major_to_expert_major(recv: list[int], ep: int, local: int, device):
     return perm.to(device), per_expert
 
 
-def _router_stats(logits, probs, index, num_experts: int) -> dict:
-    """This call's sums over its tokens (this rank's sequence shard under SP): the top-k assignments per expert
-    (no gradient), the routing probabilities per expert and logsumexp(logits)^2 (both with gradient)."""
+def _router_stats(logits, probs, index, num_experts: int, mask=None) -> dict:
+    """This call's sums over its tokens (this rank's sequence shard under SP; only those of `mask` when given):
+    the top-k assignments per expert (no gradient), the routing probabilities per expert and logsumexp(logits)^2
+    (both with gradient), and the number of tokens counted."""
     counts = torch.zeros(num_experts, dtype=torch.float32, device=probs.device)
-    counts.index_add_(0, index.reshape(-1), torch.ones(index.numel(), dtype=torch.float32, device=probs.device))
-    return {"logits": logits, "counts": counts, "prob_sum": probs.sum(dim=0),
-            "z_sum": torch.logsumexp(logits.float(), dim=-1).square().sum(), "tokens": probs.shape[0]}
+    lse2 = torch.logsumexp(logits.float(), dim=-1).square()
+    if mask is None:
+        ones = torch.ones(index.numel(), dtype=torch.float32, device=probs.device)
+        prob_sum, z_sum, tokens = probs.sum(dim=0), lse2.sum(), torch.tensor(
+            float(probs.shape[0]), device=probs.device)
+    else:
+        mask = mask.to(torch.float32)
+        ones = mask.repeat_interleave(index.shape[-1])
+        prob_sum, z_sum, tokens = (probs * mask[:, None]).sum(dim=0), (lse2 * mask).sum(), mask.sum()
+    counts.index_add_(0, index.reshape(-1), ones)
+    return {"logits": logits, "counts": counts, "prob_sum": prob_sum, "z_sum": z_sum, "tokens": tokens}
 
 
 def stage_stats(stats: list[dict], num_experts: int, device) -> torch.Tensor:
     """The sums of this chunk's MoE layers as one fp32 tensor [counts (E, no gradient), routing-probability sums
-    (E), sum of logsumexp^2 (1)]: what a pipeline stage adds to the statistics it passes on (all additive)."""
+    (E), sum of logsumexp^2 (1), (layer, token) rows counted (1)]: what a pipeline stage adds to the statistics
+    it passes on, and what the ranks of one sequence sum (all additive)."""
     if not stats:
-        return torch.zeros(2 * num_experts + 1, dtype=torch.float32, device=device)
+        return torch.zeros(stats_size(num_experts), dtype=torch.float32, device=device)
     counts = torch.stack([s["counts"] for s in stats]).sum(0)
     probs = torch.stack([s["prob_sum"] for s in stats]).sum(0)
     z = torch.stack([s["z_sum"] for s in stats]).sum().reshape(1)
-    return torch.cat([counts, probs.float(), z.float()])
+    rows = torch.stack([s["tokens"] for s in stats]).sum().reshape(1)
+    return torch.cat([counts, probs.float(), z.float(), rows.float()])
 
 
-def router_losses(totals: torch.Tensor, tokens: int, num_layers: int, num_experts: int, tp_group,
-                  sequence_parallel: bool) -> tuple:
+def stats_size(num_experts: int) -> int:
+    return 2 * num_experts + 2
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over a group whose ranks all use the result in their own part of one loss: the gradient is summed too."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_reduce(grad.contiguous().clone(), ctx.group), None
+
+
+def router_losses(totals: torch.Tensor, num_layers: int, num_experts: int, tp_group, sequence_parallel: bool,
+                  cp_group=None) -> tuple:
     """(load-balancing loss, z-loss) of one forward from `totals` (stage_stats summed over every MoE layer of the
-    model, all pipeline stages included), `tokens` routed per layer on this rank, `num_layers` MoE layers.
+    model, all pipeline stages included; this rank's tokens), `num_layers` MoE layers in the model.
 
     The load-balancing loss is transformers' load_balancing_loss_func on the concatenated layers: E * sum_e
     f_e * P_e, f_e the fraction of all (layer, token, top-k slot) assignments that chose expert e (over layers *
     tokens rows), P_e the mean routing probability of e over all (layer, token) rows. The z-loss is the mean over
     tokens of logsumexp(logits)^2, summed over layers. Under SP each rank holds its shard's sums; one all-reduce
-    (identity backward: every rank computes the same loss) makes them total."""
+    over tp (identity backward: every tp rank computes the same loss, on the same tokens) makes them total. Under
+    context parallelism (cp_group) each cp rank holds its chunks of the sequence: the sums are added over cp too,
+    and since each cp rank adds the loss to its own tokens, the gradient of the totals is summed over cp."""
     if sequence_parallel:
         totals = reduce_from_tp(totals, tp_group)
-        tokens = tokens * comm.group_size(tp_group)
-    counts, probs, z = totals.split([num_experts, num_experts, 1])
-    rows = tokens * num_layers
+    if cp_group is not None:
+        totals = _AllReduceSum.apply(totals, cp_group)
+    counts, probs, z, rows = totals.split([num_experts, num_experts, 1, 1])
     aux = num_experts * torch.sum((counts / rows) * (probs / rows))
-    return aux, z.sum() / tokens
+    return aux, z.sum() / (rows.sum() / num_layers)

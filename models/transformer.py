@@ -201,13 +201,15 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 kv_caches: list | None = None, label_smoothing: float = 0.0,
-                router_stats: torch.Tensor | None = None):
+                router_stats: torch.Tensor | None = None, token_mask: torch.Tensor | None = None):
         """input_ids [b, s] on the first stage, else `hidden` from the previous stage (seq-sharded under SP).
 
         router_stats (pipeline training with the router loss): the router statistics of the earlier stages
         (models.moe.stage_stats; zeros on the first stage). This chunk adds its layers' sums; a chunk without the
         head then returns (hidden, statistics) for the next stage, the last one computes the router loss from the
-        totals. Without it, a chunk that is the whole model computes the loss from its own layers."""
+        totals. Without it, a chunk that is the whole model computes the loss from its own layers.
+        token_mask [b, s] (this rank's tokens, before SP's split): the tokens the router statistics count (context
+        parallelism's padding, which HF's sequence does not have, is 0); None: all."""
         tp = self.dims.tp
         seq_len = input_ids.shape[1] if input_ids is not None else hidden.shape[1] * (
             tp if self.sequence_parallel else 1)
@@ -226,6 +228,10 @@ class Transformer(nn.Module):
                                        .squeeze(-1))
         else:
             h = hidden
+        if self.moe_layers:
+            mask = None if token_mask is None else self._seq_chunk(token_mask.unsqueeze(-1)).reshape(-1)
+            for i in self.moe_layers:
+                self.layers[str(i)].mlp.token_mask = mask
         rotary = {None: (None, None)}  # each layer's table: "global", "local" (Gemma 3) or None (no rope)
         if self.cfg.position == "rope":
             rotary["global"] = rope_cos_sin(self.inv_freq, positions)
@@ -248,7 +254,7 @@ class Transformer(nn.Module):
             router_stats = incoming + stage_stats(stats, E, h.device)
             if not self.post_process:
                 return h, router_stats
-            aux = self._router_losses(router_stats, h)
+            aux = self._router_losses(router_stats)
         else:
             if self.router_loss_on and labels is not None and not (self.pre_process and self.post_process):
                 # HF's load-balancing loss couples every layer's routing (one product of global sums), so a
@@ -258,7 +264,7 @@ class Transformer(nn.Module):
                 from .moe import stage_stats
 
                 stats = [self.layers[str(i)].mlp.last_stats for i in self.moe_layers]
-                aux = self._router_losses(stage_stats(stats, self.cfg.num_experts, h.device), h)
+                aux = self._router_losses(stage_stats(stats, self.cfg.num_experts, h.device))
         if not self.post_process:
             return h
         logits = self.lm_head(self.final_norm(h))
@@ -279,14 +285,13 @@ class Transformer(nn.Module):
         """Each MoE layer's router logits of the last forward ([tokens, E]; this rank's sequence shard under SP)."""
         return [self.layers[str(i)].mlp.last_stats["logits"] for i in self.moe_layers]
 
-    def _router_losses(self, totals: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def _router_losses(self, totals: torch.Tensor) -> torch.Tensor:
         """HF's load-balancing loss and the z-loss of the last forward (stored detached), and their weighted sum,
-        from the statistics of every MoE layer of the model (`totals`); h: this rank's hidden [b, s_local, h]."""
+        from the statistics of every MoE layer of the model on this rank's tokens (`totals`)."""
         from .moe import router_losses
 
-        tokens = h.shape[0] * h.shape[1]
-        aux, z = router_losses(totals, tokens, self.num_moe_layers, self.cfg.num_experts, self.dims.tp_group,
-                               self.sequence_parallel)
+        aux, z = router_losses(totals, self.num_moe_layers, self.cfg.num_experts, self.dims.tp_group,
+                               self.sequence_parallel, self.dims.cp_group if self.dims.cp > 1 else None)
         self.aux_loss, self.z_loss = aux.detach(), z.detach()
         return self.cfg.router_aux_loss_coef * aux + self.cfg.router_z_loss_coef * z
 

@@ -2,7 +2,9 @@
 load-balancing loss and a router z-loss in the loss) trains two SGD steps at (tp, ep, dp, pp) = (1, 2, 2, 1),
 (2, 2, 2, 1) + SP, (1, 2, 2, 1) with full recomputation (the dispatch runs again inside the backward),
 (1, 2, 2, 2) with 1F1B and (1, 2, 2, 2) with zero-bubble and full recomputation (the router statistics travel
-with the activations; zero-bubble's B sends their gradient back, W finishes the router weights). The loss sum,
+with the activations; zero-bubble's B sends their gradient back, W finishes the router weights), and
+(tp, cp, ep, dp) = (1, 2, 2, 2) (ring attention; the ep peers are the two cp ranks) on sequences of 7 tokens,
+padded to 8 by shard_batch: the router statistics are summed over cp and skip the padding. The loss sum,
 every gradient of the first step (tp shards and ep experts gathered to full tensors) and every parameter after
 the second step equal the single-process model on the same micro-batches (1e-5 of each tensor's largest entry).
 
@@ -14,6 +16,7 @@ import torch
 import tpzoo
 from tpzoo.models import ModelConfig, Transformer
 from tpzoo.parallel import GradBuffer, comm, gather_tp_tensor, grad_of, param_spec
+from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward
 from tpzoo.testing import run_on_ranks
 
@@ -23,26 +26,28 @@ GLOBAL_BATCH, SEQ, MICRO, STEPS, SEED = 4, 8, 1, 2, 11
 CFG = ModelConfig(family="mixtral", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   ffn_hidden_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                   router_aux_loss_coef=0.05, router_z_loss_coef=0.01, output_router_logits=True)
+CP_SEQ = 7  # cp = 2 cuts each sequence into 4 chunks: padded to 8, the padding must not count in the router loss
 LAYOUTS = {2: [dict(tp=1, ep=2, dp=2), dict(tp=1, ep=2, dp=2, recompute="full")],
            4: [dict(tp=2, ep=2, dp=2, sp=True), dict(tp=1, ep=2, dp=2, pp=2),
-               dict(tp=1, ep=2, dp=2, pp=2, schedule="zb", recompute="full")]}
+               dict(tp=1, ep=2, dp=2, pp=2, schedule="zb", recompute="full"),
+               dict(tp=1, cp=2, ep=2, dp=2, seq=CP_SEQ)]}
 
 
-def global_batch(step: int):
+def global_batch(step: int, seq: int = SEQ):
     g = torch.Generator().manual_seed(50 + step)
-    ids = torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH, SEQ), generator=g)
+    ids = torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH, SEQ), generator=g)[:, :seq]
     labels = torch.cat([ids[:, 1:], torch.full((GLOBAL_BATCH, 1), -100)], dim=1)
     labels[torch.rand(labels.shape, generator=g) < 0.15] = -100
     return ids, labels
 
 
-def reference(cfg) -> dict:
+def reference(cfg, seq: int = SEQ) -> dict:
     """One process, the same micro-batches (the router losses are per forward, so the split matters)."""
     model = Transformer(cfg, seed=SEED)
     opt = make_optimizer(model.parameters())
     losses, grads = [], {}
     for step in range(STEPS):
-        ids, labels = global_batch(step)
+        ids, labels = global_batch(step, seq)
         tokens = (labels != -100).sum()
         opt.zero_grad(set_to_none=True)
         total = 0.0
@@ -64,7 +69,8 @@ def _full(p, t, dims):
 
 def train(layout: dict) -> dict:
     cfg = CFG
-    dims = tpzoo.init_parallel(tp=layout["tp"], pp=layout.get("pp", 1), dp=layout["dp"], ep=layout["ep"])
+    dims = tpzoo.init_parallel(tp=layout["tp"], pp=layout.get("pp", 1), dp=layout["dp"], ep=layout["ep"],
+                               cp=layout.get("cp", 1))
     try:
         chunks = build_model_chunks(cfg, dims, sequence_parallel=layout.get("sp", False), seed=SEED,
                                     recompute=layout.get("recompute", "none"))
@@ -76,11 +82,11 @@ def train(layout: dict) -> dict:
         opt = make_optimizer(params)
         losses, grads, empty = [], {}, 0
         for step in range(STEPS):
-            ids, labels = global_batch(step)
+            ids, labels = global_batch(step, layout.get("seq", SEQ))
             per_dp = GLOBAL_BATCH // dims.dp
             rows = slice(dims.dp_rank * per_dp, (dims.dp_rank + 1) * per_dp)
-            mbs = [{"input_ids": ids[rows][i:i + MICRO], "labels": labels[rows][i:i + MICRO]}
-                   for i in range(0, per_dp, MICRO)]
+            mbs = [shard_batch({"input_ids": ids[rows][i:i + MICRO], "labels": labels[rows][i:i + MICRO]}, dims,
+                               layout.get("sp", False)) for i in range(0, per_dp, MICRO)]
             for buf, _ in buffers:
                 buf.zero()
             out = forward_backward(chunks, mbs, dims, loss_scale=1.0 / int((labels != -100).sum()),
@@ -109,10 +115,11 @@ def run_layouts(layouts):
 
 
 def test_moe_training_matches_one_process():
-    ref = reference(CFG)
+    refs = {SEQ: reference(CFG), CP_SEQ: reference(CFG, CP_SEQ)}
     for world, layouts in LAYOUTS.items():
         per_rank = run_on_ranks(world, run_layouts, layouts)
         for i, layout in enumerate(layouts):
+            ref = refs[layout.get("seq", SEQ)]
             ranks = [r[i] for r in per_rank]
             for r in ranks:
                 for name, g in r["grads"].items():

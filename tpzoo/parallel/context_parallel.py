@@ -44,4 +44,6 @@ def shard_batch(batch: dict, dims: ParallelDims, sequence_parallel: bool = False
         else:
             out[key] = t
     out["position_ids"] = pos.unsqueeze(0).to(ids.device)
+    if padded > s:  # the real tokens (the router statistics of a mixture of experts must not count the padding)
+        out["token_mask"] = (pos < s).unsqueeze(0).expand(ids.shape[0], -1).to(ids.device)
     return out

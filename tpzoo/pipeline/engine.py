@@ -151,7 +151,7 @@ def lm_forward(label_smoothing: float = 0.0):
     the per-token loss, or the logits shard for a batch without labels."""
     def forward(index, chunk, batch, hidden):
         device, labels, positions = chunk.device, batch.get("labels"), batch.get("position_ids")
-        stats = None
+        mask, stats = batch.get("token_mask"), None
         if router_stats_size(chunk, batch):  # the router statistics ride beside the activation (engine docs)
             hidden, stats = hidden if hidden is not None else (None, torch.zeros(
                 router_stats_size(chunk, batch), dtype=torch.float32, device=device))
@@ -159,7 +159,7 @@ def lm_forward(label_smoothing: float = 0.0):
                      hidden=hidden, labels=labels.to(device, non_blocking=True)
                      if labels is not None and chunk.post_process else None, label_smoothing=label_smoothing,
                      position_ids=None if positions is None else positions.to(device, non_blocking=True),
-                     router_stats=stats)
+                     router_stats=stats, token_mask=None if mask is None else mask.to(device, non_blocking=True))
     return forward
 
 
@@ -171,7 +171,9 @@ def router_stats_size(chunk, batch: dict) -> int:
         return 0
     if chunk.pre_process and chunk.post_process:
         return 0
-    return 2 * chunk.cfg.num_experts + 1
+    from tpzoo.models.moe import stats_size
+
+    return stats_size(chunk.cfg.num_experts)
 
 
 class LossSum:

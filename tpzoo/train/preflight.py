@@ -56,15 +56,11 @@ def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str
 
 def check_context(model_cfg, tp: int, cp: int, mode: str, what: str = "the model") -> None:
     """Context parallelism against the model: all-to-all splits each TP rank's heads over cp; the ring's blockwise
-    attention has no softcapping; no mixture of experts yet."""
+    attention has no softcapping."""
     from tpzoo.parallel.dims import ParallelLayoutError
 
     if cp == 1:
         return
-    if model_cfg.num_experts:
-        # The router statistics (load-balancing loss) are reduced over tp only, not over the cp ranks' chunks.
-        raise ParallelLayoutError(f"{what}: context parallelism (cp={cp}) with a mixture-of-experts model is not "
-                                  f"supported yet; use cp=1")
     if mode == "a2a" and (model_cfg.num_heads // tp) % cp:
         raise ParallelLayoutError(f"{what}: --cp-mode a2a needs the {model_cfg.num_heads // tp} heads per TP rank "
                                   f"(num_heads {model_cfg.num_heads} / tp {tp}) divisible by cp={cp}; use "
