@@ -1,7 +1,8 @@
 """Mixture-of-experts training against one process: a tiny Mixtral-shaped model (8 experts, top-2, with the
 load-balancing loss and a router z-loss in the loss) trains two SGD steps at (tp, ep, dp, pp) = (1, 2, 2, 1),
 (2, 2, 2, 1) + SP, (1, 2, 2, 1) with full recomputation (the dispatch runs again inside the backward),
-(1, 2, 2, 2) with 1F1B and (1, 2, 2, 2) with zero-bubble and full recomputation (the router statistics travel
+(1, 2, 2, 2) with 1F1B (layer 0 dense, as Qwen3-MoE's mlp_only_layers: stage 0 has no router) and
+(1, 2, 2, 2) with zero-bubble and full recomputation (the router statistics travel
 with the activations; zero-bubble's B sends their gradient back, W finishes the router weights), and
 (tp, cp, ep, dp) = (1, 2, 2, 2) (ring attention; the ep peers are the two cp ranks) on sequences of 7 tokens,
 padded to 8 by shard_batch: the router statistics are summed over cp and skip the padding. The loss sum,
@@ -26,9 +27,10 @@ GLOBAL_BATCH, SEQ, MICRO, STEPS, SEED = 4, 8, 1, 2, 11
 CFG = ModelConfig(family="mixtral", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   ffn_hidden_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                   router_aux_loss_coef=0.05, router_z_loss_coef=0.01, output_router_logits=True)
+DENSE_FIRST = CFG.replace(mlp_only_layers=(0,))  # at pp = 2 stage 0 has no MoE layer (passes zeros on)
 CP_SEQ = 7  # cp = 2 cuts each sequence into 4 chunks: padded to 8, the padding must not count in the router loss
 LAYOUTS = {2: [dict(tp=1, ep=2, dp=2), dict(tp=1, ep=2, dp=2, recompute="full")],
-           4: [dict(tp=2, ep=2, dp=2, sp=True), dict(tp=1, ep=2, dp=2, pp=2),
+           4: [dict(tp=2, ep=2, dp=2, sp=True), dict(tp=1, ep=2, dp=2, pp=2, cfg="dense_first"),
                dict(tp=1, ep=2, dp=2, pp=2, schedule="zb", recompute="full"),
                dict(tp=1, cp=2, ep=2, dp=2, seq=CP_SEQ)]}
 
@@ -68,7 +70,7 @@ def _full(p, t, dims):
 
 
 def train(layout: dict) -> dict:
-    cfg = CFG
+    cfg = DENSE_FIRST if layout.get("cfg") == "dense_first" else CFG
     dims = tpzoo.init_parallel(tp=layout["tp"], pp=layout.get("pp", 1), dp=layout["dp"], ep=layout["ep"],
                                cp=layout.get("cp", 1))
     try:
@@ -115,11 +117,11 @@ def run_layouts(layouts):
 
 
 def test_moe_training_matches_one_process():
-    refs = {SEQ: reference(CFG), CP_SEQ: reference(CFG, CP_SEQ)}
+    refs = {SEQ: reference(CFG), CP_SEQ: reference(CFG, CP_SEQ), "dense_first": reference(DENSE_FIRST)}
     for world, layouts in LAYOUTS.items():
         per_rank = run_on_ranks(world, run_layouts, layouts)
         for i, layout in enumerate(layouts):
-            ref = refs[layout.get("seq", SEQ)]
+            ref = refs[layout.get("cfg", layout.get("seq", SEQ))]
             ranks = [r[i] for r in per_rank]
             for r in ranks:
                 for name, g in r["grads"].items():

@@ -65,7 +65,7 @@ class StageRunner:
         """The whole backward from the output gradient (None on the last stage: the output is the loss): input
         gradient (sent to the previous stage) and weight gradients."""
         x, out, _ = self.saved.pop(mb)
-        torch.autograd.backward(_tensors(out), None if grad is None else _tensors(grad))
+        torch.autograd.backward(*_differentiable(out, grad))
         if x is not None:
             self.comm.send(BACKWARD, self.index, mb, _like(x, [t.grad for t in _tensors(x)]))
 
@@ -73,7 +73,7 @@ class StageRunner:
         """B of zero-bubble: only the gradient the previous stage waits for; the weight gradients are owed."""
         state = self.saved[mb]
         x, out, _ = state
-        outs, grads = _tensors(out), None if grad is None else _tensors(grad)
+        outs, grads = _differentiable(out, grad)
         if x is None:  # the first stage has no input gradient to hurry: its W is the whole backward
             state[2] = lambda: torch.autograd.backward(outs, grads, inputs=self.params)
             return
@@ -94,6 +94,15 @@ class StageRunner:
 def _tensors(x) -> list:
     """A stage's message as a list: [activation] or [activation, router statistics] (the pair of p2p.StageComm)."""
     return list(x) if isinstance(x, (tuple, list)) else [x]
+
+
+def _differentiable(out, grad) -> tuple:
+    """The outputs that carry a gradient, with theirs: a stage without a router before it passes on statistics
+    that do not depend on any parameter (the first stage of a model whose first layers are dense)."""
+    if grad is None:  # the last stage: the scalar to backpropagate
+        return _tensors(out), None
+    pairs = [(o, g) for o, g in zip(_tensors(out), _tensors(grad)) if o.requires_grad]
+    return [o for o, _ in pairs], [g for _, g in pairs]
 
 
 def _like(x, grads: list):
