@@ -21,7 +21,7 @@ from tpzoo.plan import ClusterSpec, Layout, TrainingSpec, estimate, search, stag
 from tpzoo.plan.estimate import GIB
 from tpzoo.plan.measure import forward_activation_bytes
 from tpzoo.plan.memory import chunk_activation_bytes, expert_state_bytes, late_params
-from tpzoo.plan.volume import moe_layer_volume
+from tpzoo.plan.volume import moe_layer_volume, tp_step_volume
 from tpzoo.testing import run_on_ranks
 from tpzoo.train.expert_optim import ExpertParallelAdamW
 from tpzoo.train.optim import DistributedAdamW
@@ -139,6 +139,19 @@ def test_real_step_at_ep2_state_activations_and_all_to_all():
         want = vol[(kind, "ep")]
         assert all(r["a2a"][kind][0] == MIXTRAL.num_layers * want.calls for r in ranks), kind
         assert sum(r["a2a"][kind][1] for r in ranks) == 2 * MIXTRAL.num_layers * want.payload_bytes, kind
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["no-sp", "sp"])
+def test_tp_collectives_of_an_moe_step_equal_count_collectives(sp):
+    """At tp = 2 an MoE layer adds the top-k weights' (and under SP the indices') entry into the TP region, and
+    under SP the router loss's all-reduce of the statistics."""
+    from test_plan_parallel import B, S, _step_collectives
+
+    for mode in ("none", "full"):
+        got = run_on_ranks(2, _step_collectives, MIXTRAL, sp, mode, 2)
+        layout = Layout(tp=2, micro_batch_size=B, recompute=mode, sequence_parallel=sp)
+        est = tp_step_volume(MIXTRAL, layout, 0, 2, S, act_bytes=4, grad_bytes=4).summary()
+        assert est == {k: v for k, v in got[0].items() if k.endswith("@tp")}, (mode, est, got[0])
 
 
 def test_search_proposes_expert_parallelism_that_fits():

@@ -90,12 +90,18 @@ def tp_step_volume(cfg: ModelConfig, layout: Layout, stage: int, micro_batches: 
     moe = moe_layers(cfg, p, stage, layout.virtual_stages)
     if moe:  # the router's top-k weights (and under SP its expert indices) enter the TP region with the tokens
         weights = tokens * cfg.num_experts_per_tok * act_bytes
-        if sp:
+        if sp:  # and the MoE MLP gathers its input itself: no column layer re-gathers it in the backward
+            vt.add("all_gather", "tp", t, full, -m * moe)
             vt.add("all_gather", "tp", t, weights, m * moe * (1 + again))
             vt.add("all_gather", "tp", t, weights // act_bytes * 8, m * moe * (1 + again))  # int64 indices
             vt.add("reduce_scatter", "tp", t, weights, m * moe)
         else:
             vt.add("all_reduce", "tp", t, weights, m * moe)
+    if moe and sp and stage == p - 1 and cfg.output_router_logits and (cfg.router_aux_loss_coef
+                                                                     or cfg.router_z_loss_coef):
+        # the router loss: every MoE layer's statistics summed over the tp shards (fp32 counts, probability sums
+        # per expert, one z sum per layer), once per forward (models/moe.py router_losses)
+        vt.add("all_reduce", "tp", t, (2 * cfg.num_experts + moe) * 4, m)
     if stage == 0:  # vocab-parallel embedding
         if sp:
             vt.add("reduce_scatter", "tp", t, full, m)
