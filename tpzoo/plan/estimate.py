@@ -17,6 +17,9 @@ Context parallelism (cp > 1): each rank computes seq_len / cp tokens and 1/cp of
 attention's K|V (and in the backward dK|dV) transfers per layer (plan/volume.py ring_layer_volume) overlap the
 attention of the block at hand, and only what a transfer takes beyond one block's attention is exposed (cp_comm);
 activation recomputation runs the forward ring again. Gradients are reduced over dp x cp.
+Mixtures of experts (ep > 1): each MoE layer's all-to-alls (plan/volume.py moe_layer_volume) are synchronous on
+the ep group (ep_comm); the expert weights' gradients are reduced over edp = dp x cp / ep, the rest over dp x cp;
+FLOPs count the active parameters (the router and k experts per token).
 A collective costs latency + ring bytes sent / bandwidth: intra-node when its whole group sits in one node,
 else the per-GPU inter-node bandwidth.
 FLOPs of a micro-batch on one GPU, from its local shapes (replicated kv heads and vocab padding included):

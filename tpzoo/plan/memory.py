@@ -28,6 +28,9 @@ with dp > 1 the reduce-scattered fp32 gradient shard (P/dp). So 18 bytes per ele
 (Megatron's figure), 16 in fp32. Under context parallelism "dp" here is dp x cp (the ranks that hold the same
 parameters), and every activation term counts the seq_len / cp tokens of a cp rank (ring attention keeps what
 SDPA keeps: q, k, v, its output and the log-sum-exp).
+Mixtures of experts (docs/plan.md): an MoE layer holds a replicated router and E/ep experts split over tp (etp =
+tp); at ep > 1 the expert weights have their own optimizer over edp = dp x cp / ep (expert_state_bytes); the MoE
+MLP keeps k dispatched rows per token and their experts' intermediates (moe_mlp_bytes).
 """
 from __future__ import annotations
 
