@@ -173,7 +173,7 @@ def test_search_proposes_expert_parallelism_that_fits():
     assert {e.layout.ep for e in dense} == {1}
 
 
-def test_bad_ep_is_one_line(capsys):
+def test_bad_input_is_one_line(capsys):
     from tpzoo.cli import main
 
     cfg, cluster, training = MIXTRAL, ClusterSpec(gpus=4), TrainingSpec(seq_len=16, global_batch_size=8)
@@ -181,6 +181,8 @@ def test_bad_ep_is_one_line(capsys):
         search(cfg, cluster, training, ep=3)
     with pytest.raises(ConfigError, match="no experts"):
         search(get_config("tiny-llama"), cluster, training, ep=2)
+    with pytest.raises(ConfigError, match="does not model LoRA on a mixture of experts"):
+        search(cfg, cluster, TrainingSpec(seq_len=16, global_batch_size=8, lora_rank=4))
     rc = main(["plan", "--model", "nano-mixtral", "--gpus", "4", "--gpu-memory", "80", "--seq-len", "16",
                "--global-batch-size", "8", "--ep", "3"])
     err = capsys.readouterr().err.strip().splitlines()

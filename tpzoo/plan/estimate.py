@@ -232,8 +232,17 @@ def ep_exposed(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, moe: int,
     return moe * fwd, moe * bwd
 
 
+def refuse_moe_lora(cfg: ModelConfig, training: TrainingSpec) -> None:
+    """LoRA's plan (plan/lora.py) puts adapters on a dense MLP; on a mixture of experts tpzoo adapts only the
+    linear layers (the experts are not one), which the plan does not model: one line."""
+    if training.lora_rank and cfg.num_experts:
+        raise ConfigError(f"tpzoo plan does not model LoRA on a mixture of experts ({cfg.name or cfg.family}: "
+                          f"{cfg.num_experts} experts); plan full training, or LoRA on a dense model")
+
+
 def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: TrainingSpec) -> Estimate:
     """Memory and step time of `layout`; raises ParallelLayoutError when tpzoo cannot run it."""
+    refuse_moe_lora(cfg, training)
     check_layout(cfg, layout, cluster, training)
     t, p, dp, v = layout.tp, layout.pp, layout.dp, layout.virtual_stages
     m, e, K = num_micro_batches(layout, training), training.act_bytes, cluster.gpus_per_node
@@ -375,6 +384,7 @@ def search(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, max_m
     """Every valid layout (enumerate_layouts; `only`: tp=, pp=, recompute=, cp=, ep=), estimated: the ones that
     fit first, fastest first; then the rest, fastest first. A fixed ep that the model cannot take (ep not
     dividing its experts, ep > 1 for a dense model) is one ConfigError line."""
+    refuse_moe_lora(cfg, training)
     ep = only.get("ep")
     if ep is not None and (ep < 1 or (cfg.num_experts or 1) % ep or (ep > 1 and not cfg.num_experts)):
         raise ConfigError(f"--ep {ep}: " + (f"does not divide num_experts={cfg.num_experts}" if cfg.num_experts
