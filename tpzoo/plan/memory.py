@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from tpzoo.models.config import ModelConfig
 
+from .experts import moe_mlp_bytes
 from .lora import lora_chunk_activation_delta, lora_layer_late, lora_layer_params
 from .schedule import held_states, peak_bytes
 from .spec import DTYPE_BYTES, Layout, TrainingSpec, local_seq_len, num_micro_batches, stage_chunks
@@ -250,24 +251,6 @@ def _norm_saved(cfg: ModelConfig, e: int, kernels: str) -> int:
     if cfg.norm == "layernorm":
         return e * h + 8  # input, mean, rstd (torch and Triton alike)
     return (4 * h + e * h + 4) if kernels == "reference" else (e * h + 4)
-
-
-def moe_mlp_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, e: int, kernels: str, ep: int = 1) -> tuple:
-    """(per token of the full sequence, per token of this rank's shard, per layer) bytes an MoE MLP
-    (models/moe.py) keeps beyond its input, in place of the dense MLP's. Every token is dispatched as k rows, and over the ep group
-    this rank computes T * k rows in expectation (balanced routing; exactly at ep = 1): per row the
-    dispatched input (e*h), its expert's gate|up output and activation (the dense MLP's 3 e*f, 4 with the torch
-    references, over f = expert ffn / tp), the returned output the combine multiplies (e*h), the top-k weight
-    (e) and the int64 orders that put rows back (2, and 2 more for the received rows at ep > 1). Per shard token
-    the router: the logits (e*E, kept in last_stats), fp32 probabilities (4E; in 16-bit also the fp32 logits
-    logsumexp keeps), the top-k indices (8k), the renormalization's inputs (4k + 4) and the z-loss's
-    logsumexp (4). Per layer the router statistics of last_stats (fp32 counts and probability sums, the
-    z-loss sum: 8E + 8), alive until the next forward."""
-    k, E, h = cfg.num_experts_per_tok, cfg.num_experts, cfg.hidden_size
-    f = cfg.expert_ffn // tp
-    row = e * h + e * f * (4 if kernels == "reference" else 3) + e * h + e + 16 + (16 if ep > 1 else 0)
-    router = e * E + 4 * E + (4 * E if e < 4 else 0) + 8 * k + ((4 * k + 4) if cfg.norm_topk_prob else 0) + 4
-    return k * row, router, 8 * E + 8
 
 
 def layer_activation_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, recompute: str, tokens: int,

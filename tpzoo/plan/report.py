@@ -50,7 +50,8 @@ def _row(rank: int, est: Estimate, with_cp: bool = False, with_ep: bool = False)
     g = lambda b: f"{b / GIB:.1f}"  # noqa: E731
     comm = tb.tp_comm + tb.cp_comm + tb.ep_comm + tb.pp_comm + tb.dp_comm
     return [str(rank), str(lay.tp)] + ([str(lay.cp)] if with_cp else []) + [
-            str(lay.pp), str(lay.dp)] + ([str(lay.ep)] if with_ep else []) + [str(lay.micro_batch_size), str(est.micro_batches),
+            str(lay.pp), str(lay.dp)] + ([str(lay.ep)] if with_ep else []) + [
+            str(lay.micro_batch_size), str(est.micro_batches),
             lay.recompute, "on" if lay.sequence_parallel else "off", _sched(est), g(mem.params), g(mem.grads),
             g(mem.master + mem.optimizer), g(mem.activations), g(mem.total), f"{tb.total:.2f}",
             f"{est.tokens_per_s:,.0f}", f"{100 * est.mfu:.1f}%", f"{100 * tb.bubble / tb.total:.0f}%",
