@@ -40,11 +40,12 @@ def cfg_of(c):
     return get_config(c) if isinstance(c, str) else c
 
 
-def build_stage(cfg, tp, rank, pp, stage, v=1, device="meta", dtype=torch.bfloat16, sp=False, pad=1, dp=1):
+def build_stage(cfg, tp, rank, pp, stage, v=1, device="meta", dtype=torch.bfloat16, sp=False, pad=1, dp=1, ep=1):
     """The chunks tpzoo.pipeline.build_model_chunks gives pipeline rank `stage`, tp rank `rank` (the last dp
-    rank of dp)."""
+    rank of dp; expert parallelism ep)."""
     ranges = chunk_layer_ranges(cfg, pp, v)
-    dims = ParallelDims.for_rank(tp=tp, pp=pp, dp=dp, tp_rank=rank, pp_rank=stage, dp_rank=dp - 1, device=device)
+    dims = ParallelDims.for_rank(tp=tp, pp=pp, dp=dp, tp_rank=rank, pp_rank=stage, dp_rank=dp - 1, device=device,
+                                 ep=ep)
     chunks = [Transformer(cfg, dims=dims, layers=ranges[c * pp + stage], pre_process=c * pp + stage == 0,
                           post_process=c * pp + stage == pp * v - 1, sequence_parallel=sp,
                           vocab_padding_multiple=pad, dtype=dtype) for c in range(v)]

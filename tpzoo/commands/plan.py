@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, help="only layouts with this pp")
     p.add_argument("--cp", type=int, help="only layouts with this context-parallel size (default: cp is searched "
                    "for sequences of 16384 tokens or more)")
+    p.add_argument("--ep", type=int, help="only layouts with this expert-parallel size (mixture of experts; default: "
+                   "every ep dividing the experts and dp)")
     p.add_argument("--recompute", choices=["none", "selective", "full"], help="only this recompute mode")
     p.add_argument("--top", type=int, default=10, help="how many fitting layouts to show (default 10)")
     p.add_argument("--rejected", type=int, default=5, help="how many non-fitting layouts to show (default 5)")
@@ -86,7 +88,7 @@ def run(args) -> int:
     except ValueError as exc:  # the specs check their own fields
         raise ConfigError(str(exc)) from None
     estimates = search(cfg, cluster, training, args.max_micro_batch, tp=args.tp, pp=args.pp,
-                       recompute=args.recompute, cp=args.cp)
+                       recompute=args.recompute, cp=args.cp, ep=args.ep)
     if args.json:
         print(to_json(cfg, cluster, training, estimates, args.top, args.rejected))
     else:

@@ -17,6 +17,9 @@ Context parallelism (cp > 1): each rank computes seq_len / cp tokens and 1/cp of
 attention's K|V (and in the backward dK|dV) transfers per layer (plan/volume.py ring_layer_volume) overlap the
 attention of the block at hand, and only what a transfer takes beyond one block's attention is exposed (cp_comm);
 activation recomputation runs the forward ring again. Gradients are reduced over dp x cp.
+Mixtures of experts (ep > 1): each MoE layer's all-to-alls (plan/volume.py moe_layer_volume) are synchronous on
+the ep group (ep_comm); the expert weights' gradients are reduced over edp = dp x cp / ep, the rest over dp x cp;
+FLOPs count the active parameters (the router and k experts per token).
 A collective costs latency + ring bytes sent / bandwidth: intra-node when its whole group sits in one node,
 else the per-GPU inter-node bandwidth.
 FLOPs of a micro-batch on one GPU, from its local shapes (replicated kv heads and vocab padding included):
@@ -40,7 +43,7 @@ from .memory import (MemoryBreakdown, ParamCount, bucket_size, late_params, loca
 from .schedule import bubble_time
 from .spec import (RECOMPUTE, ClusterSpec, Layout, TrainingSpec, check_layout, group_is_intra_node,
                    local_seq_len, num_micro_batches, stage_layers)
-from .volume import ring_layer_volume, tp_step_volume
+from .volume import moe_layer_volume, moe_layers, ring_layer_volume, tp_step_volume
 
 GIB = 1024 ** 3
 BUCKET = 1 << 24  # DistributedAdamW's all-reduce bucket (elements)
@@ -52,6 +55,7 @@ class TimeBreakdown:
     recompute: float = 0.0    # the extra forward work of activation recomputation
     tp_comm: float = 0.0      # tensor/sequence-parallel collectives, incl. finish_tp_grads
     cp_comm: float = 0.0      # ring attention transfers not hidden behind the attention of a block
+    ep_comm: float = 0.0      # MoE token dispatch and return (all-to-all over the ep group, synchronous)
     pp_comm: float = 0.0      # pipeline sends on the fill and drain path (the rest overlaps compute)
     bubble: float = 0.0       # pipeline fill and drain
     dp_comm: float = 0.0      # data-parallel reduction not hidden behind backward (+ ZeRO all-gather), tied sync
@@ -60,8 +64,8 @@ class TimeBreakdown:
 
     @property
     def total(self) -> float:
-        return (self.compute + self.recompute + self.tp_comm + self.cp_comm + self.pp_comm + self.bubble
-                + self.dp_comm + self.optimizer)
+        return (self.compute + self.recompute + self.tp_comm + self.cp_comm + self.ep_comm + self.pp_comm
+                + self.bubble + self.dp_comm + self.optimizer)
 
 
 @dataclass
@@ -84,7 +88,8 @@ class Estimate:
         return {"layout": self.layout.to_dict(), "label": self.layout.label(), "micro_batches": self.micro_batches,
                 "fits": self.fits, "reason": self.reason, "memory_gib": mem, "slowest_stage": self.slowest_stage,
                 "stage_memory_gib": self.stage_memory_gib,
-                "time_s": {**asdict(self.time), "total": self.time.total},
+                "time_s": {**{k: v for k, v in asdict(self.time).items() if k != "ep_comm" or self.layout.ep > 1},
+                           "total": self.time.total},
                 "tokens_per_s": self.tokens_per_s, "mfu": self.mfu}
 
 
@@ -101,15 +106,18 @@ def stage_flops(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage:
     gradients (wgrad) and the forward work of recomputation (each time the backward walks the graph)."""
     t, b, s = layout.tp, layout.micro_batch_size, training.seq_len
     tokens, h, d = b * s // layout.cp, cfg.hidden_size, local_dims(cfg, t, training.vocab_padding_multiple)
-    count = stage_params(cfg, t, layout.pp, stage, layout.virtual_stages, training.vocab_padding_multiple)
+    count = stage_params(cfg, t, layout.pp, stage, layout.virtual_stages, training.vocab_padding_multiple, layout.ep)
     layers = stage_layers(cfg, layout.pp, stage, layout.virtual_stages)
+    moe = moe_layers(cfg, layout.pp, stage, layout.virtual_stages)
+    # the MLP's output matmul per token (not recomputed under full recompute): k experts' on an MoE layer
+    mlp_out = (layers - moe) * d.ffn * h + moe * cfg.num_experts_per_tok * (cfg.expert_ffn // t) * h
     def mean_keys(w):  # mean keys per query, causal, within a window of w
         return (s + 1) / 2 if (w is None or w >= s) else (w * s - w * (w - 1) / 2) / s
     keys = sum(mean_keys(cfg.layer_window(i)) for i in range(cfg.num_layers)) / cfg.num_layers  # mixed layers
     attn = layers * 4 * b * s * keys * d.heads * cfg.head_dim / layout.cp  # load-balanced: 1/cp of the causal work
     matmul = 2 * tokens * count.matmul + (2 * tokens * h * d.vocab if stage == layout.pp - 1 else 0)
     if layout.recompute == "full":
-        extra = 2 * tokens * count.matmul + attn - layers * 2 * tokens * d.ffn * h
+        extra = 2 * tokens * count.matmul + attn - 2 * tokens * mlp_out
     else:
         extra = attn if layout.recompute == "selective" else 0.0
     if training.lora_rank:  # frozen base: no weight gradients but the adapters' (whose matmuls are small)
@@ -166,7 +174,7 @@ def ring_exposed(cfg: ModelConfig, layout: Layout, training: TrainingSpec, clust
 
 
 def dp_sync_time(count, layout: Layout, training: TrainingSpec, cluster: ClusterSpec, m: int,
-                 backward: float) -> tuple[float, float]:
+                 backward: float, replicas: int | None = None, stride: int | None = None) -> tuple[float, float]:
     """(exposed, hidden) seconds of one stage's data-parallel gradient sync, as DistributedAdamW runs it: fp32
     gradients all-reduced (ZeRO 0) or reduce-scattered (ZeRO-1; ZeRO-2 once per micro-batch) bucket by bucket,
     then under ZeRO the updated parameters all-gathered (model dtype, after the step: exposed). With overlap a
@@ -174,12 +182,13 @@ def dp_sync_time(count, layout: Layout, training: TrainingSpec, cluster: Cluster
     micro-batch's B + W) at ZeRO 0/1, behind each micro-batch's own backward at ZeRO-2; the bucket finished
     last (the first layers) and the late buckets (reduced after finalize_grads) stay exposed. ZeRO-3 adds the
     weights' all-gathers of every micro-batch's forward and backward (prefetched: mostly hidden) and keeps of the
-    after-step all-gather only the late buckets. The group is dp x cp (the ranks holding the same parameters)."""
-    dp, zero, e = layout.grad_replicas, training.zero_level, training.act_bytes  # dp x cp
-    if dp == 1:
+    after-step all-gather only the late buckets. The group is dp x cp (the ranks holding the same parameters), or
+    `replicas` ranks `stride` apart (the expert weights' edp group: dp x cp / ep ranks, tp * ep apart)."""
+    dp, zero, e = replicas or layout.grad_replicas, training.zero_level, training.act_bytes  # dp x cp
+    if dp == 1 or count.numel == 0:
         return 0.0, 0.0
     padded = -(-count.numel // dp) * dp
-    bw = _bandwidth(group_is_intra_node(layout.tp, dp, cluster.gpus_per_node), cluster)
+    bw = _bandwidth(group_is_intra_node(stride or layout.tp, dp, cluster.gpus_per_node), cluster)
     size = bucket_size(training, dp)
     buckets = -(-padded // size)
     ring = (dp - 1) / dp * padded * 4 * (1 if zero else 2)
@@ -205,18 +214,35 @@ def dp_sync_time(count, layout: Layout, training: TrainingSpec, cluster: Cluster
     return exposed + gather + weights_exposed, reduce - exposed + weights_hidden + 0.0
 
 
-def refuse_experts(cfg: ModelConfig) -> None:
-    """The advisor's memory, time and volume models are dense: an MoE model would be planned as if its MLP were
-    one dense FFN (wrong memory, no all-to-all, no ep). Refused until they model experts (docs/moe.md)."""
-    if cfg.num_experts:
-        raise ConfigError(f"tpzoo plan does not model mixtures of experts yet ({cfg.name or cfg.family}: "
-                          f"{cfg.num_experts} experts; total {cfg.num_parameters() / 1e9:.2f}B, active "
-                          f"{cfg.num_parameters(active=True) / 1e9:.2f}B parameters)")
+def ep_exposed(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, moe: int, seq_len: int,
+               e: int) -> tuple[float, float]:
+    """(forward, backward) seconds per micro-batch of the `moe` MoE layers' all-to-alls (moe_layer_volume): on
+    the critical path (the experts wait for their rows), over the ep group (ep ranks tp apart: intra-node when
+    tp * ep fits a node). Forward: the counts and two row exchanges; backward: two row exchanges, and under full
+    recomputation the forward's three again."""
+    if layout.ep == 1 or not moe:
+        return 0.0, 0.0
+    vol = moe_layer_volume(cfg, layout, seq_len, e).table
+    bw = _bandwidth(group_is_intra_node(layout.tp, layout.ep, cluster.gpus_per_node), cluster)
+    counts, rows = vol[("all_to_all", "ep")], vol[("all_to_all_v", "ep")]
+    one_count = _collective_time(counts.sent_bytes / counts.calls, 1, bw, cluster)
+    one_rows = _collective_time(rows.sent_bytes / rows.calls, 1, bw, cluster)
+    fwd = one_count + 2 * one_rows
+    bwd = 2 * one_rows + (fwd if layout.recompute == "full" else 0.0)
+    return moe * fwd, moe * bwd
+
+
+def refuse_moe_lora(cfg: ModelConfig, training: TrainingSpec) -> None:
+    """LoRA's plan (plan/lora.py) puts adapters on a dense MLP; on a mixture of experts tpzoo adapts only the
+    linear layers (the experts are not one), which the plan does not model: one line."""
+    if training.lora_rank and cfg.num_experts:
+        raise ConfigError(f"tpzoo plan does not model LoRA on a mixture of experts ({cfg.name or cfg.family}: "
+                          f"{cfg.num_experts} experts); plan full training, or LoRA on a dense model")
 
 
 def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: TrainingSpec) -> Estimate:
     """Memory and step time of `layout`; raises ParallelLayoutError when tpzoo cannot run it."""
-    refuse_experts(cfg)
+    refuse_moe_lora(cfg, training)
     check_layout(cfg, layout, cluster, training)
     t, p, dp, v = layout.tp, layout.pp, layout.dp, layout.virtual_stages
     m, e, K = num_micro_batches(layout, training), training.act_bytes, cluster.gpus_per_node
@@ -245,13 +271,15 @@ def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: T
         # Zero-bubble's W: the re-gathers (SP), and under full recomputation the replayed forward's collectives
         flops = stage_flops(cfg, layout, training, s)
         ring_fwd, ring_bwd = ring_exposed(cfg, layout, training, cluster, kinds[s][0], peak)
+        ep_fwd, ep_bwd = ep_exposed(cfg, layout, cluster, moe_layers(cfg, p, s, v), s_local, e)
+        ring_fwd, ring_bwd = ring_fwd + ep_fwd, ring_bwd + ep_bwd  # synchronous, beside the tp collectives
         st = stage_times(flops, tp_fwd + ring_fwd, tp_mb - tp_fwd + ring_bwd, peak,
                          layout.schedule == "zb" and p > 1, s == 0, unit * 2 * sp,
                          unit * (3 if sp else 1) * again)
         total = st["F"] + st["B"] + st["W"]
         if best is None or total > best[0]:
-            best = (total, st, tp_fin, s, ring_fwd + ring_bwd)
-    tau, st, tp_fin, slow, ring = best
+            best = (total, st, tp_fin, s, ring_fwd + ring_bwd - ep_fwd - ep_bwd, ep_fwd + ep_bwd)
+    tau, st, tp_fin, slow, ring, ep_mb = best
 
     pp_intra = group_is_intra_node(t * layout.cp * dp, p, K)  # pipeline peers are tp*cp*dp ranks apart
     tokens = layout.micro_batch_size * s_local
@@ -261,19 +289,32 @@ def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: T
     # The gradient sync lasts as long as the stage holding the most parameters: the first, the last
     # (embedding, head) or one with the most layers.
     fullest = max(range(p), key=lambda s: kinds[s][0])
-    count = max((stage_params(cfg, t, p, s, v, pad) for s in {0, fullest, p - 1}), key=lambda c: c.numel)
+    count = max((stage_params(cfg, t, p, s, v, pad, layout.ep) for s in {0, fullest, p - 1}), key=lambda c: c.numel)
     if training.lora_rank:  # only the adapters are reduced, updated and (tied copies aside) kept in sync
         count = ParamCount(kinds[fullest][0] * lora_layer_params(cfg, t, training.lora_rank), 0, 0, 0, 0, 0)
     replicas = layout.grad_replicas  # the optimizer shards over dp x cp
+    experts = 0
+    if layout.ep > 1 and count.expert:  # the experts in their own optimizer over edp (tp * ep ranks apart)
+        experts = count.expert
+        count = ParamCount(count.numel - experts, count.tensors, count.matmul, count.sequence_parallel,
+                           count.replicated_kv, count.embedding)
     padded = -(-count.numel // replicas) * replicas
     dp_time, dp_hidden = dp_sync_time(count, layout, training, cluster, m, st["B"] + st["W"])
+    owned = padded // replicas if training.zero_level else padded
+    if experts:
+        edp = layout.expert_replicas
+        ex_time, ex_hidden = dp_sync_time(ParamCount(experts, 0, 0, 0, 0, 0), layout, training, cluster, m,
+                                          st["B"] + st["W"], edp, t * layout.ep)
+        dp_time, dp_hidden = dp_time + ex_time, dp_hidden + ex_hidden
+        ex_padded = -(-experts // edp) * edp
+        padded, owned = padded + ex_padded, owned + (ex_padded // edp if training.zero_level else ex_padded)
     if count.embedding:  # tied embedding and head on two stages: all-reduce their gradients (model dtype)
         dp_time += _collective_time(count.embedding * e, 1, _bandwidth(pp_intra, cluster), cluster)
-    owned = padded // replicas if training.zero_level else padded
     opt = (40 * owned + e * padded) / (cluster.hbm_gbps * 1e9) + cluster.latency_us * 1e-6  # + the norm's
 
     tb = TimeBreakdown(compute=m * (tau - st["recompute"] - st["tp"]), recompute=m * st["recompute"],
-                       tp_comm=m * (st["tp"] - ring) + tp_fin, cp_comm=m * ring, pp_comm=p2p,
+                       tp_comm=m * (st["tp"] - ring - ep_mb) + tp_fin, cp_comm=m * ring, ep_comm=m * ep_mb,
+                       pp_comm=p2p,
                        bubble=bubble_time(layout, m, st["F"], st["B"], st["W"]), dp_comm=dp_time, optimizer=opt,
                        dp_hidden=dp_hidden)
     step_tokens = training.global_batch_size * training.seq_len
@@ -299,12 +340,13 @@ LONG_SEQ = 16384  # from this sequence length on, the search also tries context 
 
 def enumerate_layouts(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, max_micro_batch: int = 64,
                       tp: int | None = None, pp: int | None = None, recompute: str | None = None,
-                      max_virtual_stages: int = 8, cp: int | None = None) -> list[Layout]:
+                      max_virtual_stages: int = 8, cp: int | None = None, ep: int | None = None) -> list[Layout]:
     """Every layout tpzoo can run on this cluster (check_layout passes): tp within a node, pp <= layers, dp
     the rest; micro-batch sizes dividing the per-replica batch; recompute none/selective/full; sequence
     parallelism with tp > 1; 1F1B, zero-bubble, and interleaved with 2 <= v <= max_virtual_stages chunks per
     stage (pp * v <= layers; tpzoo splits unevenly when they do not divide); context parallelism (powers of two)
-    for sequences of LONG_SEQ tokens or more. `tp`, `pp`, `recompute`, `cp` restrict the search to one value."""
+    for sequences of LONG_SEQ tokens or more; for a mixture of experts expert parallelism ep (the divisors of
+    num_experts that divide dp * cp). `tp`, `pp`, `recompute`, `cp`, `ep` restrict the search to one value."""
     out = []
     g, want_tp, want_pp = cluster.gpus, tp, pp
     if cp is not None:
@@ -319,6 +361,7 @@ def enumerate_layouts(cfg: ModelConfig, cluster: ClusterSpec, training: Training
             dp = g // (tp * cp * pp)
             if training.global_batch_size % dp:
                 continue
+            eps = [ep] if ep is not None else [k for k in _divisors(cfg.num_experts or 1) if dp * cp % k == 0]
             scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("zb", 1)] + [
                 ("interleaved", v) for v in range(2, min(max_virtual_stages, cfg.num_layers // pp) + 1)]
             for mbs in _divisors(training.global_batch_size // dp):
@@ -326,8 +369,8 @@ def enumerate_layouts(cfg: ModelConfig, cluster: ClusterSpec, training: Training
                     break
                 for rec in (RECOMPUTE if recompute is None else (recompute,)):
                     for sp in ((False, True) if tp > 1 else (False,)):
-                        for sched, v in scheds:
-                            lay = Layout(tp, pp, dp, mbs, rec, sp, sched, v, cp)
+                        for (sched, v), e in ((sv, e) for sv in scheds for e in eps):
+                            lay = Layout(tp, pp, dp, mbs, rec, sp, sched, v, cp, e)
                             try:
                                 check_layout(cfg, lay, cluster, training)
                             except ParallelLayoutError:
@@ -338,9 +381,14 @@ def enumerate_layouts(cfg: ModelConfig, cluster: ClusterSpec, training: Training
 
 def search(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, max_micro_batch: int = 64,
            **only) -> list[Estimate]:
-    """Every valid layout (enumerate_layouts; `only`: tp=, pp=, recompute=, cp=), estimated: the ones that fit
-    first, fastest first; then the rest, fastest first."""
-    refuse_experts(cfg)
+    """Every valid layout (enumerate_layouts; `only`: tp=, pp=, recompute=, cp=, ep=), estimated: the ones that
+    fit first, fastest first; then the rest, fastest first. A fixed ep that the model cannot take (ep not
+    dividing its experts, ep > 1 for a dense model) is one ConfigError line."""
+    refuse_moe_lora(cfg, training)
+    ep = only.get("ep")
+    if ep is not None and (ep < 1 or (cfg.num_experts or 1) % ep or (ep > 1 and not cfg.num_experts)):
+        raise ConfigError(f"--ep {ep}: " + (f"does not divide num_experts={cfg.num_experts}" if cfg.num_experts
+                                            else "the model has no experts (ep needs a mixture of experts)"))
     layouts = enumerate_layouts(cfg, cluster, training, max_micro_batch, **only)
     ests = [estimate(cfg, lay, cluster, training) for lay in layouts]
     return sorted(ests, key=lambda est: (not est.fits, est.time.total, est.memory.total))

@@ -28,14 +28,19 @@ with dp > 1 the reduce-scattered fp32 gradient shard (P/dp). So 18 bytes per ele
 (Megatron's figure), 16 in fp32. Under context parallelism "dp" here is dp x cp (the ranks that hold the same
 parameters), and every activation term counts the seq_len / cp tokens of a cp rank (ring attention keeps what
 SDPA keeps: q, k, v, its output and the log-sum-exp).
+Mixtures of experts (docs/plan.md): an MoE layer holds a replicated router and E/ep experts split over tp (etp =
+tp); at ep > 1 the expert weights have their own optimizer over edp = dp x cp / ep (expert_state_bytes); the MoE
+MLP keeps k dispatched rows per token and their experts' intermediates (moe_mlp_bytes).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from tpzoo.models.config import ModelConfig
 
+from .experts import moe_mlp_bytes
 from .lora import lora_chunk_activation_delta, lora_layer_late, lora_layer_params
 from .schedule import held_states, peak_bytes
 from .spec import DTYPE_BYTES, Layout, TrainingSpec, local_seq_len, num_micro_batches, stage_chunks
@@ -69,9 +74,13 @@ class ParamCount:
     sequence_parallel: int  # replicated elements whose gradient is partial under SP (summed over tp)
     replicated_kv: int      # elements of qkv tensors holding replicated kv heads (gradients summed over tp)
     embedding: int          # elements of a tied embedding/head copy kept in sync over the embedding group
+    expert: int = 0         # elements of expert weights (MoE): at ep > 1 in their own optimizer, over edp
 
 
-def layer_params(cfg: ModelConfig, tp: int) -> ParamCount:
+def layer_params(cfg: ModelConfig, tp: int, moe: bool = False, ep: int = 1) -> ParamCount:
+    """One layer on one tp rank; `moe`: its MLP is models/moe.py's MoELayer at expert parallelism `ep` (a
+    replicated router E x h, partial under SP like a norm; E/ep local experts, each split over tp like the dense
+    MLP: etp = tp). `matmul` counts the weights one token goes through: the router and k experts."""
     d = local_dims(cfg, tp)
     h = cfg.hidden_size
     norm = h * (2 if cfg.norm == "layernorm" else 1)
@@ -80,24 +89,38 @@ def layer_params(cfg: ModelConfig, tp: int) -> ParamCount:
     qkv = d.q + 2 * d.kv
     matmul = h * qkv + d.q * h + h * n_in + d.ffn * h
     biases = (qkv if cfg.qkv_bias else 0) + (h if cfg.out_bias else 0) + ((n_in + h) if cfg.mlp_bias else 0)
+    stored = matmul  # elements held (the matmul weights a token uses, for a dense layer)
+    expert = router = 0
+    if moe:  # the MoE MLP replaces the dense one (no biases)
+        one = 3 * h * (cfg.expert_ffn // tp)  # one expert's gate|up and down, this rank's tp slice
+        router, expert = cfg.num_experts * h, cfg.num_experts // ep * one
+        matmul += router + cfg.num_experts_per_tok * one - (h * n_in + d.ffn * h)
+        stored = matmul - cfg.num_experts_per_tok * one + expert
+        biases -= (n_in + h) if cfg.mlp_bias else 0
     # q/k norms: per head (replicated, partial gradient summed over tp), or full width (split like q and k)
     qk = {"none": 0, "head": 2 * cfg.head_dim, "full": d.q + d.kv}[cfg.qk_norm]
-    tensors = (norms * (2 if cfg.norm == "layernorm" else 1) + 4 + cfg.qkv_bias + cfg.out_bias + 2 * cfg.mlp_bias
-               + (2 if cfg.qk_norm != "none" else 0))
-    sp = norms * norm + (h if cfg.out_bias else 0) + (h if cfg.mlp_bias else 0) + (qk if cfg.qk_norm == "head" else 0)
+    tensors = (norms * (2 if cfg.norm == "layernorm" else 1) + 4 + cfg.qkv_bias + cfg.out_bias
+               + (1 if moe else 2 * cfg.mlp_bias) + (2 if cfg.qk_norm != "none" else 0))  # MoE: router, gate_up, down
+    sp = (norms * norm + (h if cfg.out_bias else 0) + (h if cfg.mlp_bias and not moe else 0)
+          + (qk if cfg.qk_norm == "head" else 0) + router)
     replicated = (h * qkv + (qkv if cfg.qkv_bias else 0)) if cfg.num_kv_heads < tp else 0
     if cfg.qk_norm == "full" and cfg.num_kv_heads < tp:
         replicated += d.kv  # k_norm's weight holds the replicated kv heads' part too
-    return ParamCount(matmul + biases + norms * norm + qk, tensors, matmul, sp, replicated, 0)
+    return ParamCount(stored + biases + norms * norm + qk, tensors, matmul, sp, replicated, 0, expert)
 
 
 def stage_params(cfg: ModelConfig, tp: int, pp: int, stage: int, virtual_stages: int = 1,
-                 vocab_padding_multiple: int = 1) -> ParamCount:
-    """Exactly the parameters of pipeline stage `stage` on one tp rank (all its model chunks)."""
+                 vocab_padding_multiple: int = 1, ep: int = 1) -> ParamCount:
+    """Exactly the parameters of pipeline stage `stage` on one tp rank (all its model chunks) at expert
+    parallelism `ep`."""
     h = cfg.hidden_size
-    n_layers = sum(e - s for s, e in stage_chunks(cfg, pp, stage, virtual_stages))
+    layer_ids = [i for s, e in stage_chunks(cfg, pp, stage, virtual_stages) for i in range(s, e)]
+    n_layers = len(layer_ids)
+    counts = [layer_params(cfg, tp, cfg.is_moe_layer(i), ep) for i in layer_ids]
+    numel, tensors = sum(c.numel for c in counts), sum(c.tensors for c in counts)
+    sp, matmul, expert = (sum(c.sequence_parallel for c in counts), sum(c.matmul for c in counts),
+                          sum(c.expert for c in counts))
     lp = layer_params(cfg, tp)
-    numel, tensors, sp = n_layers * lp.numel, n_layers * lp.tensors, n_layers * lp.sequence_parallel
     table = local_dims(cfg, tp, vocab_padding_multiple).vocab * h
     first, last = stage == 0, stage == pp - 1
     embedding = 0
@@ -113,7 +136,7 @@ def stage_params(cfg: ModelConfig, tp: int, pp: int, stage: int, virtual_stages:
             numel, tensors = numel + table, tensors + 1
     if cfg.tie_embeddings and pp > 1 and (first or last):
         embedding = table
-    return ParamCount(numel, tensors, n_layers * lp.matmul, sp, n_layers * lp.replicated_kv, embedding)
+    return ParamCount(numel, tensors, matmul, sp, n_layers * lp.replicated_kv, embedding, expert)
 
 
 @dataclass(frozen=True)
@@ -162,6 +185,19 @@ def state_bytes(count: ParamCount, training: TrainingSpec, dp: int = 1, late: in
     return StateBytes(weights, grads, 4 * owned if e < 4 else 0, 8 * owned)
 
 
+def expert_state_bytes(count: ParamCount, training: TrainingSpec, replicas: int, ep: int, late: int = 0,
+                       resident: int = 0) -> StateBytes:
+    """state_bytes of a rank with expert weights at expert parallelism `ep` (tpzoo/train/expert_optim.py): at
+    ep > 1 two DistributedAdamW, the dense weights over dp x cp (`replicas`, with the late elements) and the
+    expert weights over edp = replicas / ep (no late ones: neither replicated over tp nor partial under SP); at
+    ep = 1 one optimizer over everything (state_bytes). ZeRO-3 with ep > 1 is refused by the trainer."""
+    if ep == 1 or not count.expert:
+        return state_bytes(count, training, replicas, late, resident)
+    dense = state_bytes(ParamCount(count.numel - count.expert, 0, 0, 0, 0, 0), training, replicas, late, resident)
+    experts = state_bytes(ParamCount(count.expert, 0, 0, 0, 0, 0), training, replicas // ep)
+    return StateBytes(*(a + b for a, b in zip(dataclasses.astuple(dense), dataclasses.astuple(experts))))
+
+
 def _in_buckets(elems: int, size: int, padded: int) -> int:
     """Elements of the whole buckets a run of `elems` elements touches (at most two more than its own)."""
     return min(padded, (-(-elems // size) + 1) * size)
@@ -186,7 +222,7 @@ def gathered_bytes(cfg: ModelConfig, count: ParamCount, training: TrainingSpec, 
         return 0
     padded = -(-max(count.numel, 1) // dp) * dp
     table = local_dims(cfg, tp, training.vocab_padding_multiple).vocab * cfg.hidden_size
-    largest = max(layer_params(cfg, tp).numel, table)
+    largest = max(layer_params(cfg, tp, cfg.num_experts > 0).numel, table)  # ZeRO-3: ep = 1
     return 3 * DTYPE_BYTES[training.dtype] * _in_buckets(largest, bucket_size(training, dp), padded)
 
 
@@ -218,35 +254,47 @@ def _norm_saved(cfg: ModelConfig, e: int, kernels: str) -> int:
 
 
 def layer_activation_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, recompute: str, tokens: int,
-                           e: int, kernels: str = "fused") -> int:
-    """Bytes one layer keeps for the backward of one micro-batch of `tokens` tokens (b * s)."""
+                           e: int, kernels: str = "fused", moe: bool = False, ep: int = 1) -> int:
+    """Bytes one layer keeps for the backward of one micro-batch of `tokens` tokens (b * s); `moe`: its MLP
+    is a mixture of experts (moe_mlp_bytes: the router input takes the place of fc_in's)."""
     h = cfg.hidden_size
     sp_div = tp if sequence_parallel else 1
-    if recompute == "full":
-        return e * h * tokens // sp_div  # the checkpoint's input
+    if recompute == "full":  # the checkpoint's input (+ an MoE router's last_stats: logits and sums)
+        stats = (e * cfg.num_experts * tokens // sp_div + 8 * cfg.num_experts + 8) if moe else 0
+        return e * h * tokens // sp_div + stats
     d = local_dims(cfg, tp)
     attn = e * (d.q + 2 * d.kv) + e * d.q + (e * (d.q + d.kv) if cfg.position == "rope" else 0)
     if recompute != "selective":
         attn += 4 * d.heads
-    if cfg.gated:  # SwiGLU and GeGLU: the same kernel pair (the torch references keep the same tensors too)
+    shard = const = 0
+    if moe:
+        mlp, shard, const = moe_mlp_bytes(cfg, tp, sequence_parallel, e, kernels, ep)
+    elif cfg.gated:  # SwiGLU and GeGLU: the same kernel pair (the torch references keep the same tensors too)
         mlp = e * d.ffn * (4 if kernels == "reference" else 3)
     else:
         mlp = 2 * e * d.ffn
     # The norms and the two column-parallel inputs (qkv, fc_in) are kept as this rank's sequence shard (the
     # column layers gather them again in backward); the rest is split by heads or ffn columns.
     norms = 2 * (int(cfg.pre_norm) + int(cfg.post_norm))
-    return (norms * _norm_saved(cfg, e, kernels) + 2 * e * h) * tokens // sp_div + (attn + mlp) * tokens
+    return ((norms * _norm_saved(cfg, e, kernels) + 2 * e * h + shard) * tokens // sp_div + (attn + mlp) * tokens
+            + const)
 
 
 def chunk_activation_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, recompute: str,
                            layers: int, micro_batch: int, seq_len: int, e: int, first: bool, last: bool,
-                           kernels: str = "fused", vocab_padding_multiple: int = 1, lora_rank: int = 0) -> dict:
+                           kernels: str = "fused", vocab_padding_multiple: int = 1, lora_rank: int = 0,
+                           moe_layers: int = 0, ep: int = 1) -> dict:
     """Bytes a model chunk (one tpzoo Transformer) with `layers` layers keeps for one micro-batch, by part:
     layers, rope (cos/sin its layers share), embedding (lookup indices), head (final norm, logits and loss
-    statistics on the last model stage; elsewhere the output the pipeline engine keeps for the backward)."""
+    statistics on the last model stage; elsewhere the output the pipeline engine keeps for the backward).
+    `moe_layers` of the layers have a mixture-of-experts MLP (at expert parallelism `ep`)."""
     h, tokens = cfg.hidden_size, micro_batch * seq_len
     sp_div = tp if sequence_parallel else 1
-    parts = {"layers": layers * layer_activation_bytes(cfg, tp, sequence_parallel, recompute, tokens, e, kernels)}
+    parts = {"layers": (layers - moe_layers) * layer_activation_bytes(cfg, tp, sequence_parallel, recompute, tokens,
+                                                                      e, kernels)}
+    if moe_layers:
+        parts["layers"] += moe_layers * layer_activation_bytes(cfg, tp, sequence_parallel, recompute, tokens, e,
+                                                               kernels, True, ep)
     parts["rope"] = 4 * seq_len * cfg.head_dim if (cfg.position == "rope" and layers) else 0
     embed = 9 * tokens if (first and tp > 1) else 0  # local ids (int64) + out-of-shard mask of the vocab split
     if first and cfg.position == "learned":
@@ -305,9 +353,10 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
     b, s, sp, pad = layout.micro_batch_size, local_seq_len(layout, training), layout.sequence_parallel, \
         training.vocab_padding_multiple
     replicas = layout.grad_replicas  # the optimizer shards over dp x cp
-    count = stage_params(cfg, t, p, stage, v, pad)
-    st = state_bytes(count, training, replicas, late_params(count, t, sp),
-                     resident_params(cfg, count, training, t, replicas, stage == 0, stage == p - 1))
+    ep = layout.ep
+    count = stage_params(cfg, t, p, stage, v, pad, ep)
+    st = expert_state_bytes(count, training, replicas, ep, late_params(count, t, sp),
+                            resident_params(cfg, count, training, t, replicas, stage == 0, stage == p - 1))
     if training.lora_rank:  # the base frozen in the model dtype; the adapters trained as a small model
         n_layers, r = sum(hi - lo for lo, hi in stage_chunks(cfg, p, stage, v)), training.lora_rank
         adapters = state_bytes(ParamCount(n_layers * lora_layer_params(cfg, t, r), 0, 0, 0, 0, 0), training,
@@ -318,11 +367,11 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
     for c, (lo, hi) in enumerate(stage_chunks(cfg, p, stage, v)):
         first, last = c * p + stage == 0, c * p + stage == p * v - 1
         parts = chunk_activation_bytes(cfg, t, sp, layout.recompute, hi - lo, b, s, e, first, last, k, pad,
-                                       training.lora_rank)
+                                       training.lora_rank, sum(map(cfg.is_moe_layer, range(lo, hi))), ep)
         acts.append(sum(parts.values()))
         grads.append(output_grad_bytes(cfg, t, sp, b, s, e, last, pad))
     held = peak_bytes(held_states(layout.schedule, stage, p, m, v), acts, grads)
-    one_layer = layer_activation_bytes(cfg, t, sp, "none", b * s, e, k)
+    one_layer = layer_activation_bytes(cfg, t, sp, "none", b * s, e, k, cfg.num_experts > 0, ep)
     logits_grad = output_grad_bytes(cfg, t, sp, b, s, e, True, pad) if stage == p - 1 else 0
     # The engine posts the receive buffers of the current and the next action ahead of need.
     recv = 2 * output_grad_bytes(cfg, t, sp, b, s, e, False) if p > 1 else 0

@@ -21,7 +21,9 @@ def _sched(est: Estimate) -> str:
 def header(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, considered: int, fitting: int) -> str:
     name = cfg.name or "custom config"
     tokens = training.global_batch_size * training.seq_len
-    return (f"tpzoo plan: {name} ({cfg.num_parameters() / 1e9:.2f} B parameters) on {cluster.gpus} GPUs "
+    active = (f", {cfg.num_parameters(active=True) / 1e9:.2f} B active: {cfg.num_experts} experts, top-"
+              f"{cfg.num_experts_per_tok}" if cfg.num_experts else "")
+    return (f"tpzoo plan: {name} ({cfg.num_parameters() / 1e9:.2f} B parameters{active}) on {cluster.gpus} GPUs "
             f"({cluster.gpus_per_node}/node) of {cluster.gpu_memory_gib:g} GiB, {cluster.gpu_tflops:g} TFLOP/s, "
             f"intra-node {cluster.intra_node_gbps:g} GB/s, inter-node {cluster.inter_node_gbps:g} GB/s\n"
             f"seq {training.seq_len}, global batch {training.global_batch_size} ({tokens:,} tokens/step), "
@@ -43,12 +45,13 @@ _COLS = ("#", "tp", "pp", "dp", "mbs", "m", "recompute", "sp", "schedule", "para
          "acts", "total", "step s", "tokens/s", "MFU", "bubble", "comm")
 
 
-def _row(rank: int, est: Estimate, with_cp: bool = False) -> list[str]:
+def _row(rank: int, est: Estimate, with_cp: bool = False, with_ep: bool = False) -> list[str]:
     lay, mem, tb = est.layout, est.memory, est.time
     g = lambda b: f"{b / GIB:.1f}"  # noqa: E731
-    comm = tb.tp_comm + tb.cp_comm + tb.pp_comm + tb.dp_comm
+    comm = tb.tp_comm + tb.cp_comm + tb.ep_comm + tb.pp_comm + tb.dp_comm
     return [str(rank), str(lay.tp)] + ([str(lay.cp)] if with_cp else []) + [
-            str(lay.pp), str(lay.dp), str(lay.micro_batch_size), str(est.micro_batches),
+            str(lay.pp), str(lay.dp)] + ([str(lay.ep)] if with_ep else []) + [
+            str(lay.micro_batch_size), str(est.micro_batches),
             lay.recompute, "on" if lay.sequence_parallel else "off", _sched(est), g(mem.params), g(mem.grads),
             g(mem.master + mem.optimizer), g(mem.activations), g(mem.total), f"{tb.total:.2f}",
             f"{est.tokens_per_s:,.0f}", f"{100 * est.mfu:.1f}%", f"{100 * tb.bubble / tb.total:.0f}%",
@@ -58,8 +61,11 @@ def _row(rank: int, est: Estimate, with_cp: bool = False) -> list[str]:
 def table(estimates: list[Estimate], top: int = 10, rejected: int = 5) -> str:
     fitting = [e for e in estimates if e.fits][:top]
     with_cp = any(e.layout.cp > 1 for e in estimates)  # the cp column only when the search tried cp
+    with_ep = any(e.layout.ep > 1 for e in estimates)  # the ep column only for experts split over ep
     cols = _COLS[:2] + ("cp",) + _COLS[2:] if with_cp else _COLS
-    rows = [list(cols)] + [_row(i + 1, e, with_cp) for i, e in enumerate(fitting)]
+    if with_ep:
+        cols = cols[:cols.index("dp") + 1] + ("ep",) + cols[cols.index("dp") + 1:]
+    rows = [list(cols)] + [_row(i + 1, e, with_cp, with_ep) for i, e in enumerate(fitting)]
     widths = [max(len(r[c]) for r in rows) for c in range(len(cols))]
     left = {"recompute", "schedule", "sp"}
     lines = ["  ".join(cell.ljust(w) if cols[c] in left else cell.rjust(w)
@@ -71,7 +77,8 @@ def table(estimates: list[Estimate], top: int = 10, rejected: int = 5) -> str:
     others = rejected_summary(estimates)[:rejected]
     if others:
         lines.append("")
-        lines.append(f"(tp, {'cp, ' if with_cp else ''}pp, dp) with no variant that fits, fastest first (the variant "
+        dims = f"tp, {'cp, ' if with_cp else ''}pp, dp{', ep' if with_ep else ''}"
+        lines.append(f"({dims}) with no variant that fits, fastest first (the variant "
                      f"needing the least memory):")
         for e in others:
             lines.append(f"  {e.layout.label()}: {e.reason}")
@@ -81,10 +88,10 @@ def table(estimates: list[Estimate], top: int = 10, rejected: int = 5) -> str:
 def rejected_summary(estimates: list[Estimate]) -> list[Estimate]:
     """For each (tp, pp, dp) none of whose variants fits, its variant needing the least memory (it says
     why even full recompute and a micro-batch of one are not enough), in order of estimated speed."""
-    fitting = {(e.layout.tp, e.layout.cp, e.layout.pp, e.layout.dp) for e in estimates if e.fits}
+    fitting = {(e.layout.tp, e.layout.cp, e.layout.pp, e.layout.dp, e.layout.ep) for e in estimates if e.fits}
     best: dict[tuple, Estimate] = {}
     for e in estimates:
-        key = (e.layout.tp, e.layout.cp, e.layout.pp, e.layout.dp)
+        key = (e.layout.tp, e.layout.cp, e.layout.pp, e.layout.dp, e.layout.ep)
         if key not in fitting and (key not in best or e.memory.total < best[key].memory.total):
             best[key] = e
     return sorted(best.values(), key=lambda e: e.time.total)
@@ -94,6 +101,7 @@ def to_json(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, esti
             top: int = 10, rejected: int = 5) -> str:
     return json.dumps({
         "model": cfg.name or "custom", "num_parameters": cfg.num_parameters(),
+        **({"active_parameters": cfg.num_parameters(active=True)} if cfg.num_experts else {}),
         "cluster": dataclasses.asdict(cluster), "training": dataclasses.asdict(training),
         "layouts_considered": len(estimates), "layouts_fitting": sum(e.fits for e in estimates),
         "recommended": [e.to_dict() for e in estimates if e.fits][:top],

@@ -94,6 +94,12 @@ class Layout:
     schedule: str = "1f1b"             # ignored when pp == 1
     virtual_stages: int = 1            # > 1 only with the interleaved schedule
     cp: int = 1                        # context parallel (ring attention)
+    ep: int = 1                        # expert parallel (MoE): carved out of dp x cp, ep divides dp * cp
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks that hold the same experts and reduce their gradients (edp): dp x cp / ep."""
+        return self.dp * self.cp // self.ep
 
     @property
     def gpus(self) -> int:
@@ -108,11 +114,15 @@ class Layout:
         sched = "-" if self.pp == 1 else (f"interleaved(v={self.virtual_stages})" if self.schedule == "interleaved"
                                           else self.schedule)
         cp = f" cp={self.cp}" if self.cp > 1 else ""
-        return (f"tp={self.tp}{cp} pp={self.pp} dp={self.dp} mbs={self.micro_batch_size} rec={self.recompute} "
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return (f"tp={self.tp}{cp} pp={self.pp} dp={self.dp}{ep} mbs={self.micro_batch_size} rec={self.recompute} "
                 f"sp={'on' if self.sequence_parallel else 'off'} sched={sched}")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.ep == 1:  # dense layouts print what they always did
+            del d["ep"]
+        return d
 
 
 def num_micro_batches(layout: Layout, training: TrainingSpec) -> int:
@@ -149,6 +159,7 @@ def check_layout(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, trainin
     if training.global_batch_size % (d * layout.micro_batch_size):
         raise ParallelLayoutError(f"global batch {training.global_batch_size} is not divisible by "
                                   f"dp*mbs = {d}*{layout.micro_batch_size}")
+    check_experts(cfg, layout, training)
     if layout.recompute not in RECOMPUTE:
         raise ParallelLayoutError(f"recompute must be one of {RECOMPUTE}")
     if layout.sequence_parallel and (t == 1 or training.seq_len % t):
@@ -164,6 +175,27 @@ def check_layout(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, trainin
             raise ParallelLayoutError(f"interleaved: virtual_stages must be >= 2, got {v}")
         if m % p:  # Megatron's interleaved schedule runs micro-batches in groups of pp
             raise ParallelLayoutError(f"interleaved: {m} micro-batches are not a multiple of pp={p}")
+
+
+def check_experts(cfg: ModelConfig, layout: Layout, training: TrainingSpec) -> None:
+    """Expert parallelism as tpzoo trains it (tpzoo/train/preflight.py check_experts, TrainConfig): ep divides
+    the experts and dp x cp; tp divides each expert's FFN; no ZeRO-3 with ep > 1; MoE not at cp > 1."""
+    ep, E = layout.ep, cfg.num_experts
+    if ep > 1 and not E:
+        raise ParallelLayoutError(f"ep={ep} needs a mixture-of-experts model (this one has no experts)")
+    if not E:
+        return
+    if E % ep:
+        raise ParallelLayoutError(f"ep={ep} does not divide num_experts={E}")
+    if layout.grad_replicas % ep:
+        raise ParallelLayoutError(f"ep={ep} does not divide dp*cp = {layout.grad_replicas}")
+    if cfg.expert_ffn % layout.tp:
+        raise ParallelLayoutError(f"tp={layout.tp} does not divide the expert hidden size {cfg.expert_ffn}")
+    if ep > 1 and training.zero_level >= 3:
+        raise ParallelLayoutError(f"ZeRO-3 with ep={ep} is not supported by the trainer (use --zero 2 or ep=1)")
+    if layout.cp > 1:
+        raise ParallelLayoutError(f"cp={layout.cp} with a mixture-of-experts model is not supported (router "
+                                  "statistics are not reduced over cp)")
 
 
 _RANGES: dict[tuple, tuple[tuple[int, int], ...]] = {}

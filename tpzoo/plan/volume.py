@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from tpzoo.models.config import ModelConfig
 
 from .memory import local_dims, stage_params
-from .spec import Layout, stage_layers
+from .spec import Layout, stage_chunks, stage_layers
 
 
 @dataclass
@@ -34,7 +34,9 @@ class Volume:
 
 
 _SENT = {"all_reduce": lambda p: 2 * (p - 1) / p, "all_gather": lambda p: (p - 1) / p,
-         "reduce_scatter": lambda p: (p - 1) / p, "send": lambda p: 1.0, "recv": lambda p: 0.0}
+         "reduce_scatter": lambda p: (p - 1) / p, "send": lambda p: 1.0, "recv": lambda p: 0.0,
+         # all_to_all: (p-1)/p leaves the rank; all_to_all_v: the same in expectation (balanced routing)
+         "all_to_all": lambda p: (p - 1) / p, "all_to_all_v": lambda p: (p - 1) / p}
 
 
 class VolumeTable:
@@ -85,6 +87,21 @@ def tp_step_volume(cfg: ModelConfig, layout: Layout, stage: int, micro_batches: 
         vt.add("reduce_scatter", "tp", t, full, m * layers * (4 + outs))       # fwd row out x2, bwd of in x2
     else:
         vt.add("all_reduce", "tp", t, full, m * layers * (4 + outs))
+    moe = moe_layers(cfg, p, stage, layout.virtual_stages)
+    if moe:  # the router's top-k weights (and under SP its expert indices) enter the TP region with the tokens
+        weights = tokens * cfg.num_experts_per_tok * act_bytes
+        if sp:  # and the MoE MLP gathers its input itself: no column layer re-gathers it in the backward
+            vt.add("all_gather", "tp", t, full, -m * moe)
+            vt.add("all_gather", "tp", t, weights, m * moe * (1 + again))
+            vt.add("all_gather", "tp", t, weights // act_bytes * 8, m * moe * (1 + again))  # int64 indices
+            vt.add("reduce_scatter", "tp", t, weights, m * moe)
+        else:
+            vt.add("all_reduce", "tp", t, weights, m * moe)
+    if moe and sp and stage == p - 1 and cfg.output_router_logits and (cfg.router_aux_loss_coef
+                                                                     or cfg.router_z_loss_coef):
+        # the router loss: every MoE layer's statistics summed over the tp shards (fp32 counts, probability sums
+        # per expert, one z sum per layer), once per forward (models/moe.py router_losses)
+        vt.add("all_reduce", "tp", t, (2 * cfg.num_experts + moe) * 4, m)
     if stage == 0:  # vocab-parallel embedding
         if sp:
             vt.add("reduce_scatter", "tp", t, full, m)
@@ -128,3 +145,25 @@ def ring_layer_volume(cfg: ModelConfig, layout: Layout, seq_len: int, act_bytes:
     acc = max(act_bytes, 4)
     return {"forward": (c - 1, (c - 1) * elems * act_bytes),
             "backward": (2 * c - 1, (c - 1) * elems * act_bytes + c * elems * acc)}
+
+
+def moe_layer_volume(cfg: ModelConfig, layout: Layout, seq_len: int, act_bytes: int) -> VolumeTable:
+    """Expert-parallel all-to-alls of one MoE layer and micro-batch on one rank (models/moe.py), T = b * seq_len
+    tokens on the tp rank (the full sequence under SP too: tokens enter the TP region first), k experts each.
+    Forward: 1 all_to_all of the E per-expert counts (int64), the T*k rows of h elements dispatched, and the
+    rows this rank's experts computed sent back; backward: the two row exchanges again, reversed. A call's
+    payload is its input: the dispatch and the backward of the return send T*k rows exactly, the return and the
+    backward of the dispatch the rows this rank received (T*k in expectation; summed over the ep group, exact).
+    Full recomputation re-runs the forward's three. Sent: (ep-1)/ep of the rows in expectation."""
+    ep = layout.ep
+    vt = VolumeTable()
+    again = layout.recompute == "full"
+    rows = layout.micro_batch_size * seq_len * cfg.num_experts_per_tok
+    vt.add("all_to_all", "ep", ep, cfg.num_experts * 8, 1 + again)
+    vt.add("all_to_all_v", "ep", ep, rows * cfg.hidden_size * act_bytes, 4 + 2 * again)
+    return vt
+
+
+def moe_layers(cfg: ModelConfig, pp: int, stage: int, virtual_stages: int = 1) -> int:
+    """MoE layers on pipeline stage `stage` (all its chunks)."""
+    return sum(cfg.is_moe_layer(i) for lo, hi in stage_chunks(cfg, pp, stage, virtual_stages) for i in range(lo, hi))
