@@ -179,7 +179,7 @@ def check_layout(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, trainin
 
 def check_experts(cfg: ModelConfig, layout: Layout, training: TrainingSpec) -> None:
     """Expert parallelism as tpzoo trains it (tpzoo/train/preflight.py check_experts, TrainConfig): ep divides
-    the experts and dp x cp; tp divides each expert's FFN; no ZeRO-3 with ep > 1; MoE not at cp > 1."""
+    the experts and dp x cp; tp divides each expert's FFN; no ZeRO-3 with ep > 1; MoE at cp > 1 is trained but not planned yet."""
     ep, E = layout.ep, cfg.num_experts
     if ep > 1 and not E:
         raise ParallelLayoutError(f"ep={ep} needs a mixture-of-experts model (this one has no experts)")
@@ -194,8 +194,8 @@ def check_experts(cfg: ModelConfig, layout: Layout, training: TrainingSpec) -> N
     if ep > 1 and training.zero_level >= 3:
         raise ParallelLayoutError(f"ZeRO-3 with ep={ep} is not supported by the trainer (use --zero 2 or ep=1)")
     if layout.cp > 1:
-        raise ParallelLayoutError(f"cp={layout.cp} with a mixture-of-experts model is not supported (router "
-                                  "statistics are not reduced over cp)")
+        raise ParallelLayoutError(f"cp={layout.cp} with a mixture-of-experts model is not planned yet (the trainer "
+                                  "runs it; the plan's MoE model is for cp=1)")
 
 
 _RANGES: dict[tuple, tuple[tuple[int, int], ...]] = {}
