@@ -189,13 +189,8 @@ def all_to_all(t: torch.Tensor, group) -> torch.Tensor:
     p = group_size(group)
     if p == 1:
         return t
-    t = t.contiguous()
-    host = _via_host(t, group)
-    src = t.cpu() if host else t
-    out = torch.empty_like(src)
     _record("all_to_all", group, t, (p - 1) / p)
-    dist.all_to_all_single(out, src, group=group)
-    return out.to(t.device) if host else out
+    return _all_to_all_single(t, t.shape[0], group)
 
 
 def all_to_all_v(t: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
@@ -204,16 +199,21 @@ def all_to_all_v(t: torch.Tensor, send_splits: list[int], recv_splits: list[int]
     p = group_size(group)
     if p == 1:
         return t
+    me = dist.get_rank(group)
+    # payload: the input; sent: the rows leaving this rank
+    _record("all_to_all_v", group, t, (1 - send_splits[me] / t.shape[0]) if t.shape[0] else 0.0)
+    return _all_to_all_single(t, sum(recv_splits), group, output_split_sizes=list(recv_splits),
+                              input_split_sizes=list(send_splits))
+
+
+def _all_to_all_single(t: torch.Tensor, out_rows: int, group, **splits) -> torch.Tensor:
+    """dist.all_to_all_single into a new tensor of `out_rows` rows, staged through the host where the backend
+    needs it (gloo with device tensors)."""
     t = t.contiguous()
     host = _via_host(t, group)
     src = t.cpu() if host else t
-    out = src.new_empty((sum(recv_splits), *t.shape[1:]))
-    me = dist.get_rank(group)
-    for c in _COUNTERS:  # payload: the input; sent: the rows leaving this rank
-        c.record("all_to_all_v", group, t.numel(), t.element_size(),
-                 (1 - send_splits[me] / max(t.shape[0], 1)) if t.shape[0] else 0.0)
-    dist.all_to_all_single(out, src, output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits),
-                           group=group)
+    out = src.new_empty((out_rows, *t.shape[1:]))
+    dist.all_to_all_single(out, src, group=group, **splits)
     return out.to(t.device) if host else out
 
 

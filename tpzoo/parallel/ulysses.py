@@ -22,28 +22,19 @@ def _all_to_all(x: torch.Tensor, group, p: int, scatter_dim: int, gather_dim: in
     return torch.cat(received.unbind(0), dim=gather_dim)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """[b, h, s/p, d] -> [b, h/p, s, d]; the backward is the inverse exchange."""
+class _Exchange(torch.autograd.Function):
+    """The all-to-all that scatters dim `scatter` and gathers dim `gather`; its backward is the inverse exchange.
+    Sequence -> heads: [b, h, s/p, d] -> [b, h/p, s, d] is (scatter=1, gather=2); heads -> sequence the reverse."""
 
     @staticmethod
-    def forward(ctx, x, group, p):
-        ctx.group, ctx.p = group, p
-        return _all_to_all(x, group, p, scatter_dim=1, gather_dim=2)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad.contiguous(), ctx.group, ctx.p, scatter_dim=2, gather_dim=1), None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, p):
-        ctx.group, ctx.p = group, p
-        return _all_to_all(x, group, p, scatter_dim=2, gather_dim=1)
+    def forward(ctx, x, group, p, scatter, gather):
+        ctx.args = group, p, gather, scatter  # the backward swaps the two dims
+        return _all_to_all(x, group, p, scatter_dim=scatter, gather_dim=gather)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_to_all(grad.contiguous(), ctx.group, ctx.p, scatter_dim=1, gather_dim=2), None, None
+        group, p, scatter, gather = ctx.args
+        return _all_to_all(grad.contiguous(), group, p, scatter_dim=scatter, gather_dim=gather), None, None, None, None
 
 
 def ulysses_attention(q, k, v, group, cp: int, attend) -> torch.Tensor:
@@ -57,6 +48,6 @@ def ulysses_attention(q, k, v, group, cp: int, attend) -> torch.Tensor:
     chunk = q.shape[2] // 2
     order = torch.cat([local_positions(chunk, cp, r, "cpu") for r in range(cp)])  # position of gathered token j
     natural = torch.argsort(order).to(q.device)
-    q, k, v = (_SeqToHeads.apply(t, group, cp).index_select(2, natural) for t in (q, k, v))
+    q, k, v = (_Exchange.apply(t, group, cp, 1, 2).index_select(2, natural) for t in (q, k, v))
     out = attend(q, k, v)
-    return _HeadsToSeq.apply(out.index_select(2, order.to(q.device)).contiguous(), group, cp)
+    return _Exchange.apply(out.index_select(2, order.to(q.device)).contiguous(), group, cp, 2, 1)
