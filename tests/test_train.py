@@ -255,6 +255,19 @@ def _train_capturing_state(cfg, at_step: int):
         Trainer.save, Trainer.train_step = originals
 
 
+def _assert_resumes_exactly(store, save, straight, saved, steps, at, layouts, **kw):
+    """Resume `save`'s step `at` at each (dp, zero) of `layouts`: the optimizer loads exactly the `saved` weights,
+    master and moments, and the run continues on `straight`'s curve (to the layout-parity tolerance)."""
+    for dp, zero in layouts:
+        (resumed, loaded), *_ = run_on_ranks(dp, _train_capturing_state,
+                                             tiny(store, steps=steps, dp=dp, zero=zero, save=save,
+                                                  resume=f"{save}/step_{at:08d}", **kw), 0)
+        assert resumed["start_step"] == at and loaded.keys() == saved.keys()
+        for name, t in saved.items():
+            assert torch.equal(loaded[name], t), (dp, zero, name)
+        assert resumed["losses"] == pytest.approx(straight["losses"][at:], abs=1e-4), (dp, zero)
+
+
 def test_resume_from_zero2_at_another_dp_and_zero_level(store, tmp_path):
     """Saved at dp=2 ZeRO-2 (bf16, several gradient buckets per rank), resumed at dp=4 ZeRO-1 and dp=1 ZeRO-0:
     the weights, fp32 master and AdamW moments the resumed optimizer holds equal the saved ones exactly, and the
@@ -264,14 +277,7 @@ def test_resume_from_zero2_at_another_dp_and_zero_level(store, tmp_path):
     (straight, saved), _ = run_on_ranks(2, _train_capturing_state,
                                         tiny(store, steps=8, dp=2, zero=2, save=save, save_every=4, **kw), 4)
     assert len(saved) == 4 * 28  # weights, master, exp_avg, exp_avg_sq of nano-gpt's 28 parameter tensors
-    for dp, zero in ((4, 1), (1, 0)):
-        (resumed, loaded), *_ = run_on_ranks(dp, _train_capturing_state,
-                                             tiny(store, steps=8, dp=dp, zero=zero, save=save,
-                                                  resume=save + "/step_00000004", **kw), 0)
-        assert resumed["start_step"] == 4 and loaded.keys() == saved.keys()
-        for name, t in saved.items():
-            assert torch.equal(loaded[name], t), (dp, zero, name)
-        assert resumed["losses"] == pytest.approx(straight["losses"][4:], abs=1e-4), (dp, zero)
+    _assert_resumes_exactly(store, save, straight, saved, 8, 4, ((4, 1), (1, 0)), **kw)
 
 
 def test_resume_from_zero3_at_another_dp_and_zero_level(store, tmp_path):
@@ -286,14 +292,7 @@ def test_resume_from_zero3_at_another_dp_and_zero_level(store, tmp_path):
                                              sample_tokens=4, **kw), 3)
     assert len(saved) == 4 * 28 and straight["sample"].startswith("de") and len(straight["sample"]) > 2
     assert straight["eval_loss"] is not None and abs(straight["eval_loss"] - straight["losses"][-1]) < 1.0
-    for dp, zero in ((4, 1), (1, 3)):
-        (resumed, loaded), *_ = run_on_ranks(dp, _train_capturing_state,
-                                             tiny(store, steps=6, dp=dp, zero=zero, save=save,
-                                                  resume=save + "/step_00000003", **kw), 0)
-        assert resumed["start_step"] == 3 and loaded.keys() == saved.keys()
-        for name, t in saved.items():
-            assert torch.equal(loaded[name], t), (dp, zero, name)
-        assert resumed["losses"] == pytest.approx(straight["losses"][3:], abs=1e-4), (dp, zero)
+    _assert_resumes_exactly(store, save, straight, saved, 6, 3, ((4, 1), (1, 3)), **kw)
 
 
 def test_resume_at_another_layout_reshards_weights_and_optimizer(store, tmp_path):
