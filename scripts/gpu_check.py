@@ -12,6 +12,11 @@ Phases (each timed; a failing phase is reported and the others still run; the ex
             layers' asynchronous re-gather in backward)
   lora      LoRA fine-tuning of a small HF Llama at tp=2 + SP (bf16 on the GPU): the loss falls, the checkpoint
             holds only the adapters, and `convert to-hf` writes a PEFT adapter directory
+  nccl      with 2 or more GPUs, one rank per GPU on NCCL (scripts/multi_gpu_check.py): tp=2, tp=2 + SP, pp=2
+            (1F1B, zero-bubble), dp=2 at ZeRO-1 and ZeRO-3 (overlapped reduction, prefetch), cp=2 (ring,
+            all-to-all), ep=2 (tiny mixture of experts) against one rank's losses, generate at tp=2 against tp=1,
+            each also in strict collective mode; and the all-reduce bus bandwidth. With one GPU: skipped (never
+            reported as passed). With --cpu: the same runs on 2 gloo ranks.
 
     bash scripts/gpu_check.sh                      # on a GPU node (about 5-8 minutes on one H100/H200)
     bash scripts/gpu_check.sh --cpu                # the same phases at toy sizes on CPU (CI runs this)
@@ -33,7 +38,11 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ("env", "tests", "kernels", "pretrain", "tp2", "lora")
+PHASES = ("env", "tests", "kernels", "pretrain", "tp2", "lora", "nccl")
+
+
+class Skipped(Exception):
+    """A phase this machine cannot run (reported as skipped, never as passed)."""
 
 
 def _run(cmd: list[str], log: Path, env: dict | None = None, timeout: float = 900) -> str:
@@ -199,6 +208,22 @@ def phase_lora(a, out: Path) -> list[str]:
             f"{rows[-1]['peak_mem_gb']:.2f} GB"]
 
 
+def phase_nccl(a, out: Path) -> list[str]:
+    import torch
+
+    gpus = 0 if a.cpu else torch.cuda.device_count()
+    if not a.cpu and gpus < 2:
+        raise Skipped(f"the NCCL phases need 2 GPUs ({gpus} visible): tp/pp/dp/cp/ep on NCCL not checked")
+    cmd = [sys.executable, "scripts/multi_gpu_check.py", "--out", str(out / "nccl")] + (["--cpu"] if a.cpu else [])
+    try:
+        text = _run(cmd, out / "nccl.log", timeout=1200)
+    except RuntimeError as e:  # the table says which layouts failed
+        table = (out / "nccl.log").read_text() if (out / "nccl.log").exists() else ""
+        raise RuntimeError(str(e).splitlines()[0] + "\n" + "\n".join(
+            line for line in table.splitlines() if line.startswith("|") and "FAILED" in line)) from None
+    return [line for line in text.splitlines() if line.startswith(("|", "all-reduce")) or "against one rank" in line]
+
+
 def _device_name() -> str:
     import torch
 
@@ -218,13 +243,16 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    results, failed = [], []
+    results, failed, skipped = [], [], []
     start = time.perf_counter()
     for name in a.only or PHASES:
         print(f"== {name}", flush=True)
         t0 = time.perf_counter()
         try:
             lines, status = globals()[f"phase_{name}"](a, out), "ok"
+        except Skipped as e:
+            lines, status = [str(e)], "skipped"
+            skipped.append(name)
         except Exception as e:  # noqa: BLE001 - reported; the other phases still run
             lines, status = [f"{type(e).__name__}: {e}"], "FAILED"
             failed.append(name)
@@ -239,7 +267,9 @@ def main(argv=None) -> int:
     text = "\n".join(md) + "\n"
     (out / "gpu_check.md").write_text(text)
     print("\n" + text)
-    print("gpu_check: " + (f"FAILED phases: {', '.join(failed)}" if failed else "all phases passed"))
+    passed = len(results) - len(failed) - len(skipped)
+    print(f"gpu_check: {passed} phases passed" + (f", FAILED: {', '.join(failed)}" if failed else "")
+          + (f", skipped: {', '.join(skipped)} (see above)" if skipped else ""))
     return 1 if failed else 0
 
 

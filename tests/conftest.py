@@ -5,6 +5,10 @@ import torch
 
 # Several gloo ranks share two cores: keep each process single-threaded.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Strict collective mode (tpzoo/parallel/strict.py): every asynchronous collective behaves like the worst schedule
+# NCCL may produce. On for the whole suite, inherited by the rank pools and every launched command;
+# TPZOO_STRICT_COLLECTIVES=0 in the environment turns it off.
+os.environ.setdefault("TPZOO_STRICT_COLLECTIVES", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

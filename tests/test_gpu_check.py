@@ -1,6 +1,8 @@
 """scripts/gpu_check.sh --cpu: every phase of the GPU acceptance check at toy sizes on the CPU (the kernels in
 Triton's interpreter against their references, a pretrain whose loss falls, tp=2 on two ranks sharing the
-device with tp=1's losses, with and without SP; a LoRA fine-tune exported to PEFT), so the script a user runs on a GPU node is exercised in CI."""
+device with tp=1's losses, with and without SP; a LoRA fine-tune exported to PEFT; the multi-GPU phase's layouts
+on 2 gloo ranks), so the script a user runs on a GPU node is exercised in CI. With one GPU the multi-GPU phase is
+reported as skipped, never as passed."""
 import subprocess
 from pathlib import Path
 
@@ -12,6 +14,26 @@ def test_gpu_check_cpu_mode_passes_every_phase(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = (tmp_path / "gpu_check.md").read_text()
-    for phase in ("env", "tests", "kernels", "pretrain", "tp2", "lora"):
+    for phase in ("env", "tests", "kernels", "pretrain", "tp2", "lora", "nccl"):
         assert f"**{phase}** (ok," in report, report
     assert "CPU sanity check passed" in report and "tp2-sp (2 ranks" in report and "PEFT adapter" in report
+    # the multi-GPU phase's runs, on 2 gloo ranks: every layout, plain and strict, equal to one rank
+    for layout in ("tp2", "tp2-sp", "pp2-1f1b", "pp2-zero-bubble", "dp2-zero1", "dp2-zero3", "cp2-ring", "cp2-a2a",
+                   "ep2-moe", "generate tp2"):
+        for mode in ("plain", "strict"):
+            assert f"| {layout} | {mode} | 2 |" in report, (layout, mode, report)
+    assert "FAILED" not in report and "all-reduce bus bandwidth on the tp group" in report
+
+
+def test_gpu_check_reports_the_nccl_phase_as_skipped_with_one_gpu(tmp_path, monkeypatch):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(gpu_check, "_device_name", lambda: "one test GPU")
+    assert gpu_check.main(["--only", "nccl", "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "gpu_check.md").read_text()
+    assert "**nccl** (skipped," in report and "need 2 GPUs (1 visible)" in report and "(ok," not in report

@@ -189,3 +189,40 @@ def test_zero_bubble_split_backward_walks_each_part_once():
         # kept sharded; B and W together issue exactly what the whole backward issues.
         assert w == {("all_gather", "tp"): 2 * 2 + 1}
         assert {k: b.get(k, 0) + w.get(k, 0) for k in full} == full and set(b) <= set(full)
+
+
+# -- NCCL's point-to-point semantics (strict collective mode) -----------------------------------------------------
+def _one_f_one_b_on_two_ranks(shared_group: bool):
+    from tpzoo.parallel import CollectiveMisuse, ParallelDims, strict, strict_collectives
+
+    cfg = LLAMA8.replace(num_layers=2)
+    g = torch.Generator().manual_seed(0)
+    mbs = [{"input_ids": torch.randint(0, cfg.vocab_size, (1, 8), generator=g)} for _ in range(4)]
+    for mb in mbs:
+        mb["labels"] = torch.roll(mb["input_ids"], -1, dims=1)
+    original, previous = ParallelDims.p2p_group, strict.P2P_TIMEOUT
+    if shared_group:  # what the pipeline did before: every message of the pair on the one pp group
+        ParallelDims.p2p_group = lambda self, src, dst: self.pp_group
+    strict.P2P_TIMEOUT = 3.0
+    tpzoo.init_parallel(pp=2)
+    try:
+        with strict_collectives(True):
+            chunks = build_model_chunks(cfg)
+            return forward_backward(chunks, mbs, schedule="1f1b", loss_scale=0.01)["loss_sum"]
+    except CollectiveMisuse as e:
+        strict.forget()
+        return str(e)
+    finally:
+        ParallelDims.p2p_group, strict.P2P_TIMEOUT = original, previous
+        tpzoo.destroy_parallel()
+
+
+def test_pipeline_messages_cannot_deadlock_on_nccl_streams():
+    # On one shared group, 1F1B posts a receive (the next gradient) in a batch queued before a send (the next
+    # activation) that the peer needs first: NCCL, running a group's batches one after another, hangs; strict
+    # mode does the same. One group per direction leaves nothing queued behind a receive.
+    shared = run_on_ranks(2, _one_f_one_b_on_two_ranks, True, timeout=120)
+    assert any("did not complete within 3 s. NCCL runs a group's batches one after another" in str(r)
+               for r in shared), shared
+    fixed = run_on_ranks(2, _one_f_one_b_on_two_ranks, False)
+    assert isinstance(fixed[1], float) and fixed[0] == fixed[1]

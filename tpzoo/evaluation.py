@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from tpzoo.parallel import comm
+from tpzoo.parallel import comm, strict
 from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.parallel.dims import ParallelDims
 from tpzoo.pipeline import as_chunks, forward_backward
@@ -69,6 +69,7 @@ def evaluate(model_or_chunks, tokens, seq_len: int, batch_size: int = 1, dims: P
     comm.all_reduce(totals, dims.grad_group)
     n = int(totals[1].item())
     loss = totals[0].item() / max(n, 1)
+    strict.check_all_waited("the end of eval")  # strict collective mode; else a no-op
     return {"tokens": n, "loss": loss, "perplexity": math.exp(loss) if n else float("nan")}
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from tpzoo.errors import ConfigError
-from tpzoo.parallel import comm
+from tpzoo.parallel import comm, strict
 from tpzoo.parallel.dims import ParallelDims
 from tpzoo.pipeline import StepFunctions, as_chunks, execute
 
@@ -129,6 +129,7 @@ def generate(model_or_chunks, input_ids: torch.Tensor, max_new_tokens: int, *, d
     finally:
         for c, was in zip(chunks, was_training):
             c.train(was)
+    strict.check_all_waited("the end of generate")  # strict collective mode; else a no-op
     return torch.cat(out, dim=1)
 
 

@@ -27,7 +27,8 @@ class RankFailure(AssertionError):
     pass
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results, collective_timeout: float, env: dict) -> None:
+def _worker(rank: int, world_size: int, port: int, tasks, results, collective_timeout: float, env: dict,
+            backend: str = "gloo") -> None:
     os.environ.update(env)  # before anything imports torch or triton (TRITON_INTERPRET is read at import time)
     import torch
     import torch.distributed as dist
@@ -38,17 +39,26 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, collective_ti
     timeout = timedelta(seconds=collective_timeout)
     # The parent holds the store's listening socket, so no other process can take the port in between.
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    kw = {}
+    if backend == "nccl":  # one GPU per rank (scripts/multi_gpu_check.py); init_parallel(device="auto") picks it
+        kw["device_id"] = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(kw["device_id"])
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kw)
     while True:
         task = tasks.get()
         if task is None:
             break
         call_id, payload = task
+        from tpzoo.parallel import strict
+
         try:
             fn, args, kwargs = pickle.loads(payload)
             out = fn(*args, **kwargs)
+            # a pooled worker never reaches process exit: what strict mode checks there, it checks after each call
+            strict.check_all_waited(f"the end of {getattr(fn, '__name__', 'the call')}")
             results.put((call_id, rank, True, pickle.dumps(out)))
         except BaseException:  # noqa: BLE001 - the traceback goes to the caller
+            strict.forget()
             results.put((call_id, rank, False, traceback.format_exc()))
         finally:
             from tpzoo.parallel import state
@@ -62,7 +72,8 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, collective_ti
 
 
 class RankPool:
-    def __init__(self, world_size: int, collective_timeout: float = 60.0, env: dict | None = None):
+    def __init__(self, world_size: int, collective_timeout: float = 60.0, env: dict | None = None,
+                 backend: str = "gloo"):
         import torch.distributed as dist
 
         ctx = mp.get_context("spawn")
@@ -74,7 +85,8 @@ class RankPool:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         port = self.store.port
         self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results,
-                                                        collective_timeout, dict(env or {})), daemon=True)
+                                                        collective_timeout, dict(env or {}), backend),
+                                 daemon=True)
                       for r in range(world_size)]
         for p in self.procs:
             p.start()
@@ -136,15 +148,16 @@ _POOLS: dict[tuple, RankPool] = {}
 
 
 def run_on_ranks(world_size: int, fn, *args, timeout: float | None = None, pool_env: dict | None = None,
-                 **kwargs) -> list:
+                 backend: str = "gloo", **kwargs) -> list:
     """Run fn(*args, **kwargs) on `world_size` gloo ranks; return the per-rank results in rank order.
 
     `pool_env`: environment variables the worker processes start with (a separate pool per distinct env),
-    e.g. {"TRITON_INTERPRET": "1"}, which Triton only honours when set before it is first imported."""
-    key = (world_size, tuple(sorted((pool_env or {}).items())))
+    e.g. {"TRITON_INTERPRET": "1"}, which Triton only honours when set before it is first imported.
+    `backend="nccl"`: ranks on GPUs 0..world_size-1 with NCCL (the multi-GPU acceptance check)."""
+    key = (world_size, tuple(sorted((pool_env or {}).items())), backend)
     pool = _POOLS.get(key)
     if pool is None or not pool.alive:
-        pool = _POOLS[key] = RankPool(world_size, env=pool_env)
+        pool = _POOLS[key] = RankPool(world_size, env=pool_env, backend=backend)
     try:
         return pool.run(fn, *args, timeout=timeout, **kwargs)
     except RankFailure:

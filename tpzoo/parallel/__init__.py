@@ -11,6 +11,7 @@ from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbed
 from .mappings import (copy_to_tp, gather_from_sequence, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence,
                        scatter_to_sequence, scatter_to_tp)
 from .sharding import ShardSpec, shard, unshard
+from .strict import CollectiveMisuse, strict_collectives
 from .state import (destroy_parallel, get_cp_group, get_cp_rank, get_cp_size, get_device, get_dims, get_dp_group,
                     get_dp_rank, get_dp_size, get_group_ranks, get_pp_group, get_pp_rank, get_pp_size, get_tp_group,
                     get_tp_rank, get_tp_size, init_parallel, is_initialized)

@@ -14,6 +14,11 @@ This is how Megatron's papers count volume: an all-reduce costs one reduce-scatt
 
 A group of size one (SELF_GROUP included) costs nothing and is not counted. CUDA tensors over a gloo group
 (several ranks sharing one GPU, see tpzoo.parallel.device) are staged through host memory.
+
+Asynchronous by contract: a `*_start` call or `batch_send_recv(wait=False)` returns a handle whose transfer may
+run (on NCCL's own stream) until `wait()`; the caller reads no output and writes no input before then, and the
+handle holds every tensor involved until then (docs/design.md, "Collectives on CUDA"). Strict collective mode
+(tpzoo.parallel.strict, TPZOO_STRICT_COLLECTIVES=1) enforces this on CPU.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import strict
 from .dims import SELF_GROUP
 from .state import group_name
 
@@ -117,17 +123,23 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 
 class Pending:
-    """A collective in flight (async_op): `wait()` blocks until it is done, copies a host-staged result back to
-    its device tensor, and returns the result (`finish(result)` when given: a reshape, no copy). `keep`: tensors
-    the collective reads, held until it is done."""
+    """A collective in flight (async_op): `wait()` blocks until it is done, checks strict mode's guard, copies a
+    staged result (host-staged, or strict mode's private buffer) into the caller's tensor, and returns the result
+    (`finish(result)` when given: a reshape, no copy). `keep`: tensors the collective reads, held until it is done
+    (on CUDA the caching allocator would hand freed memory to the next allocation while NCCL still reads it)."""
 
-    def __init__(self, work, result: torch.Tensor, copy_back: tuple | None = None, finish=None, keep=None):
+    def __init__(self, work, result: torch.Tensor, copy_back: tuple | None = None, finish=None, keep=None,
+                 guard: strict.Guard | None = None):
         self.work, self.result, self.copy_back, self.finish, self.keep = work, result, copy_back, finish, keep
+        self.guard = guard
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
             self.work = self.keep = None
+            if self.guard is not None:
+                guard, self.guard = self.guard, None
+                guard.check()
             if self.copy_back is not None:
                 self.copy_back[1].copy_(self.copy_back[0])
                 self.copy_back = None
@@ -221,52 +233,100 @@ def batch_send_recv(sends: list[tuple], recvs: list[tuple], group=None, wait: bo
     """Post point-to-point sends and receives at once (global peer ranks) and wait for them.
 
     Each entry is (tensor, peer) or (tensor, peer, tag): a tag tells apart several messages between the same two
-    ranks (a pipeline sends activations one way and gradients the other way on the same pair). With
-    `wait=False` the requests are returned instead of waited on (the caller must keep the tensors alive and wait);
-    schedules use this to overlap transfers with compute."""
-    ops, copy_back, staged_sends = [], [], []
+    ranks on gloo. NCCL ignores tags: it pairs the sends and receives between two ranks in the order they are
+    posted, so callers must post receives in the order the peer posts the matching sends (strict mode checks
+    this). With `wait=False` a list of one handle is returned instead (empty if there is nothing to transfer):
+    its wait() completes every transfer of the call, and it holds every tensor involved until then; schedules
+    use this to overlap transfers with compute. Neither a sent tensor nor a receive buffer may be touched before
+    wait()."""
+    strict_on = strict.enabled()
+    ops, deliver, keep, reads, writes, headers = [], [], [], [], [], []
+
+    def post(op, t, peer, tag):
+        if strict_on:  # every message untagged, as NCCL ignores tags, after a header that names its tag
+            header = strict.p2p_header(tag if op is dist.isend else None, t)
+            keep.append(header)
+            if op is dist.irecv:
+                headers.append((len(ops), header, tag, t, peer))
+            ops.append(dist.P2POp(op, header, peer, group, 0))
+        ops.append(dist.P2POp(op, t, peer, group, 0 if strict_on else tag))
+
     for entry in sends:
         t, peer, tag = (*entry, 0)[:3]
         t = t.contiguous()
         _record("send", group, t, 1.0)
-        if _via_host(t, group):
-            t = t.cpu()
-            staged_sends.append(t)  # kept alive until the send completes
-        ops.append(dist.P2POp(dist.isend, t, peer, group, tag))
+        src = t.cpu() if _via_host(t, group) else t.clone() if strict_on else t  # strict: the data as at start
+        keep += [t, src]
+        reads.append(t)
+        post(dist.isend, src, peer, tag)
     for entry in recvs:
         t, peer, tag = (*entry, 0)[:3]
         _record("recv", group, t, 0.0)
+        dst = t
         if _via_host(t, group):
-            host = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-            copy_back.append((host, t))
-            t = host
-        ops.append(dist.P2POp(dist.irecv, t, peer, group, tag))
-    reqs = dist.batch_isend_irecv(ops) if ops else []
-    if copy_back or staged_sends:
-        reqs = [_HostStagedWork(reqs, copy_back, staged_sends)]
-    if wait:
-        for req in reqs:
-            req.wait()
+            dst = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        elif strict_on:
+            dst = torch.empty_like(t)  # strict: the caller's buffer stays poisoned until wait()
+        if dst is not t:
+            deliver.append((dst, t))
+        keep.append(t)
+        writes.append(t)
+        post(dist.irecv, dst, peer, tag)
+    if not ops:
         return []
-    return reqs
+    kind = "send/recv" if sends and recvs else "send" if sends else "recv"
+    if strict_on:  # NCCL runs a group's batches one after another: this one starts when the previous is done
+        strict.after_previous_batch(group, kind, group_name(group))
+    works = dist.batch_isend_irecv(ops)
+    guard = None
+    if strict_on:
+        guard = strict.Guard(kind, group_name(group), reads, writes)
+        guard.headers, guard.ops = headers, ops
+    handle = Transfers(works, deliver, keep, guard)
+    if strict_on:
+        strict.batch_started(group, handle)
+    if wait:
+        handle.wait()
+        return []
+    return [handle]
 
 
-class _HostStagedWork:
-    """Requests whose received host buffers are copied to their device tensors when waited on."""
+class Transfers:
+    """The point-to-point requests of one batch_send_recv call. wait() waits for all of them, checks strict
+    mode's guard, copies staged receive buffers into the caller's tensors, and lets go of the tensors."""
 
-    def __init__(self, works: list, copy_back: list, keep: list):
-        self.works, self.copy_back, self.keep = works, copy_back, keep
+    def __init__(self, works: list, deliver: list, keep: list, guard: strict.Guard | None):
+        self.works, self.deliver, self.keep, self.guard = works, deliver, keep, guard
+        self.transferred = False
+
+    def transfer(self, timeout=None) -> None:
+        """Wait for the requests themselves (not the caller's wait(): nothing is delivered or released)."""
+        if self.transferred:
+            return
+        guard = self.guard
+        one_each = guard is not None and len(self.works) == len(guard.ops)  # (gloo: one request per op)
+        for i, w in enumerate(self.works):
+            w.wait(timeout) if timeout is not None else w.wait()  # in order: a later request first can block gloo
+            if one_each:
+                guard.check_order(i)  # a receive's header: a clear error before a payload of the wrong size
+        self.transferred = True
 
     def wait(self) -> bool:
-        for w in self.works:
-            w.wait()
-        for host, dev in self.copy_back:
-            dev.copy_(host)
-        self.copy_back, self.keep = [], []
+        self.transfer()
+        guard, self.guard = self.guard, None
+        if guard is not None:
+            guard.check_order(None)
+            guard.check()
+        for staged, dest in self.deliver:
+            dest.copy_(staged)
+        self.works, self.deliver, self.keep = [], [], []
         return True
 
     def is_completed(self) -> bool:
-        return not self.copy_back and all(w.is_completed() for w in self.works)
+        """Done and delivered. In strict mode never before wait() (the worst schedule: nothing is done early)."""
+        if self.guard is not None or self.deliver:
+            return False
+        return self.transferred or all(w.is_completed() for w in self.works)
 
 
 def split_along(t: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
@@ -286,29 +346,38 @@ def all_reduce_start(t: torch.Tensor, group) -> Pending:
     if p == 1:
         return Pending(None, t)
     _record("all_reduce", group, t, 2 * (p - 1) / p)
-    if _via_host(t, group):
-        host = t.cpu()
-        return Pending(dist.all_reduce(host, group=group, async_op=True), t, (host, t), keep=host)
-    return Pending(dist.all_reduce(t, group=group, async_op=True), t)
+    if not (_via_host(t, group) or strict.enabled()):
+        return Pending(dist.all_reduce(t, group=group, async_op=True), t, keep=t)
+    # staged: the sum runs on a copy (in host memory for gloo with CUDA tensors), copied back by wait()
+    staged = t.cpu() if _via_host(t, group) else t.clone()
+    work = dist.all_reduce(staged, group=group, async_op=True)
+    guard = strict.Guard("all_reduce", group_name(group), writes=[t], in_place=True) if strict.enabled() else None
+    return Pending(work, t, (staged, t), keep=staged, guard=guard)
 
 
-def _into_start(kind: str, collective, out: torch.Tensor, t: torch.Tensor, group) -> Pending:
-    """Start a flat collective from `t` into the preallocated `out` (host-staged when gloo meets CUDA)."""
+def _into_start(kind: str, collective, out: torch.Tensor, t: torch.Tensor, group, name: str | None = None) -> Pending:
+    """Start a flat collective from `t` into the preallocated `out`, counted as `kind`; `name`: what strict mode's
+    errors call it. Staged through buffers of its own when gloo meets CUDA (host memory) or in strict mode."""
     p = group_size(group)
     if p == 1:
         return Pending(None, out.copy_(t))
     _record(kind, group, t if kind == "reduce_scatter" else out, (p - 1) / p)
-    if _via_host(t, group):
-        host, src = torch.empty(out.shape, dtype=out.dtype, device="cpu"), t.cpu()
-        return Pending(collective(host, src, group=group, async_op=True), out, (host, out), keep=src)
-    return Pending(collective(out, t, group=group, async_op=True), out, keep=t)
+    host = _via_host(t, group)
+    if not (host or strict.enabled()):
+        return Pending(collective(out, t, group=group, async_op=True), out, keep=t)
+    device = torch.device("cpu") if host else out.device
+    received = torch.empty(out.shape, dtype=out.dtype, device=device)
+    src = t.to(device, copy=True)  # what the collective reads: the input as it was at start
+    guard = strict.Guard(name or kind, group_name(group), reads=[t], writes=[out]) if strict.enabled() else None
+    return Pending(collective(received, src, group=group, async_op=True), out, (received, out), keep=src,
+                   guard=guard)
 
 
 def reduce_scatter_into_start(out: torch.Tensor, t: torch.Tensor, group) -> Pending:
     """Start the sum of flat `t` over `group` whose rank-th 1/p lands in flat `out`; wait() returns out."""
-    return _into_start("reduce_scatter", _reduce_scatter_flat, out, t, group)
+    return _into_start("reduce_scatter", _reduce_scatter_flat, out, t, group, "reduce_scatter_into")
 
 
 def all_gather_into_start(out: torch.Tensor, t: torch.Tensor, group) -> Pending:
     """Start concatenating every rank's flat `t` (rank order) into flat `out`; wait() returns out."""
-    return _into_start("all_gather", _all_gather_flat, out, t, group)
+    return _into_start("all_gather", _all_gather_flat, out, t, group, "all_gather_into")

@@ -83,6 +83,13 @@ GROUP_AXES = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp_cp
               "mp": ("tp", "pp")}
 
 
+P2P_PREFIX = "pp>"
+
+
+def _p2p_name(src: int, dst: int) -> str:
+    return f"{P2P_PREFIX}{src}>{dst}"
+
+
 @dataclass(eq=False)
 class ParallelDims:
     tp: int = 1
@@ -136,12 +143,19 @@ class ParallelDims:
     def enumerate_groups(self) -> list[tuple[str, list[int]]]:
         """(name, sorted ranks) of every group of every name, in the order each rank must create them (group
         creation is collective over the world): tp, cp, dp, pp, dp_cp, mp, then the embedding groups (first and
-        last stage of each pipeline: they hold the tied input/output embeddings)."""
+        last stage of each pipeline: they hold the tied input/output embeddings), then the pipeline's
+        point-to-point channels (`p2p_group`)."""
         out = []
         for name, varying in GROUP_AXES.items():
             out += [(name, ranks) for ranks in self._groups_varying(varying)]
         for ranks in self._groups_varying(("pp",)):
             out.append(("embedding", sorted({ranks[0], ranks[-1]})))
+        if self.pp > 1:
+            for ranks in self._groups_varying(("pp",)):  # (pp is the slowest axis: sorted ranks are in pp order)
+                p = len(ranks)
+                pairs = {pair for i in range(p) for pair in ((ranks[i], ranks[(i + 1) % p]),
+                                                              (ranks[(i + 1) % p], ranks[i]))}
+                out += [(_p2p_name(a, b), sorted((a, b))) for a, b in sorted(pairs)]
         if self.ep > 1:  # only then: layouts without experts create exactly the groups they always did
             for dp_cp in self._groups_varying(("dp", "cp")):
                 ordered = sorted(dp_cp, key=lambda r: self.coords(r)["cp"] + self.cp * self.coords(r)["dp"])
@@ -215,6 +229,8 @@ class ParallelDims:
 
     # -- groups ---------------------------------------------------------------------------------------------
     def group_size(self, name: str) -> int:
+        if name.startswith(P2P_PREFIX):
+            return 2
         if name == "embedding":
             return len(self.group_ranks.get("embedding", [self.rank]))
         return {"dp_cp": self.dp * self.cp, "mp": self.tp * self.pp, "world": self.world_size, "ep": self.ep,
@@ -234,6 +250,15 @@ class ParallelDims:
 
             return dist.group.WORLD
         return self.groups[name]
+
+    def p2p_group(self, src: int, dst: int):
+        """The pipeline's channel for messages from global rank `src` to `dst` (neighbours on the pipeline ring,
+        the last and first stage included): a two-rank group per direction. NCCL runs a group's point-to-point
+        batches one after another on one stream, and a send may wait for its receive: with one group for both
+        directions (or for both neighbours), a receive posted early blocks the sends queued behind it, and a
+        pipeline deadlocks. One direction per group leaves only sends on one side and receives on the other,
+        paired in order (docs/design.md, "Collectives on CUDA")."""
+        return self.group(_p2p_name(src, dst))
 
     @property
     def tp_group(self):

@@ -80,7 +80,7 @@ def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, 
         if rank in ranks:
             dims.groups[name] = group
             dims.group_ranks[name] = ranks
-            _GROUP_NAMES[group] = name
+            _GROUP_NAMES[group] = name.split(">")[0]  # counted under their kind: the p2p channels as "pp"
     _GROUP_NAMES.setdefault(dist.group.WORLD, "world")
     _DIMS = dims
     if _watchdog.wanted(watchdog):

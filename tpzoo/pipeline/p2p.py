@@ -1,9 +1,17 @@
 """Point-to-point transfers between pipeline stages, with shapes known in advance (no shape handshake).
 
 Every message has a tag that names it uniquely within one forward_backward call: (direction, receiving model
-stage, micro-batch). So the order in which two ranks post their sends and receives never matters, which matters
-on a pipeline of two ranks, where activations and gradients travel between the same pair in both directions,
-and for interleaving, where several chunks talk over the same ring.
+stage, micro-batch). gloo pairs messages by tag; NCCL ignores tags and pairs the sends and receives of two ranks
+in the order they are posted. The executor posts each receive when the action before the one that needs it
+runs, and every schedule's actions are ordered so that a rank receives from a peer in the order that peer sends
+to it, also on a pipeline of two ranks (activations and gradients between the same pair in both directions) and
+with interleaving (several chunks over the same ring).
+
+Messages from rank a to rank b travel on their own two-rank group (`ParallelDims.p2p_group(a, b)`): NCCL runs a
+group's batches one after another and a send may wait for its receive, so on one shared group a receive posted
+ahead would block the sends queued behind it (1F1B on two ranks deadlocks that way). Strict collective mode
+checks both the order and this serialization on gloo (tpzoo/parallel/strict.py; every pipeline test runs under
+it).
 
 Sends are non-blocking (waited at the end of the call, or when they are known done) and receives are posted
 ahead of need, so a rank only ever blocks on data it really needs: if the schedule's order is acyclic (checked
@@ -18,7 +26,7 @@ from tpzoo.parallel import comm
 from tpzoo.parallel.dims import ParallelDims
 
 FORWARD, BACKWARD = 0, 1
-_WARMED_UP: set = set()  # NCCL: pp groups whose communicator a collective of all members has created
+_WARMED_UP: set = set()  # NCCL: p2p channels whose communicator a collective of both members has created
 
 
 class StageComm:
@@ -32,16 +40,27 @@ class StageComm:
         # of the stages so far, or their gradient), sent as two tensors of one batched send (tags: _tag, and that + _tags)
         self.extra = extra
         self._tags = 2 * (self.last_stage + 1) * self.m  # the activations' tags; the statistics' come after them
+        self.dims = dims
         self.ranks = dims.ranks("pp") if self.p > 1 else None
-        self.group = dims.pp_group if self.p > 1 else None
         self._posted: dict = {}  # (direction, stage, mb) -> (buffer, request or None)
         self._sends: list = []   # (request, tensor): keep each sent tensor alive until its send completes
         self._local: dict = {}   # messages between two chunks of this rank (pp == 1): no transport needed
-        if self.group is not None and dist.get_backend(self.group) == "nccl" and self.group not in _WARMED_UP:
-            # NCCL creates a communicator lazily, and batched point-to-point ops may only be the first use of a
-            # group if all its ranks take part: one tiny all-reduce of the whole group comes first.
-            comm.all_reduce(torch.zeros(1, device=device), self.group)
-            _WARMED_UP.add(self.group)
+        if self.p > 1:
+            self._warm_up(device)
+
+    def _warm_up(self, device) -> None:
+        """NCCL creates a communicator lazily, and batched point-to-point ops may only be the first use of a group
+        if all its ranks take part: one tiny all-reduce on each of this rank's channels comes first, in one
+        order on every rank (the pipeline ring's ordered pairs, sorted), so the pairs warm up without a cycle."""
+        me, n = self.dims.rank, len(self.ranks)
+        pairs = sorted({pair for i in range(n) for pair in ((self.ranks[i], self.ranks[(i + 1) % n]),
+                                                             (self.ranks[(i + 1) % n], self.ranks[i]))})
+        for src, dst in pairs:
+            if me in (src, dst):
+                group = self.dims.p2p_group(src, dst)
+                if dist.get_backend(group) == "nccl" and group not in _WARMED_UP:
+                    comm.all_reduce(torch.zeros(1, device=self.device), group)
+                    _WARMED_UP.add(group)
 
     def stage_of(self, chunk: int) -> int:
         return chunk * self.p + self.rank
@@ -65,8 +84,8 @@ class StageComm:
         bufs = [torch.empty(self.shape, dtype=self.dtype, device=self.device)]
         if self.extra:
             bufs.append(torch.empty(self.extra, dtype=torch.float32, device=self.device))
-        reqs = comm.batch_send_recv([], [(b, peer, tag + i * self._tags) for i, b in enumerate(bufs)], self.group,
-                                    wait=False)
+        reqs = comm.batch_send_recv([], [(b, peer, tag + i * self._tags) for i, b in enumerate(bufs)],
+                                    self.dims.p2p_group(peer, self.dims.rank), wait=False)
         self._posted[key] = (bufs[0] if not self.extra else tuple(bufs), reqs)
 
     def recv(self, direction: int, chunk: int, mb: int) -> torch.Tensor:
@@ -100,7 +119,7 @@ class StageComm:
             return
         peer, tag = self._peer(dst), self._tag(direction, dst, mb)
         sends = [(t, peer, tag)] + ([(stats, peer, tag + self._tags)] if self.extra else [])
-        for req in comm.batch_send_recv(sends, [], self.group, wait=False):
+        for req in comm.batch_send_recv(sends, [], self.dims.p2p_group(self.dims.rank, peer), wait=False):
             self._sends.append((req, sends))
         self._sends = [(r, x) for r, x in self._sends if not r.is_completed()]
 

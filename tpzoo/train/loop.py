@@ -27,7 +27,7 @@ import tpzoo
 from tpzoo.checkpoint.lora_io import lora_metadata
 from tpzoo.data import IGNORE_INDEX, micro_batches_per_step
 from tpzoo.errors import ConfigError
-from tpzoo.parallel import ParallelDims, comm, resolve_device, watchdog
+from tpzoo.parallel import ParallelDims, comm, resolve_device, strict, watchdog
 from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.parallel.state import get_dims, is_initialized
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward, materialize_chunks
@@ -224,6 +224,7 @@ class Trainer:
             self.optimizer.step(lr, clip / loss_scale)  # unscale and clip in the update's one pass
             if self.scaler:
                 self.scaler.update(False)
+        strict.check_all_waited(f"the end of training step {step}")  # strict collective mode; else a no-op
         seconds = time.perf_counter() - t0
         self.throughput.add(self.tokens_per_step, seconds)
         m = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(tokens),
@@ -247,6 +248,7 @@ class Trainer:
         for c in self.chunks:
             c.train()
         loss_sum, tokens = self._global_sum([out["loss_sum"], out["tokens"]], self.grad_group)
+        strict.check_all_waited("the end of evaluation")
         return loss_sum / max(tokens, 1.0)
 
     # -- the run --------------------------------------------------------------------------------------------
