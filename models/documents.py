@@ -52,16 +52,19 @@ class Documents:
         self.ids = doc_ids
         self._masks: dict = {}
 
+    def _visible(self, window: int | None) -> torch.Tensor:
+        s = self.ids.shape[1]
+        pos = torch.arange(s, device=self.ids.device)
+        mask = (pos.unsqueeze(0) <= pos.unsqueeze(1)) & (self.ids.unsqueeze(2) == self.ids.unsqueeze(1))
+        if window is not None:
+            mask &= pos.unsqueeze(1) - pos.unsqueeze(0) < window
+        return mask.unsqueeze(1)
+
     def visible(self, window: int | None) -> torch.Tensor:
         """Boolean [b, 1, S, S]: query i may see key j (causal, same document, within the window)."""
         key = ("bool", window)
         if key not in self._masks:
-            s = self.ids.shape[1]
-            pos = torch.arange(s, device=self.ids.device)
-            mask = (pos.unsqueeze(0) <= pos.unsqueeze(1)) & (self.ids.unsqueeze(2) == self.ids.unsqueeze(1))
-            if window is not None:
-                mask &= pos.unsqueeze(1) - pos.unsqueeze(0) < window
-            self._masks[key] = mask.unsqueeze(1)
+            self._masks[key] = self._visible(window)
         return self._masks[key]
 
     def additive(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -70,7 +73,7 @@ class Documents:
         key = ("add", window, dtype)
         if key not in self._masks:
             zero = torch.zeros((), dtype=dtype, device=self.ids.device)
-            self._masks[key] = torch.where(self.visible(window), zero, float("-inf"))
+            self._masks[key] = torch.where(self._visible(window), zero, float("-inf"))
         return self._masks[key]
 
     def block_mask(self, window: int | None, compiled: bool):
