@@ -173,6 +173,9 @@ def _trainable(examples: list[tuple[list[int], list[bool]]], seq_len: int):
             dropped += 1
             continue
         kept.append((np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)))
+    if examples and not kept:
+        raise DataError(f"none of the {dropped} SFT examples has a trained token within its first seq_len + 1 = "
+                        f"{seq_len + 1} tokens (a longer --seq-len, or shorter prompts)")
     if dropped:
         warnings.warn(f"{dropped} SFT examples have no trained token within seq_len={seq_len} and were dropped",
                       stacklevel=3)
