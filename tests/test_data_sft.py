@@ -81,6 +81,9 @@ def test_padding_dataset():
         short = build_sft_dataset([{"prompt": "x" * 50, "response": "y"}] + PR, tok, 20, packing=False,
                                   template="raw")
     assert short.num_dropped == 1 and len(short) == 3 and short.num_truncated >= 1
+    for packing in (False, True):  # nothing left to train: one line naming seq_len, not an empty loader later
+        with pytest.raises(ValueError, match=r"none of the 3 SFT examples .* seq_len \+ 1 = 4 tokens"):
+            build_sft_dataset(PR, tok, 3, packing=packing, template="raw")
 
 
 def test_packing_keeps_whole_examples_with_their_documents_and_positions():

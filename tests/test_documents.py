@@ -214,6 +214,14 @@ def test_pretrain_document_masking_equals_per_document_training(short_docs):
     assert abs(plain["losses"][0] - losses[0]) > 1e-4 * losses[0]
 
 
+def test_document_masking_is_a_pretraining_option():
+    from tpzoo.errors import ConfigError
+    from tpzoo.train import load_config
+
+    with pytest.raises(ConfigError, match="SFT packing always keeps attention within each example"):
+        load_config(None, dict(task="sft", data=["x.jsonl"], document_masking=True)).validate()
+
+
 # -- the attention paths --------------------------------------------------------------------------------------------
 
 def _doc_ids(b: int, s: int, seed: int) -> torch.Tensor:
