@@ -20,8 +20,8 @@ other and against per-document attention):
          meet are skipped, so a row of short documents costs less than one causal row; the sliding window is part
          of the mask, soft-capping a score_mod, grouped-query heads native, the [b, heads, s, d] layout kept (no
          unpadding to a varlen layout, no device-to-host sync for the longest document). CUDA by default.
-         (Flash varlen would need the flattened layout and a max length on the host, cuDNN's ragged layout the
-         same; neither caps scores. docs/design.md.) FlexAttention has no backward on CPU: there its forward
+         (torch's flash varlen op would need the flattened layout and a max length on the host, cuDNN's ragged
+         layout the same, and neither takes a soft-cap: docs/design.md.) FlexAttention has no backward on CPU: there its forward
          is tested against the exact path.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .qk_norm import softcapped_attention
 
-_FLEX: dict = {}  # lazily: the compiled flex_attention and create_block_mask (CUDA only)
+_FLEX: dict = {}  # lazily: compiled (CUDA) -> flex_attention, compiled or eager
 
 
 def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:

@@ -137,7 +137,7 @@ def test_held_out_split_is_deterministic_and_disjoint(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     sets = build_sft_datasets(path, "byte", 64, packing=False, eval_fraction=0.2, seed=3)
     assert len(sets.train) == 40 and len(sets.eval) == 10
-    assert build_sft_datasets(path, "byte", 16).eval is None
+    assert build_sft_datasets(path, "byte", 64).eval is None
 
 
 def test_sft_batches_through_the_resumable_loader():
