@@ -134,9 +134,19 @@ def _flex_attention(q, k, v, docs: Documents, scale, window, softcap, gqa: bool)
         from torch.nn.attention.flex_attention import flex_attention
 
         _FLEX[compiled] = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
-    score_mod = None
-    if softcap is not None:  # Gemma 2: cap * tanh(score / cap) on the scaled score, before the mask
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return torch.tanh(score / softcap) * softcap
+    score_mod = None if softcap is None else _softcap_mod(softcap)
     return _FLEX[compiled](q, k, v, score_mod=score_mod, block_mask=docs.block_mask(window, compiled),
                            scale=scale, enable_gqa=gqa)
+
+
+_SOFTCAP_MODS: dict = {}
+
+
+def _softcap_mod(cap: float):
+    """Gemma 2's cap * tanh(score / cap) on the scaled score, before the mask: one function object per cap, so
+    the compiled kernel is reused rather than recompiled for a new closure every forward."""
+    if cap not in _SOFTCAP_MODS:
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return torch.tanh(score / cap) * cap
+        _SOFTCAP_MODS[cap] = score_mod
+    return _SOFTCAP_MODS[cap]
