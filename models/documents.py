@@ -21,8 +21,8 @@ other and against per-document attention):
          of the mask, soft-capping a score_mod, grouped-query heads native, the [b, heads, s, d] layout kept (no
          unpadding to a varlen layout, no device-to-host sync for the longest document). CUDA by default.
          (torch's flash varlen op would need the flattened layout and a max length on the host, cuDNN's ragged
-         layout the same, and neither takes a soft-cap: docs/design.md.) FlexAttention has no backward on CPU: there its forward
-         is tested against the exact path.
+         layout the same, and neither takes a soft-cap: docs/design.md.) FlexAttention has no backward on CPU:
+         there its forward is tested against the exact path.
 """
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ Formats and on-disk layout: docs/data.md.
 """
 from .loader import ResumableLoader, collate_long, micro_batches_per_step
 from .packed import IGNORE_INDEX, PackedDataset, packed_loader, single_documents_dropped
-from .sft import (PackedSFTDataset, PaddedSFTDataset, SFTDatasets, build_sft_dataset, build_sft_datasets, encode_sft_example,
-                  load_sft_records, split_records)
+from .sft import (PackedSFTDataset, PaddedSFTDataset, SFTDatasets, build_sft_dataset, build_sft_datasets,
+                  encode_sft_example, load_sft_records, split_records)
 from .sources import SourceError, default_corpus, expand_paths, iter_documents
 from .token_store import TokenStore, preprocess
 from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
