@@ -19,6 +19,7 @@ from tpzoo.parallel.ring_attention import ring_attention
 from tpzoo.parallel.ulysses import ulysses_attention
 
 from .config import ModelConfig
+from .documents import Documents, document_attention
 from .qk_norm import full_width_qk_norm, make_qk_norms, softcapped_attention
 
 
@@ -114,7 +115,7 @@ class ParallelAttention(nn.Module):
         self.recompute_core = False
         self.cp_mode = "ring"  # under context parallelism (dims.cp > 1): "ring" or "a2a" (Transformer sets it)
 
-    def forward(self, x, cos, sin, kv_cache=None):
+    def forward(self, x, cos, sin, kv_cache=None, docs: Documents | None = None):
         # One matmul enters the TP region for q, k and v (under SP: gathers the sequence, keeps only the shard).
         q, k, v = self.qkv(x).split(
             [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
@@ -130,28 +131,31 @@ class ParallelAttention(nn.Module):
         if kv_cache is not None:
             k, v, past = kv_cache.update(k, v)
         if self.recompute_core and torch.is_grad_enabled():
-            ctx = checkpoint(self._core, q, k, v, past, use_reentrant=False)
+            ctx = checkpoint(self._core, q, k, v, past, docs, use_reentrant=False)  # the same docs: the same mask
         else:
-            ctx = self._core(q, k, v, past)
+            ctx = self._core(q, k, v, past, docs)
         return self.out(rearrange(ctx, "b heads s d -> b s (heads d)"))
 
-    def _core(self, q, k, v, past: int):
+    def _core(self, q, k, v, past: int, docs: Documents | None = None):
         if self.dims.cp > 1:  # this rank holds 2 of the 2*cp load-balanced chunks of the sequence
             if past:
                 raise ConfigError("context parallelism (cp > 1) does not decode with a KV cache: generate at cp=1")
-            return self._context_core(q, k, v)
-        return self._local_core(q, k, v, past)
+            return self._context_core(q, k, v, docs)
+        return self._local_core(q, k, v, past, docs)
 
-    def _context_core(self, q, k, v):
+    def _context_core(self, q, k, v, docs: Documents | None):
         dims = self.dims
-        if self.cp_mode == "a2a":
-            return ulysses_attention(q, k, v, dims.cp_group, dims.cp, lambda *qkv: self._local_core(*qkv, 0))
+        if self.cp_mode == "a2a":  # the local attention sees whole sequences: the whole documents too
+            return ulysses_attention(q, k, v, dims.cp_group, dims.cp, lambda *qkv: self._local_core(*qkv, 0, docs))
         if self.softcap is not None:
             raise ConfigError("attention softcapping (Gemma 2) runs with --cp-mode a2a, not ring")
         return ring_attention(q, k, v, dims.cp_group, dims.ranks("cp"), dims.cp_rank, scale=self.scale,
-                              window=self.sliding_window)
+                              window=self.sliding_window, doc_ids=None if docs is None else docs.ids)
 
-    def _local_core(self, q, k, v, past: int):
+    def _local_core(self, q, k, v, past: int, docs: Documents | None = None):
+        if docs is not None:  # a packed batch: attention within each document (models/documents.py)
+            return document_attention(q, k, v, docs, scale=self.scale, window=self.sliding_window,
+                                      softcap=self.softcap)
         s_q, s_k = q.shape[2], k.shape[2]
         gqa = self.heads != self.kv_heads
         window = self.sliding_window
@@ -230,8 +234,8 @@ class TransformerBlock(nn.Module):
         self.pre_norm, self.post_norm = cfg.pre_norm, cfg.post_norm
         self.rope = cfg.layer_rope(layer)  # which rotary table this layer uses (Transformer.forward picks it)
 
-    def forward(self, x, cos=None, sin=None, kv_cache=None):
-        h = self.attn(self.attn_norm(x) if self.pre_norm else x, cos, sin, kv_cache)
+    def forward(self, x, cos=None, sin=None, kv_cache=None, docs: Documents | None = None):
+        h = self.attn(self.attn_norm(x) if self.pre_norm else x, cos, sin, kv_cache, docs)
         x = x + (self.post_attn_norm(h) if self.post_norm else h)
         h = self.mlp(self.mlp_norm(x) if self.pre_norm else x)
         return x + (self.post_mlp_norm(h) if self.post_norm else h)

@@ -24,6 +24,7 @@ from tpzoo.parallel.state import get_dims
 
 from .blocks import Norm, TransformerBlock, rope_cos_sin, rope_inv_freq
 from .config import ModelConfig
+from .documents import Documents, document_positions
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 ROUTER_LOSS_PP = ("a last pipeline stage computing the router loss needs the earlier stages' router statistics: "
@@ -191,6 +192,17 @@ class Transformer(nn.Module):
                               "(tpzoo.parallel.context_parallel.shard_batch gives them)")
         return torch.arange(past, past + seq_len, device=input_like.device).unsqueeze(0)
 
+    def _documents(self, doc_ids, seq_len: int, kv_caches) -> Documents | None:
+        if doc_ids is None:
+            return None
+        if kv_caches:
+            raise ConfigError("doc_ids (document masking of packed batches) do not decode with a KV cache: "
+                              "generation runs one document per row")
+        if doc_ids.shape[1] != seq_len * self.dims.cp:  # cp: the whole (padded) sequence, not this rank's chunks
+            raise ConfigError(f"doc_ids cover {doc_ids.shape[1]} tokens per row, but the sequence has "
+                              f"{seq_len * self.dims.cp} (at cp > 1 pass the whole padded sequence's: shard_batch)")
+        return Documents(doc_ids)
+
     def _seq_chunk(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of the sequence dim (-2) under sequence parallelism."""
         if not self.sequence_parallel or self.dims.tp == 1:
@@ -201,7 +213,8 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 kv_caches: list | None = None, label_smoothing: float = 0.0,
-                router_stats: torch.Tensor | None = None, token_mask: torch.Tensor | None = None):
+                router_stats: torch.Tensor | None = None, token_mask: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None):
         """input_ids [b, s] on the first stage, else `hidden` from the previous stage (seq-sharded under SP).
 
         router_stats (pipeline training with the router loss): the router statistics of the earlier stages
@@ -209,7 +222,10 @@ class Transformer(nn.Module):
         head then returns (hidden, statistics) for the next stage, the last one computes the router loss from the
         totals. Without it, a chunk that is the whole model computes the loss from its own layers.
         token_mask [b, s] (this rank's tokens, before SP's split): the tokens the router statistics count (context
-        parallelism's padding, which HF's sequence does not have, is 0); None: all."""
+        parallelism's padding, which HF's sequence does not have, is 0); None: all.
+        doc_ids [b, S] (a packed batch; models/documents.py): each token's document in its row's whole sequence
+        (every cp rank passes all of it, padded as tpzoo.parallel.context_parallel.shard_batch does); attention
+        then stays within documents, and without position_ids (cp=1) positions restart at each document."""
         tp = self.dims.tp
         seq_len = input_ids.shape[1] if input_ids is not None else hidden.shape[1] * (
             tp if self.sequence_parallel else 1)
@@ -218,6 +234,9 @@ class Transformer(nn.Module):
         if self.sequence_parallel and seq_len % tp:
             raise ConfigError(f"sequence parallelism: sequence length {seq_len} is not divisible by "
                              f"tp={tp}; pad the sequence or turn sequence parallelism off")
+        docs = self._documents(doc_ids, seq_len, kv_caches)
+        if docs is not None and position_ids is None and self.dims.cp == 1:
+            position_ids = document_positions(doc_ids)
         positions = self._positions(ref, seq_len, past, position_ids)
         if self.pre_process:
             h = self.embed(input_ids)
@@ -241,9 +260,9 @@ class Transformer(nn.Module):
             cache = kv_caches[j] if kv_caches else None
             cos, sin = rotary[layer.rope]
             if self.recompute == "full" and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, cache, use_reentrant=False)
+                h = checkpoint(layer, h, cos, sin, cache, docs, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, cache)
+                h = layer(h, cos, sin, cache, docs)
         if router_stats is not None:
             from .moe import stage_stats
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tpzoo.data import (IGNORE_INDEX, PackedDataset, ResumableLoader, micro_batches_per_step, packed_loader,
-                        preprocess)
+                        preprocess, single_documents_dropped)
 
 
 @pytest.fixture
@@ -75,6 +75,33 @@ def test_doc_boundary_masking(store):
     assert masked == sum(1 for s in starts if s <= len(ds) * seq)
 
 
+def test_document_masking_ids_and_positions(store):
+    """doc_ids count the documents begun so far in the window (the piece it starts in is document 0), positions
+    restart at each start; labels as with respect_doc_boundaries. Without masking, no extra keys."""
+    seq = 16
+    ds = PackedDataset(store, seq, document_masking=True)
+    plain = PackedDataset(store, seq, respect_doc_boundaries=True)
+    starts = set(store.doc_offsets.tolist())
+    multi = 0
+    for i in range(len(ds)):
+        s, ref = ds[i], plain[i]
+        assert s["input_ids"].tolist() == ref["input_ids"].tolist() and s["labels"].tolist() == ref["labels"].tolist()
+        doc, pos = 0, 0
+        for t in range(seq):
+            if t and i * seq + t in starts:
+                doc, pos = doc + 1, 0
+            assert (s["doc_ids"][t], s["position_ids"][t]) == (doc, pos), (i, t)
+            pos += 1
+        multi += doc > 0
+    assert multi > len(ds) // 2 and set(plain[0]) == {"input_ids", "labels"}
+    batch = {k: torch.from_numpy(np.stack([ds[i][k] for i in range(len(ds))])) for k in ds[0]}
+    single = [i for i in range(len(ds)) if ds[i]["doc_ids"][-1] == 0]
+    assert single and set(single_documents_dropped(batch)) == set(batch)  # some row holds several: kept
+    one_each = {k: v[single] for k, v in batch.items()}
+    assert set(single_documents_dropped(one_each)) == {"input_ids", "labels"}  # positions were 0 .. s-1
+    assert (one_each["position_ids"] == torch.arange(seq)).all()
+
+
 def test_packed_loader_batches_are_long_tensors(store):
     loader = packed_loader(store.path, seq_len=8, micro_batch_size=4, respect_doc_boundaries=True)
     batch = next(loader)
@@ -112,11 +139,11 @@ def test_order_is_deterministic_from_the_seed_and_changes_per_epoch():
     assert [i for b in unshuffled for i in _ids(b)] == list(range(10))
 
 
-@pytest.mark.parametrize("prefetch", [0, 3])
-def test_exact_resume_across_an_epoch_boundary(store, prefetch):
+@pytest.mark.parametrize("prefetch,masking", [(0, False), (3, False), (3, True)])
+def test_exact_resume_across_an_epoch_boundary(store, prefetch, masking):
     def make():
         return packed_loader(store, seq_len=8, micro_batch_size=2, dp_rank=1, dp_size=2, seed=11,
-                             respect_doc_boundaries=True, prefetch=prefetch)
+                             respect_doc_boundaries=True, prefetch=prefetch, document_masking=masking)
 
     straight = make()
     per_epoch = len(straight)
@@ -132,7 +159,7 @@ def test_exact_resume_across_an_epoch_boundary(store, prefetch):
     resumed = make()
     resumed.load_state_dict(state)
     got += _take(resumed, n - k)
-    assert _same(got, expected)
+    assert _same(got, expected) and ("doc_ids" in got[0]) == masking
     assert resumed.state_dict()["epoch"] == 1 and resumed.consumed_samples == n * 4
     resumed.close()
 

@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from tpzoo.data import (IGNORE_INDEX, PackedDataset, PaddedSFTDataset, ResumableLoader, build_sft_dataset,
+from tpzoo.data import (IGNORE_INDEX, PackedSFTDataset, PaddedSFTDataset, ResumableLoader, build_sft_dataset,
                         build_sft_datasets, encode_sft_example, load_sft_records, load_tokenizer, split_records,
                         train_bpe)
+from tpzoo.data.sft import pack_lengths
 
 PR = [{"prompt": "What is 2+2? ", "response": "4"}, {"prompt": "Say hi.\n", "response": "Hi there, friend!"},
       {"prompt": "Translate 'chat': ", "response": "le chat — 🐈"}]
@@ -80,29 +81,49 @@ def test_padding_dataset():
         short = build_sft_dataset([{"prompt": "x" * 50, "response": "y"}] + PR, tok, 20, packing=False,
                                   template="raw")
     assert short.num_dropped == 1 and len(short) == 3 and short.num_truncated >= 1
+    for packing in (False, True):  # nothing left to train: one line naming seq_len, not an empty loader later
+        with pytest.raises(ValueError, match=r"none of the 3 SFT examples .* seq_len \+ 1 = 4 tokens"):
+            build_sft_dataset(PR, tok, 3, packing=packing, template="raw")
 
 
-def test_packing_masks_prompts_and_example_boundaries():
+def test_packing_keeps_whole_examples_with_their_documents_and_positions():
+    """Each trainable example sits whole in exactly one packed sample: its slots hold exactly what its padded
+    sample holds (inputs, labels), with one document id and positions 0, 1, ...; the padding is the last
+    document; no sample was opened while an earlier one had room."""
     tok = load_tokenizer("byte")
-    seq = 24
-    records = (PR + CHATS) * 3
+    seq = 64
+    records = (PR + CHATS) * 3 + [{"prompt": "x", "response": "y" * i} for i in range(12)]
     ds = build_sft_dataset(records, tok, seq, packing=True)
-    assert isinstance(ds, PackedDataset)
-    examples = [encode_sft_example(r, tok) for r in records]
-    stream = [t for ids, _ in examples for t in ids]
-    trained = [m for _, mask in examples for m in mask]
-    starts = set(np.cumsum([0] + [len(ids) for ids, _ in examples])[1:-1].tolist())
-    assert len(ds) == (len(stream) - 1) // seq
-    n_boundaries = 0
+    padded = build_sft_dataset(records, tok, seq, packing=False)
+    assert isinstance(ds, PackedSFTDataset) and len(ds.examples) == len(padded)
+    assert (ds.num_dropped, ds.num_truncated) == (padded.num_dropped, padded.num_truncated) and ds.num_truncated
+    assert sorted(j for row in ds.rows for j in row) == list(range(len(padded)))  # every example, once
+    lengths = [len(ids) - 1 for ids, _ in ds.examples]
+    assert len(ds) < len(padded) and len(ds) <= 1 + sum(lengths) // seq + sum(n > seq // 2 for n in lengths)
     for i in range(len(ds)):
         s = ds[i]
-        assert s["input_ids"].tolist() == stream[i * seq: i * seq + seq]
-        for t in range(seq):
-            target = i * seq + t + 1
-            ok = trained[target] and target not in starts
-            assert s["labels"][t] == (stream[target] if ok else IGNORE_INDEX)
-            n_boundaries += target in starts
-    assert n_boundaries > 5
+        assert set(s) == {"input_ids", "labels", "doc_ids", "position_ids"}
+        at = 0
+        for d, j in enumerate(ds.rows[i]):
+            n, ref = lengths[j], padded[j]
+            seg = slice(at, at + n)
+            assert s["input_ids"][seg].tolist() == ref["input_ids"][:n].tolist()
+            assert s["labels"][seg].tolist() == ref["labels"][:n].tolist()
+            assert s["doc_ids"][seg].tolist() == [d] * n and s["position_ids"][seg].tolist() == list(range(n))
+            at += n
+        rest = seq - at
+        assert s["input_ids"][at:].tolist() == [tok.pad_id] * rest and (s["labels"][at:] == IGNORE_INDEX).all()
+        assert s["doc_ids"][at:].tolist() == [len(ds.rows[i])] * rest
+        assert s["position_ids"][at:].tolist() == list(range(rest))
+    free = [seq - sum(lengths[j] for j in row) for row in ds.rows]
+    for i, row in enumerate(ds.rows):  # a sample is only opened for an example that no earlier one had room for
+        assert all(f < lengths[row[0]] for f in free[:i])
+
+
+def test_pack_lengths_is_best_fit_decreasing():
+    assert pack_lengths([5, 3, 7, 2, 4, 1], 10) == [[2, 1], [0, 4, 5], [3]]
+    assert pack_lengths([10, 10], 10) == [[0], [1]] and pack_lengths([], 4) == []
+    assert pack_lengths([6, 4, 5, 5], 10) == [[0, 1], [2, 3]]  # 5 goes to the fullest bin it fits
 
 
 def test_held_out_split_is_deterministic_and_disjoint(tmp_path):
@@ -116,11 +137,11 @@ def test_held_out_split_is_deterministic_and_disjoint(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     sets = build_sft_datasets(path, "byte", 64, packing=False, eval_fraction=0.2, seed=3)
     assert len(sets.train) == 40 and len(sets.eval) == 10
-    assert build_sft_datasets(path, "byte", 16).eval is None
+    assert build_sft_datasets(path, "byte", 64).eval is None
 
 
 def test_sft_batches_through_the_resumable_loader():
-    ds = build_sft_dataset((PR + CHATS) * 4, "byte", 16, packing=True)
+    ds = build_sft_dataset((PR + CHATS) * 6, "byte", 64, packing=True)
     straight = ResumableLoader(ds, 2, seed=0, prefetch=0)
     expected = [next(straight) for _ in range(6)]
     first = ResumableLoader(ds, 2, seed=0)
@@ -130,8 +151,9 @@ def test_sft_batches_through_the_resumable_loader():
     first.close()
     got += [next(resumed) for _ in range(4)]
     resumed.close()
-    assert all(torch.equal(a[k], b[k]) for a, b in zip(got, expected) for k in ("input_ids", "labels"))
-    assert expected[0]["labels"].dtype == torch.long and expected[0]["labels"].shape == (2, 16)
+    keys = ("input_ids", "labels", "doc_ids", "position_ids")
+    assert all(set(a) == set(keys) and torch.equal(a[k], b[k]) for a, b in zip(got, expected) for k in keys)
+    assert expected[0]["labels"].dtype == torch.long and expected[0]["labels"].shape == (2, 64)
 
 
 def test_invalid_records_name_the_line(tmp_path):

@@ -91,7 +91,8 @@ def test_every_command_places_every_tensor_on_the_runtime_device(files, layout):
     assert normal["eval_loss"] is not None and normal["sample"]
 
     ckpt = normal["checkpoint"]
-    tuned = _both(_train, _cfg(root, task="sft", base=ckpt, data=[sft], save="", **lay))
+    # raw: "Say apple." + "apple" + EOS (the fallback's role headers alone would fill the 32-token sequence)
+    tuned = _both(_train, _cfg(root, task="sft", base=ckpt, data=[sft], save="", template="raw", **lay))
     assert tuned[0] == tuned[1] and tuned[0]["status"] == "ok", tuned
 
     flags = [f"--{k.replace('_', '-')}" if v is True else f"--{k} {v}" for k, v in lay.items()]

@@ -25,7 +25,8 @@ def sft_file(tmp_path_factory):
 
 
 def _cfg(**kw):
-    base = dict(task="sft", seq_len=32, global_batch_size=8, micro_batch_size=4, lr=3e-3, min_lr=3e-4,
+    # seq_len 64: packing keeps examples whole, so a sequence must hold one (the records here: up to ~57 tokens)
+    base = dict(task="sft", seq_len=64, global_batch_size=8, micro_batch_size=4, lr=3e-3, min_lr=3e-4,
                 warmup_steps=2, weight_decay=0.0, tp=1, pp=1, dp=0, save="", sample_prompt="", quiet=True,
                 eval_fraction=0.2, seed=0, prefetch=1, eval_batches=2)
     base.update(kw)

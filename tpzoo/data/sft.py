@@ -20,17 +20,23 @@ conversation is rendered prefix by prefix (``messages[:i]`` with the generation 
 and each piece is tokenized on its own, so the mask is exact; a template whose renderings are not prefixes of one
 another is rejected with an error.
 
-Samples (both in the shifted convention of `tpzoo.data.packed`: ``labels[t]`` is the target of position ``t``):
-  - ``packing=True``: examples are concatenated into one stream and cut into ``seq_len + 1`` windows by
-    `PackedDataset`; a label whose target is the first token of an example is -100 (no prediction across
-    examples), as is every label whose target is not a trained token.
-  - ``packing=False``: one example per sample, truncated to ``seq_len + 1`` tokens, inputs padded with the
-    tokenizer's pad id and labels with -100. Examples left without any trained label are dropped (warned).
+Samples (both in the shifted convention of `tpzoo.data.packed`: ``labels[t]`` is the target of position ``t``).
+Either way an example is truncated to ``seq_len + 1`` tokens (its ``seq_len`` input/label pairs) and one left
+without any trained label is dropped (warned):
+  - ``packing=False`` (`PaddedSFTDataset`): one example per sample, inputs padded with the tokenizer's pad id and
+    labels with -100.
+  - ``packing=True`` (`PackedSFTDataset`): whole examples packed into samples of ``seq_len`` slots (best-fit
+    decreasing: an example never split between samples), the rest padded; each sample carries ``doc_ids`` (its
+    examples 0, 1, ..., the padding last) and ``position_ids`` restarting at each example, so the model attends
+    within examples only (models/documents.py). An example's tokens, labels, positions and attention are those
+    of its padded sample: packing changes how many slots a step wastes on padding, never the loss or gradient
+    (tests/test_documents.py).
 SFT sets are held in memory (tokenized once when built). ``eval_fraction`` holds out a deterministic, seeded
 subset of *examples* (before packing, so no example is split between train and eval).
 """
 from __future__ import annotations
 
+import bisect
 import os
 import warnings
 from typing import NamedTuple
@@ -39,14 +45,14 @@ import numpy as np
 
 from tpzoo.errors import ConfigError, DataError
 
-from .packed import IGNORE_INDEX, PackedDataset
+from .packed import IGNORE_INDEX, documents_of
 from .sources import read_jsonl_records
 from .tokenizer import load_tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 
-__all__ = ["load_sft_records", "encode_sft_example", "split_records", "PaddedSFTDataset", "SFTDatasets",
-           "build_sft_dataset", "build_sft_datasets"]
+__all__ = ["load_sft_records", "encode_sft_example", "split_records", "PaddedSFTDataset", "PackedSFTDataset",
+           "SFTDatasets", "build_sft_dataset", "build_sft_datasets", "pack_lengths"]
 
 
 def _check_record(record, where: str) -> dict:
@@ -155,6 +161,32 @@ def split_records(records: list, eval_fraction: float, seed: int = 0) -> tuple[l
     return ([r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held])
 
 
+def _trainable(examples: list[tuple[list[int], list[bool]]], seq_len: int):
+    """(examples as (ids, mask) arrays truncated to seq_len + 1 tokens, those with a trained label only;
+    number dropped; number truncated), warning about the dropped."""
+    kept, dropped, truncated = [], 0, 0
+    for ids, mask in examples:
+        if len(ids) > seq_len + 1:
+            truncated += 1
+            ids, mask = ids[:seq_len + 1], mask[:seq_len + 1]
+        if not any(mask[1:]):
+            dropped += 1
+            continue
+        kept.append((np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)))
+    if examples and not kept:
+        raise DataError(f"none of the {dropped} SFT examples has a trained token within its first seq_len + 1 = "
+                        f"{seq_len + 1} tokens (a longer --seq-len, or shorter prompts)")
+    if dropped:
+        warnings.warn(f"{dropped} SFT examples have no trained token within seq_len={seq_len} and were dropped",
+                      stacklevel=3)
+    return kept, dropped, truncated
+
+
+def _shifted(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs, labels) of one example: each token but the last predicts the next, where that one is trained."""
+    return ids[:-1], np.where(mask[1:], ids[1:], IGNORE_INDEX)
+
+
 class PaddedSFTDataset:
     """One example per sample: ``{"input_ids", "labels"}`` int64 arrays of ``seq_len``, padded (see above)."""
 
@@ -162,44 +194,77 @@ class PaddedSFTDataset:
         if pad_id is None:
             raise ConfigError("padding needs a pad id (the tokenizer has neither pad nor eos)")
         self.seq_len, self.pad_id = seq_len, pad_id
-        self.examples, self.num_dropped, self.num_truncated = [], 0, 0
-        for ids, mask in examples:
-            if len(ids) > seq_len + 1:
-                self.num_truncated += 1
-                ids, mask = ids[:seq_len + 1], mask[:seq_len + 1]
-            if not any(mask[1:]):
-                self.num_dropped += 1
-                continue
-            self.examples.append((np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)))
-        if self.num_dropped:
-            warnings.warn(f"{self.num_dropped} SFT examples have no trained token within seq_len={seq_len} "
-                          "and were dropped", stacklevel=2)
+        self.examples, self.num_dropped, self.num_truncated = _trainable(examples, seq_len)
 
     def __len__(self) -> int:
         return len(self.examples)
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        ids, mask = self.examples[i]
-        n = len(ids) - 1
+        inputs, targets = _shifted(*self.examples[i])
         input_ids = np.full(self.seq_len, self.pad_id, dtype=np.int64)
         labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
-        input_ids[:n] = ids[:-1]
-        labels[:n] = np.where(mask[1:], ids[1:], IGNORE_INDEX)
+        input_ids[:len(inputs)], labels[:len(inputs)] = inputs, targets
         return {"input_ids": input_ids, "labels": labels}
+
+
+def pack_lengths(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Best-fit decreasing: indices of `lengths` (each <= capacity) grouped into bins of at most `capacity`,
+    longest first, each into the fullest bin it fits (a new bin when none). Deterministic (ties: input order).
+    Bins by free space: a sorted list of the distinct free amounts (at most capacity + 1) and a stack of bins
+    for each, so placing an item costs a bisection, not a scan of the bins."""
+    bins: list[list[int]] = []
+    free: list[int] = []  # sorted distinct free amounts that some bin has
+    with_free: dict[int, list[int]] = {}  # free amount -> bins that have it
+    for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
+        n = lengths[i]
+        at = bisect.bisect_left(free, n)
+        if at == len(free):
+            b, room = len(bins), capacity
+            bins.append([])
+        else:
+            room = free[at]
+            b = with_free[room].pop()
+            if not with_free[room]:
+                del free[at], with_free[room]
+        bins[b].append(i)
+        if room - n not in with_free:
+            bisect.insort(free, room - n)
+            with_free[room - n] = []
+        with_free[room - n].append(b)
+    return bins
+
+
+class PackedSFTDataset:
+    """Whole examples packed into samples of ``seq_len`` (see above): ``{"input_ids", "labels", "doc_ids",
+    "position_ids"}`` int64 arrays; ``rows[i]`` are the examples of sample ``i``, in order."""
+
+    def __init__(self, examples: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int):
+        if pad_id is None:
+            raise ConfigError("packing pads each sample's tail and needs a pad id (the tokenizer has neither pad "
+                              "nor eos)")
+        self.seq_len, self.pad_id = seq_len, pad_id
+        self.examples, self.num_dropped, self.num_truncated = _trainable(examples, seq_len)
+        self.rows = pack_lengths([len(ids) - 1 for ids, _ in self.examples], seq_len)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        parts = [_shifted(*self.examples[j]) for j in self.rows[i]]
+        used = sum(len(inputs) for inputs, _ in parts)
+        pad = self.seq_len - used
+        input_ids = np.concatenate([p[0] for p in parts] + [np.full(pad, self.pad_id, dtype=np.int64)])
+        labels = np.concatenate([p[1] for p in parts] + [np.full(pad, IGNORE_INDEX, dtype=np.int64)])
+        starts = np.cumsum([len(inputs) for inputs, _ in parts])[:-1 if pad == 0 else None]  # the padding: last
+        return {"input_ids": input_ids, "labels": labels, **documents_of(starts, self.seq_len)}
 
 
 def build_sft_dataset(records: list[dict], tokenizer, seq_len: int, *, packing: bool = True,
                       template: str = "auto", prepend_bos: bool = False):
-    """A `PackedDataset` (``packing=True``) or `PaddedSFTDataset` of ``records``, ready for `ResumableLoader`."""
+    """A `PackedSFTDataset` (``packing=True``) or `PaddedSFTDataset` of ``records``, ready for `ResumableLoader`."""
     tok = load_tokenizer(tokenizer)
     examples = [encode_sft_example(r, tok, template=template, prepend_bos=prepend_bos) for r in records]
-    if not packing:
-        return PaddedSFTDataset(examples, seq_len, tok.pad_id)
-    lengths = np.array([len(ids) for ids, _ in examples], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    tokens = np.fromiter((t for ids, _ in examples for t in ids), dtype=np.int64, count=int(offsets[-1]))
-    loss_mask = np.fromiter((m for _, mask in examples for m in mask), dtype=bool, count=int(offsets[-1]))
-    return PackedDataset(tokens, seq_len, respect_doc_boundaries=True, doc_offsets=offsets, loss_mask=loss_mask)
+    return (PackedSFTDataset if packing else PaddedSFTDataset)(examples, seq_len, tok.pad_id)
 
 
 class SFTDatasets(NamedTuple):
@@ -212,7 +277,8 @@ def build_sft_datasets(source, tokenizer, seq_len: int, *, packing: bool = True,
     """Train and held-out SFT datasets from a JSONL path (or a list of records); ``eval`` is None without a split.
 
     Feed each to ``ResumableLoader(dataset, micro_batch_size, dp_rank=..., dp_size=..., seed=...)`` for batches
-    ``{"input_ids": LongTensor[b, seq_len], "labels": LongTensor[b, seq_len]}``.
+    ``{"input_ids": LongTensor[b, seq_len], "labels": LongTensor[b, seq_len]}`` (and ``doc_ids``,
+    ``position_ids`` when packed).
     """
     records = source if isinstance(source, list) else load_sft_records(source)
     train, held = split_records(records, eval_fraction, seed)

@@ -7,6 +7,10 @@ sequence is first padded to a multiple of 2N (times tp under sequence parallelis
 tokens over tp) with ignored labels at the end, where causality hides the padding from every real token; the
 rank's tokens get their global positions ("position_ids"), so rotary and learned positions stay those of the whole
 sequence. Loss sums and token counts are then summed over the dp x cp group, and so are the gradients.
+
+A packed batch (document masking, models/documents.py) brings "position_ids" (restarting at each document) and
+"doc_ids": the rank keeps its tokens' position_ids, and the doc_ids of the *whole* padded sequence (the padding a
+document of its own), which attention needs on every rank (ring blocks mask by the ids of both sides).
 """
 from __future__ import annotations
 
@@ -36,14 +40,13 @@ def shard_batch(batch: dict, dims: ParallelDims, sequence_parallel: bool = False
     pos = local_positions(padded // (2 * cp), cp, dims.cp_rank, "cpu")
     out = {}
     for key, t in batch.items():
-        if key in ("input_ids", "labels"):
-            fill = IGNORE_INDEX if key == "labels" else 0
-            if padded > s:
-                t = torch.cat([t, t.new_full((t.shape[0], padded - s), fill)], dim=1)
-            out[key] = t.index_select(1, pos.to(t.device))
-        else:
-            out[key] = t
-    out["position_ids"] = pos.unsqueeze(0).to(ids.device)
+        # the padding: ignored labels; a document of its own (ids < s within a row, so `padded` is new)
+        fill = {"labels": IGNORE_INDEX, "doc_ids": padded}.get(key, 0)
+        if key in ("input_ids", "labels", "position_ids", "doc_ids") and padded > s:
+            t = torch.cat([t, t.new_full((t.shape[0], padded - s), fill)], dim=1)
+        out[key] = t.index_select(1, pos.to(t.device)) if key in ("input_ids", "labels", "position_ids") else t
+    if "position_ids" not in batch:
+        out["position_ids"] = pos.unsqueeze(0).to(ids.device)
     if padded > s:  # the real tokens (the router statistics of a mixture of experts must not count the padding)
         out["token_mask"] = (pos < s).unsqueeze(0).expand(ids.shape[0], -1).to(ids.device)
     return out

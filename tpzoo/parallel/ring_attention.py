@@ -22,7 +22,10 @@ Analytical volume per layer and rank (counted by tpzoo.parallel.comm under "send
 
 Grouped-query attention: K/V travel with their kv heads only and are expanded to the query heads per block; the
 gradients of the expanded heads are summed back. (Under TP, ParallelAttention already holds the kv heads its query
-heads use, replicated or split.) Sliding windows mask by global position.
+heads use, replicated or split.) Sliding windows mask by global position. Packed documents (`doc_ids` [b, S] of the
+whole padded sequence, natural order, held by every rank): each block also masks the query/key pairs of different
+documents (every rank picks its queries' and the block owner's ids from the whole sequence's: nothing more
+travels); such blocks run the torch math with that mask.
 
 Per block (`block_forward` / `block_backward`, the seam for fused kernels): on CPU, blocks without a sliding window
 run torch's fused flash-attention kernel, which returns the log-sum-exp and takes the merged output and
@@ -54,13 +57,17 @@ def _block_slices(step_owner: int, cp_rank: int, chunk: int) -> tuple[slice, sli
     return slice(chunk, None), slice(None)
 
 
-def _mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor | None:
-    """True where query i may see key j (None: every pair)."""
-    if not causal and window is None:
+def _mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None, causal: bool, doc_ids=None,
+          ) -> torch.Tensor | None:
+    """True where query i may see key j (None: every pair); with doc_ids (the whole sequence's) [b, 1, q, k]:
+    only pairs of one document."""
+    if not causal and window is None and doc_ids is None:
         return None
     mask = kpos.unsqueeze(0) <= qpos.unsqueeze(1)
     if window is not None:
         mask &= qpos.unsqueeze(1) - kpos.unsqueeze(0) < window
+    if doc_ids is not None:
+        mask = (mask & (doc_ids[:, qpos].unsqueeze(2) == doc_ids[:, kpos].unsqueeze(1))).unsqueeze(1)
     return mask
 
 
@@ -163,10 +170,10 @@ class _Ring:
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, ranks, cp_rank, scale, window, fused):
+    def forward(ctx, q, k, v, group, ranks, cp_rank, scale, window, fused, doc_ids):
         cp, chunk = len(ranks), q.shape[2] // 2
         groups = q.shape[1] // k.shape[1]
-        fused = _use_fused(q, window, fused)
+        fused = doc_ids is None and _use_fused(q, window, fused)
         pos = local_positions(chunk, cp, cp_rank, q.device)
         ring = _Ring(group, ranks, cp_rank)
         # [b, s, h, d] in memory (seen as [b, h, s, d]): the layout SDPA returns, so that the caller's
@@ -180,7 +187,7 @@ class RingAttention(torch.autograd.Function):
             owner = (cp_rank - step) % cp
             rows, cols = _block_slices(owner, cp_rank, chunk)
             kpos = local_positions(chunk, cp, owner, q.device)
-            mask = None if fused else _mask(pos[rows], kpos[cols], window, causal=step == 0)
+            mask = None if fused else _mask(pos[rows], kpos[cols], window, step == 0, doc_ids)
             b_out, b_lse = block_forward(q[:, :, rows], _expand(kv[0][:, :, cols], groups),
                                          _expand(kv[1][:, :, cols], groups), scale, step == 0, mask, fused)
             lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], b_out, b_lse)
@@ -191,7 +198,7 @@ class RingAttention(torch.autograd.Function):
         # the output projection keeps anyway, so ring attention saves nothing beyond what SDPA saves.
         ctx.save_for_backward(q, k, v, result, lse)
         ctx.group, ctx.ranks, ctx.cp_rank, ctx.scale, ctx.window = group, ranks, cp_rank, scale, window
-        ctx.fused = fused
+        ctx.fused, ctx.doc_ids = fused, doc_ids
         return result
 
     @staticmethod
@@ -212,7 +219,7 @@ class RingAttention(torch.autograd.Function):
             owner = (cp_rank - step) % cp
             rows, cols = _block_slices(owner, cp_rank, chunk)
             kpos = local_positions(chunk, cp, owner, q.device)
-            mask = None if fused else _mask(pos[rows], kpos[cols], window, causal=step == 0)
+            mask = None if fused else _mask(pos[rows], kpos[cols], window, step == 0, ctx.doc_ids)
             dq_b, dk_b, dv_b = block_backward(d_out[:, :, rows], q[:, :, rows], _expand(kv[0][:, :, cols], groups),
                                               _expand(kv[1][:, :, cols], groups), out[:, :, rows], lse[:, :, rows],
                                               None if fused else delta[:, :, rows], scale, step == 0, mask, fused)
@@ -225,16 +232,21 @@ class RingAttention(torch.autograd.Function):
             if kv_pending is not None:
                 kv = ring.wait(kv_pending)
         dkv = ring.wait(dkv_pending)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
 
 
 def ring_attention(q, k, v, group, ranks: list[int], cp_rank: int, *, scale: float | None = None,
-                   window: int | None = None, fused: bool | None = None) -> torch.Tensor:
+                   window: int | None = None, fused: bool | None = None,
+                   doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries q [b, h, 2c, d] over every cp rank's keys/values ([b, kv_heads,
-    2c, d] here), the tokens in the load-balanced order; `ranks` are the cp group's global ranks."""
+    2c, d] here), the tokens in the load-balanced order; `ranks` are the cp group's global ranks. doc_ids [b, 2c *
+    cp]: the whole sequence's documents (natural order), attention within each."""
     if q.shape[2] % 2:
         raise ValueError(f"ring attention: the local sequence ({q.shape[2]}) must hold two equal chunks")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"ring attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return RingAttention.apply(q, k, v, group, list(ranks), cp_rank, scale, window, fused)
+    if doc_ids is not None and tuple(doc_ids.shape) != (q.shape[0], q.shape[2] * len(ranks)):
+        raise ValueError(f"ring attention: doc_ids {tuple(doc_ids.shape)} are not the whole sequence's "
+                         f"({q.shape[0]}, {q.shape[2] * len(ranks)})")
+    return RingAttention.apply(q, k, v, group, list(ranks), cp_rank, scale, window, fused, doc_ids)

@@ -147,19 +147,23 @@ def pipeline_forward(model_or_chunks, input_ids: torch.Tensor, labels: torch.Ten
 # -- the language-model loss: training and eval ------------------------------------------------------------------
 
 def lm_forward(label_smoothing: float = 0.0):
-    """The forward of one chunk for an {"input_ids"[, "labels"][, "position_ids"]} batch: on the last model stage
-    the per-token loss, or the logits shard for a batch without labels."""
+    """The forward of one chunk for an {"input_ids"[, "labels"][, "position_ids"][, "doc_ids"]} batch: on the last
+    model stage the per-token loss, or the logits shard for a batch without labels. Positions and document ids go
+    to every stage: each one's attention (and the first stage's learned positions) needs them."""
     def forward(index, chunk, batch, hidden):
-        device, labels, positions = chunk.device, batch.get("labels"), batch.get("position_ids")
-        mask, stats = batch.get("token_mask"), None
+        device, stats = chunk.device, None
+
+        def get(key, wanted=True):
+            t = batch.get(key)
+            return None if t is None or not wanted else t.to(device, non_blocking=True)
+
         if router_stats_size(chunk, batch):  # the router statistics ride beside the activation (engine docs)
             hidden, stats = hidden if hidden is not None else (None, torch.zeros(
                 router_stats_size(chunk, batch), dtype=torch.float32, device=device))
-        return chunk(input_ids=batch["input_ids"].to(device, non_blocking=True) if chunk.pre_process else None,
-                     hidden=hidden, labels=labels.to(device, non_blocking=True)
-                     if labels is not None and chunk.post_process else None, label_smoothing=label_smoothing,
-                     position_ids=None if positions is None else positions.to(device, non_blocking=True),
-                     router_stats=stats, token_mask=None if mask is None else mask.to(device, non_blocking=True))
+        return chunk(input_ids=get("input_ids", chunk.pre_process), hidden=hidden,
+                     labels=get("labels", chunk.post_process), label_smoothing=label_smoothing,
+                     position_ids=get("position_ids"), router_stats=stats, token_mask=get("token_mask"),
+                     doc_ids=get("doc_ids"))
     return forward
 
 

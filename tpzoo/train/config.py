@@ -115,7 +115,10 @@ class DataSection:
     text_field: str = _f("text", "JSONL field / Parquet column with the text (pretrain)", nonempty=True)
     eval_fraction: float = _f(0.005, "held-out share: pretrain = the last windows of the corpus, sft = a seeded "
                                      "subset of the records", ge=0, lt=1)
-    packing: bool = _f(True, "sft: pack examples into full sequences (else one padded example per sequence)")
+    packing: bool = _f(True, "sft: pack whole examples into full sequences, attention within each example and "
+                             "positions restarting (else one padded example per sequence; the same loss either way)")
+    document_masking: bool = _f(False, "pretrain: attention stays within each document of a packed sequence and "
+                                       "positions restart at each (as if every document trained alone)")
     template: str = _f("auto", "sft rendering: auto (the tokenizer's chat template, else fallback) | fallback "
                                "| raw", choices=("auto", "fallback", "raw"))
     prefetch: int = _f(2, "batches prepared ahead on a background thread (0 = none)", ge=0)
@@ -277,6 +280,9 @@ class TrainConfig:
                               f"implemented; use --zero 2 (or ep=1)")
         if self.zero3_gather_per_step and self.zero_level != 3:
             raise ConfigError(f"zero3_gather_per_step needs --zero 3 (zero = {self.zero_level})")
+        if self.task == "sft" and self.document_masking:
+            raise ConfigError("document_masking is for pretraining: SFT packing always keeps attention within "
+                              "each example (--no-packing pads one per sequence)")
         if self.task == "sft" and len(self.data) != 1:
             raise ConfigError(f"task 'sft' needs exactly one SFT JSONL file (--data PATH.jsonl), got "
                               f"{len(self.data)}: {self.data}")

@@ -74,12 +74,13 @@ def build_datasets(cfg, tokenizer):
                                   eval_fraction=cfg.eval_fraction, seed=cfg.seed, template=cfg.template)
         return sets.train, sets.eval, f"SFT {cfg.data[0]} ({'packed' if cfg.packing else 'padded'})"
     store = token_store_for(cfg.data, tokenizer, cfg.data_cache, cfg.text_field)
-    packed = PackedDataset(store, cfg.seq_len, respect_doc_boundaries=True)
+    packed = PackedDataset(store, cfg.seq_len, respect_doc_boundaries=True, document_masking=cfg.document_masking)
     n = len(packed)
     n_eval = int(n * cfg.eval_fraction)
     train = Window(packed, 0, n - n_eval)
     held = Window(packed, n - n_eval, n) if n_eval else None
-    return train, held, f"{store.path} ({store.num_tokens:,} tokens, {store.num_docs} docs)"
+    masked = ", document masking" if cfg.document_masking else ""
+    return train, held, f"{store.path} ({store.num_tokens:,} tokens, {store.num_docs} docs{masked})"
 
 
 def make_loader(dataset, cfg, dp_rank: int, dp_size: int, *, train: bool = True,

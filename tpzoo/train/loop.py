@@ -25,7 +25,7 @@ import torch
 
 import tpzoo
 from tpzoo.checkpoint.lora_io import lora_metadata
-from tpzoo.data import IGNORE_INDEX, micro_batches_per_step
+from tpzoo.data import IGNORE_INDEX, micro_batches_per_step, single_documents_dropped
 from tpzoo.errors import ConfigError
 from tpzoo.parallel import ParallelDims, comm, resolve_device, strict, watchdog
 from tpzoo.parallel.context_parallel import shard_batch
@@ -181,8 +181,9 @@ class Trainer:
 
     def _local(self, batch: dict) -> dict:
         """This rank's tokens of a batch (every cp rank of a dp rank loads the same sequences; cp > 1 keeps its
-        two load-balanced chunks and their positions)."""
-        return shard_batch(batch, self.dims, self.cfg.sequence_parallel)
+        two load-balanced chunks and their positions). A packed batch of one document per row drops its document
+        ids: no mask to build, attention's plain causal path."""
+        return shard_batch(single_documents_dropped(batch), self.dims, self.cfg.sequence_parallel)
 
     def train_step(self, step: int) -> dict:
         """Optimizer step number `step` (1-based)."""

@@ -1,0 +1,152 @@
+"""Document masking: attention over packed sequences that never crosses a document boundary.
+
+A packed micro-batch carries `doc_ids` [b, S]: per token, the index of its document within the row (0, 0, 0, 1,
+1, 2, ...; a run of equal ids is one document, padding is a document of its own). Query i may see key j when
+j <= i, both lie in the same document and, for a sliding-window layer, i - j < window: exactly what each document
+would get trained alone, so packing changes the speed of training, never what is learned. Positions restart at
+0 in every document (`document_positions`, when the batch brings no position_ids).
+
+`Documents` (built once per forward by Transformer.forward, handed to every layer like cos/sin) holds the ids of
+each row's *whole* sequence in natural order (under context parallelism every cp rank holds all of them: ring
+attention picks the ids of each block, Ulysses attends over the whole sequence) and caches the masks it builds,
+one per sliding window, so the layers of a forward and their recomputation (activation checkpointing) share one.
+
+Two implementations of the masked attention, same semantics (tests/test_documents.py checks them against each
+other and against per-document attention):
+  exact  a block-diagonal causal mask into SDPA (additive, in the activations' dtype, built once per forward:
+         every layer saves the same tensor), or into the soft-capped attention of Gemma 2. CPU, and CUDA under
+         the kernels backend "torch" (TPZOO_KERNELS=torch).
+  flex   FlexAttention (compiled) with a document BlockMask: blocks of 128 x 128 tokens whose documents do not
+         meet are skipped, so a row of short documents costs less than one causal row; the sliding window is part
+         of the mask, soft-capping a score_mod, grouped-query heads native, the [b, heads, s, d] layout kept (no
+         unpadding to a varlen layout, no device-to-host sync for the longest document). CUDA by default.
+         (torch's flash varlen op would need the flattened layout and a max length on the host, cuDNN's ragged
+         layout the same, and neither takes a soft-cap: docs/design.md.) FlexAttention has no backward on CPU:
+         there its forward is tested against the exact path.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .qk_norm import softcapped_attention
+
+_FLEX: dict = {}  # lazily: compiled (CUDA) -> flex_attention, compiled or eager
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Positions [b, S] that restart at 0 where each document (run of equal ids) starts."""
+    b, s = doc_ids.shape
+    idx = torch.arange(s, device=doc_ids.device).expand(b, s)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return idx - torch.where(starts, idx, 0).cummax(dim=1).values
+
+
+class Documents:
+    """The documents of a packed micro-batch: `ids` [b, S] of whole sequences, natural order (see above)."""
+
+    def __init__(self, doc_ids: torch.Tensor):
+        if doc_ids.dim() != 2 or doc_ids.dtype.is_floating_point:
+            raise ValueError(f"doc_ids must be integer [batch, seq], got {doc_ids.dtype} {tuple(doc_ids.shape)}")
+        self.ids = doc_ids
+        self._masks: dict = {}
+
+    def _visible(self, window: int | None) -> torch.Tensor:
+        s = self.ids.shape[1]
+        pos = torch.arange(s, device=self.ids.device)
+        mask = (pos.unsqueeze(0) <= pos.unsqueeze(1)) & (self.ids.unsqueeze(2) == self.ids.unsqueeze(1))
+        if window is not None:
+            mask &= pos.unsqueeze(1) - pos.unsqueeze(0) < window
+        return mask.unsqueeze(1)
+
+    def visible(self, window: int | None) -> torch.Tensor:
+        """Boolean [b, 1, S, S]: query i may see key j (causal, same document, within the window)."""
+        key = ("bool", window)
+        if key not in self._masks:
+            self._masks[key] = self._visible(window)
+        return self._masks[key]
+
+    def additive(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """visible() as SDPA's additive mask (0 / -inf) in `dtype`: built once, so every layer saves this one
+        tensor for its backward (a boolean mask would be converted, and saved, per call)."""
+        key = ("add", window, dtype)
+        if key not in self._masks:
+            zero = torch.zeros((), dtype=dtype, device=self.ids.device)
+            self._masks[key] = torch.where(self._visible(window), zero, float("-inf"))
+        return self._masks[key]
+
+    def block_mask(self, window: int | None, compiled: bool):
+        """FlexAttention's BlockMask of visible() (same for every head)."""
+        key = ("flex", window)
+        if key not in self._masks:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            ids = self.ids
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                seen = (kv_idx <= q_idx) & (ids[b, q_idx] == ids[b, kv_idx])
+                return seen & (q_idx - kv_idx < window) if window is not None else seen
+
+            b, s = ids.shape
+            self._masks[key] = create_block_mask(mask_mod, b, None, s, s, device=ids.device, _compile=compiled)
+        return self._masks[key]
+
+
+def flex_available(q: torch.Tensor) -> bool:
+    """The fused path applies: a CUDA tensor, the kernels backend not forced to "torch", FlexAttention present."""
+    if q.device.type != "cuda":
+        return False
+    from tpzoo import kernels
+
+    if kernels.get_backend() == "torch":
+        return False
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def document_attention(q, k, v, docs: Documents, *, scale: float | None = None, window: int | None = None,
+                       softcap: float | None = None, impl: str | None = None) -> torch.Tensor:
+    """Causal attention within documents: q [b, heads, S, d], k/v [b, kv_heads, S, d] (natural order) ->
+    [b, heads, S, d]. impl: "exact", "flex" or None (flex where flex_available, else exact)."""
+    if q.shape[2] != docs.ids.shape[1] or q.shape[0] != docs.ids.shape[0]:
+        raise ValueError(f"doc_ids {tuple(docs.ids.shape)} do not cover the attention's [batch, seq] "
+                         f"({q.shape[0]}, {q.shape[2]})")
+    impl = impl or ("flex" if flex_available(q) else "exact")
+    gqa = q.shape[1] != k.shape[1]
+    if impl == "flex":
+        return _flex_attention(q, k, v, docs, scale, window, softcap, gqa)
+    if impl != "exact":
+        raise ValueError(f"document attention impl must be 'exact' or 'flex', got {impl!r}")
+    if softcap is not None:
+        return softcapped_attention(q, k, v, docs.visible(window), scale, softcap)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.additive(window, q.dtype), enable_gqa=gqa,
+                                          scale=scale)
+
+
+def _flex_attention(q, k, v, docs: Documents, scale, window, softcap, gqa: bool) -> torch.Tensor:
+    # Compiled on CUDA (eager FlexAttention is a slow reference); eager elsewhere (CPU: forward only, for tests).
+    compiled = q.device.type == "cuda"
+    if compiled not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX[compiled] = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+    score_mod = None if softcap is None else _softcap_mod(softcap)
+    return _FLEX[compiled](q, k, v, score_mod=score_mod, block_mask=docs.block_mask(window, compiled),
+                           scale=scale, enable_gqa=gqa)
+
+
+_SOFTCAP_MODS: dict = {}
+
+
+def _softcap_mod(cap: float):
+    """Gemma 2's cap * tanh(score / cap) on the scaled score, before the mask: one function object per cap, so
+    the compiled kernel is reused rather than recompiled for a new closure every forward."""
+    if cap not in _SOFTCAP_MODS:
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return torch.tanh(score / cap) * cap
+        _SOFTCAP_MODS[cap] = score_mod
+    return _SOFTCAP_MODS[cap]
