@@ -6,8 +6,8 @@ loops (tpzoo.parallel.ring_attention.ring_forward / ring_backward) and the block
 ring's transfers are replaced by a stand-in that hands each rank the K/V block it would have received and adds the
 dK/dV it would have passed on into the owner's gradient. So the measured work is all the ranks' blocks, merges and
 accumulations: what cp ranks compute together, against SDPA (is_causal, enable_gqa: what cp = 1 runs) on the
-same tokens. Peak memory: the most bytes allocated beyond the inputs (q, k, v, the output gradient) during the
-forward and backward, torch.cuda's peak on CUDA, the live storages at each op on CPU (a dispatch mode). The
+same tokens. Peak memory: the most bytes allocated beyond the inputs (q, k, v, the output gradient; for the ring
+each rank's shards, K|V stacked as the ring passes them on) during the forward and backward, torch.cuda's peak on CUDA, the live storages at each op on CPU (a dispatch mode). The
 outputs and gradients of both are compared (max abs difference, a sanity check).
 """
 from __future__ import annotations
@@ -49,17 +49,16 @@ class LocalExchange:
         return pending
 
 
-def ring_schedule(q, k, v, d_out, cp: int, scale: float, kernel: str):
-    """out, dq, dk, dv of every rank ([cp] lists, the load-balanced shards) from the cp ranks' blocks."""
+def ring_schedule(q, kv, d_out, cp: int, scale: float, kernel: str):
+    """out, dq, dk, dv of every rank ([cp] lists, the load-balanced shards) from the cp ranks' blocks; kv: each
+    rank's K|V stacked (the tensor the ring passes on)."""
     from tpzoo.parallel.ring_attention import ring_backward, ring_forward
 
-    kv = [torch.stack([a, b]) for a, b in zip(k, v)]
-    totals = [torch.zeros(t.shape, dtype=torch.float32 if t.dtype != torch.float64 else t.dtype, device=t.device)
-              for t in kv]
-    saved = [ring_forward(q[r], k[r], v[r], LocalExchange(kv, None, r), r, cp, scale, None, kernel)
+    totals = [torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device) for t in kv]
+    saved = [ring_forward(q[r], kv[r][0], kv[r][1], LocalExchange(kv, None, r), r, cp, scale, None, kernel)
              for r in range(cp)]
-    dq = [ring_backward(d_out[r], q[r], k[r], v[r], out, lse, states, LocalExchange(kv, totals, r), r, cp, scale,
-                        None, kernel)[0] for r, (out, lse, states) in enumerate(saved)]
+    dq = [ring_backward(d_out[r], q[r], kv[r][0], kv[r][1], out, lse, states, LocalExchange(kv, totals, r), r, cp,
+                        scale, None, kernel)[0] for r, (out, lse, states) in enumerate(saved)]
     return [s[0] for s in saved], dq, [t[0].to(q[0].dtype) for t in totals], [t[1].to(q[0].dtype) for t in totals]
 
 
@@ -71,25 +70,28 @@ def sdpa(q, k, v, d_out, scale: float):
 
 
 class _PeakLiveBytes(TorchDispatchMode):
-    """CPU: the most bytes held by storages that ops created in the block, sampled after every op."""
+    """CPU: the most bytes held by storages that ops created in the block, sampled after every op (a view of an
+    input is not an allocation: the inputs' storages are excluded)."""
 
-    def __init__(self):
+    def __init__(self, inputs):
         super().__init__()
         self.live, self.peak = {}, 0
+        self.inputs = {StorageWeakRef(t.untyped_storage()).cdata for t in inputs}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 ref = StorageWeakRef(t.untyped_storage())
-                self.live.setdefault(ref.cdata, (ref, t.untyped_storage().nbytes()))
+                if ref.cdata not in self.inputs:
+                    self.live.setdefault(ref.cdata, (ref, t.untyped_storage().nbytes()))
         self.live = {key: v for key, v in self.live.items() if not v[0].expired()}
         self.peak = max(self.peak, sum(n for _, n in self.live.values()))
         return out
 
 
 @contextlib.contextmanager
-def peak_bytes(device: torch.device):
+def peak_bytes(device: torch.device, inputs):
     result = {}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -99,7 +101,7 @@ def peak_bytes(device: torch.device):
         torch.cuda.synchronize(device)
         result["peak"] = torch.cuda.max_memory_allocated(device) - before
     else:
-        mode = _PeakLiveBytes()
+        mode = _PeakLiveBytes(inputs)
         with mode:
             yield result
         result["peak"] = mode.peak
@@ -147,15 +149,16 @@ def run_blocks(device: str, seq: int | None, cps: list[int], reps: int) -> str:
                       for n in (h, hkv, hkv, h))
     scale = d ** -0.5
     t0 = time.perf_counter()
-    with peak_bytes(device) as mem:
+    with peak_bytes(device, (q, k, v, d_out)) as mem:
         ref = sdpa(q, k, v, d_out, scale)
     base_time, base_mem = timed(lambda: sdpa(q, k, v, d_out, scale), device, reps), mem["peak"]
     kernel = choose_kernel(q, None)
     rows = []
     for cp in cps:
         idx = [local_positions(seq // (2 * cp), cp, r, device) for r in range(cp)]
-        shards = [[t.index_select(2, i) for i in idx] for t in (q, k, v, d_out)]
-        with peak_bytes(device) as mem:
+        shards = [[t.index_select(2, i) for i in idx] for t in (q, d_out)]
+        shards.insert(1, [torch.stack([k.index_select(2, i), v.index_select(2, i)]) for i in idx])
+        with peak_bytes(device, [t for part in shards for t in part]) as mem:
             got = ring_schedule(*shards, cp, scale, kernel)
         ring_time = timed(lambda: ring_schedule(*shards, cp, scale, kernel), device, reps)
         full = [torch.zeros_like(t) for t in ref]

@@ -113,16 +113,18 @@ def run_device(device: str, n_steps: int, hf_experts: str | None) -> str:
     gemm = "grouped" if use_grouped(first.expert_gemm, rows, first.gate_up, first.down) else "loop"
     check = grouped_vs_loop(tz, tz_loss, batches[0])
     times, losses = {n: [] for n in fns}, {n: [] for n in fns}
+    # wall clock on CUDA; on CPU this process's CPU time (one thread: steadier on a shared machine)
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     for i, ids in enumerate(batches):  # alternating; the first of each is warm-up
         for name, fn in fns.items():
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            t = time.perf_counter()
+            t = clock()
             losses[name].append(float(fn(ids)))
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if i:
-                times[name].append(time.perf_counter() - t)
+                times[name].append(clock() - t)
     name_dev = device_name(device)
     peak = peak_tflops("bf16" if dtype == torch.bfloat16 else "fp32", name_dev)
     fpt, tokens = cfg.flops_per_token(seq), batch * seq
@@ -135,12 +137,14 @@ def run_device(device: str, n_steps: int, hf_experts: str | None) -> str:
     mem = f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if device.type == "cuda" else "n/a"
     hf_impl = getattr(hf.config, "_experts_implementation", None)
     model = cfg.name if device.type == "cuda" else "a toy Qwen3-MoE"
-    text = (f"Command: `python scripts/bench/moe.py --device {device.type}` on {name_dev}, torch {torch.__version__}, "
+    text = (f"Command: `python scripts/bench/moe.py --device {device.type} --write docs/benchmarks.md` on {name_dev}, "
+            f"torch {torch.__version__}, "
             f"{time.perf_counter() - t0:.0f} s. Model: {model} (hidden {cfg.hidden_size}, {cfg.num_layers} layers, "
             f"{cfg.num_experts} experts, top-{cfg.num_experts_per_tok}, expert FFN {cfg.expert_ffn}, vocab "
             f"{cfg.vocab_size}; {_count(cfg.num_parameters())} parameters, {_count(cfg.num_parameters(active=True))} "
             f"active), {str(dtype).split('.')[-1]}, batch {batch} x {seq} tokens. A step = forward + backward of the "
-            f"loss with the load-balancing loss + AdamW, the two alternating, median of {n_steps} after a warm-up. "
+            f"loss with the load-balancing loss + AdamW, the two alternating, median of {n_steps} after a warm-up "
+            f"({'wall clock' if device.type == 'cuda' else 'CPU time of the process, one thread'}). "
             f"tpzoo's experts: {gemm}; transformers' experts implementation: {hf_impl}. MFU: "
             f"{fpt / 1e9:.3g} GFLOP per token (active parameters, attention scores) over the dense "
             f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} peak. Peak memory of the run (both models and "

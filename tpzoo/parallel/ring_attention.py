@@ -130,6 +130,7 @@ def block_backward(d_out, q, k, v, out, lse, delta, scale: float, causal: bool, 
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.exp(scores - _finite(lse).unsqueeze(-1))
+    d_out = d_out.to(_acc(q))
     d_scores = probs * (torch.matmul(d_out, vb.transpose(-1, -2)) - delta.unsqueeze(-1)) * scale
     return (torch.matmul(d_scores, kb), torch.matmul(d_scores.transpose(-1, -2), qb),
             torch.matmul(probs.transpose(-1, -2), d_out))
@@ -193,8 +194,8 @@ def ring_forward(q, k, v, exchange, cp_rank: int, cp: int, scale: float, window,
     # [b, s, h, d] in memory (seen as [b, h, s, d]): the layout SDPA returns, so that the caller's
     # "b h s d -> b s (h d)" for the output projection is a view, not a copy
     b, h, s, d = q.shape
-    out = torch.zeros(b, s, h, d, dtype=_acc(q), device=q.device).transpose(1, 2)
-    lse = torch.full(q.shape[:3], float("-inf"), dtype=_acc(q), device=q.device)
+    out = torch.empty(b, s, h, d, dtype=_acc(q), device=q.device).transpose(1, 2)
+    lse = None
     kv = torch.stack([k, v])
     for step in range(cp):
         pending = exchange.start(kv, KV_TAG) if step < cp - 1 else None  # overlapped with this block
@@ -206,7 +207,11 @@ def ring_forward(q, k, v, exchange, cp_rank: int, cp: int, scale: float, window,
             b_out, b_lse, states[-1] = block_forward(
                 q[:, :, rows], _expand(kv[0][:, :, cols], groups), _expand(kv[1][:, :, cols], groups), scale,
                 seen == "causal", mask, how)
-            lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], b_out, b_lse)
+            if step == 0:  # the diagonal block covers every row (each sees at least itself): it starts the sums
+                out.copy_(b_out)
+                lse = b_lse
+            else:
+                lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], b_out, b_lse)
         if pending is not None:
             kv = exchange.wait(pending)
     return out.to(q.dtype), lse, states  # (the same tensor in fp32)
@@ -218,7 +223,8 @@ def ring_backward(grad_out, q, k, v, out, lse, states, exchange, cp_rank: int, c
     their block, which ends at its owner after cp transfers."""
     chunk, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
     pos = local_positions(chunk, cp, cp_rank, q.device)
-    d_out = grad_out.to(_acc(q))
+    # dO stays in the activations' dtype for the fused kernels (the torch math widens its block's rows)
+    d_out = grad_out
     delta = None  # rowsum(dO * O), the softmax backward term of the torch math (made once, if a block needs it)
     dq = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
     kv = torch.stack([k, v])
@@ -231,7 +237,7 @@ def ring_backward(grad_out, q, k, v, out, lse, states, exchange, cp_rank: int, c
         seen, how, mask = _block_plan(pos, rows, cols, owner, cp_rank, cp, chunk, window, kernel)
         if seen != "none":
             if how == "torch" and delta is None:
-                delta = (d_out * out.to(d_out.dtype)).sum(-1)
+                delta = (d_out.to(_acc(q)) * out.to(_acc(q))).sum(-1)
             dq_b, dk_b, dv_b = block_backward(
                 d_out[:, :, rows], q[:, :, rows], _expand(kv[0][:, :, cols], groups),
                 _expand(kv[1][:, :, cols], groups), out[:, :, rows], lse[:, :, rows],
