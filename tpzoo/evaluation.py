@@ -110,5 +110,5 @@ def _padded(batch: dict, multiple: int, device) -> dict:
         b, s = batch["input_ids"].shape
         batch = {k: torch.nn.functional.pad(v, (0, pad), value=0 if k == "input_ids" else IGNORE)
                  for k, v in batch.items()}
-        batch["token_mask"] = (torch.arange(s + pad) < s).expand(b, -1)
+        batch["token_mask"] = (torch.arange(s + pad, device="cpu") < s).expand(b, -1)  # on the host, as the batch
     return {k: v.to(device) for k, v in batch.items()}
