@@ -1,8 +1,8 @@
 """The experts as grouped GEMMs (models/experts.py) against the loop of matmuls, on CPU where the grouped op is
 grouped_mm_reference (torch._grouped_mm's function, in plain torch): the reference equals per-group matmuls in
 both of its layouts (empty groups included); GroupedLinear's input and weight gradients equal the loop's; a tiny
-Mixtral (SwiGLU) and a GeGLU (geglu_tanh) variant give the same loss and every gradient (fp32, 1e-5) through the grouped path
-as through the loop, in one process and at (tp, ep) = (1, 2) and (2, 2) + SP on 4 ranks, with routers drawn
+Mixtral (SwiGLU) and a GeGLU (geglu_tanh) variant give the same loss and every gradient (fp32, 1e-5) through the
+grouped path as through the loop, in one process and at (tp, ep) = (1, 2) and (2, 2) + SP on 4 ranks, with routers drawn
 large so that routing is uneven and some expert receives no token; at ep = 1 the grouped layer runs its forward
 and backward on the meta device (any read of a value on the host would raise: no host synchronization), which
 the loop cannot. Bad input: offsets that are not int32, an unknown GEMM choice."""

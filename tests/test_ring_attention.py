@@ -6,7 +6,9 @@ sequence that needs padding, blocks by the CPU flash kernel, by the torch math, 
 layouts (flash's random-number state handed back per block, the memory-efficient kernel's log-sum-exp padded to 32
 rows with NaN), and the ring's p2p count and bytes equal to the plan's analytical count
 (tpzoo.plan.volume.ring_layer_volume). One 4-rank pool runs every case. Without a pool: the classification of
-every ring step's block (all / causal / none / mask) equals what its explicit mask says, and the kernel choice."""
+every ring step's block (all / causal / none / mask) equals what its explicit mask says, the kernel choice, and
+the one-process schedule of every rank (tpzoo.parallel.ring_local: the benchmark's, and the GPU check's in
+tests/test_cuda.py) equals SDPA with each kernel."""
 import math
 
 import pytest
@@ -19,6 +21,7 @@ from tpzoo.parallel import attention_kernels, comm
 from tpzoo.parallel.context_parallel import padded_length
 from tpzoo.parallel.ring_attention import (_block_slices, _mask, block_visibility, local_positions,
                                            ring_attention)
+from tpzoo.parallel.ring_local import ring_schedule
 from tpzoo.plan import Layout
 from tpzoo.plan.volume import ring_layer_volume
 from tpzoo.testing import run_on_ranks
@@ -221,3 +224,33 @@ def test_block_kernel_choice():
     assert attention_kernels.choose_kernel(q, None) == "cpu_flash"
     with pytest.raises(ValueError, match="unknown block kernel"):
         attention_kernels.choose_kernel(q, "cudnn")
+
+
+def one_process_case(kernel, cp, h, hkv, s, window, dtype=torch.float64, device="cpu", head_dim=D):
+    """Every rank's schedule in this process (ring_local) against SDPA over the whole sequence (fp64): the largest
+    difference of the output and q/k/v gradients, relative to the largest entry of each. Shared with
+    tests/test_cuda.py (the real CUDA kernels)."""
+    g = torch.Generator().manual_seed(cp * 100 + s)
+    q, k, v, grad = (torch.randn(B, n, s, head_dim, generator=g, dtype=torch.float64) for n in (h, hkv, hkv, h))
+    ref = _reference(q, k, v, grad, window)
+    idx = [local_positions(s // (2 * cp), cp, r, "cpu") for r in range(cp)]
+    on = lambda t: t.to(device, dtype)  # noqa: E731
+    shards = ([on(q.index_select(2, i)) for i in idx], [on(torch.stack([k, v]).index_select(3, i)) for i in idx],
+              [on(grad.index_select(2, i)) for i in idx])
+    got = ring_schedule(*shards, head_dim ** -0.5, kernel, window)
+    worst = 0.0
+    for r, i in enumerate(idx):
+        for part, whole in zip((x[r] for x in got), ref):
+            diff = (part.double().cpu() - whole.index_select(2, i)).abs().max() / whole.abs().max()
+            worst = max(worst, float(diff))
+    return worst
+
+
+@pytest.mark.parametrize("kernel", ["cpu_flash", "torch", "cuda_flash", "cuda_efficient"])
+def test_one_process_schedule_equals_sdpa(kernel):
+    saved = _EmulatedCudaOps().install()
+    try:
+        for case in [(4, 4, 2, 16, None), (4, 4, 2, 16, 5)]:  # GQA; a window: blocks skipped, masked, fused
+            assert one_process_case(kernel, *case) < 1e-9, (kernel, case)
+    finally:
+        attention_kernels.OPS.update(saved)

@@ -1,14 +1,13 @@
 """Ring attention's block schedule in one process against one fused SDPA over the whole sequence (cp_ring.py
 --device): time and peak memory of attention alone, forward + backward.
 
-Every cp rank's forward (all ranks), then every rank's backward, run one rank after another with the library's own
-loops (tpzoo.parallel.ring_attention.ring_forward / ring_backward) and the block kernel it picks on the device; the
-ring's transfers are replaced by a stand-in that hands each rank the K/V block it would have received and adds the
-dK/dV it would have passed on into the owner's gradient. So the measured work is all the ranks' blocks, merges and
-accumulations: what cp ranks compute together, against SDPA (is_causal, enable_gqa: what cp = 1 runs) on the
-same tokens. Peak memory: the most bytes allocated beyond the inputs (q, k, v, the output gradient; for the ring
-each rank's shards, K|V stacked as the ring passes them on) during the forward and backward, torch.cuda's peak on CUDA, the live storages at each op on CPU (a dispatch mode). The
-outputs and gradients of both are compared (max abs difference, a sanity check).
+Every cp rank's forward, then every rank's backward, one rank after another (tpzoo.parallel.ring_local: ring
+attention's own loops and the block kernel it picks on the device, the transfers replaced by hand-overs). So the
+measured work is all the ranks' blocks, merges and accumulations: what cp ranks compute together, against SDPA
+(is_causal, enable_gqa: what cp = 1 runs) on the same tokens. Peak memory: the most bytes allocated beyond the
+inputs (q, k, v, the output gradient; for the ring each rank's shards, K|V stacked as the ring passes them on)
+during the forward and backward, torch.cuda's peak on CUDA, the live storages at each op on CPU (a dispatch
+mode). The outputs and gradients of both are compared (max abs difference, a sanity check).
 """
 from __future__ import annotations
 
@@ -22,44 +21,6 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-
-
-class LocalExchange:
-    """The ring's exchange for rank r when every rank runs in this process, one after another: the i-th K/V
-    receive is rank (r - i)'s block; a dK/dV send adds the block's gradient into its owner's total (then zeroes the
-    buffer the rank keeps accumulating into), so the totals are complete once every rank has run its backward."""
-
-    def __init__(self, kv_blocks: list, dkv_totals: list, rank: int):
-        self.kv, self.totals, self.rank = kv_blocks, dkv_totals, rank
-        self.kv_sends = self.dkv_sends = 0
-
-    def start(self, t, tag):
-        from tpzoo.parallel.ring_attention import KV_TAG
-
-        cp = len(self.kv)
-        if tag == KV_TAG:
-            self.kv_sends += 1
-            return self.kv[(self.rank - self.kv_sends) % cp]
-        self.totals[(self.rank - self.dkv_sends) % cp] += t  # the block this rank's dK/dV belongs to
-        self.dkv_sends += 1
-        return t.zero_()
-
-    @staticmethod
-    def wait(pending):
-        return pending
-
-
-def ring_schedule(q, kv, d_out, cp: int, scale: float, kernel: str):
-    """out, dq, dk, dv of every rank ([cp] lists, the load-balanced shards) from the cp ranks' blocks; kv: each
-    rank's K|V stacked (the tensor the ring passes on)."""
-    from tpzoo.parallel.ring_attention import ring_backward, ring_forward
-
-    totals = [torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device) for t in kv]
-    saved = [ring_forward(q[r], kv[r][0], kv[r][1], LocalExchange(kv, None, r), r, cp, scale, None, kernel)
-             for r in range(cp)]
-    dq = [ring_backward(d_out[r], q[r], kv[r][0], kv[r][1], out, lse, states, LocalExchange(kv, totals, r), r, cp,
-                        scale, None, kernel)[0] for r, (out, lse, states) in enumerate(saved)]
-    return [s[0] for s in saved], dq, [t[0].to(q[0].dtype) for t in totals], [t[1].to(q[0].dtype) for t in totals]
 
 
 def sdpa(q, k, v, d_out, scale: float):
@@ -132,6 +93,7 @@ def run_blocks(device: str, seq: int | None, cps: list[int], reps: int) -> str:
     from tpzoo.models import get_config
     from tpzoo.parallel.attention_kernels import choose_kernel
     from tpzoo.parallel.ring_attention import local_positions
+    from tpzoo.parallel.ring_local import ring_schedule
 
     device = torch.device(device)
     if device.type == "cpu":
@@ -159,8 +121,8 @@ def run_blocks(device: str, seq: int | None, cps: list[int], reps: int) -> str:
         shards = [[t.index_select(2, i) for i in idx] for t in (q, d_out)]
         shards.insert(1, [torch.stack([k.index_select(2, i), v.index_select(2, i)]) for i in idx])
         with peak_bytes(device, [t for part in shards for t in part]) as mem:
-            got = ring_schedule(*shards, cp, scale, kernel)
-        ring_time = timed(lambda: ring_schedule(*shards, cp, scale, kernel), device, reps)
+            got = ring_schedule(*shards, scale, kernel)
+        ring_time = timed(lambda: ring_schedule(*shards, scale, kernel), device, reps)
         full = [torch.zeros_like(t) for t in ref]
         for r, i in enumerate(idx):
             for whole, part in zip(full, (x[r] for x in got)):

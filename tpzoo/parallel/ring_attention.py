@@ -187,7 +187,7 @@ class _Ring:
 def ring_forward(q, k, v, exchange, cp_rank: int, cp: int, scale: float, window, kernel: str):
     """One rank's forward over the ring: (out in q's dtype, lse, each step's kernel state). `exchange` passes
     K/V on (start(t, tag) -> pending, wait(pending) -> the tensor from the previous rank): the cp ring, or the
-    one-process stand-in of scripts/bench/cp_ring.py."""
+    one-process stand-in of ring_local.py."""
     chunk, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
     states = []  # per step: the fused kernel's state for the backward
     pos = local_positions(chunk, cp, cp_rank, q.device)
