@@ -75,7 +75,7 @@ def use_grouped(gemm: str, rows: torch.Tensor, gate_up: torch.Tensor, down: torc
     if gemm not in GEMMS:
         raise ValueError(f"expert gemm {gemm!r}: choose one of {GEMMS}")
     cuda_ok = (rows.device.type == "cuda" and rows.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-               and all(n % 8 == 0 for n in (*gate_up.shape[1:], down.shape[1])))
+               and all(n % 8 == 0 for n in (*gate_up.shape[1:], *down.shape[1:])))
     if gemm == "grouped":
         if rows.device.type == "cuda" and not cuda_ok:
             raise ValueError(f"grouped expert GEMMs on CUDA need bf16 rows and GEMM dims that are multiples of 8 "
