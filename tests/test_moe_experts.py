@@ -72,9 +72,10 @@ def _loss_and_grads(model, ids, labels, gemm: str):
 
 
 def _uneven(model):
+    g = torch.Generator(device=model.device).manual_seed(5)  # the same routers on every rank and run
     with torch.no_grad():
         for i in model.moe_layers:
-            model.layers[str(i)].mlp.router.weight.normal_(std=4.0)  # confident, uneven routing
+            model.layers[str(i)].mlp.router.weight.normal_(std=4.0, generator=g)  # confident, uneven routing
     return model
 
 
