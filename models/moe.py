@@ -13,6 +13,9 @@ Layout (Megatron-Core's classic default; rank order in tpzoo/parallel/dims.py):
     all_to_all_single and per-rank split sizes (one small all-to-all of per-expert counts first: those sizes are
     host ints, the one host sync of the layer), computes its slice of every local expert, sends the partial
     outputs back, and the weighted combine is followed by the MLP's usual TP all-reduce (reduce-scatter under SP).
+    At ep = 1 nothing leaves the device: the permutation and its inverse are gathers, the per-expert counts a
+    scatter-add, and the experts grouped GEMMs whose offsets are the counts' cumulative sums (models/experts.py;
+    the loop fallback reads the counts on the host).
 
 Gradients: `gate_up` and `down` are marked `expert_parallel`; they are summed over the expert-data-parallel
 group (dims.expert_grad_group) instead of dp x cp. The router weight is replicated (partial under SP, like a norm).
@@ -28,12 +31,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tpzoo import kernels
 from tpzoo.parallel import (ParallelDims, ParallelLayoutError, ShardSpec, copy_to_tp, gather_from_sequence,
                             mark_parallel, reduce_from_tp, reduce_scatter_to_sequence, shard)
 from tpzoo.parallel import comm
 
 from .config import ModelConfig
+from .experts import expert_mlp
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -91,6 +94,9 @@ class MoELayer(nn.Module):
         self.down = _expert_param(torch.empty(self.local, h, ffn // tp, **kw), ShardSpec(2))
         self.std, self.out_std = cfg.initializer_range, cfg.initializer_range / math.sqrt(2 * cfg.num_layers)
         self.activation = cfg.activation
+        # "auto": grouped GEMMs where torch._grouped_mm runs (CUDA bf16, Hopper+), else the loop (models/experts.py);
+        # "grouped" / "loop" force one (tests compare them)
+        self.expert_gemm = "auto"
         self.last_stats: dict | None = None
         # [tokens] float, 1 for the tokens the router statistics count (0: context parallelism's padding; set by
         # Transformer.forward for each call, None: every token counts)
@@ -134,11 +140,13 @@ class MoELayer(nn.Module):
         """Rows of `tokens` repeated for each of their k experts (assignment a = token * k + j), sent to the rank
         of the expert, computed, returned, in assignment order."""
         order = torch.argsort(expert_of, stable=True)  # assignments grouped by expert
-        rows = tokens[order // self.top_k]
-        counts = torch.bincount(expert_of, minlength=self.num_experts)
+        rows = tokens.index_select(0, order // self.top_k)
+        # (scatter_add, not bincount: CUDA's bincount reads the largest index on the host)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=expert_of.device).scatter_add_(
+            0, expert_of, torch.ones_like(expert_of))
         ep, group = self.dims.ep, self.dims.group("ep")
         if ep == 1:
-            y = self._experts(rows, counts.tolist())
+            y = self._experts(rows, counts)  # the counts stay on the device (the grouped GEMMs' offsets)
         else:
             # received[r, e]: how many rows ep rank r sends to my local expert e
             received = comm.all_to_all(counts.view(ep, self.local), group)
@@ -149,28 +157,25 @@ class MoELayer(nn.Module):
             arrived = _AllToAllV.apply(rows, send, recv_splits, group)  # ordered (source rank, local expert)
             by_expert, per_expert = _source_major_to_expert_major(recv, ep, self.local, tokens.device)
             y_local = self._experts(arrived[by_expert], per_expert)
-            y = _AllToAllV.apply(y_local[torch.argsort(by_expert)], recv_splits, send, group)
-        return y[torch.argsort(order)]
+            y = _AllToAllV.apply(y_local.index_select(0, _inverse(by_expert)), recv_splits, send, group)
+        return y.index_select(0, _inverse(order))
 
-    def _experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """The local experts over their contiguous row groups (a loop: no grouped GEMM kernel on every device).
-        Every expert runs, an empty one on zero rows, so each expert weight gets a (possibly zero) gradient."""
-        outs, start = [], 0
-        # unbind: one backward that stacks the experts' gradients (indexing each expert would zero-fill a
-        # whole-tensor gradient per expert)
-        gate_ups, downs = self.gate_up.unbind(0), self.down.unbind(0)
-        for e, n in enumerate(counts):
-            gate, up = F.linear(rows[start:start + n], gate_ups[e]).chunk(2, dim=-1)
-            act = kernels.swiglu(gate, up) if self.activation == "swiglu" else kernels.geglu(gate, up)
-            outs.append(F.linear(act, downs[e]))
-            start += n
-        return torch.cat(outs, dim=0)
+    def _experts(self, rows: torch.Tensor, counts) -> torch.Tensor:
+        """The local experts over their contiguous row groups (counts: a device tensor or host ints)."""
+        return expert_mlp(rows, counts, self.gate_up, self.down, self.activation, self.expert_gemm)
 
 
 def _expert_param(t: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
     p = mark_parallel(nn.Parameter(t), spec)
     p.expert_parallel = True  # dim 0 split over ep; gradients summed over the expert-data-parallel group
     return p
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    """The inverse of a permutation, by one scatter (on the device; cheaper than a second sort)."""
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
 
 
 def _source_major_to_expert_major(recv: list[int], ep: int, local: int, device):

@@ -214,7 +214,7 @@ class Transformer(nn.Module):
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 kv_caches: list | None = None, label_smoothing: float = 0.0,
                 router_stats: torch.Tensor | None = None, token_mask: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None):
+                doc_ids: torch.Tensor | None = None, router_loss: bool = True):
         """input_ids [b, s] on the first stage, else `hidden` from the previous stage (seq-sharded under SP).
 
         router_stats (pipeline training with the router loss): the router statistics of the earlier stages
@@ -225,7 +225,9 @@ class Transformer(nn.Module):
         parallelism's padding, which HF's sequence does not have, is 0); None: all.
         doc_ids [b, S] (a packed batch; models/documents.py): each token's document in its row's whole sequence
         (every cp rank passes all of it, padded as tpzoo.parallel.context_parallel.shard_batch does); attention
-        then stays within documents, and without position_ids (cp=1) positions restart at each document."""
+        then stays within documents, and without position_ids (cp=1) positions restart at each document.
+        router_loss=False: the per-token loss is the language model's alone, even for a model that trains with the
+        router losses (evaluation: they are still computed into aux_loss / z_loss from the statistics at hand)."""
         tp = self.dims.tp
         seq_len = input_ids.shape[1] if input_ids is not None else hidden.shape[1] * (
             tp if self.sequence_parallel else 1)
@@ -275,7 +277,8 @@ class Transformer(nn.Module):
                 return h, router_stats
             aux = self._router_losses(router_stats)
         else:
-            if self.router_loss_on and labels is not None and not (self.pre_process and self.post_process):
+            if self.router_loss_on and router_loss and labels is not None and not (
+                    self.pre_process and self.post_process):
                 # HF's load-balancing loss couples every layer's routing (one product of global sums), so a
                 # pipeline stage cannot add its share alone.
                 raise ConfigError(ROUTER_LOSS_PP)
@@ -294,7 +297,7 @@ class Transformer(nn.Module):
             return logits
         per_token = kernels.cross_entropy(logits, labels, label_smoothing=label_smoothing,
                                           vocab_size=self.cfg.vocab_size, group=self.dims.tp_group)
-        if self.router_loss_on:
+        if self.router_loss_on and router_loss:
             # HF: loss = mean CE + coef * aux. Added to every trained token, the mean over tokens (the loss tpzoo
             # backpropagates and reports) gets exactly that; over micro-batches, a token-weighted mean of each's.
             per_token = per_token + aux * (labels.to(per_token.device) != -100)

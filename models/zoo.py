@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .config import ModelConfig
-from .registry import register_config
+from .registry import CONFIGS, register_config
 
 
 def _gpt2(name, h, layers, heads, src):
@@ -192,6 +192,9 @@ def _qwen3_moe(size, *, h, layers, heads, ffn, moe_ffn):
 
 _qwen3_moe("30b-a3b", h=2048, layers=48, heads=32, ffn=6144, moe_ffn=768)
 _qwen3_moe("235b-a22b", h=4096, layers=94, heads=64, ffn=12288, moe_ffn=1536)
+# Benchmark config (no checkpoint): Qwen3-30B-A3B's layer shapes with 8 of its 48 layers, so one GPU trains it
+# (scripts/bench/moe.py --device cuda).
+register_config("qwen3-30b-a3b-8l", CONFIGS["qwen3-30b-a3b"].replace(num_layers=8, hf_source=None))
 register_config("olmoe-1b-7b", ModelConfig(
     family="olmoe", vocab_size=50304, hidden_size=2048, num_layers=16, num_heads=16, ffn_hidden_size=1024,
     max_position_embeddings=4096, norm_eps=1e-5, qk_norm="full", num_experts=64, num_experts_per_tok=8,

@@ -1,9 +1,13 @@
 """The runtime places the model, the optimizer's buffers and every batch on its device, trains with the same
 losses as the CPU, and loads a Hugging Face checkpoint straight into shards on the device whose greedy generation
-equals transformers'.
+equals transformers'. Ring attention's CUDA block kernels (flash in bf16, memory-efficient in fp32; a sliding
+window mixing fused, masked and skipped blocks) run every cp rank's schedule in one process and equal SDPA over
+the whole sequence (their CPU twins, over emulated ops: tests/test_ring_attention.py); on Hopper the experts'
+grouped GEMMs (torch._grouped_mm, bf16) equal the loop (twin: tests/test_moe_experts.py).
 
-Each test runs on `cpu` everywhere (CI: its assertions are exercised at every change, so they cannot rot unseen)
-and on `cuda` where a GPU is present (`pytest -m cuda`, run by scripts/gpu_check.sh; skipped without one)."""
+The placement tests run on `cpu` everywhere (CI: their assertions are exercised at every change, so they cannot
+rot unseen) and on `cuda` where a GPU is present (`pytest -m cuda`, run by scripts/gpu_check.sh; skipped without
+one)."""
 import sysconfig
 from pathlib import Path
 
@@ -72,5 +76,42 @@ def test_hf_checkpoint_loads_into_device_shards_and_generates_like_transformers(
         assert all(p.device == dims.device for p in model.parameters())
         got = generate(model, prompt, 12)
         assert got.device == dims.device and torch.equal(got.cpu(), ref)
+    finally:
+        tpzoo.destroy_parallel()
+
+
+@pytest.mark.cuda  # CPU twin: tests/test_ring_attention.py (the same cases over emulated kernels)
+@pytest.mark.parametrize("kernel,dtype,tol", [("cuda_flash", torch.bfloat16, 2e-2),
+                                              ("cuda_efficient", torch.float32, 1e-4)])
+def test_ring_attention_cuda_blocks_equal_sdpa(kernel, dtype, tol):
+    from test_ring_attention import one_process_case
+
+    for case in [(4, 4, 2, 256, None), (4, 4, 2, 256, 40)]:  # (cp, heads, kv heads, tokens, window)
+        assert one_process_case(kernel, *case, dtype=dtype, device="cuda", head_dim=64) < tol, (kernel, case)
+
+
+@pytest.mark.cuda  # CPU twin: tests/test_moe_experts.py (grouped vs loop over the reference grouped op)
+def test_grouped_expert_gemms_equal_the_loop_on_hopper():
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch._grouped_mm needs compute capability 9.0+")
+    from test_moe_experts import CFG, _batch, _loss_and_grads, _uneven
+
+    from tpzoo.models import Transformer
+    from tpzoo.models.experts import use_grouped
+
+    dims = tpzoo.init_parallel(device="cuda")
+    try:
+        cfg = CFG.replace(hidden_size=64, ffn_hidden_size=64)  # GEMM dims multiples of 8
+        model = _uneven(Transformer(cfg, dims=dims, seed=3, dtype=torch.bfloat16))
+        mlp = model.layers["0"].mlp
+        assert use_grouped("auto", torch.zeros(1, 64, dtype=torch.bfloat16, device="cuda"), mlp.gate_up, mlp.down)
+        ids, labels = (t.cuda() for t in _batch())
+        loss_l, grads_l, _ = _loss_and_grads(model, ids, labels, "loop")
+        loss_g, grads_g, _ = _loss_and_grads(model, ids, labels, "grouped")
+        torch.testing.assert_close(loss_g.float(), loss_l.float(), rtol=2e-2, atol=2e-2)
+        for name in grads_l:
+            ref = grads_l[name].float()
+            rel = float((grads_g[name].float() - ref).norm() / ref.norm().clamp_min(1e-12))
+            assert rel < 2e-2, (name, rel)
     finally:
         tpzoo.destroy_parallel()

@@ -58,14 +58,14 @@ SEQ = 8
 
 
 def _hf_eval_loss(model, stream) -> float:
-    """transformers' loss window by window (its cross-entropy of the SEQ inputs' next tokens, plus its router
-    loss of those SEQ inputs), weighted by predicted tokens."""
+    """transformers' causal-LM loss window by window (its cross-entropy of the SEQ inputs' next tokens, without
+    the router loss: evaluation reports the language model's), weighted by predicted tokens."""
     total, n = 0.0, 0
     for s in range(0, len(stream) - 1, SEQ):
         w = stream[s:s + SEQ + 1][None]
         with torch.no_grad():
             out = model(input_ids=w[:, :-1])
-        loss = torch.nn.functional.cross_entropy(out.logits[0], w[0, 1:]) + model.router_aux_loss_coef * out.aux_loss
+        loss = torch.nn.functional.cross_entropy(out.logits[0], w[0, 1:])
         total, n = total + loss.item() * (w.shape[1] - 1), n + w.shape[1] - 1
     return total / n
 

@@ -56,3 +56,13 @@ def test_bad_expert_layouts_fail_clearly():
         check_layout(4, tp=2, ep=4)
     with pytest.raises(ParallelLayoutError, match="ep=8 does not divide num_experts=4"):
         Transformer(get_config("tiny-mixtral"), dims=ParallelDims.for_rank(dp=8, ep=8), device="meta")
+
+
+def test_benchmark_config_is_qwen3_30b_a3b_cut_to_8_layers():
+    full, cut = get_config("qwen3-30b-a3b"), get_config("qwen3-30b-a3b-8l")
+    assert cut == full.replace(num_layers=8, hf_source=None, name="qwen3-30b-a3b-8l")
+    norm = full.hidden_size  # the final norm, once
+    per_layer = (full.num_parameters(include_embeddings=False) - norm) / 48
+    assert cut.num_parameters(include_embeddings=False) == 8 * per_layer + norm
+    assert cut.num_parameters(active=True) - cut.num_parameters(active=True, include_embeddings=False) == (
+        2 * full.vocab_size * full.hidden_size)  # untied embedding and head: 0.62 B of the 1.08 B active

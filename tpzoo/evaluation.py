@@ -7,6 +7,13 @@ sums are reduced over the data-parallel group at the end. Under sequence paralle
 right to a multiple of tp with ignored labels (causal attention: the padding changes no real position's loss).
 Under context parallelism every cp rank of a replica takes the same batches and keeps its load-balanced chunks
 (tpzoo.parallel.context_parallel.shard_batch, which pads to whole chunks); the sums are reduced over dp x cp.
+
+A mixture of experts: `loss` and `perplexity` are the language model's alone (transformers' causal-LM loss from
+the logits), whether or not the model trains with the router losses; `router_aux_loss` (HF's load-balancing loss)
+and `router_z_loss` (ST-MoE's) are reported beside them, without their coefficients, each a mean over forwards
+weighted by the forward's predicted tokens (the router losses are per forward, as in training, whose loss is then
+loss + router_aux_loss_coef * router_aux_loss + router_z_loss_coef * router_z_loss). Padding, whether sequence
+parallelism's or context parallelism's, is masked out of the router statistics.
 """
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ import torch
 from tpzoo.parallel import comm, strict
 from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.parallel.dims import ParallelDims
-from tpzoo.pipeline import as_chunks, forward_backward
+from tpzoo.pipeline import StepFunctions, as_chunks, execute, lm_forward
 
 IGNORE = -100
 
@@ -40,8 +47,9 @@ def batches(windows: list[torch.Tensor], batch_size: int) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def evaluate(model_or_chunks, tokens, seq_len: int, batch_size: int = 1, dims: ParallelDims | None = None) -> dict:
-    """{"tokens", "loss", "perplexity"} of `tokens` (a list or 1-d tensor) under this rank's model chunk(s);
-    collective over every rank of `dims` (default: the chunks' dims)."""
+    """{"tokens", "loss", "perplexity"} of `tokens` (a list or 1-d tensor) under this rank's model chunk(s), and
+    for a mixture of experts {"router_aux_loss", "router_z_loss"}; collective over every rank of `dims` (default:
+    the chunks' dims)."""
     chunks = as_chunks(model_or_chunks)
     dims = dims or chunks[0].dims
     multiple = dims.tp if any(c.sequence_parallel for c in chunks) else 1
@@ -50,7 +58,7 @@ def evaluate(model_or_chunks, tokens, seq_len: int, batch_size: int = 1, dims: P
     # Every cp rank of a replica takes the same windows (and keeps its own chunks of them).
     every = batches(token_windows(tokens, seq_len), batch_size)
     mine = [b for i, b in enumerate(every) if i % dims.dp == dims.dp_rank]
-    loss_sum, count = 0.0, 0
+    sums = _Sums(chunks, device)
     # Micro-batches of one shape share one executor call (the pipeline streams them); a short tail runs alone.
     for shape in sorted({tuple(b.shape) for b in (every if dims.ep > 1 else mine)}, reverse=True):
         group = [_padded(shard_batch({"input_ids": b[:, :-1], "labels": b[:, 1:]}, dims, sp), multiple, device)
@@ -63,20 +71,45 @@ def evaluate(model_or_chunks, tokens, seq_len: int, batch_size: int = 1, dims: P
                                           "labels": torch.full_like(same[0][:, 1:], IGNORE)}, dims, sp),
                              multiple, device)
             group += [filler] * (-(-len(same) // dims.dp) - len(group))
-        out = forward_backward(chunks, group, dims, forward_only=True)
-        loss_sum, count = loss_sum + out["loss_sum"], count + out["tokens"]
-    totals = torch.tensor([loss_sum, float(count)], dtype=torch.float64, device=device)
+        execute(chunks, group, dims, StepFunctions(lm_forward(router_loss=False), sums), forward_only=True,
+                router_loss=False)
+    totals = sums.totals
+    if dims.pp > 1:  # only the last stage computed them
+        totals = comm.broadcast(totals, src=dims.pp_peer(dims.pp - 1), group=dims.pp_group)
     comm.all_reduce(totals, dims.grad_group)
-    n = int(totals[1].item())
-    loss = totals[0].item() / max(n, 1)
+    loss_sum, n, aux_sum, z_sum = totals.tolist()
+    n = int(n)
+    loss = loss_sum / max(n, 1)
+    out = {"tokens": n, "loss": loss, "perplexity": math.exp(loss) if n else float("nan")}
+    if chunks[0].num_moe_layers:
+        out.update(router_aux_loss=aux_sum / max(n, 1), router_z_loss=z_sum / max(n, 1))
     strict.check_all_waited("the end of eval")  # strict collective mode; else a no-op
-    return {"tokens": n, "loss": loss, "perplexity": math.exp(loss) if n else float("nan")}
+    return out
+
+
+class _Sums:
+    """Last stage: sums, on the device (no host sync per forward), of the language-model loss over the predicted
+    tokens, their number, and each router loss of the forward times its predicted tokens (a mixture of experts:
+    the model's aux_loss / z_loss, which the forward just computed from the statistics of every MoE layer)."""
+
+    def __init__(self, chunks, device):
+        self.head = next((c for c in chunks if c.post_process), None)
+        self.totals = torch.zeros(4, dtype=torch.float64, device=device)
+
+    def __call__(self, mb, per_token, batch) -> None:
+        n = (batch["labels"] != IGNORE).sum().double()
+        self.totals[:2] += torch.stack([per_token.detach().double().sum(), n])
+        if self.head.num_moe_layers:
+            self.totals[2:] += torch.stack([self.head.aux_loss.double(), self.head.z_loss.double()]) * n
 
 
 def _padded(batch: dict, multiple: int, device) -> dict:
-    """Right-pad the sequence to a multiple of `multiple` (labels ignored there), on `device`."""
+    """Right-pad the sequence to a multiple of `multiple` (labels ignored there, and token_mask 0: the router
+    statistics of a mixture of experts skip the padding, which HF's sequence does not have), on `device`."""
     pad = -batch["input_ids"].shape[1] % multiple
     if pad and "position_ids" not in batch:  # (a cp shard is padded already)
+        b, s = batch["input_ids"].shape
         batch = {k: torch.nn.functional.pad(v, (0, pad), value=0 if k == "input_ids" else IGNORE)
                  for k, v in batch.items()}
+        batch["token_mask"] = (torch.arange(s + pad, device="cpu") < s).expand(b, -1)  # on the host, as the batch
     return {k: v.to(device) for k, v in batch.items()}

@@ -1,7 +1,13 @@
-"""Context parallelism (ring attention): activation memory per rank, ring p2p volume and step time at cp = 1, 2, 4.
+"""Context parallelism (ring attention): activation memory per rank, ring p2p volume and step time at cp = 1, 2, 4;
+with --device, the block schedule of cp ranks in one process against one fused SDPA over the whole sequence.
 
     python scripts/bench/cp_ring.py                            # print the markdown section
     python scripts/bench/cp_ring.py --write docs/benchmarks.md # and (re)write its section there
+    python scripts/bench/cp_ring.py --device cuda              # blocks vs SDPA: 32K tokens, llama-3.2-1b heads
+    python scripts/bench/cp_ring.py --device cpu --write docs/benchmarks.md   # the same at a CPU size
+
+--device (cp_ring_blocks.py): attention alone, forward + backward, the kernels ring attention picks on that
+device (tpzoo.parallel.attention_kernels) and the SDPA that cp = 1 runs (models/blocks.py), time and peak memory.
 
 One long sequence through a LLaMA-style model (embedding, layers, head and loss), fp32, torch kernels, on cp gloo
 ranks (cp = 1, 2, 4), each rank holding its two load-balanced chunks. Per rank: the bytes the forward leaves for
@@ -88,7 +94,20 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", type=pathlib.Path, help="markdown file whose cp_ring section to (re)write")
+    parser.add_argument("--device", help="cpu or cuda: ring attention's block schedule vs one fused SDPA "
+                        "(cp_ring_blocks.py) instead of the gloo model run")
+    parser.add_argument("--seq", type=int, help="--device: sequence length (default 32768 on cuda, 2048 on cpu)")
+    parser.add_argument("--cp", default="2,4,8", help="--device: cp sizes (default 2,4,8)")
+    parser.add_argument("--reps", type=int, default=3, help="--device: timed repetitions after a warm-up")
     args = parser.parse_args(argv)
+    if args.device:
+        from cp_ring_blocks import run_blocks
+
+        body = run_blocks(args.device, args.seq, [int(c) for c in args.cp.split(",")], args.reps)
+        print(body)
+        if args.write:
+            write_section(args.write, f"cp_ring_blocks_{args.device.split(':')[0]}", body)
+        return
     from tpzoo.plan import Layout, TrainingSpec, stage_memory
 
     cfg = bench_config()

@@ -4,6 +4,8 @@ traffic of one forward at ep = 2, measured by tpzoo's collective counter, agains
 
     python scripts/bench/moe.py                      # prints the markdown section
     python scripts/bench/moe.py --write docs/benchmarks.md
+    python scripts/bench/moe.py --device cuda        # qwen3-30b-a3b-8l vs transformers on one GPU (moe_train.py)
+    python scripts/bench/moe.py --device cpu --write docs/benchmarks.md   # the same at a toy size
 
 Both implementations get the same weights (tpzoo loads transformers' save_pretrained) and the same batches;
 transformers runs MixtralForCausalLM(input_ids, labels, output_router_logits=True).loss.backward(), tpzoo
@@ -86,7 +88,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--write", help="markdown file to update (section moe)")
+    ap.add_argument("--device", help="cpu or cuda: training steps of a Qwen3-MoE, tpzoo vs transformers "
+                    "(moe_train.py) instead of the CPU Mixtral forward + backward and all-to-all count")
+    ap.add_argument("--hf-experts", help="--device: transformers' experts implementation (default: its own "
+                    "default, grouped_mm where it can)")
     args = ap.parse_args()
+    if args.device:
+        from moe_train import run_device
+
+        body = run_device(args.device, args.steps, args.hf_experts)
+        print(body)
+        if args.write:
+            write_section(args.write, f"moe_train_{args.device.split(':')[0]}", body)
+        return
     torch.set_num_threads(1)
     hf = hf_model()
     with tempfile.TemporaryDirectory() as d:

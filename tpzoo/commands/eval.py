@@ -5,6 +5,7 @@
 
 CKPT is a tpzoo checkpoint (any stored layout: it is resharded on load) or a Hugging Face model directory. The
 tokenizer defaults to the one that travels with the checkpoint. Extra ranks under torchrun are data parallel.
+A mixture of experts' loss is the language model's alone; its router losses come as router_aux_loss / router_z_loss.
 """
 from __future__ import annotations
 

@@ -27,17 +27,25 @@ whole padded sequence, natural order, held by every rank): each block also masks
 documents (every rank picks its queries' and the block owner's ids from the whole sequence's: nothing more
 travels); such blocks run the torch math with that mask.
 
-Per block (`block_forward` / `block_backward`, the seam for fused kernels): on CPU, blocks without a sliding window
-run torch's fused flash-attention kernel, which returns the log-sum-exp and takes the merged output and
-log-sum-exp in its backward (so the backward of a block against the global softmax is the kernel's own); elsewhere
-(GPU for now, sliding windows) exact torch math that materializes one block's scores. `fused=False` forces the
-torch math (tests run both).
+Per block (`block_forward` / `block_backward`, the seam for fused kernels): a fused attention that returns the
+log-sum-exp and takes the merged output and log-sum-exp in its backward (so the backward of a block against the
+global softmax is the kernel's own, as in flash attention's own ring implementations), chosen once per call by
+`choose_kernel`: on CUDA PyTorch's flash attention (fp16/bf16, sm80+, head dim a multiple of 8 up to 256), else its
+memory-efficient attention (fp32 too; its log-sum-exp comes padded to a multiple of 32 rows, trimmed here and
+padded back for its backward); on CPU torch's CPU flash kernel; else exact torch math that materializes one block's
+scores. `fused=False` forces the torch math (tests run both). The kernels see whole blocks only, so each block is
+classified from its positions alone (`block_visibility`, host integers, no device sync): every pair visible (the
+kernel without a mask), causal by local index (the diagonal block; the kernel's own causal mask), no pair visible
+(a sliding window that ends before the block: skipped, its K/V passed on), or cut by a sliding window (torch math
+with the explicit mask: a window that binds inside a block is the one case without a fused kernel). Soft-capped
+scores (Gemma 2) are refused by the caller (models/blocks.py: --cp-mode a2a).
 """
 from __future__ import annotations
 
 import torch
 
 from . import comm
+from .attention_kernels import FUSED, choose_kernel
 
 KV_TAG, DKV_TAG = 41, 42  # two exchanges may be in flight between the same pair of ranks in the backward
 
@@ -46,6 +54,29 @@ def local_positions(chunk: int, cp: int, cp_rank: int, device) -> torch.Tensor:
     """Global positions [2c] of the tokens rank cp_rank holds: chunks cp_rank and 2*cp-1-cp_rank of c tokens."""
     first = torch.arange(chunk, device=device) + cp_rank * chunk
     return torch.cat([first, first + (2 * cp - 1 - 2 * cp_rank) * chunk])
+
+
+def _span(rank: int, cp: int, chunk: int, part: slice) -> tuple[int, int]:
+    """(lowest, highest) global position among rank's tokens [part] (whole chunks: all, the first or the second)."""
+    first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
+    lo = second if part.start == chunk else first
+    hi = first + chunk - 1 if part.stop == chunk else second + chunk - 1
+    return lo, hi
+
+
+def block_visibility(cp_rank: int, owner: int, cp: int, chunk: int, window: int | None) -> str:
+    """How this rank's queries see rank `owner`'s keys in their ring step, from positions alone: "all" (every
+    pair), "causal" (causal by local index: the diagonal block, the window never binding), "none" (a sliding window
+    ends before every key) or "mask" (a sliding window cuts through the block: explicit mask)."""
+    rows, cols = _block_slices(owner, cp_rank, chunk)
+    q_lo, q_hi = _span(cp_rank, cp, chunk, rows)
+    k_lo, k_hi = _span(owner, cp, chunk, cols)
+    farthest = q_hi - k_lo  # (off the diagonal every key precedes every query)
+    if owner == cp_rank:
+        return "causal" if window is None or farthest < window else "mask"
+    if window is None or farthest < window:
+        return "all"
+    return "none" if q_lo - k_hi >= window else "mask"
 
 
 def _block_slices(step_owner: int, cp_rank: int, chunk: int) -> tuple[slice, slice]:
@@ -84,37 +115,29 @@ def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.view(b, h // groups, groups, s, d).sum(2)
 
 
-# torch's CPU flash attention with its log-sum-exp (private ops; None where this torch has none)
-_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_CPU_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+def block_forward(q, k, v, scale: float, causal: bool, mask, kernel: str):
+    """(out, lse, state) of one block, out and lse in the accumulation dtype, lse [b, h, sq]; causal: the diagonal
+    block (local index order is position order there), mask: the explicit mask of the torch path; state: what the
+    kernel's backward needs beyond the merged output and log-sum-exp (attention_kernels.py)."""
+    if kernel == "torch":
+        return (*block_attention(q, k, v, scale, mask), None)
+    out, lse, state = FUSED[kernel].forward(q, k, v, scale, causal)
+    return out.to(_acc(q)), lse.to(_acc(q)), state
 
 
-def _use_fused(q: torch.Tensor, window, fused) -> bool:
-    return fused is not False and window is None and q.device.type == "cpu" and _CPU_FLASH_BWD is not None
-
-
-def block_forward(q, k, v, scale: float, causal: bool, mask, fused: bool):
-    """(out, lse) of one block, in the accumulation dtype; causal: the diagonal block (local index order is
-    position order there), mask: the explicit mask of the torch path."""
-    if fused:
-        out, lse = _CPU_FLASH(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
-        return out.to(_acc(q)), lse.to(_acc(q))
-    return block_attention(q, k, v, scale, mask)
-
-
-def block_backward(d_out, q, k, v, out, lse, delta, scale: float, causal: bool, mask, fused: bool):
+def block_backward(d_out, q, k, v, out, lse, delta, scale: float, causal: bool, mask, kernel: str, state=None):
     """(dq, dk, dv) of one block given the merged output and log-sum-exp of its query rows: the block's share of
     the gradients of the whole attention (P = exp(S - lse) with the global lse)."""
-    if fused:
+    if kernel != "torch":
         dt = q.dtype
-        grads = _CPU_FLASH_BWD(d_out.to(dt).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
-                               out.to(dt).contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
+        grads = FUSED[kernel].backward(d_out.to(dt), q, k, v, out.to(dt), lse.contiguous(), scale, causal, state)
         return tuple(g.to(_acc(q)) for g in grads)
     qb, kb, vb = (t.to(_acc(q)) for t in (q, k, v))
     scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.exp(scores - _finite(lse).unsqueeze(-1))
+    d_out = d_out.to(_acc(q))
     d_scores = probs * (torch.matmul(d_out, vb.transpose(-1, -2)) - delta.unsqueeze(-1)) * scale
     return (torch.matmul(d_scores, kb), torch.matmul(d_scores.transpose(-1, -2), qb),
             torch.matmul(probs.transpose(-1, -2), d_out))
@@ -168,79 +191,116 @@ class _Ring:
         return out
 
 
+def ring_forward(q, k, v, exchange, cp_rank: int, cp: int, scale: float, window, kernel: str, doc_ids=None):
+    """One rank's forward over the ring: (out in q's dtype, lse, each step's kernel state). `exchange` passes
+    K/V on (start(t, tag) -> pending, wait(pending) -> the tensor from the previous rank): the cp ring, or the
+    one-process stand-in of ring_local.py. doc_ids: packed documents (the module docstring)."""
+    chunk, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
+    states = []  # per step: the fused kernel's state for the backward
+    pos = local_positions(chunk, cp, cp_rank, q.device)
+    # [b, s, h, d] in memory (seen as [b, h, s, d]): the layout SDPA returns, so that the caller's
+    # "b h s d -> b s (h d)" for the output projection is a view, not a copy
+    b, h, s, d = q.shape
+    out = torch.empty(b, s, h, d, dtype=_acc(q), device=q.device).transpose(1, 2)
+    lse = None
+    kv = torch.stack([k, v])
+    for step in range(cp):
+        pending = exchange.start(kv, KV_TAG) if step < cp - 1 else None  # overlapped with this block
+        owner = (cp_rank - step) % cp
+        rows, cols = _block_slices(owner, cp_rank, chunk)
+        seen, how, mask = _block_plan(pos, rows, cols, owner, cp_rank, cp, chunk, window, kernel, doc_ids)
+        states.append(None)
+        if seen != "none":
+            b_out, b_lse, states[-1] = block_forward(
+                q[:, :, rows], _expand(kv[0][:, :, cols], groups), _expand(kv[1][:, :, cols], groups), scale,
+                seen == "causal", mask, how)
+            if step == 0:  # the diagonal block covers every row (each sees at least itself): it starts the sums
+                out.copy_(b_out)
+                lse = b_lse
+            else:
+                lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], b_out, b_lse)
+        if pending is not None:
+            kv = exchange.wait(pending)
+    return out.to(q.dtype), lse, states  # (the same tensor in fp32)
+
+
+def ring_backward(grad_out, q, k, v, out, lse, states, exchange, cp_rank: int, cp: int, scale: float, window,
+                  kernel: str, doc_ids=None):
+    """One rank's backward over the ring: (dq, dk, dv). K/V travel again, and with them the dK/dV accumulated for
+    their block, which ends at its owner after cp transfers."""
+    chunk, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
+    pos = local_positions(chunk, cp, cp_rank, q.device)
+    # dO stays in the activations' dtype for the fused kernels (the torch math widens its block's rows)
+    d_out = grad_out
+    delta = None  # rowsum(dO * O), the softmax backward term of the torch math (made once, if a block needs it)
+    dq = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
+    kv = torch.stack([k, v])
+    dkv = torch.zeros(kv.shape, dtype=_acc(q), device=q.device)
+    dkv_pending = None
+    for step in range(cp):
+        kv_pending = exchange.start(kv, KV_TAG) if step < cp - 1 else None
+        owner = (cp_rank - step) % cp
+        rows, cols = _block_slices(owner, cp_rank, chunk)
+        seen, how, mask = _block_plan(pos, rows, cols, owner, cp_rank, cp, chunk, window, kernel, doc_ids)
+        if seen != "none":
+            if how == "torch" and delta is None:
+                delta = (d_out.to(_acc(q)) * out.to(_acc(q))).sum(-1)
+            dq_b, dk_b, dv_b = block_backward(
+                d_out[:, :, rows], q[:, :, rows], _expand(kv[0][:, :, cols], groups),
+                _expand(kv[1][:, :, cols], groups), out[:, :, rows], lse[:, :, rows],
+                None if delta is None else delta[:, :, rows], scale, seen == "causal", mask, how, states[step])
+            dq[:, :, rows] += dq_b
+        if dkv_pending is not None:  # the dK/dV the previous ranks accumulated for this block
+            dkv = exchange.wait(dkv_pending)
+        if seen != "none":
+            dkv[0][:, :, cols] += _fold(dk_b, groups)
+            dkv[1][:, :, cols] += _fold(dv_b, groups)
+        dkv_pending = exchange.start(dkv, DKV_TAG)  # to the next rank; after cp sends, back at its owner
+        if kv_pending is not None:
+            kv = exchange.wait(kv_pending)
+    dkv = exchange.wait(dkv_pending)
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, ranks, cp_rank, scale, window, fused, doc_ids):
-        cp, chunk = len(ranks), q.shape[2] // 2
-        groups = q.shape[1] // k.shape[1]
-        fused = doc_ids is None and _use_fused(q, window, fused)
-        pos = local_positions(chunk, cp, cp_rank, q.device)
-        ring = _Ring(group, ranks, cp_rank)
-        # [b, s, h, d] in memory (seen as [b, h, s, d]): the layout SDPA returns, so that the caller's
-        # "b h s d -> b s (h d)" for the output projection is a view, not a copy
-        b, h, s, d = q.shape
-        out = torch.zeros(b, s, h, d, dtype=_acc(q), device=q.device).transpose(1, 2)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=_acc(q), device=q.device)
-        kv = torch.stack([k, v])
-        for step in range(cp):
-            pending = ring.start(kv, KV_TAG) if step < cp - 1 else None  # overlapped with this block
-            owner = (cp_rank - step) % cp
-            rows, cols = _block_slices(owner, cp_rank, chunk)
-            kpos = local_positions(chunk, cp, owner, q.device)
-            mask = None if fused else _mask(pos[rows], kpos[cols], window, step == 0, doc_ids)
-            b_out, b_lse = block_forward(q[:, :, rows], _expand(kv[0][:, :, cols], groups),
-                                         _expand(kv[1][:, :, cols], groups), scale, step == 0, mask, fused)
-            lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], b_out, b_lse)
-            if pending is not None:
-                kv = ring.wait(pending)
-        result = out.to(q.dtype)  # (the same tensor in fp32)
+        kernel = choose_kernel(q, fused)
+        result, lse, states = ring_forward(q, k, v, _Ring(group, ranks, cp_rank), cp_rank, len(ranks), scale,
+                                           window, kernel, doc_ids)
         # The output in the activations' dtype is what the backward needs (as flash attention keeps it): the one
         # the output projection keeps anyway, so ring attention saves nothing beyond what SDPA saves.
         ctx.save_for_backward(q, k, v, result, lse)
         ctx.group, ctx.ranks, ctx.cp_rank, ctx.scale, ctx.window = group, ranks, cp_rank, scale, window
-        ctx.fused, ctx.doc_ids = fused, doc_ids
+        ctx.kernel, ctx.states, ctx.doc_ids = kernel, states, doc_ids
         return result
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, cp_rank, scale, window, fused = len(ctx.ranks), ctx.cp_rank, ctx.scale, ctx.window, ctx.fused
-        chunk, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
-        pos = local_positions(chunk, cp, cp_rank, q.device)
-        ring = _Ring(ctx.group, ctx.ranks, cp_rank)
-        d_out = grad_out.to(_acc(q))
-        delta = None if fused else (d_out * out.to(d_out.dtype)).sum(-1)  # rowsum(dO * O): softmax backward term
-        dq = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
-        kv = torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=_acc(q), device=q.device)
-        dkv_pending = None
-        for step in range(cp):
-            kv_pending = ring.start(kv, KV_TAG) if step < cp - 1 else None
-            owner = (cp_rank - step) % cp
-            rows, cols = _block_slices(owner, cp_rank, chunk)
-            kpos = local_positions(chunk, cp, owner, q.device)
-            mask = None if fused else _mask(pos[rows], kpos[cols], window, step == 0, ctx.doc_ids)
-            dq_b, dk_b, dv_b = block_backward(d_out[:, :, rows], q[:, :, rows], _expand(kv[0][:, :, cols], groups),
-                                              _expand(kv[1][:, :, cols], groups), out[:, :, rows], lse[:, :, rows],
-                                              None if fused else delta[:, :, rows], scale, step == 0, mask, fused)
-            dq[:, :, rows] += dq_b
-            if dkv_pending is not None:  # the dK/dV the previous ranks accumulated for this block
-                dkv = ring.wait(dkv_pending)
-            dkv[0][:, :, cols] += _fold(dk_b, groups)
-            dkv[1][:, :, cols] += _fold(dv_b, groups)
-            dkv_pending = ring.start(dkv, DKV_TAG)  # to the next rank; after N sends, back at its owner
-            if kv_pending is not None:
-                kv = ring.wait(kv_pending)
-        dkv = ring.wait(dkv_pending)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
+        grads = ring_backward(grad_out, q, k, v, out, lse, ctx.states, _Ring(ctx.group, ctx.ranks, ctx.cp_rank),
+                              ctx.cp_rank, len(ctx.ranks), ctx.scale, ctx.window, ctx.kernel, ctx.doc_ids)
+        return (*grads, None, None, None, None, None, None, None)
+
+
+def _block_plan(pos, rows, cols, owner: int, cp_rank: int, cp: int, chunk: int, window, kernel: str, doc_ids=None):
+    """(visibility, kernel, explicit mask or None) of one ring step's block: a block a sliding window cuts through,
+    or any block of packed documents, runs the torch math with its mask, every other one the call's kernel."""
+    seen = block_visibility(cp_rank, owner, cp, chunk, window)
+    if kernel != "torch" and seen != "mask" and doc_ids is None:
+        return seen, kernel, None
+    kpos = local_positions(chunk, cp, owner, pos.device)
+    return seen, "torch", _mask(pos[rows], kpos[cols], window, owner == cp_rank, doc_ids)
 
 
 def ring_attention(q, k, v, group, ranks: list[int], cp_rank: int, *, scale: float | None = None,
-                   window: int | None = None, fused: bool | None = None,
+                   window: int | None = None, fused: bool | str | None = None,
                    doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries q [b, h, 2c, d] over every cp rank's keys/values ([b, kv_heads,
-    2c, d] here), the tokens in the load-balanced order; `ranks` are the cp group's global ranks. doc_ids [b, 2c *
-    cp]: the whole sequence's documents (natural order), attention within each."""
+    2c, d] here), the tokens in the load-balanced order; `ranks` are the cp group's global ranks. fused: None, the
+    fastest block kernel this device has (attention_kernels.choose_kernel); False, the torch math; a kernel name
+    (attention_kernels.FUSED) to force one. doc_ids [b, 2c * cp]: the whole sequence's documents (natural order),
+    attention within each."""
     if q.shape[2] % 2:
         raise ValueError(f"ring attention: the local sequence ({q.shape[2]}) must hold two equal chunks")
     if q.shape[1] % k.shape[1]:

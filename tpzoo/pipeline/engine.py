@@ -79,8 +79,9 @@ def activation_shape(chunks, microbatches, dims: ParallelDims) -> tuple:
 
 
 def execute(chunks, microbatches: list[dict], dims: ParallelDims | None, step: StepFunctions, *,
-            schedule: str = "1f1b", forward_only: bool = False) -> dict:
+            schedule: str = "1f1b", forward_only: bool = False, router_loss: bool = True) -> dict:
     """Run every micro-batch through this rank's chunks in the schedule's order (collective over the pipeline).
+    router_loss: as lm_forward's (which router statistics travel between stages; the same on every stage).
     Returns timeline [(kind, micro-batch, t_start, t_end)] of this rank's compute (perf_counter seconds; kind F,
     B (the whole backward, or only the input gradient for "zb") and W) and peak_inflight."""
     if not microbatches:
@@ -90,7 +91,7 @@ def execute(chunks, microbatches: list[dict], dims: ParallelDims | None, step: S
     actions = plan(schedule, rank, p, m, v, forward_only)
     param = next(q for q in chunks[0].parameters() if q.is_floating_point())
     stage_comm = StageComm(dims, v, m, activation_shape(chunks, microbatches, dims), param.dtype, param.device,
-                           extra=router_stats_size(chunks[0], microbatches[0]))
+                           extra=router_stats_size(chunks[0], microbatches[0], router_loss))
     runners = [StageRunner(c, i, stage_comm, microbatches, step, forward_only=forward_only)
                for i, c in enumerate(chunks)]
     split = any(a.kind == "W" for a in actions)
@@ -146,10 +147,14 @@ def pipeline_forward(model_or_chunks, input_ids: torch.Tensor, labels: torch.Ten
 
 # -- the language-model loss: training and eval ------------------------------------------------------------------
 
-def lm_forward(label_smoothing: float = 0.0):
+def lm_forward(label_smoothing: float = 0.0, router_loss: bool = True):
     """The forward of one chunk for an {"input_ids"[, "labels"][, "position_ids"][, "doc_ids"]} batch: on the last
     model stage the per-token loss, or the logits shard for a batch without labels. Positions and document ids go
-    to every stage: each one's attention (and the first stage's learned positions) needs them."""
+    to every stage: each one's attention (and the first stage's learned positions) needs them.
+
+    router_loss (a mixture of experts): True, the per-token loss includes the router losses when the model trains
+    with them (training); False, it is the language model's alone and the last stage computes the router losses
+    beside it (the model's aux_loss / z_loss: what evaluation reports)."""
     def forward(index, chunk, batch, hidden):
         device, stats = chunk.device, None
 
@@ -157,21 +162,24 @@ def lm_forward(label_smoothing: float = 0.0):
             t = batch.get(key)
             return None if t is None or not wanted else t.to(device, non_blocking=True)
 
-        if router_stats_size(chunk, batch):  # the router statistics ride beside the activation (engine docs)
+        size = router_stats_size(chunk, batch, router_loss)
+        if size:  # the router statistics ride beside the activation (engine docs)
             hidden, stats = hidden if hidden is not None else (None, torch.zeros(
-                router_stats_size(chunk, batch), dtype=torch.float32, device=device))
+                size, dtype=torch.float32, device=device))
         return chunk(input_ids=get("input_ids", chunk.pre_process), hidden=hidden,
                      labels=get("labels", chunk.post_process), label_smoothing=label_smoothing,
                      position_ids=get("position_ids"), router_stats=stats, token_mask=get("token_mask"),
-                     doc_ids=get("doc_ids"))
+                     doc_ids=get("doc_ids"), router_loss=router_loss)
     return forward
 
 
-def router_stats_size(chunk, batch: dict) -> int:
+def router_stats_size(chunk, batch: dict, router_loss: bool = True) -> int:
     """Length of the router statistics a pipeline stage passes on beside its activation (models.moe.stage_stats:
     the load-balancing and z-losses couple every MoE layer of the model), 0 when none travel: only for a batch
-    with labels, a model training with the router loss, split into several chunks."""
-    if not getattr(chunk, "router_loss_on", False) or "labels" not in batch:
+    with labels, a model split into several chunks that trains with the router loss (router_loss) or has MoE
+    layers whose router losses are reported (not router_loss: evaluation)."""
+    wanted = getattr(chunk, "router_loss_on", False) if router_loss else getattr(chunk, "num_moe_layers", 0)
+    if not wanted or "labels" not in batch:
         return 0
     if chunk.pre_process and chunk.post_process:
         return 0
@@ -204,16 +212,17 @@ class LossSum:
 
 def forward_backward(chunks, microbatches: list[dict], dims: ParallelDims | None = None, *,
                      schedule: str = "1f1b", forward_only: bool = False, loss_scale: float = 1.0,
-                     label_smoothing: float = 0.0) -> dict:
+                     label_smoothing: float = 0.0, router_loss: bool = True) -> dict:
     """Forward (and backward, unless forward_only) of every micro-batch through this rank's chunks: the
     language-model loss through `execute`.
 
     Gradients accumulate (scaled by loss_scale) into each parameter's gradient (main_grad when a GradBuffer is
     attached); call finalize_grads afterwards. Returns loss_sum (per-token losses summed over the micro-batches,
-    unscaled, the same on every pipeline rank), tokens (non-ignored labels), timeline and peak_inflight."""
+    unscaled, the same on every pipeline rank), tokens (non-ignored labels), timeline and peak_inflight.
+    router_loss=False (forward only: a held-out loss): the language-model loss without the router losses."""
     dims = get_dims(dims)
     losses = LossSum(chunks[0].device, None if forward_only else loss_scale)
-    out = execute(chunks, microbatches, dims, StepFunctions(lm_forward(label_smoothing), losses),
-                  schedule=schedule, forward_only=forward_only)
+    out = execute(chunks, microbatches, dims, StepFunctions(lm_forward(label_smoothing, router_loss), losses),
+                  schedule=schedule, forward_only=forward_only, router_loss=router_loss)
     tokens = int(sum((b["labels"] != -100).sum() for b in microbatches))
     return {"loss_sum": losses.shared(dims), "tokens": tokens, **out}

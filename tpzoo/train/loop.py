@@ -236,7 +236,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean loss over the held-out split's first eval_batches micro-batches per dp rank (None without one)."""
+        """Mean loss over the held-out split's first eval_batches micro-batches per dp rank (None without one): the
+        language model's (a mixture of experts' router losses left out, as `tpzoo eval` does)."""
         cfg = self.cfg
         if self.eval_ds is None or len(self.eval_ds) < cfg.micro_batch_size * self.dp:
             return None
@@ -245,7 +246,8 @@ class Trainer:
         loader.close()
         for c in self.chunks:
             c.eval()
-        out = forward_backward(self.chunks, batches, self.dims, schedule=cfg.schedule, forward_only=True)
+        out = forward_backward(self.chunks, batches, self.dims, schedule=cfg.schedule, forward_only=True,
+                               router_loss=False)
         for c in self.chunks:
             c.train()
         loss_sum, tokens = self._global_sum([out["loss_sum"], out["tokens"]], self.grad_group)
