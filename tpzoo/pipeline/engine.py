@@ -146,9 +146,9 @@ def pipeline_forward(model_or_chunks, input_ids: torch.Tensor, labels: torch.Ten
 
 # -- the language-model loss: training and eval ------------------------------------------------------------------
 
-def lm_forward(label_smoothing: float = 0.0):
+def lm_forward(label_smoothing: float = 0.0, z_loss: float = 0.0):
     """The forward of one chunk for an {"input_ids"[, "labels"][, "position_ids"]} batch: on the last model stage
-    the per-token loss, or the logits shard for a batch without labels."""
+    the per-token loss (with label_smoothing and z_loss), or the logits shard for a batch without labels."""
     def forward(index, chunk, batch, hidden):
         device, labels, positions = chunk.device, batch.get("labels"), batch.get("position_ids")
         mask, stats = batch.get("token_mask"), None
@@ -158,6 +158,7 @@ def lm_forward(label_smoothing: float = 0.0):
         return chunk(input_ids=batch["input_ids"].to(device, non_blocking=True) if chunk.pre_process else None,
                      hidden=hidden, labels=labels.to(device, non_blocking=True)
                      if labels is not None and chunk.post_process else None, label_smoothing=label_smoothing,
+                     z_loss=z_loss,
                      position_ids=None if positions is None else positions.to(device, non_blocking=True),
                      router_stats=stats, token_mask=None if mask is None else mask.to(device, non_blocking=True))
     return forward
@@ -200,7 +201,7 @@ class LossSum:
 
 def forward_backward(chunks, microbatches: list[dict], dims: ParallelDims | None = None, *,
                      schedule: str = "1f1b", forward_only: bool = False, loss_scale: float = 1.0,
-                     label_smoothing: float = 0.0) -> dict:
+                     label_smoothing: float = 0.0, z_loss: float = 0.0) -> dict:
     """Forward (and backward, unless forward_only) of every micro-batch through this rank's chunks: the
     language-model loss through `execute`.
 
@@ -209,7 +210,7 @@ def forward_backward(chunks, microbatches: list[dict], dims: ParallelDims | None
     unscaled, the same on every pipeline rank), tokens (non-ignored labels), timeline and peak_inflight."""
     dims = get_dims(dims)
     losses = LossSum(chunks[0].device, None if forward_only else loss_scale)
-    out = execute(chunks, microbatches, dims, StepFunctions(lm_forward(label_smoothing), losses),
+    out = execute(chunks, microbatches, dims, StepFunctions(lm_forward(label_smoothing, z_loss), losses),
                   schedule=schedule, forward_only=forward_only)
     tokens = int(sum((b["labels"] != -100).sum() for b in microbatches))
     return {"loss_sum": losses.shared(dims), "tokens": tokens, **out}
