@@ -152,8 +152,9 @@ def _logit_grad(z, tanh, target, lse, scale, spec: _Spec) -> torch.Tensor:
 
 
 def _accumulate(acc: torch.Tensor, d: torch.Tensor, h_c: torch.Tensor) -> None:
-    """acc (fp32) += d^T h_c. A 16-bit chunk product is rounded once to the model dtype (as the unfused head's
-    weight gradient is) and summed in fp32, so the rounding does not grow with the number of chunks."""
+    """acc (fp32) += d^T h_c. A 16-bit chunk's product comes out of the matmul in the model dtype (as the
+    unfused head's whole weight gradient does) and the running sum stays fp32: no 16-bit accumulator rounded
+    again after every chunk."""
     if d.dtype == acc.dtype:
         acc.addmm_(d.t(), h_c)
     else:

@@ -96,7 +96,7 @@ def write_grad(z2: torch.Tensor, out: torch.Tensor, target: torch.Tensor, lse: t
     block = launch.block_size(local_vocab)
     if rows:
         launch.run(_ce_bwd, (rows,), z2, out, target, lse, scale, z2.stride(0), out.stride(0), n_real, local_vocab,
-                   start, label_smoothing / vocab_size, 1.0 - label_smoothing, z_loss, BLOCK=block,
+                   start, label_smoothing / vocab_size, 1.0 - label_smoothing, float(z_loss), BLOCK=block,
                    num_warps=launch.num_warps(block))
     return out
 

@@ -28,6 +28,24 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _new_storages(func, args, kwargs, out) -> list:
+    """(tensor, weak storage reference) of an op's outputs that own a storage of their own: an output sharing
+    an input's storage (a view, an in-place or out= op) allocated nothing, except lift_fresh's (the way a
+    torch.tensor(...) made inside the block reaches the dispatcher: its input is that new tensor). One entry per
+    storage object (not per address: a storage resized to zero bytes, as ZeRO-3 frees a gathered layer, gives its
+    address to the next allocation while staying alive itself)."""
+    inputs = set() if func is torch.ops.aten.lift_fresh.default else {
+        StorageWeakRef(t.untyped_storage()).cdata for t in tree_leaves((args, kwargs))
+        if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+    found = []
+    for t in (out if isinstance(out, (tuple, list)) else (out,)):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            ref = StorageWeakRef(t.untyped_storage())
+            if ref.cdata not in inputs:
+                found.append((t, ref))
+    return found
+
+
 class _LiveStorages(TorchDispatchMode):
     """Remembers (weakly) the storage of every tensor an op returns."""
 
@@ -38,15 +56,9 @@ class _LiveStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                if _storage_key(t) in self.exclude:
-                    continue
-                # One entry per storage object (not per address: a storage resized to zero bytes, as ZeRO-3 frees
-                # a gathered layer, gives its address to the next allocation while staying alive itself).
-                ref = StorageWeakRef(t.untyped_storage())
-                if ref.cdata not in self.seen:
-                    self.seen[ref.cdata] = (ref, t.untyped_storage().nbytes(), str(func))
+        for t, ref in _new_storages(func, args, kwargs, out):
+            if _storage_key(t) not in self.exclude and ref.cdata not in self.seen:
+                self.seen[ref.cdata] = (ref, t.untyped_storage().nbytes(), str(func))
         return out
 
 
@@ -107,15 +119,10 @@ class _PeakStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        # an output sharing an input's storage (a view, an in-place or out= op) allocated nothing
-        inputs = {StorageWeakRef(t.untyped_storage()).cdata for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)}
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                ref = StorageWeakRef(t.untyped_storage())
-                if ref.cdata not in self.live and ref.cdata not in inputs:
-                    self.live[ref.cdata] = (ref, t.untyped_storage().nbytes())
-                    self.result.largest = max(self.result.largest, t.untyped_storage().nbytes())
+        for t, ref in _new_storages(func, args, kwargs, out):
+            if ref.cdata not in self.live:
+                self.live[ref.cdata] = (ref, t.untyped_storage().nbytes())
+                self.result.largest = max(self.result.largest, t.untyped_storage().nbytes())
         self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
         self.result.peak = max(self.result.peak, sum(n for _, n in self.live.values()))
         return out
