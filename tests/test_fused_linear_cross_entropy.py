@@ -28,6 +28,8 @@ from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward
 from tpzoo.plan.measure import peak_live_bytes
 from tpzoo.testing import run_on_ranks
 
+from test_train import store  # noqa: F401 (the token-store fixture)
+
 VOCAB, HIDDEN, B, S = 37, 16, 2, 8
 CASES = [  # smoothing, z_loss, softcap, weighted (per-token gradient weights), chunk rows
     (0.0, 0.0, None, False, None),
@@ -249,3 +251,31 @@ def test_memory_is_bounded_by_the_chunk():
     assert unfused_large.largest == 1024 * vocab * 4
     assert unfused_large.peak - unfused_small.peak >= 2 * 768 * vocab * 4
     assert large.peak < unfused_small.peak
+
+
+# -- the training config ---------------------------------------------------------------------------------------
+
+def _train_counting_fused_calls(cfg) -> tuple:
+    from tpzoo.train import train
+
+    calls, original = [], K.linear_cross_entropy
+    K.linear_cross_entropy = lambda *a, **kw: calls.append(kw["z_loss"]) or original(*a, **kw)
+    try:
+        return train(cfg), len(calls), set(calls)
+    finally:
+        K.linear_cross_entropy = original
+
+
+def test_config_keys_reach_the_run(store):
+    """`fused_linear_cross_entropy` picks the head's path in a real run and `z_loss` reaches the loss of both
+    paths (the fused one is called with it; the unfused run's losses equal the fused run's)."""
+    from test_train import tiny
+
+    runs = {}
+    for fused in (True, False):
+        cfg = tiny(store, steps=2, tp=2, sequence_parallel=True, fused_linear_cross_entropy=fused, z_loss=1e-3)
+        result, calls, z_seen = run_on_ranks(2, _train_counting_fused_calls, cfg)[0]
+        assert calls == (2 * 4 if fused else 0) and z_seen <= {1e-3}, (fused, calls, z_seen)  # 4 micro-batches
+        runs[fused] = result
+    assert runs[True]["losses"] == pytest.approx(runs[False]["losses"], rel=1e-5)
+    assert runs[True]["grad_norms"] == pytest.approx(runs[False]["grad_norms"], rel=1e-4)
