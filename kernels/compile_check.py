@@ -21,7 +21,7 @@ _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
 def _exercise(dtype: torch.dtype) -> None:
     """Forward and backward of every kernel wrapper: one-block and multi-block rows, with and without
     optional operands."""
-    from . import activations, norms, rotary, vocab_cross_entropy
+    from . import activations, fused_linear_cross_entropy, norms, rotary, vocab_cross_entropy
 
     def fwd_bwd(fn, *args):
         ins = [a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
@@ -41,6 +41,11 @@ def _exercise(dtype: torch.dtype) -> None:
     fwd_bwd(activations.bias_gelu, r(4, 80), None)
     target = torch.randint(0, 50, (4,), device="cpu")
     fwd_bwd(vocab_cross_entropy.cross_entropy, r(4, 64), target, -100, 0.1, 50)
+    fwd_bwd(vocab_cross_entropy.cross_entropy, r(4, 64), target, -100, 0.0, 50, None, False, 0.01)  # z-loss
+    # the fused head: the same kernels on chunks of logits (the gradient written into the chunk)
+    fwd_bwd(lambda h, w: fused_linear_cross_entropy.linear_cross_entropy(
+        h, w, target, label_smoothing=0.1, z_loss=0.01, vocab_size=50, chunk_rows=3, kernels=vocab_cross_entropy),
+        r(4, 16), r(64, 16))
 
 
 def _signature(kernel, args, kwargs) -> tuple[dict, dict]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from tpzoo.parallel.cross_entropy import check_loss_args
+
 from . import dispatch, reference
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -71,22 +73,40 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor
 
 def cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                   label_smoothing: float = 0.0, vocab_size: int | None = None, group=None,
-                  inplace_backward: bool = False) -> torch.Tensor:
+                  inplace_backward: bool = False, z_loss: float = 0.0) -> torch.Tensor:
     """Per-token loss (target's shape, 0 where ignored) over tensor-parallel vocab shards: the semantics of
     tpzoo.parallel.vocab_parallel_cross_entropy (same two all-reduces over the TP group, padded entries past
-    `vocab_size` excluded, label smoothing over the real full vocabulary).
+    `vocab_size` excluded, label smoothing over the real full vocabulary, z_loss * logZ^2 added per trained
+    token when z_loss > 0).
 
     Triton path: one streaming pass over the logits in the forward (saving only the logits reference and one
     fp32 per row), one in the backward writing the gradient in the logits' dtype; with
     `inplace_backward=True` the gradient is written into the logits buffer itself (no new logits-sized
     allocation; the logits must not be needed afterwards, and autograd's version counter enforces it).
     """
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-    if logits_shard.shape[:-1] != target.shape:
-        raise ValueError(f"logits {tuple(logits_shard.shape)} and target {tuple(target.shape)} do not match")
+    check_loss_args(logits_shard.shape[:-1], target.shape, label_smoothing, z_loss)
     k = _triton("vocab_cross_entropy", logits_shard, ok=target.dtype in (torch.int64, torch.int32))
     if k:
         return k.cross_entropy(logits_shard, target, ignore_index, label_smoothing, vocab_size, group,
-                               inplace_backward)
-    return reference.cross_entropy(logits_shard, target, ignore_index, label_smoothing, vocab_size, group)
+                               inplace_backward, z_loss)
+    return reference.cross_entropy(logits_shard, target, ignore_index, label_smoothing, vocab_size, group, z_loss)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
+                         ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                         softcap: float | None = None, vocab_size: int | None = None, group=None,
+                         sequence_dim: int | None = None, chunk_rows: int | None = None) -> torch.Tensor:
+    """Per-token loss of `cross_entropy(softcap(hidden @ weight.T), target)` with the head's matmul and the loss
+    computed together in chunks of tokens, so the logits of all tokens never exist (forward or backward); see
+    tpzoo.kernels.fused_linear_cross_entropy for how and why. `weight` is this rank's vocab shard [V'/tp, h];
+    `sequence_dim`: under sequence parallelism, the dim of `hidden` that holds this rank's sequence shard (it is
+    all-gathered; `target` is the whole sequence's); `chunk_rows`: tokens per chunk (default: chosen from the
+    hidden size, see default_chunk_rows()). The per-chunk softmax statistics and gradient run in the Triton
+    cross-entropy kernels when the dispatch seam picks Triton, in torch otherwise."""
+    from .fused_linear_cross_entropy import linear_cross_entropy as fused
+
+    k = _triton("vocab_cross_entropy", hidden, weight,
+                ok=target.dtype in (torch.int64, torch.int32) and hidden.dtype == weight.dtype)
+    return fused(hidden, weight, target, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+                 softcap=softcap, vocab_size=vocab_size, group=group, sequence_dim=sequence_dim,
+                 chunk_rows=chunk_rows, kernels=k)

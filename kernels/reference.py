@@ -43,8 +43,10 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor
 
 
 def cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-                  label_smoothing: float = 0.0, vocab_size: int | None = None, group=None) -> torch.Tensor:
+                  label_smoothing: float = 0.0, vocab_size: int | None = None, group=None,
+                  z_loss: float = 0.0) -> torch.Tensor:
     """Per-token loss over tensor-parallel vocab shards (see tpzoo.parallel.vocab_parallel_cross_entropy)."""
     from tpzoo.parallel import vocab_parallel_cross_entropy
 
-    return vocab_parallel_cross_entropy(logits_shard, target, ignore_index, label_smoothing, vocab_size, group)
+    return vocab_parallel_cross_entropy(logits_shard, target, ignore_index, label_smoothing, vocab_size, group,
+                                        z_loss)

@@ -6,9 +6,12 @@ real logits and the target logit. Everything else is per-row torch arithmetic an
 all-reduces as the reference (max; then [target logit, sum exp, sum logits]). The forward saves the logits
 (no copy) and one fp32 per row (log-sum-exp).
 
-Backward: one pass per row writes softmax - (1 - eps) onehot - eps / V (0 on padded entries) times the
-incoming per-token gradient, in the logits' dtype: into a new buffer, or into the logits buffer itself with
-inplace_backward. No fp32 copy of the logits exists at any point.
+Backward: one pass per row writes softmax (1 + 2 z_loss logZ) - (1 - eps) onehot - eps / V (0 on padded
+entries) times the incoming per-token gradient, in the logits' dtype: into a new buffer, or into the logits
+buffer itself with inplace_backward. No fp32 copy of the logits exists at any point.
+
+`row_stats` and `write_grad` run the two kernels on a block of rows alone: the fused linear cross-entropy
+(fused_linear_cross_entropy.py) calls them on each chunk of logits it computes.
 
 The gradient is written in the backward, not in the forward (as some fused losses do): the loss is per token,
 so the forward cannot know each row's incoming gradient and a gradient written early would need a second
@@ -54,25 +57,53 @@ def _ce_fwd(Z, TARGET, STATS, M, stride_z, n_real, local_vocab, start, BLOCK: tl
 
 @triton.jit
 def _ce_bwd(Z, DZ, TARGET, LSE, SCALE, stride_z, stride_dz, n_real, local_vocab, start, smooth_per_entry,
-            target_weight, BLOCK: tl.constexpr):
+            target_weight, z_loss, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     z_row = Z + row * stride_z
     dz_row = DZ + row * stride_dz
     lse = tl.load(LSE + row)
     scale = tl.load(SCALE + row)  # incoming gradient, 0 for ignored tokens
+    soft = 1.0 + 2.0 * z_loss * lse  # the z-loss's gradient is 2 z_loss logZ softmax
     t = tl.load(TARGET + row) - start
     for off in range(0, local_vocab, BLOCK):
         cols = off + tl.arange(0, BLOCK)
         real = cols < n_real
         z = tl.load(z_row + cols, mask=real, other=-float("inf")).to(tl.float32)
-        g = tl.exp(z - lse) - smooth_per_entry - tl.where(cols == t, target_weight, 0.0)
+        g = tl.exp(z - lse) * soft - smooth_per_entry - tl.where(cols == t, target_weight, 0.0)
         g = tl.where(real, g * scale, 0.0)
         tl.store(dz_row + cols, g.to(DZ.dtype.element_ty), mask=cols < local_vocab)
 
 
+def row_stats(z2: torch.Tensor, target: torch.Tensor, n_real: int, start: int) -> torch.Tensor:
+    """[4, rows] fp32 of the rows of `z2` ([rows, local_vocab], unit column stride): the max over the real
+    entries, the sum of exp relative to it, the sum of the real logits, the target logit (0 when the target is
+    in another shard)."""
+    rows, local_vocab = z2.shape
+    stats = torch.empty((4, rows), dtype=torch.float32, device=z2.device)
+    block = launch.block_size(local_vocab)
+    if rows:
+        launch.run(_ce_fwd, (rows,), z2, target, stats, rows, z2.stride(0), n_real, local_vocab, start, BLOCK=block,
+                   num_warps=launch.num_warps(block))
+    return stats
+
+
+def write_grad(z2: torch.Tensor, out: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
+               n_real: int, start: int, label_smoothing: float, vocab_size: int, z_loss: float) -> torch.Tensor:
+    """out[r] = (softmax(z2[r]) (1 + 2 z_loss lse[r]) - eps/V - (1 - eps) onehot) * scale[r], 0 on padded
+    entries, in out's dtype; `out` may be `z2` itself. lse: the rows' absolute log-sum-exp (fp32); scale: fp32,
+    0 for ignored rows."""
+    rows, local_vocab = z2.shape
+    block = launch.block_size(local_vocab)
+    if rows:
+        launch.run(_ce_bwd, (rows,), z2, out, target, lse, scale, z2.stride(0), out.stride(0), n_real, local_vocab,
+                   start, label_smoothing / vocab_size, 1.0 - label_smoothing, float(z_loss), BLOCK=block,
+                   num_warps=launch.num_warps(block))
+    return out
+
+
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, label_smoothing, vocab_size, group, inplace_backward):
+    def forward(ctx, logits, target, ignore_index, label_smoothing, vocab_size, group, inplace_backward, z_loss):
         tp_size, tp_rank, group = tp_layout(group)
         local_vocab = logits.shape[-1]
         start = tp_rank * local_vocab
@@ -80,14 +111,8 @@ class CrossEntropyFunction(torch.autograd.Function):
         n_real = max(0, min(local_vocab, vocab_size - start))
         z2 = launch.as_rows(logits, local_vocab)
         tgt = target.reshape(-1).contiguous()
-        rows = z2.shape[0]
 
-        stats = torch.empty((4, rows), dtype=torch.float32, device=logits.device)
-        block = launch.block_size(local_vocab)
-        if rows:
-            launch.run(_ce_fwd, (rows,), z2, tgt, stats, rows, z2.stride(0), n_real, local_vocab, start, BLOCK=block,
-                       num_warps=launch.num_warps(block))
-        m_local, s_local, sum_z, z_t = stats.unbind(0)
+        m_local, s_local, sum_z, z_t = row_stats(z2, tgt, n_real, start).unbind(0)
         m = m_local.clone()
         if tp_size > 1:
             comm.all_reduce(m, group, op=dist.ReduceOp.MAX)
@@ -100,33 +125,29 @@ class CrossEntropyFunction(torch.autograd.Function):
         target_logit, sum_exp, sum_shifted = sums.unbind(0)
 
         loss, log_z, ignored = loss_from_sums(target_logit, sum_exp, sum_shifted, tgt, ignore_index,
-                                              label_smoothing, vocab_size)
+                                              label_smoothing, vocab_size, z_loss, m)
 
         ctx.save_for_backward(z2, tgt, m + log_z, ignored)
-        ctx.layout = (n_real, local_vocab, start, vocab_size, label_smoothing)
-        ctx.shape, ctx.inplace, ctx.block = logits.shape, inplace_backward, block
+        ctx.layout = (n_real, start, vocab_size, label_smoothing, z_loss)
+        ctx.shape, ctx.inplace = logits.shape, inplace_backward
         return loss.view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
         z2, tgt, lse, ignored = ctx.saved_tensors
-        n_real, local_vocab, start, vocab_size, eps = ctx.layout
+        n_real, start, vocab_size, eps, z_loss = ctx.layout
         scale = grad_loss.reshape(-1).float().masked_fill(ignored, 0.0).contiguous()
         grad = z2 if ctx.inplace else torch.empty(z2.shape, dtype=z2.dtype, device=z2.device)
-        rows = z2.shape[0]
-        if rows:
-            launch.run(_ce_bwd, (rows,), z2, grad, tgt, lse, scale, z2.stride(0), grad.stride(0), n_real,
-                       local_vocab, start, eps / vocab_size, 1.0 - eps, BLOCK=ctx.block,
-                       num_warps=launch.num_warps(ctx.block))
+        write_grad(z2, grad, tgt, lse, scale, n_real, start, eps, vocab_size, z_loss)
         if ctx.inplace:  # the logits now hold their gradient: anyone else who saved them must fail loudly
             torch.autograd.graph.increment_version(z2)
-        return grad.view(ctx.shape), None, None, None, None, None, None
+        return grad.view(ctx.shape), None, None, None, None, None, None, None
 
 
 def cross_entropy(logits_shard, target, ignore_index=-100, label_smoothing=0.0, vocab_size=None, group=None,
-                  inplace_backward=False):
+                  inplace_backward=False, z_loss=0.0):
     return CrossEntropyFunction.apply(logits_shard, target, ignore_index, label_smoothing, vocab_size, group,
-                                      inplace_backward)
+                                      inplace_backward, z_loss)
 
 
 INTERPRETED = not isinstance(_ce_fwd, triton.runtime.JITFunction)

@@ -6,7 +6,8 @@ holds it), so checkpoints and HF mappings never depend on tp or pp:
     final_norm.{weight,bias}, lm_head.weight (absent when tied and the embedding is on the same stage).
 
 forward() returns the hidden states on a stage without the head; on the last stage the logits shard
-[b, s, V'/tp] (padded vocab, split over TP), or with `labels` the per-token loss [b, s] (0 where ignored).
+[b, s, V'/tp] (padded vocab, split over TP), or with `labels` the per-token loss [b, s] (0 where ignored),
+computed by default without the logits of all the tokens (models/lm_head.py, fused_linear_cross_entropy).
 """
 from __future__ import annotations
 
@@ -16,15 +17,15 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from tpzoo import kernels
 from tpzoo.errors import ConfigError
-from tpzoo.parallel import (ColumnParallelLinear, ParallelDims, VocabParallelEmbedding, gather_tp_tensor, mark_parallel,
-                            mark_tied, padded_vocab_size)
+from tpzoo.parallel import (ParallelDims, VocabParallelEmbedding, gather_tp_tensor, mark_parallel, mark_tied,
+                            padded_vocab_size)
 from tpzoo.parallel.state import get_dims
 
 from .blocks import Norm, TransformerBlock, rope_cos_sin, rope_inv_freq
 from .config import ModelConfig
 from .documents import Documents, document_positions
+from .lm_head import LMHead
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 ROUTER_LOSS_PP = ("a last pipeline stage computing the router loss needs the earlier stages' router statistics: "
@@ -60,7 +61,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, *, dims: ParallelDims | None = None, layers: tuple[int, int] | None = None,
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
                  recompute: str = "none", seed: int = 0, vocab_padding_multiple: int = 1, dtype=None, device=None,
-                 cp_mode: str = "ring"):
+                 cp_mode: str = "ring", fused_linear_cross_entropy: bool = True):
         super().__init__()
         if recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
@@ -91,9 +92,9 @@ class Transformer(nn.Module):
             vocab_padded = padded_vocab_size(cfg.vocab_size, dims.tp, vocab_padding_multiple)
             # Tied: the head is drawn exactly like the embedding, so a separate last-stage copy starts equal.
             head_init = _embedding_init(init, cfg.vocab_size) if cfg.tie_embeddings else init
-            self.lm_head = ColumnParallelLinear(cfg.hidden_size, vocab_padded, bias=False,
-                                                sequence_parallel=sequence_parallel, init_method=head_init, dims=dims,
-                                                **kw)
+            self.lm_head = LMHead(cfg.hidden_size, vocab_padded, cfg.vocab_size, softcap=cfg.final_softcap,
+                                  fused=fused_linear_cross_entropy, sequence_parallel=sequence_parallel,
+                                  init_method=head_init, dims=dims, **kw)
             if cfg.tie_embeddings and pre_process:
                 self.lm_head.weight = self.embed.weight
         if cfg.tie_embeddings:  # declared here, so no one has to find tied weights by name
@@ -214,8 +215,11 @@ class Transformer(nn.Module):
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 kv_caches: list | None = None, label_smoothing: float = 0.0,
                 router_stats: torch.Tensor | None = None, token_mask: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None, router_loss: bool = True):
+                doc_ids: torch.Tensor | None = None, router_loss: bool = True, z_loss: float = 0.0,
+                logits_position: int | None = None):
         """input_ids [b, s] on the first stage, else `hidden` from the previous stage (seq-sharded under SP).
+        label_smoothing, z_loss: of the loss (with labels; tpzoo.parallel.vocab_parallel_cross_entropy).
+        logits_position (without labels): only that position's logits, [b, 1, V'/tp] (generation).
 
         router_stats (pipeline training with the router loss): the router statistics of the earlier stages
         (models.moe.stage_stats; zeros on the first stage). This chunk adds its layers' sums; a chunk without the
@@ -289,14 +293,10 @@ class Transformer(nn.Module):
                 aux = self._router_losses(stage_stats(stats, self.cfg.num_experts, h.device))
         if not self.post_process:
             return h
-        logits = self.lm_head(self.final_norm(h))
-        if self.cfg.final_softcap is not None:  # Gemma 2: elementwise, so each vocab shard caps its own logits
-            cap = self.cfg.final_softcap
-            logits = torch.tanh(logits / cap) * cap
+        h = self.final_norm(h)
         if labels is None:
-            return logits
-        per_token = kernels.cross_entropy(logits, labels, label_smoothing=label_smoothing,
-                                          vocab_size=self.cfg.vocab_size, group=self.dims.tp_group)
+            return self.lm_head(h, position=logits_position)
+        per_token = self.lm_head(h, labels, label_smoothing=label_smoothing, z_loss=z_loss)
         if self.router_loss_on and router_loss:
             # HF: loss = mean CE + coef * aux. Added to every trained token, the mean over tokens (the loss tpzoo
             # backpropagates and reports) gets exactly that; over micro-batches, a token-weighted mean of each's.

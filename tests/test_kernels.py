@@ -162,9 +162,9 @@ def check_bias_gelu(dtype, with_bias, layout, max_block, device="cpu"):
     _compare(fn, leaves, dy, "BiasGeLUFunctionBackward", max_block)
 
 
-def check_cross_entropy(dtype, smoothing, layout, inplace, max_block, device="cpu"):
+def check_cross_entropy(dtype, smoothing, layout, inplace, max_block, device="cpu", z_loss=0.0):
     """One rank: against the reference and against F.cross_entropy on the real vocabulary (padding 48 -> 45,
-    padded logits large so that they would win if not excluded), with ignored tokens."""
+    padded logits large so that they would win if not excluded), with ignored tokens (+ z_loss logZ^2)."""
     gen = torch.Generator().manual_seed(5)
     vocab, padded, shape = 45, 48, (3, 7, 48)
     logits = _leaf(shape, dtype, layout, gen, device, scale=3.0)
@@ -176,11 +176,12 @@ def check_cross_entropy(dtype, smoothing, layout, inplace, max_block, device="cp
     dloss = torch.randn(shape[:2], generator=gen).to(device)
     view = (lambda z: _view(z, shape, layout) * 1) if inplace else (lambda z: _view(z, shape, layout))
     fn = lambda z: K.cross_entropy(view(z), target, label_smoothing=smoothing, vocab_size=vocab,  # noqa: E731
-                                   inplace_backward=inplace)
+                                   inplace_backward=inplace, z_loss=z_loss)
     _compare(fn, [logits], dloss, "CrossEntropyFunctionBackward", max_block)
     # the unfused torch expression (autograd of F.cross_entropy on the unpadded logits)
     z = _view(logits, shape, layout).detach().float()[..., :vocab].requires_grad_()
     ref = F.cross_entropy(z.reshape(-1, vocab), target.reshape(-1), label_smoothing=smoothing, reduction="none")
+    ref = ref + z_loss * torch.logsumexp(z, -1).reshape(-1).square() * (target.reshape(-1) != -100)
     (ref_grad,) = torch.autograd.grad(ref, z, dloss.reshape(-1))
     got, _ = _run("triton", fn, [logits], dloss)
     full_grad = _view(got[1], shape, layout)
@@ -201,6 +202,55 @@ def check_cross_entropy(dtype, smoothing, layout, inplace, max_block, device="cp
             total = K.cross_entropy(z, t, inplace_backward=True).sum() + squares
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             total.backward()
+
+
+def check_linear_cross_entropy(dtype, softcap, smoothing, z_loss, uniform, device="cpu"):
+    """The fused linear cross-entropy with the Triton per-chunk kernels (row_stats, write_grad: really called)
+    against the same op in torch and against the unfused head (matmul, then the reference cross-entropy): loss,
+    hidden and weight gradients; 21 tokens in chunks of 4, vocabulary 45 padded to 48 (padded rows large), a
+    uniform incoming gradient (no recomputation) or per-token weights (the weight gradient recomputed)."""
+    from tpzoo.kernels import vocab_cross_entropy as kce
+
+    gen = torch.Generator().manual_seed(6)
+    vocab, padded, hidden = 45, 48, 24
+    h = _leaf((3, 7, hidden), dtype, "contiguous", gen, device, scale=1.0)
+    w = _leaf((padded, hidden), dtype, "contiguous", gen, device, scale=0.4)
+    with torch.no_grad():
+        w[vocab:] = 1.0
+    target = torch.randint(0, vocab, (3, 7), generator=gen).to(device)
+    target[0, :2] = target[2, 6] = -100
+    dloss = (torch.full((), 0.7).expand(3, 7) if uniform else torch.rand(3, 7, generator=gen)).to(device)
+    kw = dict(label_smoothing=smoothing, z_loss=z_loss, softcap=softcap, vocab_size=vocab)
+    fused = lambda h, w: K.linear_cross_entropy(h, w, target, chunk_rows=4, **kw)  # noqa: E731
+
+    def unfused(h, w):
+        z = F.linear(h, w)
+        z = torch.tanh(z / softcap) * softcap if softcap else z
+        return K.cross_entropy(z, target, label_smoothing=smoothing, vocab_size=vocab, z_loss=z_loss)
+
+    calls = []
+    originals = kce.row_stats, kce.write_grad
+    kce.row_stats = lambda *a: calls.append("stats") or originals[0](*a)
+    kce.write_grad = lambda *a: calls.append("grad") or originals[1](*a)
+    try:
+        got, name = _run("triton", fused, [h, w], dloss)
+    finally:
+        kce.row_stats, kce.write_grad = originals
+    assert name == "LinearCrossEntropyFunctionBackward" and calls.count("stats") == 6 and "grad" in calls, calls
+    ref, _ = _run("torch", fused, [h, w], dloss)
+    if dtype == torch.float32:
+        dense, _ = _run("torch", unfused, [h, w], dloss)
+        for i, (g, r, d) in enumerate(zip(got, ref, dense)):
+            for other in (r, d):
+                torch.testing.assert_close(g, other, rtol=1e-5 if i == 0 else GRAD_RTOL_FP32, atol=1e-5,
+                                           msg=lambda m: f"[{'loss' if i == 0 else f'grad {i}'}] {m}")
+        return
+    gold, _ = _run("torch", unfused, [h, w], dloss, dtype=torch.float64)
+    for i, (g, r, o) in enumerate(zip(got, ref, gold)):
+        scale = o.abs().max().item() + 1e-6
+        err, ref_err = (g.double() - o).abs().max().item(), (r.double() - o).abs().max().item()
+        assert g.dtype == r.dtype and g.shape == r.shape
+        assert err <= 0.02 * scale and err <= 1.5 * ref_err + scale / 128, (i, err, ref_err, scale)
 
 
 # ---- tests ------------------------------------------------------------------------------------------------
@@ -246,7 +296,14 @@ def test_bias_gelu(interp, dtype, with_bias, layout, max_block):
                                                                 (0.1, "transposed", True, 16)],
                          ids=["plain", "smoothing_sliced_multiblock", "smoothing_inplace_multiblock"])
 def test_cross_entropy(interp, dtype, smoothing, layout, inplace, max_block):
-    interp(check_cross_entropy, dtype, smoothing, layout, inplace, max_block)
+    interp(check_cross_entropy, dtype, smoothing, layout, inplace, max_block, "cpu", 0.01 if inplace else 0.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("softcap,smoothing,z_loss,uniform", [(None, 0.0, 0.0, True), (5.0, 0.1, 0.01, False)],
+                         ids=["plain_uniform", "softcap_smoothing_zloss_weighted"])
+def test_linear_cross_entropy(interp, dtype, softcap, smoothing, z_loss, uniform):
+    interp(check_linear_cross_entropy, dtype, softcap, smoothing, z_loss, uniform)
 
 
 @pytest.mark.cuda
@@ -263,3 +320,6 @@ def test_cuda():
         check_bias_gelu(dtype, True, "sliced", 4096, "cuda")
         check_cross_entropy(dtype, 0.1, "sliced", False, 4096, "cuda")
         check_cross_entropy(dtype, 0.0, "contiguous", True, 16, "cuda")
+        check_cross_entropy(dtype, 0.1, "contiguous", False, 4096, "cuda", z_loss=0.01)
+        check_linear_cross_entropy(dtype, None, 0.0, 0.0, True, "cuda")
+        check_linear_cross_entropy(dtype, 5.0, 0.1, 0.01, False, "cuda")

@@ -135,10 +135,10 @@ def test_one_real_step_allocates_what_is_estimated():
     assert grad_storages == {opt.grads.data.untyped_storage().data_ptr()}
 
 
-def measure_chunk(cfg, mode, *, layers=None, pre=True, post=True, b=2, s=16, hooks=False):
+def measure_chunk(cfg, mode, *, layers=None, pre=True, post=True, b=2, s=16, hooks=False, fused=True):
     torch.manual_seed(0)
     model = Transformer(cfg, layers=layers, pre_process=pre, post_process=post, recompute=mode,
-                        dtype=torch.bfloat16)
+                        dtype=torch.bfloat16, fused_linear_cross_entropy=fused)
     return forward_activation_bytes(model, b, s, hooks=hooks)
 
 
@@ -146,22 +146,51 @@ def measure_chunk(cfg, mode, *, layers=None, pre=True, post=True, b=2, s=16, hoo
 def test_activation_bytes_tp1_reference_kernels(name):
     cfg = cfg_of(name)
     for mode in ("none", "selective", "full"):
-        got = measure_chunk(cfg, mode)
-        est = sum(chunk_activation_bytes(cfg, 1, False, mode, cfg.num_layers, 2, 16, 2, True, True,
-                                         "reference").values())
-        assert abs(est / got - 1) <= TOL, (cfg.name, mode, est, got)
+        for fused in (True, False):  # the head and loss fused (the default) or not (plan/head.py)
+            got = measure_chunk(cfg, mode, fused=fused)
+            est = sum(chunk_activation_bytes(cfg, 1, False, mode, cfg.num_layers, 2, 16, 2, True, True,
+                                             "reference", fused_loss=fused).values())
+            assert abs(est / got - 1) <= TOL, (cfg.name, mode, fused, est, got)
 
 
 def test_activation_bytes_pipeline_stages():
-    """pp=2: the first stage (embedding, its output kept for the backward) and the last (input received)."""
+    """pp=2: the first stage (embedding, its output kept for the backward) and the last (input received; the
+    head and loss fused or not)."""
     cfg = get_config("tiny-llama")
     (r0, r1) = chunk_layer_ranges(cfg, 2)
     for mode in ("none", "full"):
         for (lo, hi), pre, post in (((r0), True, False), ((r1), False, True)):
-            got = measure_chunk(cfg, mode, layers=(lo, hi), pre=pre, post=post)
-            est = sum(chunk_activation_bytes(cfg, 1, False, mode, hi - lo, 2, 16, 2, pre, post,
-                                             "reference").values())
-            assert est == got, (mode, pre, post, est, got)
+            for fused in (True, False) if post else (True,):
+                got = measure_chunk(cfg, mode, layers=(lo, hi), pre=pre, post=post, fused=fused)
+                est = sum(chunk_activation_bytes(cfg, 1, False, mode, hi - lo, 2, 16, 2, pre, post,
+                                                 "reference", fused_loss=fused).values())
+                assert est == got, (mode, pre, post, fused, est, got)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_fused_head_peak_is_modeled(dtype):
+    """The fused head's peak (forward + backward, torch path): what it keeps (plan/head.py
+    head_activation_bytes, less the input made outside) plus its working set (head_transient_bytes) plus the
+    per-token loss the caller holds, within 1%; the same at 4x the tokens (the working set is the chunk's)."""
+    from tpzoo import kernels as K
+    from tpzoo.plan.head import head_activation_bytes, head_transient_bytes
+    from tpzoo.plan.measure import peak_live_bytes
+
+    e, vocab = torch.finfo(dtype).bits // 8, 1000
+    for cap in (None, 5.0):
+        cfg = get_config("nano-llama").replace(vocab_size=vocab, final_softcap=cap)
+        h = cfg.hidden_size
+        for tokens in (256, 1024):
+            g = torch.Generator().manual_seed(tokens)
+            x = torch.randn(tokens, h, generator=g).to(dtype).requires_grad_()
+            w = torch.randn(vocab, h, generator=g).to(dtype).requires_grad_()
+            t = torch.randint(0, vocab, (tokens,), generator=g)
+            with peak_live_bytes() as r:
+                loss = K.linear_cross_entropy(x, w, t, softcap=cap, vocab_size=vocab)
+                loss.sum().backward()
+            kept = head_activation_bytes(cfg, 1, False, tokens, e, "reference", 1, True, 0) - e * h * tokens - 4
+            est = kept + head_transient_bytes(cfg, 1, False, tokens, e, "reference", 1, True) + 4 * tokens
+            assert abs(r.peak / est - 1) <= 0.01, (dtype, cap, tokens, r.peak, est)
 
 
 def test_saved_tensor_hooks_agree_with_live_storages():

@@ -62,10 +62,10 @@ class _Decoder:
 
         def forward(index, chunk, batch, hidden):
             return chunk(input_ids=batch["input_ids"] if chunk.pre_process else None, hidden=hidden,
-                         kv_caches=self.caches[index] if self.caches else None)
+                         kv_caches=self.caches[index] if self.caches else None, logits_position=position)
 
-        def last(mb, logits_shard, batch):
-            picked["token"] = self.pick(self.chunks[-1].full_logits(logits_shard[:, position])).contiguous()
+        def last(mb, logits_shard, batch):  # [b, 1, V'/tp]: the head ran on that position only
+            picked["token"] = self.pick(self.chunks[-1].full_logits(logits_shard[:, 0])).contiguous()
 
         execute(self.chunks, [{"input_ids": ids}], self.dims, StepFunctions(forward, last), forward_only=True)
         dims = self.dims

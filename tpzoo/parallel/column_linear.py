@@ -17,6 +17,7 @@ Zero-bubble's split backward (tpzoo.pipeline.weight_grad) runs this node twice: 
 for grad_W/grad_b. `grad_phase` tells the node which pass it is in, so B does no weight matmul and keeps nothing
 but x_local for W, and W re-gathers x_local and computes nothing of the input gradient (no reduce-scatter).
 Native ops learn the same from the autograd engine; a Python Function cannot ask it about leaf parameters.
+(tpzoo.kernels.fused_linear_cross_entropy reads the phase too, through current_grad_phase().)
 """
 from __future__ import annotations
 
@@ -45,6 +46,12 @@ def grad_phase(phase: str | None):
         yield
     finally:
         _PHASE = previous
+
+
+def current_grad_phase() -> str | None:
+    """The phase grad_phase() set (None outside one): other Python autograd nodes that compute their input and
+    weight gradients separately (the fused linear cross-entropy) read it too."""
+    return _PHASE
 
 
 @contextlib.contextmanager

@@ -147,10 +147,11 @@ def pipeline_forward(model_or_chunks, input_ids: torch.Tensor, labels: torch.Ten
 
 # -- the language-model loss: training and eval ------------------------------------------------------------------
 
-def lm_forward(label_smoothing: float = 0.0, router_loss: bool = True):
+def lm_forward(label_smoothing: float = 0.0, router_loss: bool = True, z_loss: float = 0.0):
     """The forward of one chunk for an {"input_ids"[, "labels"][, "position_ids"][, "doc_ids"]} batch: on the last
-    model stage the per-token loss, or the logits shard for a batch without labels. Positions and document ids go
-    to every stage: each one's attention (and the first stage's learned positions) needs them.
+    model stage the per-token loss (with label_smoothing and z_loss), or the logits shard for a batch without
+    labels. Positions and document ids go to every stage: each one's attention (and the first stage's learned
+    positions) needs them.
 
     router_loss (a mixture of experts): True, the per-token loss includes the router losses when the model trains
     with them (training); False, it is the language model's alone and the last stage computes the router losses
@@ -167,7 +168,7 @@ def lm_forward(label_smoothing: float = 0.0, router_loss: bool = True):
             hidden, stats = hidden if hidden is not None else (None, torch.zeros(
                 size, dtype=torch.float32, device=device))
         return chunk(input_ids=get("input_ids", chunk.pre_process), hidden=hidden,
-                     labels=get("labels", chunk.post_process), label_smoothing=label_smoothing,
+                     labels=get("labels", chunk.post_process), label_smoothing=label_smoothing, z_loss=z_loss,
                      position_ids=get("position_ids"), router_stats=stats, token_mask=get("token_mask"),
                      doc_ids=get("doc_ids"), router_loss=router_loss)
     return forward
@@ -212,7 +213,7 @@ class LossSum:
 
 def forward_backward(chunks, microbatches: list[dict], dims: ParallelDims | None = None, *,
                      schedule: str = "1f1b", forward_only: bool = False, loss_scale: float = 1.0,
-                     label_smoothing: float = 0.0, router_loss: bool = True) -> dict:
+                     label_smoothing: float = 0.0, router_loss: bool = True, z_loss: float = 0.0) -> dict:
     """Forward (and backward, unless forward_only) of every micro-batch through this rank's chunks: the
     language-model loss through `execute`.
 
@@ -222,7 +223,8 @@ def forward_backward(chunks, microbatches: list[dict], dims: ParallelDims | None
     router_loss=False (forward only: a held-out loss): the language-model loss without the router losses."""
     dims = get_dims(dims)
     losses = LossSum(chunks[0].device, None if forward_only else loss_scale)
-    out = execute(chunks, microbatches, dims, StepFunctions(lm_forward(label_smoothing, router_loss), losses),
+    out = execute(chunks, microbatches, dims, StepFunctions(lm_forward(label_smoothing, router_loss, z_loss),
+                                                            losses),
                   schedule=schedule, forward_only=forward_only, router_loss=router_loss)
     tokens = int(sum((b["labels"] != -100).sum() for b in microbatches))
     return {"loss_sum": losses.shared(dims), "tokens": tokens, **out}

@@ -76,7 +76,7 @@ def partition_layers(cfg, pp: int, boundaries: list[int] | None = None,
 def build_model_chunks(cfg, dims: ParallelDims | None = None, *, sequence_parallel: bool = False,
                        recompute: str = "none", seed: int = 0, virtual_stages: int = 1,
                        boundaries: list[int] | None = None, vocab_padding_multiple: int = 1, dtype=None,
-                       device=None, cp_mode: str = "ring") -> list:
+                       device=None, cp_mode: str = "ring", fused_linear_cross_entropy: bool = True) -> list:
     """This rank's model chunks (len == virtual_stages) at `dims` (default: the default dims).
 
     Chunk c is model stage c*pp + pp_rank; the first model stage embeds, the last one has the final norm and head.
@@ -96,7 +96,7 @@ def build_model_chunks(cfg, dims: ParallelDims | None = None, *, sequence_parall
                                   post_process=stage == last,
                                   sequence_parallel=sequence_parallel, recompute=recompute, seed=seed,
                                   vocab_padding_multiple=vocab_padding_multiple, dtype=dtype, device=device,
-                                  cp_mode=cp_mode))
+                                  cp_mode=cp_mode, fused_linear_cross_entropy=fused_linear_cross_entropy))
     return tie_chunks(chunks)
 
 

@@ -257,8 +257,8 @@ def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: T
     best = None
     s_local = local_seq_len(layout, training)
     for s in sorted({kind: s for s, kind in kinds.items()}.values()):
-        fin = tp_step_volume(cfg, layout, s, 0, s_local, e, e, pad)
-        one = tp_step_volume(cfg, layout, s, 1, s_local, e, e, pad)
+        fin = tp_step_volume(cfg, layout, s, 0, s_local, e, e, pad, training.fused_linear_cross_entropy)
+        one = tp_step_volume(cfg, layout, s, 1, s_local, e, e, pad, training.fused_linear_cross_entropy)
         tp_mb = _collective_time(one.sent("tp") - fin.sent("tp"), one.calls("tp") - fin.calls("tp"),
                                  cluster.intra_node_gbps, cluster)
         tp_fin = _collective_time(fin.sent("tp"), fin.calls("tp"), cluster.intra_node_gbps, cluster)

@@ -9,13 +9,16 @@ Activations, per layer and token, against the full model (tested against real sa
     per HF projection; u is full-sequence under SP, computed from the gathered input);
   - the torch RMSNorm's normalized tensor (e*h per norm) it keeps only for its weight's gradient;
 per chunk: the first layer's input norm keeps nothing (no gradient reaches the frozen embedding), nor does the
-embedding (lookup indices, masks); a frozen head does not keep its input without SP (with SP the column layer's
-shard is kept anyway), nor does the torch final RMSNorm its normalized tensor. Exact (tested) for the
+embedding (lookup indices, masks); a frozen head keeps less (plan/head.py frozen_head_savings: unfused its
+input without SP; fused its input, log-sum-exp and weight gradient), nor does the torch final RMSNorm keep its
+normalized tensor. Exact (tested) for the
 pre-norm GPT and LLaMA families; for the 2025 families approximate as their full-model activations are.
 """
 from __future__ import annotations
 
 from tpzoo.models.config import ModelConfig
+
+from .head import frozen_head_savings
 
 _LAYER_CACHE: dict = {}
 
@@ -62,7 +65,8 @@ def lora_layer_activation_delta(cfg: ModelConfig, tp: int, sequence_parallel: bo
 
 def lora_chunk_activation_delta(cfg: ModelConfig, tp: int, sequence_parallel: bool, recompute: str, rank: int,
                                 layers: int, micro_batch: int, seq_len: int, e: int, first: bool, last: bool,
-                                kernels: str, norm_saved: int) -> int:
+                                kernels: str, norm_saved: int, vocab_padding_multiple: int = 1,
+                                fused_loss: bool = True) -> int:
     """The whole difference for a chunk (see the module docstring); `norm_saved`: bytes per token the full
     model's norm keeps (plan.memory._norm_saved). Under full recomputation a layer keeps only its input, as
     without adapters: only the embedding and head terms remain."""
@@ -76,6 +80,6 @@ def lora_chunk_activation_delta(cfg: ModelConfig, tp: int, sequence_parallel: bo
             out -= (norm_saved - (e * h if torch_rms else 0)) * tokens // sp_div
         out -= (9 * tokens if tp > 1 else 0) + (8 * seq_len if cfg.position == "learned" else 0)
     if last:
-        out -= (0 if sequence_parallel and tp > 1 else e * h * tokens)  # the frozen head's input
+        out -= frozen_head_savings(cfg, tp, sequence_parallel, tokens, e, vocab_padding_multiple, fused_loss)
         out -= e * h * tokens // sp_div if torch_rms else 0               # the final norm's normalized tensor
     return out

@@ -1,13 +1,15 @@
 """Measure what a forward pass really keeps for the backward: the ground truth the plan's memory model is
 tested against (and a tool to calibrate it on a new model or kernel).
 
-Two instruments:
+Three instruments:
   live_activation_bytes(): every storage created during the forward (any op, any kernel, collectives too) that
       is still alive when the forward returns: what autograd saved, what torch.utils.checkpoint keeps for
       recomputation, and what the caller holds (the loss, a pipeline stage's output).
   saved_tensor_bytes(): the unique storages autograd saves for backward (torch.autograd.graph
       .saved_tensors_hooks; with torch 2.13 this includes the inputs a non-reentrant checkpoint keeps). The
       two agree up to what the caller holds (tests/test_plan_memory.py).
+  peak_live_bytes(): the most bytes of storages created inside the block alive at once (checked after every
+      op), and the largest one: a device-independent peak memory for CPU tests and benchmarks.
 Parameters and whatever existed before the forward are excluded from both: pass them in `exclude`.
 """
 from __future__ import annotations
@@ -19,10 +21,29 @@ import time
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
+
+
+def _new_storages(func, args, kwargs, out) -> list:
+    """(tensor, weak storage reference) of an op's outputs that own a storage of their own: an output sharing
+    an input's storage (a view, an in-place or out= op) allocated nothing, except lift_fresh's (the way a
+    torch.tensor(...) made inside the block reaches the dispatcher: its input is that new tensor). One entry per
+    storage object (not per address: a storage resized to zero bytes, as ZeRO-3 frees a gathered layer, gives its
+    address to the next allocation while staying alive itself)."""
+    inputs = set() if func is torch.ops.aten.lift_fresh.default else {
+        StorageWeakRef(t.untyped_storage()).cdata for t in tree_leaves((args, kwargs))
+        if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+    found = []
+    for t in (out if isinstance(out, (tuple, list)) else (out,)):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            ref = StorageWeakRef(t.untyped_storage())
+            if ref.cdata not in inputs:
+                found.append((t, ref))
+    return found
 
 
 class _LiveStorages(TorchDispatchMode):
@@ -35,15 +56,9 @@ class _LiveStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                if _storage_key(t) in self.exclude:
-                    continue
-                # One entry per storage object (not per address: a storage resized to zero bytes, as ZeRO-3 frees
-                # a gathered layer, gives its address to the next allocation while staying alive itself).
-                ref = StorageWeakRef(t.untyped_storage())
-                if ref.cdata not in self.seen:
-                    self.seen[ref.cdata] = (ref, t.untyped_storage().nbytes(), str(func))
+        for t, ref in _new_storages(func, args, kwargs, out):
+            if _storage_key(t) not in self.exclude and ref.cdata not in self.seen:
+                self.seen[ref.cdata] = (ref, t.untyped_storage().nbytes(), str(func))
         return out
 
 
@@ -85,6 +100,42 @@ def live_activation_bytes(exclude=()):
             break
         time.sleep(0.005)
     result.by_op, result.total = by_op, total
+
+
+class PeakBytes:
+    """Result of peak_live_bytes(): `.peak` (most bytes alive at once) and `.largest` (one storage), once the
+    block ends."""
+
+    peak: int = 0
+    largest: int = 0
+
+
+class _PeakStorages(TorchDispatchMode):
+    """After every op, the bytes of the storages created since the start that are still alive."""
+
+    def __init__(self, result: PeakBytes):
+        super().__init__()
+        self.result, self.live = result, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t, ref in _new_storages(func, args, kwargs, out):
+            if ref.cdata not in self.live:
+                self.live[ref.cdata] = (ref, t.untyped_storage().nbytes())
+                self.result.largest = max(self.result.largest, t.untyped_storage().nbytes())
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.result.peak = max(self.result.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+@contextlib.contextmanager
+def peak_live_bytes():
+    """with peak_live_bytes() as r: loss = f(x); loss.backward()  ->  r.peak, r.largest (bytes): what the block
+    allocated, at its fullest moment between two ops (an op's own scratch space inside a kernel is not seen).
+    Storages that existed before the block (weights, inputs) are not counted."""
+    result = PeakBytes()
+    with _PeakStorages(result):
+        yield result
 
 
 @contextlib.contextmanager

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from tpzoo.models.config import ModelConfig
 
 from .experts import moe_mlp_bytes
+from .head import head_activation_bytes, head_output_grad_bytes, head_transient_bytes
 from .lora import lora_chunk_activation_delta, lora_layer_late, lora_layer_params
 from .schedule import held_states, peak_bytes
 from .spec import DTYPE_BYTES, Layout, TrainingSpec, local_seq_len, num_micro_batches, stage_chunks
@@ -283,11 +284,11 @@ def layer_activation_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, r
 def chunk_activation_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, recompute: str,
                            layers: int, micro_batch: int, seq_len: int, e: int, first: bool, last: bool,
                            kernels: str = "fused", vocab_padding_multiple: int = 1, lora_rank: int = 0,
-                           moe_layers: int = 0, ep: int = 1) -> dict:
+                           moe_layers: int = 0, ep: int = 1, fused_loss: bool = True) -> dict:
     """Bytes a model chunk (one tpzoo Transformer) with `layers` layers keeps for one micro-batch, by part:
-    layers, rope (cos/sin its layers share), embedding (lookup indices), head (final norm, logits and loss
-    statistics on the last model stage; elsewhere the output the pipeline engine keeps for the backward).
-    `moe_layers` of the layers have a mixture-of-experts MLP (at expert parallelism `ep`)."""
+    layers, rope (cos/sin its layers share), embedding (lookup indices), head (final norm, head and loss on the
+    last model stage, fused_loss or not: plan/head.py; elsewhere the output the pipeline engine keeps for the
+    backward). `moe_layers` of the layers have a mixture-of-experts MLP (at expert parallelism `ep`)."""
     h, tokens = cfg.hidden_size, micro_batch * seq_len
     sp_div = tp if sequence_parallel else 1
     parts = {"layers": (layers - moe_layers) * layer_activation_bytes(cfg, tp, sequence_parallel, recompute, tokens,
@@ -300,12 +301,9 @@ def chunk_activation_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, r
     if first and cfg.position == "learned":
         embed += 8 * seq_len  # the position ids the position embedding saves
     parts["embedding"] = embed
-    if last:
-        d = local_dims(cfg, tp, vocab_padding_multiple)
-        logits = (4 if kernels == "reference" else e) * d.vocab  # torch saves the fp32 softmax, Triton the logits
-        ce = 10 if kernels == "reference" else 5                 # per-token targets/masks/log-sum-exp kept
-        parts["head"] = ((_norm_saved(cfg, e, kernels) + e * h) * tokens // sp_div  # + the lm_head input
-                         + (logits + ce) * tokens + 4)                           # + the fp32 loss
+    if last:  # final norm, head and loss (plan/head.py)
+        parts["head"] = head_activation_bytes(cfg, tp, sequence_parallel, tokens, e, kernels, vocab_padding_multiple,
+                                              fused_loss, _norm_saved(cfg, e, kernels))
     else:
         parts["head"] = e * h * tokens // sp_div  # the stage output, kept for its backward
     # The engine keeps a received input for its gradient; only the torch RMSNorm does not save it anyway (it
@@ -315,16 +313,18 @@ def chunk_activation_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, r
     if lora_rank:  # a frozen base with adapters (tpzoo.plan.lora)
         parts["lora"] = lora_chunk_activation_delta(cfg, tp, sequence_parallel, recompute, lora_rank, layers,
                                                     micro_batch, seq_len, e, first, last, kernels,
-                                                    _norm_saved(cfg, e, kernels))
+                                                    _norm_saved(cfg, e, kernels), vocab_padding_multiple,
+                                                    fused_loss)
     return parts
 
 
 def output_grad_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, micro_batch: int, seq_len: int,
-                      e: int, last: bool, vocab_padding_multiple: int = 1) -> int:
-    """The output gradient a zero-bubble chunk keeps from B to W: the logits' on the last model stage."""
+                      e: int, last: bool, vocab_padding_multiple: int = 1, fused_loss: bool = True) -> int:
+    """The output gradient a zero-bubble chunk keeps from B to W: on the last model stage the logits' or (fused
+    loss) the per-token loss's (plan/head.py)."""
     tokens = micro_batch * seq_len
     if last:
-        return e * local_dims(cfg, tp, vocab_padding_multiple).vocab * tokens
+        return head_output_grad_bytes(cfg, tp, tokens, e, vocab_padding_multiple, fused_loss)
     return e * cfg.hidden_size * tokens // (tp if sequence_parallel else 1)
 
 
@@ -336,7 +336,7 @@ class MemoryBreakdown:
     master: int
     optimizer: int
     activations: int
-    transient: int        # backward working set (one layer's activations or the logits' gradient) + recv buffers
+    transient: int        # working set (one layer's activations in backward, or the head's) + recv buffers
                           # (+ ZeRO-2's gradient staging buffers, + ZeRO-3's gathered layers)
     reserve: int
 
@@ -350,6 +350,7 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
                  reserve_bytes: int = 0) -> MemoryBreakdown:
     """Peak memory of one GPU of pipeline stage `stage` (any tp/dp rank: they hold the same sizes)."""
     e, k, p, v, t = training.act_bytes, training.kernels, layout.pp, layout.virtual_stages, layout.tp
+    fused = training.fused_linear_cross_entropy
     b, s, sp, pad = layout.micro_batch_size, local_seq_len(layout, training), layout.sequence_parallel, \
         training.vocab_padding_multiple
     replicas = layout.grad_replicas  # the optimizer shards over dp x cp
@@ -367,12 +368,12 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
     for c, (lo, hi) in enumerate(stage_chunks(cfg, p, stage, v)):
         first, last = c * p + stage == 0, c * p + stage == p * v - 1
         parts = chunk_activation_bytes(cfg, t, sp, layout.recompute, hi - lo, b, s, e, first, last, k, pad,
-                                       training.lora_rank, sum(map(cfg.is_moe_layer, range(lo, hi))), ep)
+                                       training.lora_rank, sum(map(cfg.is_moe_layer, range(lo, hi))), ep, fused)
         acts.append(sum(parts.values()))
-        grads.append(output_grad_bytes(cfg, t, sp, b, s, e, last, pad))
+        grads.append(output_grad_bytes(cfg, t, sp, b, s, e, last, pad, fused))
     held = peak_bytes(held_states(layout.schedule, stage, p, m, v), acts, grads)
     one_layer = layer_activation_bytes(cfg, t, sp, "none", b * s, e, k, cfg.num_experts > 0, ep)
-    logits_grad = output_grad_bytes(cfg, t, sp, b, s, e, True, pad) if stage == p - 1 else 0
+    head = head_transient_bytes(cfg, t, sp, b * s, e, k, pad, fused, not training.lora_rank) if stage == p - 1 else 0
     # The engine posts the receive buffers of the current and the next action ahead of need.
     recv = 2 * output_grad_bytes(cfg, t, sp, b, s, e, False) if p > 1 else 0
     # ZeRO-2: the fp32 staging buffers of the buckets being filled or reduce-scattered (about two at a time).
@@ -380,4 +381,4 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
     # ZeRO-3: the layers gathered for use (gathered_bytes)
     gathered = gathered_bytes(cfg, count, training, t, replicas) if not training.lora_rank else 0
     return MemoryBreakdown(stage, st.params, st.grads, st.master, st.optimizer, held,
-                           max(one_layer, logits_grad) + recv + staging + gathered, reserve_bytes)
+                           max(one_layer, head) + recv + staging + gathered, reserve_bytes)

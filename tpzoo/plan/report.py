@@ -30,6 +30,7 @@ def header(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, consi
             f"{training.dtype}, {f'ZeRO-{training.zero_level}' if training.zero_level else 'ZeRO off'}"
             f"{'' if training.overlap_grad_reduce else ', DP reduction not overlapped'} "
             f"({_state_text(training)}), {training.kernels} kernels, "
+            f"{'fused' if training.fused_linear_cross_entropy else 'unfused'} head and loss, "
             f"efficiency {cluster.efficiency:g}, reserve {cluster.reserve_gib:g} GiB; "
             f"{considered} layouts, {fitting} fit")
 

@@ -60,6 +60,7 @@ class TrainingSpec:
                                        # 3: the weights too (each layer all-gathered when used)
     overlap_grad_reduce: bool = True   # gradient buckets reduce during the backward passes
     grad_bucket_elems: int = 1 << 24   # DistributedAdamW's bucket (elements)
+    fused_linear_cross_entropy: bool = True  # the head and the loss in token chunks (tpzoo's default; plan/head.py)
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:

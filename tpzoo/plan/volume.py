@@ -7,8 +7,9 @@ Per layer and micro-batch of T tokens (e = activation bytes, t = tp), from tpzoo
   with SP:    forward  2 all-gather + 2 reduce-scatter, backward the same, of T*h*e (full tensor)
   full recompute repeats the layer's forward collectives in the backward, except the last (the MLP output
   reduction): torch's non-reentrant checkpoint stops recomputing once the last saved tensor is rebuilt.
-Embedding: forward all-reduce (SP: reduce-scatter, backward all-gather). Output layer: backward all-reduce
-(SP: forward all-gather, backward reduce-scatter). Loss: all-reduce of T fp32 (max) and 3T fp32 (sums).
+Embedding: forward all-reduce (SP: reduce-scatter, backward all-gather). Head and loss: plan/head.py (unfused:
+the output layer's backward all-reduce or SP gathers, and the loss's all-reduces of T and 3T fp32; fused: the
+same input-gradient reduction, in the forward, and one all-gather of 4 fp32 per token and rank per chunk).
 After the backward, tpzoo.parallel.finish_tp_grads: under SP one all-reduce of the partial gradients of
 replicated parameters (norms, row biases, learned positions; per-head q/k norms also without SP); OLMo 2's
 full-width q/k norms all-reduce 2 fp32 per token per layer, forward and backward; with kv heads replicated
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 from tpzoo.models.config import ModelConfig
 
+from .head import add_head_volume
 from .memory import local_dims, stage_params
 from .spec import Layout, stage_chunks, stage_layers
 
@@ -65,10 +67,12 @@ class VolumeTable:
 
 
 def tp_step_volume(cfg: ModelConfig, layout: Layout, stage: int, micro_batches: int, seq_len: int,
-                   act_bytes: int, grad_bytes: int, vocab_padding_multiple: int = 1) -> VolumeTable:
+                   act_bytes: int, grad_bytes: int, vocab_padding_multiple: int = 1,
+                   fused_loss: bool = True) -> VolumeTable:
     """Tensor-parallel collectives of one step (forward + backward of every micro-batch, then
     finish_tp_grads, which reduces the parameters' .grad: `grad_bytes` = the model dtype's) on pipeline stage
-    `stage`. The stage's first and last model chunks hold the embedding and the head."""
+    `stage`. The stage's first and last model chunks hold the embedding and the head (`fused_loss`: the fused
+    linear cross-entropy, the default)."""
     t, sp, p = layout.tp, layout.sequence_parallel, layout.pp
     vt = VolumeTable()
     if t == 1:
@@ -108,14 +112,8 @@ def tp_step_volume(cfg: ModelConfig, layout: Layout, stage: int, micro_batches: 
             vt.add("all_gather", "tp", t, full, m)
         else:
             vt.add("all_reduce", "tp", t, full, m)
-    if stage == p - 1:  # column-parallel output layer, then the vocab-parallel loss
-        if sp:
-            vt.add("all_gather", "tp", t, full, 2 * m)  # the input, in forward and again in backward
-            vt.add("reduce_scatter", "tp", t, full, m)
-        else:
-            vt.add("all_reduce", "tp", t, full, m)
-        vt.add("all_reduce", "tp", t, tokens * 4, m)      # max of the logits, fp32 per token
-        vt.add("all_reduce", "tp", t, tokens * 4 * 3, m)  # target logit, sum exp, sum logits
+    if stage == p - 1:  # the head and the vocab-parallel loss, fused or not (plan/head.py)
+        add_head_volume(vt, cfg, t, sp, tokens, act_bytes, m, fused_loss)
     if cfg.qk_norm == "full":  # OLMo 2: the q/k norms' sums of squares (2 fp32 per token), forward and backward
         vt.add("all_reduce", "tp", t, tokens * 2 * 4, m * layers * (2 + again))
     count = stage_params(cfg, t, p, stage, layout.virtual_stages, vocab_padding_multiple)

@@ -80,6 +80,9 @@ class ParallelSection:
     virtual_stages: int = _f(1, "model chunks per pipeline rank (interleaved schedule)", ge=1)
     recompute: str = _f("none", "activation recomputation: none | selective | full",
                         choices=("none", "selective", "full"))
+    fused_linear_cross_entropy: bool = _f(True, "compute the LM head's matmul and the loss together in chunks of "
+                                                "tokens, never the logits of all the tokens (same loss and "
+                                                "gradients; false: logits, then the vocab-parallel cross-entropy)")
     zero: int = _f(0, "ZeRO level over dp: 0 replicated optimizer; 1 optimizer state (fp32 master, moments) "
                       "sharded, gradients reduce-scattered, updated weights all-gathered; 2 also no full-size fp32 "
                       "gradient buffer (reduce-scattered as buckets fill, every micro-batch); 3 also the weights "
@@ -150,6 +153,8 @@ class OptimSection:
     eps: float = _f(1e-8, "AdamW epsilon", gt=0)
     clip_grad: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)", ge=0)
     label_smoothing: float = _f(0.0, "cross-entropy label smoothing", ge=0, lt=1)
+    z_loss: float = _f(0.0, "z-loss weight: adds z_loss * logsumexp(logits)^2 to each trained token's loss (PaLM "
+                            "used 1e-4, OLMo 2's pretraining 1e-5; 0 = off; the eval loss never has it)", ge=0)
 
 
 @dataclass

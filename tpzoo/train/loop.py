@@ -129,7 +129,8 @@ class Trainer:
         self.chunks = build_model_chunks(model_cfg, dims, sequence_parallel=cfg.sequence_parallel,
                                          recompute=cfg.recompute, seed=cfg.seed, virtual_stages=cfg.virtual_stages,
                                          dtype=DTYPES[cfg.dtype] if self.lora else None, device="meta",
-                                         cp_mode=cfg.cp_mode)
+                                         cp_mode=cfg.cp_mode,
+                                         fused_linear_cross_entropy=cfg.fused_linear_cross_entropy)
         if self.lora:
             lora_setup.build(self.chunks, self.device, cfg, self.lora, self.lora_base, self.resume_dir)
         else:
@@ -199,7 +200,7 @@ class Trainer:
             scale = float("nan")
         self.optimizer.zero_grad()
         out = forward_backward(self.chunks, batches, self.dims, schedule=cfg.schedule, loss_scale=scale,
-                               label_smoothing=cfg.label_smoothing)
+                               label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss)
         finalize_grads(self.chunks, self.dims)
         self.optimizer.reduce_grads()
         (loss_sum,) = self._global_sum([out["loss_sum"]], self.grad_group)

@@ -1,0 +1,101 @@
+"""The last model stage's head in the plan: final norm, LM head and loss, fused (the default) or not.
+
+Per micro-batch of T tokens (e = activation bytes, V = padded vocab / tp, h = hidden, d = tp under SP else 1),
+what the forward keeps for the backward, besides the final norm's own saved tensors:
+  unfused (fused_linear_cross_entropy = false): the head's input (e h T / d: this rank's shard under SP), the
+      logits (fused kernels: e V T; torch reference: the fp32 softmax, 4 V T) and per-token loss statistics
+      (5 resp. 10 bytes); the backward's working set is the logits' gradient, e V T.
+  fused (tpzoo.kernels.fused_linear_cross_entropy): the hidden states' gradient G computed in the forward
+      (e h T / d); when the head weight trains, also the fp32 weight gradient G_W (4 V h, whatever T), the
+      input (e h T / d) and an fp32 log-sum-exp per token (4 T), which only a per-token-weighted loss uses.
+      The working set: one chunk of c = default_chunk_rows(T, h) tokens in the forward, its logits (e c V; a
+      soft cap one more) and then either the torch reference's fp32 softmax work (8 c V in 16-bit: a copy and
+      the exp; 4 c V in fp32) or the weight-gradient matmul's operands (the torch path's gradient, e c V, and in
+      16-bit the chunk's product, e V h); in the backward the scaled weight gradient (e V h) and the input
+      gradient (e h T / d).
+Plus the per-token loss the caller sums: 4 bytes, the fp32 scalar it holds.
+Zero-bubble keeps from B to W the gradient of the stage output: unfused the logits' (e V T), fused the per-token
+loss's, which autograd hands over as one expanded fp32 scalar (4 bytes).
+TP collectives of the head and loss per micro-batch (T tokens, the whole sequence): unfused, the column layer's
+(forward all-gather and backward all-gather + reduce-scatter under SP, else a backward all-reduce) and the loss's
+two all-reduces (T and 3T fp32); fused, under SP the input's all-gather and G's reduce-scatter, else G's
+all-reduce, all in the forward, and one all-gather of 4 fp32 per token and rank for each chunk.
+"""
+from __future__ import annotations
+
+from tpzoo.kernels.fused_linear_cross_entropy import default_chunk_rows
+from tpzoo.models.config import ModelConfig
+
+
+def _local_vocab(cfg: ModelConfig, tp: int, pad: int) -> int:
+    step = tp * pad
+    return -(-cfg.vocab_size // step) * step // tp
+
+
+def head_activation_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, tokens: int, e: int, kernels: str,
+                          pad: int, fused: bool, norm_saved: int) -> int:
+    """Bytes the final norm, head and loss keep for the backward of one micro-batch (module docstring);
+    `norm_saved`: bytes per token the final norm keeps (plan.memory._norm_saved)."""
+    h, v = cfg.hidden_size, _local_vocab(cfg, tp, pad)
+    sp_div = tp if sequence_parallel else 1
+    norm = norm_saved * tokens // sp_div
+    if not fused:
+        logits = (4 if kernels == "reference" else e) * v
+        stats = 10 if kernels == "reference" else 5
+        return norm + e * h * tokens // sp_div + (logits + stats) * tokens + 4
+    return norm + 2 * e * h * tokens // sp_div + 4 * tokens + 4 * v * h + 4
+
+
+def frozen_head_savings(cfg: ModelConfig, tp: int, sequence_parallel: bool, tokens: int, e: int, pad: int,
+                        fused: bool) -> int:
+    """What a frozen head (LoRA) keeps less than a trained one: unfused its input (without SP; with SP the column
+    layer keeps the shard anyway); fused the input, the log-sum-exp and the weight gradient."""
+    if not fused:
+        return 0 if sequence_parallel and tp > 1 else e * cfg.hidden_size * tokens
+    sp_div = tp if sequence_parallel else 1
+    return e * cfg.hidden_size * tokens // sp_div + 4 * tokens + 4 * _local_vocab(cfg, tp, pad) * cfg.hidden_size
+
+
+def head_output_grad_bytes(cfg: ModelConfig, tp: int, tokens: int, e: int, pad: int, fused: bool) -> int:
+    """The output gradient zero-bubble keeps from B to W on the last stage."""
+    return 4 if fused else e * _local_vocab(cfg, tp, pad) * tokens
+
+
+def head_transient_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, tokens: int, e: int, kernels: str,
+                         pad: int, fused: bool, head_trains: bool = True) -> int:
+    """The head's working set on top of what is kept (module docstring); a frozen head (LoRA) has no weight
+    gradient to compute."""
+    h, v = cfg.hidden_size, _local_vocab(cfg, tp, pad)
+    if not fused:
+        return e * v * tokens
+    c = default_chunk_rows(tokens, h)
+    torch_path = kernels == "reference"
+    logits = c * v * (e + (e if cfg.final_softcap else 0))  # the chunk's logits (+ the capped ones)
+    # statistics and gradient: the torch path's fp32 copy and exp (or its result; a view of fp32 logits)
+    softmax = c * v * ((8 if e < 4 else 4) if torch_path else 0)
+    # the weight-gradient matmul: the torch path's gradient is a new tensor; a 16-bit product is summed in fp32
+    product = c * v * (e if torch_path else 0) + (e * v * h if e < 4 else 0)
+    weight_grad = e * v * h if head_trains else 0
+    forward = logits + max(softmax, product if head_trains else 0)
+    return max(forward, weight_grad + e * h * tokens // (tp if sequence_parallel else 1))
+
+
+def add_head_volume(vt, cfg: ModelConfig, tp: int, sequence_parallel: bool, tokens: int, e: int, m: int,
+                    fused: bool) -> None:
+    """The head's and the loss's TP collectives of m micro-batches of `tokens` tokens (module docstring) into a
+    plan.volume.VolumeTable."""
+    full = tokens * cfg.hidden_size * e
+    if sequence_parallel:
+        vt.add("all_gather", "tp", tp, full, m * (1 if fused else 2))  # unfused: the input, again in backward
+        vt.add("reduce_scatter", "tp", tp, full, m)
+    else:
+        vt.add("all_reduce", "tp", tp, full, m)
+    if not fused:
+        vt.add("all_reduce", "tp", tp, tokens * 4, m)      # max of the logits, fp32 per token
+        vt.add("all_reduce", "tp", tp, tokens * 4 * 3, m)  # target logit, sum exp, sum logits
+        return
+    rows = default_chunk_rows(tokens, cfg.hidden_size)
+    whole, rest = divmod(tokens, rows)
+    vt.add("all_gather", "tp", tp, tp * 4 * rows * 4, m * whole)  # payload: the gathered statistics
+    if rest:
+        vt.add("all_gather", "tp", tp, tp * 4 * rest * 4, m)
