@@ -15,6 +15,8 @@ import pytest
 import torch
 
 import tpzoo
+from tpzoo.data import load_tokenizer
+from tpzoo.models import get_config
 from tpzoo.train import load_config
 
 from checkpoint_helpers import ids, write_hf
@@ -22,11 +24,24 @@ from checkpoint_helpers import ids, write_hf
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
-def _config(device: str, save: str = ""):
+def _config(device: str, save: str = "", base: str = ""):
     text = str(Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py")
     return load_config(None, dict(model="nano-llama", data=[text], seq_len=64, global_batch_size=4,
-                                  micro_batch_size=2, steps=4, warmup_steps=1, tp=1, pp=1, save=save,
+                                  micro_batch_size=2, steps=4, warmup_steps=1, tp=1, pp=1, save=save, base=base,
                                   sample_prompt="", quiet=True, eval_fraction=0.0, seed=0, device=device))
+
+
+def _initial_weights(tmp_path) -> str:
+    """A checkpoint of the CPU-initialized model: every device's run starts from these weights (a seed draws other
+    weights on a CUDA generator than on the CPU's, by design: each device draws on its own)."""
+    from tpzoo.checkpoint import save_model_shards
+    from tpzoo.models import Transformer
+
+    cfg = _config("cpu")
+    model = Transformer(get_config(cfg.model).replace(vocab_size=load_tokenizer("byte").vocab_size), seed=0)
+    (tmp_path / "initial").mkdir()
+    save_model_shards(model, tmp_path / "initial")
+    return str(tmp_path / "initial")
 
 
 def _optimizer_tensors(opt) -> list[torch.Tensor]:
@@ -37,14 +52,14 @@ def _optimizer_tensors(opt) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_training_runs_on_the_device_with_the_cpu_losses(device):
+def test_training_runs_on_the_device_with_the_cpu_losses(device, tmp_path):
     from tpzoo.train.loop import Trainer
 
-    losses = {}
+    losses, base = {}, _initial_weights(tmp_path)
     for where in dict.fromkeys(("cpu", device)):  # the CPU reference, then the device under test
         dims = tpzoo.init_parallel(device=where)
         try:
-            trainer = Trainer(_config(where), dims)
+            trainer = Trainer(_config(where, base=base), dims)
             if where == device:
                 want = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
                 assert dims.device == want
