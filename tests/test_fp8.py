@@ -6,17 +6,21 @@ Parity runs in float64 with float64 gradients (no GradBuffer) and the unfused vo
 float64; the fused head computes in fp32, and the head is never FP8): summation order then moves results by
 ~1e-16, far from an fp8 rounding boundary, so every layout quantizes exactly the same values and agrees to 1e-12,
 while scales taken per rank (the check that the test can fail) move them by about 1e-2."""
+import math
+
 import pytest
 import torch
 
 import tpzoo
 from tpzoo.models import Transformer, get_config
 from tpzoo.parallel import comm, fp8, gather_tp_tensor, grad_of, local_dims, param_spec
+from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.parallel.fp8 import E4M3, E5M2, Fp8Linear, enable_fp8, get_recipe
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward
 from tpzoo.testing import run_on_ranks
 
-from test_3d_parity import global_batch, local_microbatches, make_optimizer
+from test_3d_parity import local_microbatches, make_optimizer
+from test_train import store, tiny  # noqa: F401 (store: the token-store fixture)
 
 SEED, STEPS, RTOL = 1234, 2, 1e-12
 MODELS = {"llama": get_config("nano-llama").replace(num_layers=4),  # 2 kv heads: one per rank at tp = 2
@@ -70,6 +74,39 @@ def test_emulated_gemms_equal_quantize_dequantize_reference(recipe):
     assert not torch.equal(y.detach(), torch.nn.functional.linear(x.detach(), w.detach(), b.detach()))
 
 
+def _linear_grads(recipe, x, w, b, dy):
+    x, w, b = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    y = fp8.linear(x, w, b, Fp8Linear(get_recipe(recipe), "column"))
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_cuda_scaled_mm_matches_the_emulation(recipe):
+    """The GPU twin of test_emulated_gemms_equal_quantize_dequantize_reference: the same bf16 layer through
+    torch._scaled_mm (Hopper; 40 tokens, so the weight gradient's contraction is zero-padded to 48) against the CPU
+    emulation: the same fp8 operands, so only the kernel's accumulation order (and the forward's fast
+    accumulation) differ: within 1 % of each tensor's largest entry, and the fp32 weight gradient too."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need compute capability 8.9+ (Ada, Hopper)")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 64, generator=g).bfloat16()
+    w = (torch.randn(96, 64, generator=g) * 0.05).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16()
+    dy = (torch.randn(40, 96, generator=g) * 1e-3).bfloat16()
+    cpu = _linear_grads(recipe, x, w, b, dy)
+    gpu = _linear_grads(recipe, *(t.cuda() for t in (x, w, b, dy)))
+    for want, got in zip(cpu, gpu):
+        torch.testing.assert_close(got.cpu().float(), want.float(), rtol=0, atol=0.01 * float(want.abs().max()))
+    f = Fp8Linear(get_recipe(recipe), "column")
+    saved = f.forward(x.cuda(), w.cuda())[1]
+    scales = f.backward_scales(dy.cuda(), w.cuda(), False)
+    main = f.weight_grad(dy.cuda(), x.cuda(), saved, scales, out_dtype=torch.float32)
+    assert main.dtype == torch.float32
+    torch.testing.assert_close(main.cpu(), cpu[2].float(), rtol=0, atol=0.01 * float(cpu[2].abs().max()))
+
+
 def test_bad_recipe_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^fp8 recipe 'e4m3' is unknown: choose one of none, tensorwise, rowwise$"):
         get_recipe("e4m3")
@@ -108,6 +145,8 @@ def _train(chunks, dims, cfg, layout: dict, recipe: str) -> dict:
     losses, grads = [], []
     for step in range(STEPS):
         mbs, tokens = local_microbatches(cfg, step)
+        if dims.cp > 1:  # this rank's two load-balanced chunks of every sequence
+            mbs = [shard_batch(mb, dims, layout.get("sp", False)) for mb in mbs]
         for p in params:
             p.grad = None
         out = forward_backward(chunks, mbs, dims, schedule=layout.get("schedule", "1f1b"), loss_scale=1.0 / tokens)
@@ -127,7 +166,8 @@ def run_layouts(model: str, recipe: str, layouts: list[dict]) -> list[dict]:
     alone (the reductions skipped), the mistake consistent scales prevent."""
     cfg, results = MODELS[model], []
     for layout in layouts:
-        dims = tpzoo.init_parallel(tp=layout.get("tp", 1), pp=layout.get("pp", 1), dp=layout.get("dp", 1))
+        dims = tpzoo.init_parallel(tp=layout.get("tp", 1), cp=layout.get("cp", 1), pp=layout.get("pp", 1),
+                                   dp=layout.get("dp", 1))
         saved_run = fp8._Reductions.run
         if layout.get("local_scales"):
             fp8._Reductions.run = lambda self: list(self.tensors)
@@ -169,13 +209,14 @@ def _worst(ranks: list[dict], ref: dict, cfg) -> float:
 
 
 LAYOUTS = {"llama": [dict(tp=2), dict(tp=2, sp=True), dict(pp=2), dict(pp=2, schedule="zb"), dict(dp=2),
-                     dict(tp=2, sp=True, lora=True), dict(tp=2, sp=True, local_scales=True)],
+                     dict(cp=2), dict(tp=2, sp=True, lora=True), dict(tp=2, sp=True, local_scales=True)],
            "gpt": [dict(tp=2, sp=True), dict(pp=2, schedule="zb")]}  # the tied head on both stages
 
 
 @pytest.mark.parametrize("model,recipe", [("llama", "tensorwise"), ("llama", "rowwise"), ("gpt", "tensorwise")])
 def test_layouts_match_one_process_step_by_step(model, recipe):
-    """FP8 at tp = 2, tp = 2 + SP, pp = 2 (1F1B, zero-bubble), dp = 2, and LoRA on the FP8 base at tp = 2 + SP:
+    """FP8 at tp = 2, tp = 2 + SP, pp = 2 (1F1B, zero-bubble), dp = 2, cp = 2 (ring attention: the amaxes over
+    tokens agree over cp), and LoRA on the FP8 base at tp = 2 + SP:
     both steps' losses and every gradient equal one process's to 1e-12. With per-rank scales tp = 2 + SP is off
     by orders of magnitude more. nano-llama (4 layers, kv heads split) and nano-gpt (biases, the GeLU MLP whose
     bias is added outside the matmul, tied embeddings)."""
@@ -192,3 +233,85 @@ def test_layouts_match_one_process_step_by_step(model, recipe):
             assert worst > 1e-4, (layout, worst)
         else:
             assert worst < RTOL, (layout, worst)
+
+
+# -- whole runs ---------------------------------------------------------------------------------------------------
+
+def test_100_steps_stay_close_to_bf16_and_lora_trains_on_an_fp8_base(store, tmp_path):
+    """The trainer with --fp8 (bf16 weights, nano-gpt, 100 steps): the loss of the last 10 steps within 3 % of the
+    bf16 run's, every projection in FP8 and the head not. Then a LoRA run on that checkpoint, the frozen base in
+    FP8, at tp = 2 + SP."""
+    kw = dict(model="nano-gpt", steps=100, dtype="bf16", global_batch_size=8, micro_batch_size=8, warmup_steps=5)
+    runs = {}
+    for recipe in ("none", "tensorwise", "rowwise"):
+        save = str(tmp_path / recipe) if recipe == "none" else ""
+        runs[recipe] = run_on_ranks(1, _train_run, tiny(store, fp8=recipe, save=save, **kw))[0]
+    tail = {recipe: sum(r["losses"][-10:]) / 10 for recipe, r in runs.items()}
+    assert runs["none"]["losses"][-1] < runs["none"]["losses"][0] - 1.0
+    for recipe in ("tensorwise", "rowwise"):
+        assert runs[recipe]["fp8"] == {"recipe": recipe, "layers": 8, "fallbacks": []}
+        assert abs(tail[recipe] - tail["none"]) <= 0.03 * tail["none"], tail
+        assert runs[recipe]["losses"] != runs["none"]["losses"]  # FP8 changed the numerics
+
+    # LoRA through the trainer: adapters on that checkpoint, the frozen base in FP8, at tp = 2 + SP
+    lora = tiny(store, base=runs["none"]["checkpoint"], lora_rank=4, lora_alpha=8.0, fp8="tensorwise", steps=3,
+                tp=2, sequence_parallel=True, dtype="bf16")
+    r = run_on_ranks(2, _train_run, lora)[0]
+    assert r["status"] == "ok" and r["fp8"]["layers"] == 8 and all(math.isfinite(x) for x in r["losses"])
+
+
+def _train_run(cfg):
+    from tpzoo.train import train
+
+    return train(cfg)
+
+
+def test_layers_with_dims_off_16_stay_in_bf16_and_are_reported():
+    """ffn 40: the down projection's input (40) is not a multiple of 16; it keeps F.linear's exact result, the
+    other layers go FP8, and the report says which role, shape and how many."""
+    cfg = get_config("nano-llama").replace(ffn_hidden_size=40)
+    model = Transformer(cfg, seed=SEED)
+    report = enable_fp8([model], "rowwise")
+    assert [n for n, _, _ in report.fallbacks] == ["layers.0.mlp.fc_out", "layers.1.mlp.fc_out"]
+    assert "mlp.fc_out [32 x 40] x2" in report.line() and "6 linear layers in FP8" in report.line()
+    down, up = model.layers["0"].mlp.fc_out, model.layers["0"].mlp.fc_in
+    assert down.fp8 is None and up.fp8 is not None and model.lm_head.fp8 is None
+    x = torch.randn(2, 5, 40)
+    assert torch.equal(down(x), torch.nn.functional.linear(x, down.weight))
+    assert enable_fp8([model], "none").line() == "" and up.fp8 is None  # and back
+
+
+def _fit_adapters(recipe: str) -> tuple[list, bool, bool]:
+    """30 AdamW steps of LoRA adapters (every projection) on a fixed batch, the nano-llama base in `recipe`:
+    (losses, whether the base is bit for bit unchanged, whether every A and B moved)."""
+    from tpzoo.models.lora import LoRAConfig, add_lora, init_lora
+
+    model = Transformer(MODELS["llama"], seed=SEED)
+    add_lora([model], LoRAConfig(rank=8, alpha=16.0, dropout=0.0, targets=["all-linear"]))
+    init_lora([model], SEED)
+    assert len(enable_fp8([model], recipe).fp8_layers) == (16 if recipe != "none" else 0)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    start = {n: p.detach().clone() for n, p in adapters.items()}
+    assert adapters and all(".lora." in n for n in adapters)
+    ids = torch.randint(0, MODELS["llama"].vocab_size, (4, 16), generator=torch.Generator().manual_seed(3))
+    opt = torch.optim.AdamW(adapters.values(), lr=1e-2)
+    losses = []
+    for _ in range(30):
+        loss = model(ids, labels=torch.roll(ids, -1, 1)).float().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return (losses, all(torch.equal(p, base[n]) for n, p in model.named_parameters() if n in base),
+            all(not torch.equal(p, start[n]) for n, p in adapters.items()))
+
+
+def test_lora_adapters_train_on_an_fp8_base():
+    """In one process: adapters on an FP8 base (tensorwise) fit a fixed batch as on the plain base (the frozen
+    random head bounds both near 4.0 from 4.6), the base stays bit for bit as it was, and every A and B moved."""
+    fp8_losses, base_kept, all_moved = _fit_adapters("tensorwise")
+    bf16_losses, _, _ = _fit_adapters("none")
+    assert base_kept and all_moved
+    assert fp8_losses[-1] < fp8_losses[0] - 0.4, fp8_losses
+    assert abs(fp8_losses[-1] - bf16_losses[-1]) < 0.02 * bf16_losses[-1], (fp8_losses[-1], bf16_losses[-1])
