@@ -87,7 +87,8 @@ def test_cuda_scaled_mm_matches_the_emulation(recipe):
     """The GPU twin of test_emulated_gemms_equal_quantize_dequantize_reference: the same bf16 layer through
     torch._scaled_mm (Hopper; 40 tokens, so the weight gradient's contraction is zero-padded to 48) against the CPU
     emulation: the same fp8 operands, so only the kernel's accumulation order (and the forward's fast
-    accumulation) differ: within 1 % of each tensor's largest entry, and the fp32 weight gradient too."""
+    accumulation) differ: within 1 % of each tensor's largest entry, and the fp32 weight gradient too. The
+    compiled casts equal eager torch's bit for bit."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 GEMMs need compute capability 8.9+ (Ada, Hopper)")
     g = torch.Generator().manual_seed(0)
@@ -99,6 +100,15 @@ def test_cuda_scaled_mm_matches_the_emulation(recipe):
     gpu = _linear_grads(recipe, *(t.cuda() for t in (x, w, b, dy)))
     for want, got in zip(cpu, gpu):
         torch.testing.assert_close(got.cpu().float(), want.float(), rtol=0, atol=0.01 * float(want.abs().max()))
+    # the compiled casts (CUDA) give exactly eager torch's fp8 values and amaxes
+    for t in (x.cuda(), dy.cuda()):
+        for dim in (None, 0, 1):
+            a = fp8.amax(t, dim)
+            assert torch.equal(a, fp8._amax(t, dim))
+            for dtype in (E4M3, E5M2):
+                s = fp8.scale_of(a, dtype, pow2=recipe == "rowwise")
+                assert torch.equal(fp8.quantize(t, s, dtype).view(torch.uint8),
+                                   fp8._quantize(t, s, dtype).view(torch.uint8))
     f = Fp8Linear(get_recipe(recipe), "column")
     saved = f.forward(x.cuda(), w.cuda())[1]
     scales = f.backward_scales(dy.cuda(), w.cuda(), False)

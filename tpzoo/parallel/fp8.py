@@ -73,10 +73,48 @@ def get_recipe(name: str | None) -> Fp8Recipe | None:
 
 # -- scales and casts -------------------------------------------------------------------------------------------
 
-def amax(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """max |t| in fp32: over everything (a 0-dim tensor), or over `dim` (kept, size 1)."""
+def _amax(t: torch.Tensor, dim: int | None) -> torch.Tensor:
     a = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
     return a.float()
+
+
+def _quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    wide = torch.float64 if t.dtype == torch.float64 else torch.float32
+    top = torch.finfo(dtype).max
+    return (t.to(wide) * scale).clamp(-top, top).to(dtype)
+
+
+# On CUDA the amax and the cast run as torch.compile'd kernels: one pass over the tensor each, where eager torch
+# makes several and an fp32 copy of it (for a weight the size of the GEMM's savings). Same arithmetic, so the
+# same fp8 values (tests/test_fp8.py checks it on a GPU). False: eager everywhere (benchmarks compare).
+COMPILE_CASTS = True
+_COMPILED: dict = {}
+
+
+def _cuda_compiled(eager):
+    def call(t, *args):
+        if not (t.is_cuda and COMPILE_CASTS):
+            return eager(t, *args)
+        fn = _COMPILED.get(eager)
+        if fn is None:
+            fn = _COMPILED[eager] = torch.compile(eager, dynamic=True)
+        try:
+            return fn(t, *args)
+        except Exception as exc:  # noqa: BLE001 - no working inductor here: eager, the same values, from now on
+            import warnings
+
+            warnings.warn(f"tpzoo fp8: compiled casts unavailable ({type(exc).__name__}: {exc}); eager casts")
+            _COMPILED[eager] = eager
+            return eager(t, *args)
+    return call
+
+
+_amax_kernel, _quantize_kernel = _cuda_compiled(_amax), _cuda_compiled(_quantize)
+
+
+def amax(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """max |t| in fp32: over everything (a 0-dim tensor), or over `dim` (kept, size 1)."""
+    return _amax_kernel(t, dim)
 
 
 def scale_of(amax_: torch.Tensor, dtype: torch.dtype, pow2: bool = False) -> torch.Tensor:
@@ -87,10 +125,8 @@ def scale_of(amax_: torch.Tensor, dtype: torch.dtype, pow2: bool = False) -> tor
 
 def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """cast(t * scale) to `dtype`, saturated at its largest finite value (e4m3fn has no infinity). The product
-    is taken in fp32 (fp64 for fp64 tensors): what a fused cast kernel computes."""
-    wide = torch.float64 if t.dtype == torch.float64 else torch.float32
-    top = torch.finfo(dtype).max
-    return (t.to(wide) * scale).clamp_(-top, top).to(dtype)
+    is taken in fp32 (fp64 for fp64 tensors), as a fused cast kernel computes it."""
+    return _quantize_kernel(t, scale, dtype)
 
 
 # -- the scaled GEMM --------------------------------------------------------------------------------------------
