@@ -91,6 +91,19 @@ def run_case(name: str, variant: str, args, data) -> dict:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             losses.append(out["loss_sum"] / b["labels"].numel())
+        if args.profile:  # where one more step's time goes: the top kernels and the host's share
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with profile(activities=acts) as prof:
+                b = batch(data, 0, args.micro_batch, args.seq_len, dims.device)
+                opt.zero_grad()
+                forward_backward(chunks, [b], dims, loss_scale=1.0 / b["labels"].numel())
+                if cuda:
+                    torch.cuda.synchronize()
+            key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+            print(f"PROFILE {name} {variant}\n" + prof.key_averages().table(sort_by=key, row_limit=args.profile),
+                  flush=True)
         timed = times[args.warmup:]
         tokens = args.micro_batch * args.seq_len
         return {"model": name, "variant": variant, "fp8_layers": len(report.fp8_layers),
@@ -132,6 +145,8 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per step (one micro-batch)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--eager-casts", action="store_true", help="FP8 casts in eager torch (no torch.compile)")
+    p.add_argument("--profile", type=int, default=0, help="after each case, profile one forward + backward and "
+                                                          "print this many top ops")
     p.add_argument("--jsonl", type=pathlib.Path, help="append each case's result to this file as it finishes")
     p.add_argument("--write", type=pathlib.Path, help="markdown file whose fp8 section to (re)write")
     args = p.parse_args(argv)

@@ -73,20 +73,15 @@ def get_recipe(name: str | None) -> Fp8Recipe | None:
 
 # -- scales and casts -------------------------------------------------------------------------------------------
 
-def _amax(t: torch.Tensor, dim: int | None) -> torch.Tensor:
-    a = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
-    return a.float()
-
-
 def _quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     wide = torch.float64 if t.dtype == torch.float64 else torch.float32
     top = torch.finfo(dtype).max
     return (t.to(wide) * scale).clamp(-top, top).to(dtype)
 
 
-# On CUDA the amax and the cast run as torch.compile'd kernels: one pass over the tensor each, where eager torch
-# makes several and an fp32 copy of it (for a weight the size of the GEMM's savings). Same arithmetic, so the
-# same fp8 values (tests/test_fp8.py checks it on a GPU). False: eager everywhere (benchmarks compare).
+# On CUDA the cast runs as a torch.compile'd kernel: one pass over the tensor, where eager torch makes several and
+# an fp32 copy of it (for a weight, about the size of the GEMM's savings). Same arithmetic, so the same fp8 values
+# (tests/test_fp8.py checks it on a GPU). False: eager everywhere (benchmarks compare).
 COMPILE_CASTS = True
 _COMPILED: dict = {}
 
@@ -98,8 +93,8 @@ def _cuda_compiled(eager):
         fn = _COMPILED.get(eager)
         if fn is None:
             fn = _COMPILED[eager] = torch.compile(eager, dynamic=True)
-        try:
-            return fn(t, *args)
+        try:  # detached: a Parameter and a plain tensor would be two graphs
+            return fn(t.detach(), *(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
         except Exception as exc:  # noqa: BLE001 - no working inductor here: eager, the same values, from now on
             import warnings
 
@@ -109,12 +104,13 @@ def _cuda_compiled(eager):
     return call
 
 
-_amax_kernel, _quantize_kernel = _cuda_compiled(_amax), _cuda_compiled(_quantize)
+_quantize_kernel = _cuda_compiled(_quantize)
 
 
 def amax(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """max |t| in fp32: over everything (a 0-dim tensor), or over `dim` (kept, size 1)."""
-    return _amax_kernel(t, dim)
+    """max |t| in fp32: over everything (a 0-dim tensor), or over `dim` (kept, size 1). One reduction kernel
+    (the inf-norm), no |t| temporary."""
+    return torch.linalg.vector_norm(t, float("inf"), dim=dim, keepdim=dim is not None).float()
 
 
 def scale_of(amax_: torch.Tensor, dtype: torch.dtype, pow2: bool = False) -> torch.Tensor:
