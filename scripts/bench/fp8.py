@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -158,6 +159,7 @@ def main(argv=None) -> int:
     args.seq_len = args.seq_len or (2048 if cuda else 128)
     models = args.models.split(",") if args.models else list(GPU_MODELS if cuda else CPU_MODELS)
     data = corpus()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     results, t_start = [], time.perf_counter()
     for name in models:
         for variant in args.variants.split(","):
@@ -176,7 +178,8 @@ def main(argv=None) -> int:
                     f.write(json.dumps(r) + "\n")
     elapsed = time.perf_counter() - t_start
     where = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}" if cuda
-             else f"the shared 2-core CPU machine, {torch.get_num_threads()} torch threads, torch {torch.__version__}")
+             else f"the shared 2-core CPU machine, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+                  f"load average {load:.1f} before the run: other jobs share the cores, so compare rows, not runs")
     cmd = "python scripts/bench/fp8.py" + (" --device cuda" if cuda else "") + " --write docs/benchmarks.md"
     body = (f"## FP8 training vs {'bf16' if cuda else 'fp32'}: tokens/s and loss ({'GPU' if cuda else 'CPU'})\n\n"
             f"Command: `{cmd}` ({where}; tp = 1, one micro-batch of {args.micro_batch} x {args.seq_len} tokens per "
