@@ -46,6 +46,8 @@ class RunSection:
                            "(the last good checkpoint is kept)", ge=1)
     inject_nan_steps: list = _f([], "testing aid: make the loss scale NaN at these steps (1-based)", type=int,
                                 ge=1)
+    inject_oom_steps: list = _f([], "testing aid: raise a CUDA out-of-memory error at these steps (1-based)",
+                                type=int, ge=1)
 
 
 @dataclass

@@ -42,6 +42,7 @@ from .generate import generate
 from .loss_scale import DynamicLossScaler
 from .lr import lr_at
 from .metrics import MetricsLogger, Throughput, format_line, peak_memory_gb
+from .oom import OOM_ERRORS, out_of_memory
 from .expert_optim import ExpertParallelAdamW
 from .optim import DistributedAdamW
 
@@ -194,6 +195,8 @@ class Trainer:
         """Optimizer step number `step` (1-based)."""
         cfg = self.cfg
         t0 = time.perf_counter()
+        if step in cfg.inject_oom_steps:
+            raise OOM_ERRORS[0]("CUDA out of memory. Tried to allocate 2.00 GiB (injected: inject_oom_steps)")
         host = [self._local(next(self.loader)) for _ in range(self.n_micro)]
         local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in host)  # counted on the host copy
         batches = [self._to_device(b) for b in host]
@@ -282,7 +285,10 @@ class Trainer:
         self.loader.reset_wait_stats()
         for step in range(self.start_step + 1, cfg.steps + 1):
             watchdog.note(f"step {step}")  # what a stall report says this rank was doing
-            m = self.train_step(step)
+            try:
+                m = self.train_step(step)
+            except OOM_ERRORS as e:  # one line: the step, the peak, the plan's estimate, the flags that lower it
+                raise out_of_memory(e, step, cfg, self.model_cfg, self.dims) from e
             window.append(m)
             m.update(self.throughput.summary(), peak_mem_gb=peak_memory_gb(self.device),
                      data_wait=self.loader.wait_fraction)
