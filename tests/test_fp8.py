@@ -245,6 +245,14 @@ def test_layouts_match_one_process_step_by_step(model, recipe):
             assert worst < RTOL, (layout, worst)
 
 
+def test_zero_bubble_weight_pass_of_the_sp_column_matmul_matches_one_process():
+    """tp = 2 + SP under pp = 2 zero-bubble (4 ranks): the weight pass re-gathers the column inputs and agrees on
+    the output gradient's scale again; tensorwise (the recipe whose weight gradient needs that reduction)."""
+    cfg, layout = MODELS["llama"], dict(tp=2, pp=2, sp=True, schedule="zb")
+    per_rank = run_on_ranks(4, run_layouts, "llama", "tensorwise", [layout])
+    assert _worst([r[0] for r in per_rank], _reference("llama", "tensorwise"), cfg) < RTOL
+
+
 # -- whole runs ---------------------------------------------------------------------------------------------------
 
 def test_100_steps_stay_close_to_bf16_and_lora_trains_on_an_fp8_base(store, tmp_path):
