@@ -83,28 +83,21 @@ def _quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch
 # an fp32 copy of it (for a weight, about the size of the GEMM's savings). Same arithmetic, so the same fp8 values
 # (tests/test_fp8.py checks it on a GPU). False: eager everywhere (benchmarks compare).
 COMPILE_CASTS = True
-_COMPILED: dict = {}
+_compiled_quantize = None
 
 
-def _cuda_compiled(eager):
-    def call(t, *args):
-        if not (t.is_cuda and COMPILE_CASTS):
-            return eager(t, *args)
-        fn = _COMPILED.get(eager)
-        if fn is None:
-            fn = _COMPILED[eager] = torch.compile(eager, dynamic=True)
-        try:  # detached: a Parameter and a plain tensor would be two graphs
-            return fn(t.detach(), *(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
-        except Exception as exc:  # noqa: BLE001 - no working inductor here: eager, the same values, from now on
-            import warnings
+def _cuda_quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    global _compiled_quantize
+    if _compiled_quantize is None:
+        _compiled_quantize = torch.compile(_quantize, dynamic=True)
+    try:  # detached: a Parameter and a plain tensor would compile two graphs
+        return _compiled_quantize(t.detach(), scale.detach(), dtype)
+    except Exception as exc:  # noqa: BLE001 - no working inductor here: eager (the same values) from now on
+        import warnings
 
-            warnings.warn(f"tpzoo fp8: compiled casts unavailable ({type(exc).__name__}: {exc}); eager casts")
-            _COMPILED[eager] = eager
-            return eager(t, *args)
-    return call
-
-
-_quantize_kernel = _cuda_compiled(_quantize)
+        warnings.warn(f"tpzoo fp8: compiled casts unavailable ({type(exc).__name__}: {exc}); eager casts")
+        _compiled_quantize = _quantize
+        return _quantize(t, scale, dtype)
 
 
 def amax(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -122,7 +115,9 @@ def scale_of(amax_: torch.Tensor, dtype: torch.dtype, pow2: bool = False) -> tor
 def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """cast(t * scale) to `dtype`, saturated at its largest finite value (e4m3fn has no infinity). The product
     is taken in fp32 (fp64 for fp64 tensors), as a fused cast kernel computes it."""
-    return _quantize_kernel(t, scale, dtype)
+    if t.is_cuda and COMPILE_CASTS:
+        return _cuda_quantize(t, scale, dtype)
+    return _quantize(t, scale, dtype)
 
 
 # -- the scaled GEMM --------------------------------------------------------------------------------------------
