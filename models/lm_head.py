@@ -24,7 +24,10 @@ class LMHead(ColumnParallelLinear):
     """ColumnParallelLinear(hidden, padded vocab, bias=False) plus the loss. `vocab_size`: the real vocabulary
     (padded entries never enter the softmax); `softcap`: Gemma 2's final logit soft-capping (cap * tanh(z /
     cap), elementwise on each vocab shard); `fused`: the fused linear cross-entropy for labelled forwards;
-    `chunk_rows`: its tokens per chunk (None: tpzoo.kernels.fused_linear_cross_entropy.default_chunk_rows)."""
+    `chunk_rows`: its tokens per chunk (None: tpzoo.kernels.fused_linear_cross_entropy.default_chunk_rows).
+    The head stays in the model dtype under --fp8 (fp8_kind None), as Transformer Engine's and torchao's recipes
+    keep it: the logits' precision drives the loss."""
+    fp8_kind = None
 
     def __init__(self, hidden_size: int, vocab_padded: int, vocab_size: int, *, softcap: float | None = None,
                  fused: bool = True, chunk_rows: int | None = None, **kw):

@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fused = Triton (CUDA), reference = torch (what CPU runs)")
     p.add_argument("--no-fused-linear-cross-entropy", dest="fused_linear_cross_entropy", action="store_false",
                    help="model the unfused head (full logits, then the loss) instead of the fused default")
+    p.add_argument("--fp8", default="none", choices=["none", "tensorwise", "rowwise"],
+                   help="the attention and MLP projections' GEMMs in FP8 (twice the FLOP rate; the casts' working "
+                        "set in memory), as `tpzoo pretrain --fp8` runs them")
     p.add_argument("--vocab-padding-multiple", type=int, default=1)
     p.add_argument("--max-micro-batch", type=int, default=64)
     p.add_argument("--tp", type=int, help="only layouts with this tp")
@@ -86,7 +89,8 @@ def run(args) -> int:
                                 overlap_grad_reduce=args.overlap_grad_reduce,
                                 lora_rank=args.lora_rank,
                                 vocab_padding_multiple=args.vocab_padding_multiple,
-                                kernels=args.kernels, fused_linear_cross_entropy=args.fused_linear_cross_entropy)
+                                kernels=args.kernels, fused_linear_cross_entropy=args.fused_linear_cross_entropy,
+                                fp8=args.fp8)
     except ValueError as exc:  # the specs check their own fields
         raise ConfigError(str(exc)) from None
     estimates = search(cfg, cluster, training, args.max_micro_batch, tp=args.tp, pp=args.pp,

@@ -18,6 +18,10 @@ for grad_W/grad_b. `grad_phase` tells the node which pass it is in, so B does no
 but x_local for W, and W re-gathers x_local and computes nothing of the input gradient (no reduce-scatter).
 Native ops learn the same from the autograd engine; a Python Function cannot ask it about leaf parameters.
 (tpzoo.kernels.fused_linear_cross_entropy reads the phase too, through current_grad_phase().)
+
+FP8 (`fp8`: the layer's tpzoo.parallel.fp8.Fp8Linear): the layer's own weight runs its three GEMMs in FP8 on the
+gathered input (the gather itself stays in the activations' dtype); the extra weights (LoRA's A) do not. The
+backward's scale agreement (an all-reduce over tp) is issued before the re-gather.
 """
 from __future__ import annotations
 
@@ -74,26 +78,38 @@ class _GatheredLinear(torch.autograd.Function):
     """y_i = x W_i^T + b_i for one gathered x and several (W_i, b_i): a layer and its LoRA A share one gather."""
 
     @staticmethod
-    def forward(ctx, x_local, dim, group, *weights_and_biases):
-        ctx.dim, ctx.group = dim, group
+    def forward(ctx, x_local, dim, group, fp8, *weights_and_biases):
+        ctx.dim, ctx.group, ctx.fp8 = dim, group, fp8
         pairs = list(zip(weights_and_biases[::2], weights_and_biases[1::2]))
         ctx.has_bias = [b is not None for _, b in pairs]
         ctx.save_for_backward(x_local, *(w for w, _ in pairs))
         x = comm.all_gather(x_local, group, dim=dim)
-        outs = tuple(F.linear(x, w, b) for w, b in pairs)
-        return outs if len(outs) > 1 else outs[0]
+        outs = [F.linear(x, w, b) for w, b in pairs[1 if fp8 else 0:]]
+        if fp8 is not None:  # the layer's weight in FP8 (its extra weights, LoRA's A, are not)
+            (w, b), x2 = pairs[0], _flat(x)
+            y, ctx.fp8_saved = fp8.forward(x2, w)
+            y = y.view(*x.shape[:-1], w.shape[0])
+            outs.insert(0, y + b if b is not None else y)
+        return tuple(outs) if len(outs) > 1 else outs[0]
 
     @staticmethod
     def backward(ctx, *grad_ys):
         x_local, *weights = ctx.saved_tensors
-        wanted = ctx.needs_input_grad[3:]  # (W_0, b_0, W_1, b_1, ...)
+        wanted = ctx.needs_input_grad[4:]  # (W_0, b_0, W_1, b_1, ...)
         need_x = ctx.needs_input_grad[0] and _PHASE != "weight"
         need_w = any(wanted) and _PHASE != "input"
+        fp8 = ctx.fp8 if grad_ys[0] is not None and (need_x or wanted[0] and need_w) else None
+        scales = fp8.backward_scales(_flat(grad_ys[0]), weights[0], need_x) if fp8 is not None else None
         gathering = comm.all_gather_start(x_local, ctx.group, dim=ctx.dim) if need_w else None
         x = scattering = None
         if need_x:
-            live = [(g, w) for g, w in zip(grad_ys, weights) if g is not None]
-            grad_x_full = sum(g.matmul(w) for g, w in live)  # overlaps the gather
+            def dgrad(i, g, w):
+                if i == 0 and fp8 is not None:
+                    return fp8.input_grad(_flat(g), w, ctx.fp8_saved, scales).view(*g.shape[:-1], w.shape[1])
+                return g.matmul(w)
+
+            grad_x_full = sum(dgrad(i, g, w) for i, (g, w) in enumerate(zip(grad_ys, weights)) if g is not None)
+            # (overlaps the gather)
             if gathering is not None:
                 x = gathering.wait()  # posted in the same order on every rank: the gather, then the scatter
             scattering = comm.reduce_scatter_start(grad_x_full, ctx.group, dim=ctx.dim)
@@ -105,21 +121,25 @@ class _GatheredLinear(torch.autograd.Function):
                     continue
                 g = _flat(g)
                 if wanted[2 * i]:
-                    grads_wb[2 * i] = g.t().matmul(x)
+                    grads_wb[2 * i] = (fp8.weight_grad(g, x, ctx.fp8_saved, scales) if i == 0 and fp8 is not None
+                                       else g.t().matmul(x))
                 if wanted[2 * i + 1] and ctx.has_bias[i]:
                     grads_wb[2 * i + 1] = g.sum(0)
         grad_x = scattering.wait() if scattering is not None else None
-        return (grad_x, None, None, *grads_wb)
+        return (grad_x, None, None, None, *grads_wb)
 
 
 def gathered_linear(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dim: int, group,
-                    extra: tuple = ()) -> torch.Tensor | tuple:
+                    extra: tuple = (), fp8=None) -> torch.Tensor | tuple:
     """y = all_gather(x_local along `dim`) W^T + b; backward reduce-scatters the input gradient. Saves only
     x_local (see the module docstring). `group`: a real TP group of size > 1. `extra`: more (W, b) pairs fed
-    the same gathered input (a LoRA A); then the outputs come as a tuple, in order."""
+    the same gathered input (a LoRA A); then the outputs come as a tuple, in order. `fp8`: the layer's
+    Fp8Linear (W's GEMMs in FP8), or None."""
     pairs = ((weight, bias), *extra)
     if _KEEP_GATHERED:
+        from .fp8 import linear
+
         x = gather_from_sequence(x_local, dim, group)
-        outs = tuple(F.linear(x, w, b) for w, b in pairs)
+        outs = (linear(x, weight, bias, fp8), *(F.linear(x, w, b) for w, b in extra))
         return outs if extra else outs[0]
-    return _GatheredLinear.apply(x_local, dim, group, *(t for pair in pairs for t in pair))
+    return _GatheredLinear.apply(x_local, dim, group, fp8, *(t for pair in pairs for t in pair))

@@ -44,7 +44,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = tp_rank * local_vocab
         vocab_size = vocab_size if vocab_size is not None else local_vocab * tp_size
 
-        z = logits.float()
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32, or fp64 logits kept (parity tests)
         n_real_local = max(0, min(local_vocab, vocab_size - start))
         if n_real_local < local_vocab:  # padded vocab entries never take part
             z = z.clone()

@@ -7,6 +7,10 @@ sequence chunk, whose gradients must be summed over the tensor-parallel group).
 Initialization is layout independent: the full ("master") weight is drawn from the same generator on every
 rank, and each rank keeps its slice, so a seed gives the same full weight at every tp.
 
+The column- and row-parallel layers run their matmuls in FP8 when `layer.fp8` holds an Fp8Linear
+(tpzoo.parallel.fp8.enable_fp8; None by default): one call, tpzoo.parallel.fp8.linear, or the sequence-parallel
+column matmul given it.
+
 Every layer takes `dims` (a ParallelDims: its TP size, rank and group; default: the default dims) and `device`
 (default: dims.device). Built on "meta", a layer holds no memory and draws nothing: `to_empty()` then
 `reset_parameters()` materializes it exactly as a direct build would.
@@ -20,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import fp8 as _fp8
 from .column_linear import gathered_linear
 from .mappings import (copy_to_tp, gather_from_sequence, gather_from_tp, reduce_from_tp,
                        reduce_scatter_to_sequence, scatter_to_tp)
@@ -88,6 +93,7 @@ class ColumnParallelLinear(nn.Module):
     input is this rank's chunk of the sequence (dim `sequence_dim`) and is all-gathered before the matmul;
     only the chunk is kept for backward, which gathers it again (tpzoo.parallel.column_linear).
     """
+    fp8_kind = "column"  # FP8 scales: the output dim is split over tp (tpzoo.parallel.fp8)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
                  sequence_parallel: bool = False, init_method: InitMethod | None = None, sequence_dim: int = -2,
@@ -115,6 +121,7 @@ class ColumnParallelLinear(nn.Module):
                      if bias else None)
         self.reset_parameters()
         self.lora = None  # a tpzoo.parallel.lora.LoRA when adapters are attached
+        self.fp8 = None   # a tpzoo.parallel.fp8.Fp8Linear when the matmuls run in FP8
 
     def reset_parameters(self) -> None:
         _init_shard(self.weight, (self.out_features, self.in_features), self.shard_spec, self.init_method,
@@ -130,11 +137,11 @@ class ColumnParallelLinear(nn.Module):
         group = self.dims.tp_group
         bias = None if self.skip_bias_add else self.bias
         if self.sequence_parallel and self.tp_size > 1 and drop is None:
-            out = gathered_linear(x, self.weight, bias, self.sequence_dim, group, extra=extra)
+            out = gathered_linear(x, self.weight, bias, self.sequence_dim, group, extra=extra, fp8=self.fp8)
             return out if extra else (out,)
         x = gather_from_sequence(x, self.sequence_dim, group) if self.sequence_parallel else copy_to_tp(x, group)
         dropped = drop(x) if drop is not None else x
-        return (F.linear(x, self.weight, bias), *(F.linear(dropped, w, b) for w, b in extra))
+        return (_fp8.linear(x, self.weight, bias, self.fp8), *(F.linear(dropped, w, b) for w, b in extra))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora is not None:  # low-rank adapters (tpzoo.parallel.lora)
@@ -145,13 +152,15 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (local {self.out_per_rank}), tp={self.tp_size}, "
-                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}"
+                + (f", fp8={self.fp8.recipe.name}" if self.fp8 is not None else ""))
 
 
 class RowParallelLinear(nn.Module):
     """y = x A^T + b with A split along its input dim: weight [out, in/tp]; the partial products are summed
     (all-reduce, or reduce-scatter along the sequence with `sequence_parallel`) and the full bias is added
     once, after the reduction."""
+    fp8_kind = "row"  # FP8 scales: the input dim is split over tp (tpzoo.parallel.fp8)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
                  sequence_parallel: bool = False, init_method: InitMethod | None = None, sequence_dim: int = -2,
@@ -174,6 +183,7 @@ class RowParallelLinear(nn.Module):
                      if bias else None)
         self.reset_parameters()
         self.lora = None  # a tpzoo.parallel.lora.LoRA when adapters are attached
+        self.fp8 = None   # a tpzoo.parallel.fp8.Fp8Linear when the matmul runs in FP8
 
     def reset_parameters(self) -> None:
         _init_shard(self.weight, (self.out_features, self.in_features), ShardSpec(1), self.init_method,
@@ -185,7 +195,7 @@ class RowParallelLinear(nn.Module):
         group = self.dims.tp_group
         if not self.input_is_parallel:
             x = scatter_to_tp(x, group)
-        y = F.linear(x, self.weight)
+        y = _fp8.linear(x, self.weight, None, self.fp8)
         if self.lora is not None:  # the adapter's partial output joins the reduction (tpzoo.parallel.lora)
             y = self.lora.row_partial(x, y)
         y = (reduce_scatter_to_sequence(y, self.sequence_dim, group) if self.sequence_parallel
@@ -194,7 +204,8 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features} (local {self.in_per_rank}), out={self.out_features}, tp={self.tp_size}, "
-                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}"
+                + (f", fp8={self.fp8.recipe.name}" if self.fp8 is not None else ""))
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:

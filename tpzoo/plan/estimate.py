@@ -37,12 +37,13 @@ from tpzoo.errors import ConfigError
 from tpzoo.models.config import ModelConfig
 from tpzoo.parallel.dims import ParallelLayoutError
 
+from .fp8 import at_fp8_rate, fp8_flops
 from .lora import lora_layer_params
 from .memory import (MemoryBreakdown, ParamCount, bucket_size, late_params, local_dims, stage_memory,
                      stage_params)
 from .schedule import bubble_time
 from .spec import (RECOMPUTE, ClusterSpec, Layout, TrainingSpec, check_layout, group_is_intra_node,
-                   local_seq_len, num_micro_batches, stage_layers)
+                   local_seq_len, num_micro_batches, stage_chunks, stage_layers)
 from .volume import moe_layer_volume, moe_layers, ring_layer_volume, tp_step_volume
 
 GIB = 1024 ** 3
@@ -270,6 +271,10 @@ def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: T
         tp_fwd = unit * (4 if sp else 2)
         # Zero-bubble's W: the re-gathers (SP), and under full recomputation the replayed forward's collectives
         flops = stage_flops(cfg, layout, training, s)
+        if training.fp8 != "none":  # the projections' GEMMs at twice the rate (plan/fp8.py)
+            ids = [i for lo, hi in stage_chunks(cfg, p, s, v) for i in range(lo, hi)]
+            flops = at_fp8_rate(flops, fp8_flops(cfg, t, layout.micro_batch_size * training.seq_len // layout.cp,
+                                                 ids, bool(training.lora_rank), layout.recompute))
         ring_fwd, ring_bwd = ring_exposed(cfg, layout, training, cluster, kinds[s][0], peak)
         ep_fwd, ep_bwd = ep_exposed(cfg, layout, cluster, moe_layers(cfg, p, s, v), s_local, e)
         ring_fwd, ring_bwd = ring_fwd + ep_fwd, ring_bwd + ep_bwd  # synchronous, beside the tp collectives

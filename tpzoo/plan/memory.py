@@ -380,5 +380,11 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
     staging = 2 * 4 * min(bucket_size(training, replicas), count.numel) if training.zero_level >= 2 else 0
     # ZeRO-3: the layers gathered for use (gathered_bytes)
     gathered = gathered_bytes(cfg, count, training, t, replicas) if not training.lora_rank else 0
+    # FP8: the fp8 copies of the largest projection's operands during its backward (plan/fp8.py, which reads
+    # this module's local_dims: imported here)
+    from .fp8 import fp8_transient_bytes
+
+    ids = [i for lo, hi in stage_chunks(cfg, p, stage, v) for i in range(lo, hi)]
+    casts = fp8_transient_bytes(cfg, t, b * s, ids) if training.fp8 != "none" else 0
     return MemoryBreakdown(stage, st.params, st.grads, st.master, st.optimizer, held,
-                           max(one_layer, head) + recv + staging + gathered, reserve_bytes)
+                           max(one_layer, head) + recv + staging + gathered + casts, reserve_bytes)

@@ -31,6 +31,7 @@ def header(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, consi
             f"{'' if training.overlap_grad_reduce else ', DP reduction not overlapped'} "
             f"({_state_text(training)}), {training.kernels} kernels, "
             f"{'fused' if training.fused_linear_cross_entropy else 'unfused'} head and loss, "
+            f"{f'FP8 {training.fp8} projections, ' if training.fp8 != 'none' else ''}"
             f"efficiency {cluster.efficiency:g}, reserve {cluster.reserve_gib:g} GiB; "
             f"{considered} layouts, {fitting} fit")
 

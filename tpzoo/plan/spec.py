@@ -18,6 +18,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved", "zb", "gpipe")
 KERNELS = ("fused", "reference")
+FP8_RECIPES = ("none", "tensorwise", "rowwise")  # tpzoo.parallel.fp8.FP8_RECIPES (a test keeps them equal)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class TrainingSpec:
     overlap_grad_reduce: bool = True   # gradient buckets reduce during the backward passes
     grad_bucket_elems: int = 1 << 24   # DistributedAdamW's bucket (elements)
     fused_linear_cross_entropy: bool = True  # the head and the loss in token chunks (tpzoo's default; plan/head.py)
+    fp8: str = "none"                  # "tensorwise" / "rowwise": the projections' GEMMs in FP8 (plan/fp8.py)
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -71,6 +73,8 @@ class TrainingSpec:
             raise ValueError(f"lora rank must be >= 0, got {self.lora_rank}")
         if self.zero_level not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
+        if self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"fp8 must be one of {', '.join(FP8_RECIPES)}, got {self.fp8!r}")
         if self.zero_level == 3 and self.lora_rank:
             raise ValueError("ZeRO-3 with LoRA is not supported (the frozen base is not sharded): use --zero 2")
 

@@ -61,6 +61,12 @@ class ModelSection:
     dtype: str = _f("fp32", "'fp32', 'bf16' or 'fp16' (16-bit weights and activations; fp32 master weights, main "
                             "gradients and optimizer state; fp16 adds dynamic loss scaling)",
                     choices=("fp32", "bf16", "fp16"))
+    fp8: str = _f("none", "FP8 matmuls of the attention and MLP projections (LoRA's frozen base included; the LM "
+                          "head, embeddings and experts stay in --dtype): 'tensorwise' (one scale per tensor, e4m3 "
+                          "forward, e5m2 gradients) or 'rowwise' (per-row scales, e4m3); dynamic scales agreeing "
+                          "across TP ranks; torch._scaled_mm on CUDA (Hopper), emulated exactly elsewhere; weights, "
+                          "master weights, gradients and checkpoints unchanged (docs/training.md)",
+                  choices=("none", "tensorwise", "rowwise"))
 
 
 @dataclass

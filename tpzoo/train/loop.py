@@ -29,6 +29,7 @@ from tpzoo.data import IGNORE_INDEX, micro_batches_per_step, single_documents_dr
 from tpzoo.errors import ConfigError
 from tpzoo.parallel import ParallelDims, comm, resolve_device, strict, watchdog
 from tpzoo.parallel.context_parallel import shard_batch
+from tpzoo.parallel.fp8 import enable_fp8
 from tpzoo.parallel.state import get_dims, is_initialized
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward, materialize_chunks
 
@@ -132,6 +133,9 @@ class Trainer:
                                          dtype=DTYPES[cfg.dtype] if self.lora else None, device="meta",
                                          cp_mode=cfg.cp_mode,
                                          fused_linear_cross_entropy=cfg.fused_linear_cross_entropy)
+        # FP8 matmuls (tpzoo.parallel.fp8): a switch on the layers, nothing stored changes (checkpoints, resharding
+        # and HF export never see it); layers whose dims _scaled_mm cannot take stay in the model dtype.
+        self.fp8_report = enable_fp8(self.chunks, cfg.fp8)
         if self.lora:
             lora_setup.build(self.chunks, self.device, cfg, self.lora, self.lora_base, self.resume_dir)
         else:
@@ -271,6 +275,8 @@ class Trainer:
             f"batch {cfg.global_batch_size}x{cfg.seq_len} ({self.n_micro} micro-batches of {cfg.micro_batch_size}"
             f" per dp rank) | data {self.data_desc}"
             + (f" | resumed from {self.resume_dir} at step {self.start_step}" if self.resume_dir else ""))
+        if self.fp8_report.line():
+            self.logger.print(self.fp8_report.line())
         if cfg.resume and self.resume_dir is None:
             self.logger.print(f"--resume: no checkpoint under {cfg.save!r} yet, starting at step 0")
         history: list[dict] = []
@@ -310,7 +316,9 @@ class Trainer:
         result = {"status": status, "start_step": self.start_step, "steps": [m["step"] for m in history],
                   "losses": [m["loss"] for m in history], "grad_norms": [m["grad_norm"] for m in history],
                   "lrs": [m["lr"] for m in history], "eval_loss": eval_loss, "checkpoint": saved,
-                  "tokens_per_s": history[-1]["tokens_per_s"] if history else None, "sample": None}
+                  "tokens_per_s": history[-1]["tokens_per_s"] if history else None, "sample": None,
+                  "fp8": {"recipe": self.fp8_report.recipe, "layers": len(self.fp8_report.fp8_layers),
+                          "fallbacks": [name for name, _, _ in self.fp8_report.fallbacks]}}
         if history:
             self.logger.print(f"loss: first {history[0]['loss']:.4f} (step {history[0]['step']}) -> last "
                               f"{history[-1]['loss']:.4f} (step {history[-1]['step']})")

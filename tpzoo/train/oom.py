@@ -34,7 +34,8 @@ def plan_peak_gib(cfg, model_cfg, dims) -> float | None:
         training = TrainingSpec(seq_len=cfg.seq_len, global_batch_size=cfg.global_batch_size, dtype=cfg.dtype,
                                 zero=cfg.zero_level, overlap_grad_reduce=cfg.overlap_grad_reduce,
                                 grad_bucket_elems=cfg.grad_bucket_elems, lora_rank=cfg.lora_rank, kernels=kernels,
-                                fused_linear_cross_entropy=getattr(cfg, "fused_linear_cross_entropy", True))
+                                fused_linear_cross_entropy=getattr(cfg, "fused_linear_cross_entropy", True),
+                                fp8=getattr(cfg, "fp8", "none"))
         return stage_memory(model_cfg, layout, training, dims.pp_rank).total / 2 ** 30
     except Exception:  # noqa: BLE001 - a layout the plan does not model: the message goes without the estimate
         return None

@@ -1,0 +1,66 @@
+"""FP8 in the plan (`tpzoo plan --fp8 tensorwise|rowwise`), as tpzoo.parallel.fp8 runs it.
+
+Time: the attention and MLP projections run their three GEMMs (forward, input gradient, weight gradient) in FP8,
+at twice the model dtype's FLOP rate (Hopper's dense fp8 peak is twice bf16's); on a mixture-of-experts layer only
+the attention projections (the experts and the router stay in the model dtype), and never the LM head. A
+projection whose local dims (at this tp) are not multiples of 16 stays in the model dtype, as the trainer does.
+Under LoRA the frozen base's forward and input-gradient GEMMs (its adapters are small and stay 16-bit).
+Recomputation repeats the forward's FP8 GEMMs (full recompute: all but the MLP's output projection, as
+estimate.stage_flops counts). The casts themselves (memory-bound passes over the operands, the amax reductions
+and the per-GEMM host work) are not in the model: docs/benchmarks.md measures what they cost.
+
+Memory: nothing saved for the backward changes (tpzoo keeps the 16-bit input and casts it again in backward), and
+the weights, gradients and optimizer state are the model dtype's. The working set grows by the fp8 copies that
+live during one projection's backward on CUDA: in the weight-gradient GEMM dy and x in fp8 and their transposed
+copies (torch._scaled_mm wants the first operand row-major and the second column-major), 2 T (out + in) bytes;
+in the input-gradient GEMM dy in fp8 and the weight in fp8 twice (as cast, and column-major), T out + 2 out in.
+The largest projection's is added to the transient working set; scales (4 bytes per row) are left out.
+"""
+from __future__ import annotations
+
+from tpzoo.models.config import ModelConfig
+
+from .memory import local_dims
+
+ALIGN = 16  # tpzoo.parallel.fp8.ALIGN: torch._scaled_mm's K and N
+
+
+def projections(cfg: ModelConfig, tp: int, moe: bool = False) -> dict[str, tuple[int, int]]:
+    """(out, in) per rank of the projections of one layer that can run in FP8 (an MoE layer: attention only)."""
+    d, h = local_dims(cfg, tp), cfg.hidden_size
+    shapes = {"qkv": (d.q + 2 * d.kv, h), "out": (h, d.q)}
+    if not moe:
+        shapes.update(fc_in=(d.ffn * (2 if cfg.gated else 1), h), fc_out=(h, d.ffn))
+    return shapes
+
+
+def fp8_projections(cfg: ModelConfig, tp: int, moe: bool = False) -> dict[str, tuple[int, int]]:
+    """The projections whose GEMMs do run in FP8: both local dims multiples of 16."""
+    return {k: (o, i) for k, (o, i) in projections(cfg, tp, moe).items() if o % ALIGN == 0 and i % ALIGN == 0}
+
+
+def fp8_flops(cfg: ModelConfig, tp: int, tokens: int, layers: list[int], lora: bool, recompute: str) -> dict:
+    """FLOPs of one micro-batch's FP8 GEMMs on a stage holding `layers` (ids), in stage_flops' keys."""
+    per_pass = skip = 0
+    for i in layers:
+        proj = fp8_projections(cfg, tp, cfg.is_moe_layer(i))
+        per_pass += 2 * tokens * sum(o * n for o, n in proj.values())
+        if "fc_out" in proj:  # full recomputation stops before the MLP's output projection
+            skip += 2 * tokens * proj["fc_out"][0] * proj["fc_out"][1]
+    again = per_pass - skip if recompute == "full" else 0
+    return {"forward": per_pass, "dgrad": per_pass, "wgrad": 0 if lora else per_pass, "recompute": again}
+
+
+def at_fp8_rate(flops: dict, fp8: dict) -> dict:
+    """stage_flops' numbers as model-dtype-equivalent work: each FP8 FLOP counts half (twice the rate)."""
+    return {k: v - fp8.get(k, 0) / 2 for k, v in flops.items()}
+
+
+def fp8_transient_bytes(cfg: ModelConfig, tp: int, tokens: int, layers: list[int]) -> int:
+    """The fp8 copies alive during the backward of the largest FP8 projection of `layers` (module docstring);
+    `tokens`: the GEMM's rows (a micro-batch's tokens on this rank, the whole sequence under SP)."""
+    worst = 0
+    for moe in {cfg.is_moe_layer(i) for i in layers}:
+        for out, inp in fp8_projections(cfg, tp, moe).values():
+            worst = max(worst, 2 * tokens * (out + inp), tokens * out + 2 * out * inp)
+    return worst
