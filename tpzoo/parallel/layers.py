@@ -7,6 +7,9 @@ sequence chunk, whose gradients must be summed over the tensor-parallel group).
 Initialization is layout independent: the full ("master") weight is drawn from the same generator on every
 rank, and each rank keeps its slice, so a seed gives the same full weight at every tp.
 
+The column- and row-parallel matmuls accumulate their weight gradients straight into the fp32 main gradients
+when a GradBuffer with gradient-accumulation fusion holds them (tpzoo.parallel.wgrad).
+
 Every layer takes `dims` (a ParallelDims: its TP size, rank and group; default: the default dims) and `device`
 (default: dims.device). Built on "meta", a layer holds no memory and draws nothing: `to_empty()` then
 `reset_parameters()` materializes it exactly as a direct build would.
@@ -26,6 +29,7 @@ from .mappings import (copy_to_tp, gather_from_sequence, gather_from_tp, reduce_
 from .sharding import ShardSpec, shard
 from .dims import ParallelDims, divide
 from .state import get_dims
+from .wgrad import linear
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -134,7 +138,7 @@ class ColumnParallelLinear(nn.Module):
             return out if extra else (out,)
         x = gather_from_sequence(x, self.sequence_dim, group) if self.sequence_parallel else copy_to_tp(x, group)
         dropped = drop(x) if drop is not None else x
-        return (F.linear(x, self.weight, bias), *(F.linear(dropped, w, b) for w, b in extra))
+        return (linear(x, self.weight, bias), *(linear(dropped, w, b) for w, b in extra))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora is not None:  # low-rank adapters (tpzoo.parallel.lora)
@@ -185,7 +189,7 @@ class RowParallelLinear(nn.Module):
         group = self.dims.tp_group
         if not self.input_is_parallel:
             x = scatter_to_tp(x, group)
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.lora is not None:  # the adapter's partial output joins the reduction (tpzoo.parallel.lora)
             y = self.lora.row_partial(x, y)
         y = (reduce_scatter_to_sequence(y, self.sequence_dim, group) if self.sequence_parallel

@@ -60,6 +60,7 @@ class TrainingSpec:
                                        # 3: the weights too (each layer all-gathered when used)
     overlap_grad_reduce: bool = True   # gradient buckets reduce during the backward passes
     grad_bucket_elems: int = 1 << 24   # DistributedAdamW's bucket (elements)
+    grad_accumulation_fusion: bool = True  # weight gradients accumulated into the fp32 main grads by the matmul
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:

@@ -79,12 +79,13 @@ class DistributedAdamW:
     3 (ZeRO-3: ZeRO-2 plus the weights sharded, each layer of `modules` (the model chunks) gathered when used:
     tpzoo.parallel.param_shards; `keep_gathered` keeps them gathered from first use to the end of the step);
     group: the dims group the gradients are summed (and ZeRO-sharded) over: "dp_cp", or "edp" for expert weights
-    (tpzoo.train.expert_optim)."""
+    (tpzoo.train.expert_optim); grad_accumulation_fusion: the linear layers accumulate their weight gradients
+    straight into the fp32 main gradients (tpzoo.parallel.wgrad)."""
 
     def __init__(self, params, dims: ParallelDims, *, model_dtype: torch.dtype = torch.float32, zero: int = 0,
                  zero1: bool = False, overlap: bool = True, betas=(0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, bucket_elems: int = DEFAULT_BUCKET_ELEMS, modules=None,
-                 keep_gathered: bool = False, group: str = "dp_cp"):
+                 keep_gathered: bool = False, group: str = "dp_cp", grad_accumulation_fusion: bool = True):
         self.dims, self.device, self.group_name = dims, dims.device, group
         self.dp_size = dims.group_size(group)
         self.dp_rank = dims.edp_rank if group == "edp" else dims.dp_cp_rank
@@ -126,10 +127,11 @@ class DistributedAdamW:
         # Last, once the parameters' old storage is freed: the same layout as `flat`, element for element.
         if self.zero >= 2:  # ZeRO-3's gradients take ZeRO-2's path
             self.grads = ShardedGradBuffer(self.params, device=self.device, pad_to=self.dp_size, late=late,
-                                           dp_rank=self.dp_rank, overlap=overlap, bucket_elems=bucket_elems)
+                                           dp_rank=self.dp_rank, overlap=overlap, bucket_elems=bucket_elems,
+                                           fuse=grad_accumulation_fusion)
         else:
             self.grads = GradBuffer(self.params, device=self.device, pad_to=self.dp_size, late=late,
-                                    bucket_elems=bucket_elems)
+                                    bucket_elems=bucket_elems, fuse=grad_accumulation_fusion)
         self.grad_owned = None  # the reduced fp32 gradients of the owned segments, after reduce_grads()
         self.norm_runs = self._norm_weights(dims.tp_rank, dims.tp)
         self.ranges = self._update_ranges()
