@@ -242,3 +242,37 @@ def test_state_bytes_of_a_real_step_follow_the_formulas():
                 assert live == sum(expected.values()), (dp, zero, live, expected)
                 if zero == 2 and dp > 1:  # no full-size fp32 gradient buffer
                     assert est.grads == 4 * (-(-count.numel // dp))
+
+
+def test_both_update_paths_follow_torch_adamw(monkeypatch):
+    """One process: DistributedAdamW's fused update (two multi-tensor kernels, the clipping scale folded in) and
+    its multi-tensor reference path (torch without the fused kernel) follow torch.optim.AdamW for three steps
+    whose gradients are scaled (clipping): loss, global norm and every parameter."""
+    from tpzoo.parallel import local_dims
+    from tpzoo.train import optim
+
+    dims, scales = local_dims(), (0.3, 1.0, 0.7)
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(optim, "_FUSED", None)
+        model, ref = Transformer(SMALL, dims=dims, seed=SEED), Transformer(SMALL, dims=dims, seed=SEED)
+        opt = optim.DistributedAdamW(list(model.parameters()), dims, bucket_elems=BUCKET, **ADAM)
+        decayed = [p for p in ref.parameters() if p.dim() >= 2]
+        torch_opt = torch.optim.AdamW([{"params": decayed}, {"params": [p for p in ref.parameters() if p.dim() < 2],
+                                                             "weight_decay": 0.0}], lr=LR, **ADAM)
+        for step, scale in enumerate(scales):
+            ids = torch.randint(0, SMALL.vocab_size, (2, 8), generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            model(ids, labels=ids).sum().backward()
+            opt.reduce_grads()
+            norm, _ = opt.global_grad_norm()
+            opt.step(LR, scale)
+            torch_opt.zero_grad()
+            ref(ids, labels=ids).sum().backward()
+            assert norm == pytest.approx(float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])),
+                                         rel=1e-6), (fused, step)
+            for p in ref.parameters():
+                p.grad.mul_(scale)
+            torch_opt.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_close(p.detach(), q.detach(), f"fused={fused} {name}")
