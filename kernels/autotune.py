@@ -3,7 +3,7 @@
 A name says nothing about speed: issue 24 measured the Triton LayerNorm 4x slower than torch's own on an H200,
 and `auto` picked it by name. Under `auto`, the first time a kernel meets a *shape class* on CUDA,
 
-    class = (kernel, dtype, last dim rounded up to a power of two, rows rounded up to a power of two)
+    class = (kernel, dtype, last dim rounded up to a power of two, rows rounded up to a power of two, grad mode)
 
 both implementations run forward + backward on random inputs of the call's shapes (rows capped so the trial
 allocates at most CAP_ELEMENTS per input) for WARMUP + ITERS iterations, timed with CUDA events (median), and
@@ -105,10 +105,11 @@ def _pow2(n: int) -> int:
 
 def shape_class(kernel: str, x: torch.Tensor) -> str:
     """The class a call belongs to, from its main input: kernel, dtype, last dim and rows, both rounded up to a
-    power of two."""
+    power of two; "|forward" without grad mode (inference is timed forward only, training forward + backward)."""
     n = x.shape[-1] if x.dim() else 1
     rows = x.numel() // max(n, 1)
-    return f"{kernel}|{str(x.dtype).replace('torch.', '')}|n{_pow2(n)}|rows{_pow2(rows)}"
+    mode = "" if torch.is_grad_enabled() else "|forward"
+    return f"{kernel}|{str(x.dtype).replace('torch.', '')}|n{_pow2(n)}|rows{_pow2(rows)}{mode}"
 
 
 def _cache_file() -> pathlib.Path | None:
@@ -196,12 +197,14 @@ def trial_inputs(tensors: list, cut=()) -> list:
 
 def fwd_bwd(fn: Callable, inputs: list) -> Callable[[], None]:
     """A closure running fn(*inputs) forward and, when some input requires a gradient (and grad mode is on),
-    backward with a random output gradient."""
+    backward with an all-ones output gradient."""
     want = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     grad_on = torch.is_grad_enabled()
 
     def run():
-        with torch.set_grad_enabled(grad_on):
+        # identity saved-tensor hooks: inside an activation-checkpointed forward the checkpoint's hooks would
+        # otherwise drop the trial's saved tensors and recompute its forward within its own backward
+        with torch.set_grad_enabled(grad_on), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             out = fn(*inputs)
             if want and grad_on:
                 torch.autograd.grad(out, want, torch.ones_like(out))

@@ -23,12 +23,12 @@ import pytest
 import torch
 
 import tpzoo
-from test_3d_parity import MODELS, SEED, local_microbatches
+from test_3d_parity import MODELS, SEED
 from test_lora import randomize_b
-from test_zero import ADAM, BUCKET, LR, check_overlap, step_timing
+from test_zero import ADAM, BUCKET, LR, backward_step, check_overlap, step_timing
 from tpzoo.models.lora import LoRAConfig, add_lora, init_lora
 from tpzoo.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward
+from tpzoo.pipeline import build_model_chunks
 from tpzoo.testing import run_on_ranks
 
 CFG = MODELS["llama"].replace(num_layers=2)
@@ -72,17 +72,12 @@ def train(layout: dict, fusion: bool) -> dict:
         spies = [p.register_hook(lambda g, i=id(p): hits.__setitem__(i, hits[i] + (g is not None))) for p in params]
         losses, grads, timing = [], [], []
         for step in range(STEPS):
-            mbs, tokens = local_microbatches(cfg, step)
-            opt.zero_grad()
-            out = forward_backward(chunks, mbs, dims, schedule=layout.get("schedule", "1f1b"),
-                                   loss_scale=1.0 / tokens)
-            finalize_grads(chunks, dims)
-            opt.reduce_grads()
+            out, m = backward_step(chunks, dims, cfg, opt, layout, step)
             grads.append(opt.grad_owned.clone())
             opt.global_grad_norm()
             opt.step(LR)
             losses.append(out["loss_sum"])
-            timing.append(step_timing(opt, out, layout, len(mbs)))
+            timing.append(step_timing(opt, out, layout, m))
         for h in spies:
             h.remove()
         with opt.weights_readable():

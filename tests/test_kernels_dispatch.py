@@ -111,6 +111,8 @@ def test_measured_choice_cached_per_class(fake_timing, tmp_path):
               torch.empty(8192, 4096)):
         assert autotune.decide(autotune.shape_class("layer_norm", x), runs, cache_file=None) == "triton"
     assert autotune.shape_class("layer_norm", torch.empty(8000, 3000)) == "layer_norm|float32|n4096|rows8192"
+    with torch.no_grad():  # inference is timed forward only: a class of its own
+        assert autotune.shape_class("layer_norm", torch.empty(8000, 3000)).endswith("rows8192|forward")
     assert autotune.trials_run() == 4
     # on disk: a new process (forget) takes the file's decision without a trial, still asking the consensus
     cache = tmp_path / "cache" / "dispatch.json"

@@ -44,6 +44,17 @@ def reference() -> dict:
             "params": {n: _full(n, p.detach().clone(), CFG) for n, p in model.named_parameters()}}
 
 
+def backward_step(chunks, dims, cfg, opt, layout: dict, step: int) -> tuple[dict, int]:
+    """Forward, backward and the gradient reductions of step `step` on this rank at `layout` (the optimizer's
+    update is the caller's); returns the executor's result and the number of micro-batches."""
+    mbs, tokens = local_microbatches(cfg, step)
+    opt.zero_grad()
+    out = forward_backward(chunks, mbs, dims, schedule=layout.get("schedule", "1f1b"), loss_scale=1.0 / tokens)
+    finalize_grads(chunks, dims)
+    opt.reduce_grads()
+    return out, len(mbs)
+
+
 def step_timing(opt, out, layout: dict, m: int) -> dict:
     """When the step's gradient buckets started reducing, against the gradient-producing actions (check_overlap)."""
     grads = opt.grads
@@ -90,16 +101,11 @@ def train_zero(layout: dict) -> dict:
                                keep_gathered=layout.get("keep", False), **ADAM)
         losses, norms, timing = [], [], []
         for step in range(STEPS):
-            mbs, tokens = local_microbatches(CFG, step)
-            opt.zero_grad()
-            out = forward_backward(chunks, mbs, dims, schedule=layout.get("schedule", "1f1b"),
-                                   loss_scale=1.0 / tokens)
-            finalize_grads(chunks, dims)
-            opt.reduce_grads()
+            out, m = backward_step(chunks, dims, CFG, opt, layout, step)
             norms.append(opt.global_grad_norm()[0])
             opt.step(LR)
             losses.append(out["loss_sum"])
-            timing.append(step_timing(opt, out, layout, len(mbs)))
+            timing.append(step_timing(opt, out, layout, m))
         with opt.weights_readable():  # ZeRO-3: the weights all-gathered from the shards
             params = {n: _full(n, gather_tp_tensor(p, param_spec(p), reduce="first"), CFG)
                       for c in chunks for n, p in c.named_parameters()}

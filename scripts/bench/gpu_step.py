@@ -189,10 +189,12 @@ def profile_step(step, data, device) -> dict:
     return {k: v / whole for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
-def kernels_table(args, device) -> str:
-    """scripts/bench/kernels.py at this token count (its markdown tables; on CPU its interpreter check)."""
+def kernels_table(cfg, args, device) -> str:
+    """scripts/bench/kernels.py at this model's shapes and token count (its markdown tables; on CPU its
+    interpreter check)."""
     cmd = [sys.executable, os.path.join(HERE, "kernels.py"), "--no-compile", "--tokens", str(args.micro * args.seq),
-           "--seq", str(args.seq)]
+           "--seq", str(args.seq), "--hidden", str(cfg.hidden_size), "--ffn", str(cfg.ffn_hidden_size),
+           "--heads", str(cfg.num_heads), "--head-dim", str(cfg.head_dim), "--vocab-shard", str(cfg.vocab_size)]
     env = dict(os.environ, **({"TRITON_INTERPRET": "1"} if device.type != "cuda" else {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("|", "#")) or "sanity" in ln]
@@ -230,6 +232,11 @@ def report(cfg, args, device, rows, kernels: str | None) -> str:
         out += ["", "tpzoo step by category (" + ("device time" if device.type == "cuda" else
                                                   "self CPU time of the ops") + "): " +
                 ", ".join(f"{k} {100 * v:.1f} %" for k, v in tp["profile"].items())]
+    if device.type != "cuda":
+        out += ["", f"On the CPU at toy size the times measure Python overhead and the machine's load (load average "
+                    f"{os.getloadavg()[0]:.1f} at the end of the run), not the kernels: this run checks that every "
+                    f"implementation runs and trains. GPU figures: pending (no GPU was lent to this session); on an "
+                    f"H100/H200 run the default command (llama-3.2-1b, micro 4 x seq 2048) with --profile --kernels."]
     if kernels:
         out += ["", "Kernels at the same token count (scripts/bench/kernels.py):", "", kernels]
     return "\n".join(out)
@@ -262,7 +269,7 @@ def main(argv=None) -> None:
         print(f"{impl}: " + (r["skipped"] if "skipped" in r else f"{r['tokens_per_s']:,.0f} tokens/s, "
                              f"loss {r['loss']:.3f}"), file=sys.stderr, flush=True)
         rows.append(r)
-    text = report(cfg, args, device, rows, kernels_table(args, device) if args.kernels else None)
+    text = report(cfg, args, device, rows, kernels_table(cfg, args, device) if args.kernels else None)
     print(text)
     if args.write:
         sys.path.insert(0, HERE)

@@ -34,8 +34,9 @@ VIEWS = {"aten::slice", "aten::select", "aten::view", "aten::as_strided", "aten:
 
 
 def count(fn) -> collections.Counter:
-    """Top-level aten ops (not nested in another aten op) that fn() runs, views and allocations left out, and
-    the Triton kernels it launches (as triton::<name>; the interpreter's work is no aten op)."""
+    """Top-level aten ops (not nested in another aten op) that fn() runs, views and allocations counted together
+    as "views" (host work, no kernel), and the Triton kernels it launches (as triton::<name>; the interpreter's
+    work is no aten op)."""
     from tpzoo.kernels import launch
 
     out = collections.Counter()
@@ -53,9 +54,13 @@ def count(fn) -> collections.Counter:
         launch.run = run
     for e in prof.events():
         parent = e.cpu_parent
-        if e.name.startswith("aten::") and e.name not in VIEWS and not (parent and parent.name.startswith("aten::")):
-            out[e.name] += 1
+        if e.name.startswith("aten::") and not (parent and parent.name.startswith("aten::")):
+            out["views" if e.name in VIEWS else e.name] += 1
     return out
+
+
+def kernels(c: collections.Counter) -> int:
+    return sum(v for k, v in c.items() if k != "views")
 
 
 def measure(args, fusion: bool) -> dict:
@@ -68,7 +73,7 @@ def measure(args, fusion: bool) -> dict:
     try:
         model = Transformer(cfg, dims=dims, seed=1)
         kw = dict(model_dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype], zero=args.zero,
-                  weight_decay=0.1)
+                  weight_decay=0.1, bucket_elems=args.bucket_elems)
         if "grad_accumulation_fusion" in inspect.signature(DistributedAdamW).parameters:
             kw["grad_accumulation_fusion"] = fusion
         elif fusion:
@@ -93,7 +98,7 @@ def measure(args, fusion: bool) -> dict:
 
 
 def fmt(c: collections.Counter, top: int = 4) -> str:
-    return ", ".join(f"{k.replace('aten::', '')} {v}" for k, v in c.most_common(top))
+    return ", ".join(f"{k.replace('aten::', '')} {v}" for k, v in c.most_common(top) if k != "views")
 
 
 def main(argv=None) -> None:
@@ -101,6 +106,7 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="tiny-llama")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--zero", type=int, default=0)
+    p.add_argument("--bucket-elems", type=int, default=1 << 24, help="gradient bucket (the norm ran per bucket)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--label", default="this checkout")
@@ -115,14 +121,16 @@ def main(argv=None) -> None:
             continue
         r = got
         b = r["backward"]
-        rows.append(f"| {args.label} | {'on' if fusion else 'off'} | {sum(b.values())} | {b['aten::add_']} | "
-                    f"{b['aten::cat']} | {sum(r['norm'].values())} ({fmt(r['norm'])}) | "
-                    f"{sum(r['step'].values())} ({fmt(r['step'])}) |")
+        n, st = r["norm"], r["step"]
+        rows.append(f"| {args.label} | {'on' if fusion else 'off'} | {kernels(b)} | {b['aten::add_']} | "
+                    f"{b['aten::cat']} | {kernels(n)} + {n['views']} ({fmt(n)}) | "
+                    f"{kernels(st)} + {st['views']} ({fmt(st)}) |")
     head = (f"{args.model}, {r['layers']} layers, {r['params']:,} parameters in {r['tensors']} tensors, "
-            f"{args.dtype} weights, ZeRO {args.zero}, micro-batch {args.batch} x {args.seq}, kernels "
+            f"{args.dtype} weights, ZeRO {args.zero}, {args.bucket_elems:,}-element gradient buckets, micro-batch "
+            f"{args.batch} x {args.seq}, kernels "
             f"{__import__('os').environ.get('TPZOO_KERNELS', 'auto')}")
-    table = "\n".join(["| code | grad-acc fusion | backward ops | of them add_ | of them cat | grad-norm ops | "
-                       "step ops (clipping on) |", "|---|---|---|---|---|---|---|", *rows])
+    table = "\n".join(["| code | grad-acc fusion | backward ops | of them add_ | of them cat | grad-norm ops + views | "
+                       "step ops + views (clipping on) |", "|---|---|---|---|---|---|---|", *rows])
     print(head)
     print(table)
     if args.write:

@@ -7,11 +7,12 @@ accumulate. What differs is where a gradient goes between autograd and that shar
 - Every pass that produces weight gradients (each micro-batch's backward, or zero-bubble's W) runs inside
   `grad_pass`. A gradient autograd hands over is added into a bucket-sized fp32 staging buffer, and its 16-bit
   .grad freed (with gradient-accumulation fusion a linear layer accumulates its weight's gradient into the
-  staging buffer itself when the weight lies inside one bucket: `fused_target`). When the pass has delivered every gradient of a bucket it touches, the bucket's reduce-scatter
-  starts (asynchronously, buckets of a pass in a fixed order: from the end of the buffer, so every replica issues
-  the same collectives in the same order); what is left starts when the pass ends. So micro-batches are summed by
-  the reduce-scatters (as DeepSpeed's ZeRO-2 and FSDP do), one collective per bucket and micro-batch: m times
-  the communication of ZeRO-1 for m micro-batches, for (dp-1)/dp of the gradient memory.
+  staging buffer itself when the weight lies inside one bucket: `fused_target`). When the pass has delivered
+  every gradient of a bucket it touches, the bucket's reduce-scatter starts (asynchronously, buckets of a pass in
+  a fixed order: from the end of the buffer, so every replica issues the same collectives in the same order);
+  what is left starts when the pass ends. So micro-batches are summed by the reduce-scatters (as DeepSpeed's
+  ZeRO-2 and FSDP do), one collective per bucket and micro-batch: m times the communication of ZeRO-1 for m
+  micro-batches, for (dp-1)/dp of the gradient memory.
 - Accumulation without a second buffer: before a bucket's gradients go in, its staging buffer's own segment
   (this rank's 1/dp) is set to what the shard already holds for it. A reduce-scatter sums the segment over the
   replicas, so rank d receives sum over replicas of this pass's gradients + its own running sum, written straight

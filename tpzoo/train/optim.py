@@ -248,7 +248,7 @@ class DistributedAdamW:
         if not runs:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         norms = torch.stack(torch._foreach_norm([g[a:b] for a, b, _ in runs])).double()
-        weights = torch.tensor([w for _, _, w in runs], dtype=torch.float64).to(self.device, non_blocking=True)
+        weights = torch.tensor([w for _, _, w in runs], dtype=torch.float64, device=self.device)
         return torch.dot(norms * norms, weights)
 
     def global_grad_norm(self, flag: float = 0.0, extra_sq: torch.Tensor | None = None) -> tuple[float, float]:
