@@ -67,9 +67,7 @@ def input_wanted(ctx, i: int = 0) -> bool:
 def hooks_see_fused_grads() -> bool:
     """Whether a post-accumulate-grad hook fires when autograd delivers no gradient tensor (the arrival signal
     fusion relies on; see the module docstring). Probed once per process, on the CPU."""
-    p = torch.zeros(1, device="cpu", requires_grad=True)
     fired = []
-    p.register_post_accumulate_grad_hook(lambda t: fired.append(t.grad is None))
 
     class _NoGrad(torch.autograd.Function):
         @staticmethod
@@ -80,7 +78,9 @@ def hooks_see_fused_grads() -> bool:
         def backward(ctx, g):
             return None
 
-    with torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad():  # whatever mode the buffer is built in
+        p = torch.zeros(1, device="cpu", requires_grad=True)
+        p.register_post_accumulate_grad_hook(lambda t: fired.append(t.grad is None))
         _NoGrad.apply(p).sum().backward()
     return fired == [True]
 
