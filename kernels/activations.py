@@ -3,9 +3,11 @@ backward. SwiGLU and GeGLU are one kernel pair with the gate's activation chosen
 
 Both save only their inputs and recompute the activation in the backward: no activation-sized tensor is kept
 between forward and backward beyond what the caller already holds. Inputs are viewed as [rows, n] with any
-row stride (gate and up are usually the two halves of one fused projection: no copy). Each program owns one
-column block and walks a group of rows; bias-GeLU's bias gradient is summed per group in fp32 and the group
-partials are added in torch.
+row stride (gate and up are usually the two halves of one fused projection: no copy). The gated kernels run one
+program per (row, column block), no loop; the packed form (`swiglu_packed(h)`, h = gate|up) writes dgate and dup
+into the two halves of one gradient tensor, which spares autograd the cat that undoing `h.chunk(2)` costs. For
+bias-GeLU each program owns one column block and walks a group of rows; its bias gradient is summed per group
+in fp32 and the group partials are added in torch.
 """
 from __future__ import annotations
 
@@ -40,30 +42,28 @@ def _gate_parts(g, GELU: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_fwd(G, U, Y, M, N, sg, su, sy, rows_per_group, GELU: tl.constexpr, BLOCK: tl.constexpr):
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def _swiglu_fwd(G, U, Y, N, sg, su, sy, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    # one program per (row, column block): no loop, so every program's loads are in flight at once
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
-    row0 = tl.program_id(1).to(tl.int64) * rows_per_group
-    for row in range(row0, tl.minimum(row0 + rows_per_group, M)):
-        g = tl.load(G + row * sg + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(U + row * su + cols, mask=mask, other=0.0).to(tl.float32)
-        a, _ = _gate_parts(g, GELU)
-        tl.store(Y + row * sy + cols, (a * u).to(Y.dtype.element_ty), mask=mask)
+    g = tl.load(G + row * sg + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * su + cols, mask=mask, other=0.0).to(tl.float32)
+    a, _ = _gate_parts(g, GELU)
+    tl.store(Y + row * sy + cols, (a * u).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_bwd(G, U, DY, DG, DU, M, N, sg, su, sdy, sdg, sdu, rows_per_group, GELU: tl.constexpr,
-                BLOCK: tl.constexpr):
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def _swiglu_bwd(G, U, DY, DG, DU, N, sg, su, sdy, sdg, sdu, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
-    row0 = tl.program_id(1).to(tl.int64) * rows_per_group
-    for row in range(row0, tl.minimum(row0 + rows_per_group, M)):
-        g = tl.load(G + row * sg + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(U + row * su + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row * sdy + cols, mask=mask, other=0.0).to(tl.float32)
-        a, da = _gate_parts(g, GELU)
-        tl.store(DG + row * sdg + cols, (dy * u * da).to(DG.dtype.element_ty), mask=mask)
-        tl.store(DU + row * sdu + cols, (dy * a).to(DU.dtype.element_ty), mask=mask)
+    g = tl.load(G + row * sg + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * su + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + row * sdy + cols, mask=mask, other=0.0).to(tl.float32)
+    a, da = _gate_parts(g, GELU)
+    tl.store(DG + row * sdg + cols, (dy * u * da).to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + row * sdu + cols, (dy * a).to(DU.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -109,6 +109,22 @@ def _layout(n: int, rows: int, device: torch.device, per_sm: int):
     return block, per, (col_blocks, groups)
 
 
+def _glu_forward(g2, u2, gelu: bool) -> torch.Tensor:
+    m, n = g2.shape
+    y = torch.empty((m, n), dtype=g2.dtype, device=g2.device)
+    block = launch.block_size(n, cap=launch.MAX_ELEMENTWISE_BLOCK)
+    launch.run(_swiglu_fwd, (m, triton.cdiv(n, block)), g2, u2, y, n, g2.stride(0), u2.stride(0), y.stride(0),
+               GELU=gelu, BLOCK=block)
+    return y
+
+
+def _glu_backward(g2, u2, dy2, dg, du, gelu: bool) -> None:
+    m, n = g2.shape
+    block = launch.block_size(n, cap=launch.MAX_ELEMENTWISE_BLOCK)
+    launch.run(_swiglu_bwd, (m, triton.cdiv(n, block)), g2, u2, dy2, dg, du, n, g2.stride(0), u2.stride(0),
+               dy2.stride(0), dg.stride(0), du.stride(0), GELU=gelu, BLOCK=block)
+
+
 class SwiGLUFunction(torch.autograd.Function):
     """act(gate) * up: silu, or the tanh GeLU with gelu=True (GeGLU)."""
 
@@ -116,26 +132,37 @@ class SwiGLUFunction(torch.autograd.Function):
     def forward(ctx, gate, up, gelu=False):
         n = gate.shape[-1]
         g2, u2 = launch.as_rows(gate, n), launch.as_rows(up, n)
-        m = g2.shape[0]
-        y = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
-        block, per, grid = _layout(n, m, gate.device, per_sm=32)
-        launch.run(_swiglu_fwd, grid, g2, u2, y, m, n, g2.stride(0), u2.stride(0), y.stride(0), per, GELU=gelu,
-                   BLOCK=block)
         ctx.save_for_backward(g2, u2)
         ctx.shape, ctx.gelu = gate.shape, gelu
-        return y.view(gate.shape)
+        return _glu_forward(g2, u2, gelu).view(gate.shape)
 
     @staticmethod
     def backward(ctx, dy):
         g2, u2 = ctx.saved_tensors
-        m, n = g2.shape
-        dy2 = launch.as_rows(dy, n)
-        dg, du = torch.empty_like(g2, memory_format=torch.contiguous_format), torch.empty_like(
-            u2, memory_format=torch.contiguous_format)
-        block, per, grid = _layout(n, m, g2.device, per_sm=32)
-        launch.run(_swiglu_bwd, grid, g2, u2, dy2, dg, du, m, n, g2.stride(0), u2.stride(0), dy2.stride(0),
-                   dg.stride(0), du.stride(0), per, GELU=ctx.gelu, BLOCK=block)
+        dg, du = (torch.empty(g2.shape, dtype=g2.dtype, device=g2.device) for _ in range(2))
+        _glu_backward(g2, u2, launch.as_rows(dy, g2.shape[1]), dg, du, ctx.gelu)
         return dg.view(ctx.shape), du.view(ctx.shape), None
+
+
+class PackedGLUFunction(torch.autograd.Function):
+    """act(h[..., :n]) * h[..., n:] for h = gate|up [..., 2n]; the gradient is written into one tensor like h
+    (its halves are dgate and dup), so autograd has no split to undo with a cat."""
+
+    @staticmethod
+    def forward(ctx, h, gelu=False):
+        n = h.shape[-1] // 2
+        h2 = launch.as_rows(h, 2 * n)
+        ctx.save_for_backward(h2)
+        ctx.shape, ctx.gelu = h.shape, gelu
+        return _glu_forward(h2[:, :n], h2[:, n:], gelu).view(*h.shape[:-1], n)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (h2,) = ctx.saved_tensors
+        n = h2.shape[1] // 2
+        dh = torch.empty((h2.shape[0], 2 * n), dtype=h2.dtype, device=h2.device)
+        _glu_backward(h2[:, :n], h2[:, n:], launch.as_rows(dy, n), dh[:, :n], dh[:, n:], ctx.gelu)
+        return dh.view(ctx.shape), None
 
 
 class BiasGeLUFunction(torch.autograd.Function):
@@ -172,6 +199,14 @@ def swiglu(gate, up):
 
 def geglu(gate, up):
     return SwiGLUFunction.apply(gate, up, True)
+
+
+def swiglu_packed(h):
+    return PackedGLUFunction.apply(h)
+
+
+def geglu_packed(h):
+    return PackedGLUFunction.apply(h, True)
 
 
 def bias_gelu(x, bias=None):

@@ -21,7 +21,7 @@ _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
 def _exercise(dtype: torch.dtype) -> None:
     """Forward and backward of every kernel wrapper: one-block and multi-block rows, with and without
     optional operands."""
-    from . import activations, fused_linear_cross_entropy, norms, rotary, vocab_cross_entropy
+    from . import activations, fused_linear_cross_entropy, norms, rms, rotary, vocab_cross_entropy
 
     def fwd_bwd(fn, *args):
         ins = [a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
@@ -34,9 +34,14 @@ def _exercise(dtype: torch.dtype) -> None:
         fwd_bwd(norms.rms_norm, r(4, n), r(n), 1e-6)
         fwd_bwd(norms.layer_norm, r(4, n), r(n), r(n), 1e-5)
         fwd_bwd(norms.layer_norm, r(4, n), r(n), None, 1e-5)
+    for rows, n in ((4, 64), (64, 64), (4, 8192)):  # one row per tile, several, a row of the largest tile
+        fwd_bwd(rms.rms_norm, r(rows, n), r(n), 1e-6)
+    fwd_bwd(rms.rms_norm, r(4, 64), r(64, dt=torch.float32), 1e-6)  # weight of another dtype: fp32 output
     fwd_bwd(rotary.apply_rotary, r(2, 3, 4, 16), r(3, 8, dt=torch.float32), r(3, 8, dt=torch.float32))
     fwd_bwd(activations.swiglu, r(4, 80), r(4, 80))
     fwd_bwd(activations.geglu, r(4, 80), r(4, 80))
+    fwd_bwd(activations.swiglu_packed, r(4, 160))
+    fwd_bwd(activations.geglu_packed, r(4, 160))
     fwd_bwd(activations.bias_gelu, r(4, 80), r(80))
     fwd_bwd(activations.bias_gelu, r(4, 80), None)
     target = torch.randint(0, 50, (4,), device="cpu")

@@ -1,12 +1,16 @@
 """Backend selection for tpzoo.kernels: Triton kernels or the plain torch references.
 
-    auto    (default) Triton for CUDA tensors when `import triton` works; the torch reference otherwise.
+    auto    (default) for CUDA tensors, whichever of Triton and torch measured faster for this kernel and shape
+            class (tpzoo.kernels.autotune: timed once per class and process, kept on disk; torch when Triton
+            does not import); the torch reference for CPU tensors.
     triton  always Triton. CPU tensors then need Triton's interpreter: TRITON_INTERPRET=1 in the environment
             before the first kernel runs in the process (Triton reads it when the kernels are defined).
     torch   always the torch reference.
 
-Chosen, highest priority first, by `use_backend(name)` (process-wide; also a context manager that restores the
-previous choice on exit), then the environment variable TPZOO_KERNELS, then "auto". Inputs a kernel does not
+Chosen, highest priority first, by `use_backend(name, kernel=...)` (process-wide; also a context manager that
+restores the previous choice on exit), then the environment variable TPZOO_KERNELS, then "auto". Either may
+name one kernel: `use_backend("torch", kernel="layer_norm")`, TPZOO_KERNELS="auto,layer_norm=torch" (a bare
+name sets every kernel, `kernel=backend` one of them; the kernel's own setting wins). Inputs a kernel does not
 cover (float64, broadcasting operands, mixed dtypes, empty tensors, cos/sin that need a gradient) take the
 reference under every backend.
 
@@ -19,10 +23,13 @@ import os
 
 import torch
 
+from . import autotune
+
 BACKENDS = ("auto", "triton", "torch")
+KERNEL_NAMES = ("rms_norm", "layer_norm", "apply_rotary", "swiglu", "geglu", "bias_gelu", "cross_entropy")
 ENV_VAR = "TPZOO_KERNELS"
 
-_override: str | None = None
+_overrides: dict[str | None, str] = {}  # use_backend's choices: None -> every kernel, name -> that kernel
 _triton_ok: bool | None = None
 
 
@@ -32,20 +39,40 @@ def _check(name: str) -> str:
     return name
 
 
-def get_backend() -> str:
-    """The backend in force: use_backend's choice, else $TPZOO_KERNELS, else "auto"."""
-    if _override is not None:
-        return _override
-    env = os.environ.get(ENV_VAR, "").strip().lower()
-    if not env:
-        return "auto"
-    if env not in BACKENDS:
-        raise ValueError(f"{ENV_VAR}={env!r} is not one of {BACKENDS}")
-    return env
+def _check_kernel(kernel: str | None) -> str | None:
+    if kernel is not None and kernel not in KERNEL_NAMES:
+        raise ValueError(f"unknown kernel {kernel!r}; choose one of {KERNEL_NAMES}")
+    return kernel
+
+
+def _env_settings() -> dict[str | None, str]:
+    """TPZOO_KERNELS parsed: {None: backend for every kernel, name: backend for that one}."""
+    out: dict[str | None, str] = {}
+    for item in os.environ.get(ENV_VAR, "").strip().lower().split(","):
+        item = item.strip()
+        if not item:
+            continue
+        kernel, _, backend = item.rpartition("=")
+        if backend not in BACKENDS or (kernel and kernel not in KERNEL_NAMES):
+            raise ValueError(f"{ENV_VAR}={os.environ[ENV_VAR]!r}: {item!r} is not one of {BACKENDS} nor "
+                             f"kernel=backend with a kernel of {KERNEL_NAMES}")
+        out[kernel or None] = backend
+    return out
+
+
+def get_backend(kernel: str | None = None) -> str:
+    """The backend in force (for `kernel`, its own setting first): use_backend's, else $TPZOO_KERNELS's, else
+    "auto"."""
+    for settings in (_overrides, _env_settings()):
+        if kernel is not None and kernel in settings:
+            return settings[kernel]
+        if None in settings:
+            return settings[None]
+    return "auto"
 
 
 class use_backend:
-    """Select the kernel backend for the whole process: `use_backend("torch")`, or scoped:
+    """Select the kernel backend for the whole process (or for one `kernel`): `use_backend("torch")`, or scoped:
 
         with tpzoo.kernels.use_backend("triton"):
             y = tpzoo.kernels.rms_norm(x, w, 1e-6)
@@ -53,17 +80,22 @@ class use_backend:
     `use_backend(None)` drops the override ($TPZOO_KERNELS or "auto" apply again). Not thread-local.
     """
 
-    def __init__(self, name: str | None):
-        global _override
-        self.previous = _override
-        _override = None if name is None else _check(name)
+    def __init__(self, name: str | None, kernel: str | None = None):
+        self.kernel = _check_kernel(kernel)
+        self.previous = _overrides.get(self.kernel)
+        self._set(None if name is None else _check(name))
+
+    def _set(self, name: str | None) -> None:
+        if name is None:
+            _overrides.pop(self.kernel, None)
+        else:
+            _overrides[self.kernel] = name
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
-        global _override
-        _override = self.previous
+        self._set(self.previous)
 
 
 def triton_available() -> bool:
@@ -82,14 +114,34 @@ def interpreter_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-def use_triton(*tensors: torch.Tensor | None) -> bool:
-    """Whether a call on these tensors takes the Triton kernel (None entries are skipped)."""
-    backend = get_backend()
+def _gpu_with_triton(ts: list) -> bool:
+    """`auto` considers Triton: CUDA tensors and Triton importable (the CPU tests replace this)."""
+    return all(t.is_cuda for t in ts) and triton_available()
+
+
+def _not_measurable() -> bool:
+    """Inside torch.compile tracing or a CUDA-graph capture a trial would be traced or captured."""
+    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)()
+    return compiling or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def use_triton(*tensors: torch.Tensor | None, kernel: str | None = None, trial=None) -> bool:
+    """Whether a call on these tensors takes the Triton kernel (None entries are skipped). Under `auto` with CUDA
+    tensors: `kernel`'s measured choice for the class of the first tensor, `trial()` giving the two closures to
+    time when the class is new (autotune.decide); without a trial, Triton."""
+    backend = get_backend(kernel)
     if backend == "torch":
         return False
     ts = [t for t in tensors if t is not None]
     if backend == "auto":
-        return all(t.is_cuda for t in ts) and triton_available()
+        if not _gpu_with_triton(ts):
+            return False
+        if kernel is None or trial is None or not ts:
+            return True
+        key = autotune.shape_class(kernel, ts[0])
+        if _not_measurable():
+            return autotune.decided(key) != "torch"
+        return autotune.decide(key, trial) == "triton"
     if not triton_available():
         raise RuntimeError(f"kernel backend 'triton' was forced ({ENV_VAR} or use_backend) but Triton does not "
                            "import; install triton or use the 'torch' backend")

@@ -35,6 +35,12 @@ Per-chunk statistics and gradient run in the Triton cross-entropy kernels (kerne
 row_stats, write_grad; the gradient written into the logits buffer) when the dispatch seam picks Triton, in torch
 (_torch_stats, _torch_grad: fp32 copies of the chunk) otherwise. Zero-bubble's split backward (grad_phase) gets
 only the input gradient in B and only the weight gradient in W.
+
+Gradient-accumulation fusion (tpzoo.parallel.wgrad): where the head weight's gradient is fused, the backward adds
+g G_W (fp32) straight into its main gradient and hands autograd None, as the column/row-parallel layers do; unfused
+it hands g G_W over rounded once to the weight's dtype, which the GradBuffer adds into the same main gradient. With
+fp32 weights the two are the same additions, bit for bit; with 16-bit ones fusion skips that rounding (as the
+fused layers' fp32-output GEMMs do on CUDA).
 """
 from __future__ import annotations
 
@@ -44,9 +50,9 @@ import torch
 import torch.nn.functional as F
 
 from tpzoo.parallel import comm
-from tpzoo.parallel.column_linear import current_grad_phase
 from tpzoo.parallel.cross_entropy import check_loss_args, loss_from_sums
 from tpzoo.parallel.mappings import tp_layout
+from tpzoo.parallel.wgrad import FUSE, SKIP, input_wanted, route, target
 
 CHUNK_MULTIPLE = 64
 
@@ -213,9 +219,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w, x, weight, tgt, lse = ctx.saved_tensors
-        spec, phase = ctx.spec, current_grad_phase()
-        want_x = ctx.needs_input_grad[0] and phase != "weight"
-        want_w = ctx.needs_input_grad[1] and phase != "input"
+        spec, way_w = ctx.spec, route(ctx, 1)  # the weight's gradient: skipped, fused or returned (wgrad)
+        want_x = input_wanted(ctx)
         g = _uniform(grad_loss)
         dx = dw = None
         if want_x:
@@ -228,12 +233,32 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 dx = grad_h.view(ctx.x_shape) * per_token.unsqueeze(-1).to(grad_h.dtype)
             else:
                 dx = (grad_h * g).view(ctx.x_shape)
-        if want_w:
-            if g is None:
-                dw = _recomputed_weight_grad(x, weight, tgt, lse, grad_loss, spec).to(ctx.w_dtype)
-            else:  # scaled in fp32, rounded once into the weight's dtype
-                dw = torch.mul(grad_w, g, out=torch.empty(grad_w.shape, dtype=ctx.w_dtype, device=grad_w.device))
+        main = target(ctx, 1) if way_w == FUSE else None  # fused: the fp32 gradient goes there, None to autograd
+        if way_w == SKIP:
+            pass
+        elif g is None:  # per-token weights: recomputed, fp32
+            acc = _recomputed_weight_grad(x, weight, tgt, lse, grad_loss, spec)
+            if main is not None:
+                main.add_(acc)
+            else:
+                dw = acc.to(ctx.w_dtype)
+        elif main is not None:
+            _add_scaled(main, grad_w, g)
+        else:  # scaled in fp32, rounded once into the weight's dtype
+            dw = torch.mul(grad_w, g, out=torch.empty(grad_w.shape, dtype=ctx.w_dtype, device=grad_w.device))
         return dx, dw, None, None, None, None
+
+
+_ADD_BLOCK = 1 << 20  # elements per block of _add_scaled's temporary (4 MiB in fp32)
+
+
+def _add_scaled(out: torch.Tensor, grad_w: torch.Tensor, g: torch.Tensor) -> None:
+    """out += grad_w * g (fp32), a block of rows at a time: the same product and sum the unfused path makes (not
+    a fused multiply-add, which rounds once less), with no temporary of the weight's size, and the saved G_W left
+    as it is (a retained graph reuses it)."""
+    rows = max(1, _ADD_BLOCK // max(1, grad_w.shape[1]))
+    for a, b in _chunks(grad_w.shape[0], rows):
+        out[a:b].add_(grad_w[a:b] * g)
 
 
 def _uniform(grad_loss: torch.Tensor) -> torch.Tensor | None:

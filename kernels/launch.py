@@ -10,6 +10,10 @@ import torch
 MAX_BLOCK = 4096
 # Elementwise kernels use smaller column blocks so a row splits over several programs.
 MAX_ELEMENTWISE_BLOCK = 1024
+# Longest row the single-pass kernels (RMSNorm) keep whole in registers; longer rows take the streaming kernels.
+MAX_ROW = 16384
+# Elements of the [rows, row length] tile one program of the single-pass kernels holds (several short rows).
+MAX_TILE = 8192
 
 
 def next_pow2(n: int) -> int:

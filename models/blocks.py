@@ -199,12 +199,10 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x):
         h = self.fc_in(x)
-        if self.activation == "swiglu":
-            gate, up = h.chunk(2, dim=-1)
-            h = kernels.swiglu(gate, up)
+        if self.activation == "swiglu":  # h = gate|up: packed, so the backward needs no cat of the two halves
+            h = kernels.swiglu_packed(h)
         elif self.activation == "geglu_tanh":
-            gate, up = h.chunk(2, dim=-1)
-            h = kernels.geglu(gate, up)
+            h = kernels.geglu_packed(h)
         else:
             h = kernels.bias_gelu(h, self.fc_in.bias)
         return self.fc_out(h)

@@ -7,6 +7,9 @@ Phases (each timed; a failing phase is reported and the others still run; the ex
   kernels   scripts/bench/kernels.py: every Triton kernel against eager torch (bf16, time and bandwidth)
   pretrain  a short bf16 pretrain of a ~1B Llama-class model (llama-3.2-1b shapes) with the Triton kernels on:
             tokens/s, TFLOP/s per GPU and MFU from the steady-state steps
+  step      scripts/bench/gpu_step.py, short: the 1B step of tpzoo against transformers (bf16, + autocast,
+            + torch.compile, + Liger when installed) side by side, tokens/s, MFU, peak memory, and tpzoo's step
+            split by category
   tp2       tp=2 on two ranks sharing the GPU(s) (gloo, tensors staged through the host when one GPU is shared)
             against tp=1 on the same data: equal losses, with and without sequence parallelism (the column
             layers' asynchronous re-gather in backward)
@@ -38,7 +41,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ("env", "tests", "kernels", "pretrain", "tp2", "lora", "nccl")
+PHASES = ("env", "tests", "kernels", "pretrain", "step", "tp2", "lora", "nccl")
 
 
 class Skipped(Exception):
@@ -153,6 +156,14 @@ def phase_pretrain(a, out: Path) -> list[str]:
             f"{len(rows)} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}",
             f"steady state (median of {len(steady)} steps): {step_time * 1e3:.0f} ms/step, {tokens_per_s:,.0f} "
             f"tokens/s, {tflops:.1f} TFLOP/s per GPU, MFU {mfu}, peak memory {rows[-1]['peak_mem_gb']:.1f} GB"]
+
+
+def phase_step(a, out: Path) -> list[str]:
+    cmd = [sys.executable, "scripts/bench/gpu_step.py", "--profile"]
+    cmd += (["--device", "cpu", "--model", "nano-llama", "--micro", "2", "--seq", "64", "--steps", "2", "--warmup", "1",
+             "--impls", "tpzoo", "hf-bf16"] if a.cpu else ["--steps", "5", "--warmup", "3"])
+    text = _run(cmd, out / "step.log", timeout=1800)
+    return [line for line in text.splitlines() if line.startswith(("|", "tpzoo"))]
 
 
 def phase_tp2(a, out: Path) -> list[str]:

@@ -1,8 +1,8 @@
 """scripts/gpu_check.sh --cpu: every phase of the GPU acceptance check at toy sizes on the CPU (the kernels in
 Triton's interpreter against their references, a pretrain whose loss falls, tp=2 on two ranks sharing the
-device with tp=1's losses, with and without SP; a LoRA fine-tune exported to PEFT; the multi-GPU phase's layouts
-on 2 gloo ranks), so the script a user runs on a GPU node is exercised in CI. With one GPU the multi-GPU phase is
-reported as skipped, never as passed."""
+device with tp=1's losses, with and without SP; a LoRA fine-tune exported to PEFT; the training step against
+transformers, scripts/bench/gpu_step.py; the multi-GPU phase's layouts on 2 gloo ranks), so the script a user runs
+on a GPU node is exercised in CI. With one GPU the multi-GPU phase is reported as skipped, never as passed."""
 import subprocess
 from pathlib import Path
 
@@ -14,9 +14,10 @@ def test_gpu_check_cpu_mode_passes_every_phase(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = (tmp_path / "gpu_check.md").read_text()
-    for phase in ("env", "tests", "kernels", "pretrain", "tp2", "lora", "nccl"):
+    for phase in ("env", "tests", "kernels", "pretrain", "step", "tp2", "lora", "nccl"):
         assert f"**{phase}** (ok," in report, report
     assert "CPU sanity check passed" in report and "tp2-sp (2 ranks" in report and "PEFT adapter" in report
+    assert "| tpzoo |" in report and "| hf-bf16 |" in report  # the step side by side with transformers
     # the multi-GPU phase's runs, on 2 gloo ranks: every layout, plain and strict, equal to one rank
     for layout in ("tp2", "tp2-sp", "pp2-1f1b", "pp2-zero-bubble", "dp2-zero1", "dp2-zero3", "cp2-ring", "cp2-a2a",
                    "ep2-moe", "generate tp2"):

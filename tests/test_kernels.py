@@ -75,12 +75,14 @@ def _run(backend, fn, leaves, grad_out, dtype=None):
 def _compare(fn, leaves, grad_out, kernel_fn_name, max_block=launch.MAX_BLOCK):
     """Triton vs reference autograd (and vs fp64 for low precision): output and the gradient of every leaf
     that requires one."""
-    saved = launch.MAX_BLOCK, launch.MAX_ELEMENTWISE_BLOCK
+    saved = launch.MAX_BLOCK, launch.MAX_ELEMENTWISE_BLOCK, launch.MAX_ROW, launch.MAX_TILE
+    # small blocks and tiles on small shapes: rows streamed in several blocks, several short rows per tile
     launch.MAX_BLOCK, launch.MAX_ELEMENTWISE_BLOCK = max_block, min(max_block, saved[1])
+    launch.MAX_ROW, launch.MAX_TILE = min(max_block, saved[2]), min(4 * max_block, saved[3])
     try:
         got, name = _run("triton", fn, leaves, grad_out)
     finally:
-        launch.MAX_BLOCK, launch.MAX_ELEMENTWISE_BLOCK = saved
+        launch.MAX_BLOCK, launch.MAX_ELEMENTWISE_BLOCK, launch.MAX_ROW, launch.MAX_TILE = saved
     assert name == kernel_fn_name, f"expected the Triton path ({kernel_fn_name}), got {name}"
     ref, ref_name = _run("torch", fn, leaves, grad_out)
     assert ref_name != kernel_fn_name
@@ -107,8 +109,11 @@ def check_norm(kind, dtype, shape, layout, max_block, device="cpu"):
     w = _leaf((n,), dtype, "contiguous", gen, device, scale=0.3, shift=1.0)
     b = _leaf((n,), dtype, "contiguous", gen, device)
     dy = _view(_leaf(shape, dtype, layout, gen, device), shape, layout).detach()  # strided incoming gradient
-    if kind == "rms":
+    if kind == "rms":  # rows up to MAX_ROW: several whole rows per program (kernels/rms.py); longer: streamed
         fn, leaves = (lambda x, w: K.rms_norm(_view(x, shape, layout), w, 1e-6)), [x, w]
+        if n <= max_block:
+            _compare(fn, leaves, dy, "RMSNormFunctionBackward", max_block)
+            return
     elif kind == "layer":
         fn, leaves = (lambda x, w, b: K.layer_norm(_view(x, shape, layout), w, b, 1e-5)), [x, w, b]
     else:  # LayerNorm without bias
@@ -139,9 +144,15 @@ def check_swiglu(dtype, layout, max_block, device="cpu", op="swiglu"):
     gen = torch.Generator().manual_seed(3)
     shape = (3, 5, 37)
     act = getattr(K, op)
-    if layout == "fused":  # gate, up = h.chunk(2, -1) of one column-parallel output, as the MLP does
+    if layout == "fused":  # gate, up = h.chunk(2, -1) of one column-parallel output
         h = _leaf((3, 5, 74), dtype, "contiguous", gen, device, scale=2.0)
         fn, leaves = (lambda h: act(*h.chunk(2, dim=-1))), [h]
+    elif layout == "packed":  # h = gate|up itself, as the MLP passes it: one gradient tensor comes back
+        h = _leaf((3, 5, 74 + 6), dtype, "contiguous", gen, device, scale=2.0)
+        dy = _leaf(shape, dtype, "contiguous", gen, device).detach()
+        packed = getattr(K, f"{op}_packed")
+        _compare(lambda h: packed(h[..., 3:-3]), [h], dy, "PackedGLUFunctionBackward", max_block)
+        return
     else:
         g, u = _leaf(shape, dtype, layout, gen, device, scale=2.0), _leaf(shape, dtype, layout, gen, device)
         fn, leaves = (lambda g, u: act(_view(g, shape, layout), _view(u, shape, layout))), [g, u]
@@ -263,8 +274,9 @@ DT_IDS = ["fp32", "bf16"]
 @pytest.mark.parametrize("kind", ["rms", "layer", "layer_nobias"])
 @pytest.mark.parametrize("shape,layout,max_block", [((3, 5, 50), "contiguous", 4096),
                                                     ((4, 3, 70), "sliced", 16),
-                                                    ((3, 4, 33), "transposed", 16)],
-                         ids=["one_block", "sliced_multiblock", "transposed_multiblock"])
+                                                    ((3, 4, 33), "transposed", 16),
+                                                    ((5, 7, 24), "sliced", 32)],
+                         ids=["one_block", "sliced_multiblock", "transposed_multiblock", "rows_per_tile"])
 def test_norms(interp, kind, dtype, shape, layout, max_block):
     interp(check_norm, kind, dtype, shape, layout, max_block)
 
@@ -277,7 +289,7 @@ def test_rotary(interp, dtype, batched_cos, layout, max_block):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-@pytest.mark.parametrize("layout,max_block", [("fused", 16), ("transposed", 4096)])
+@pytest.mark.parametrize("layout,max_block", [("fused", 16), ("transposed", 4096), ("packed", 16)])
 @pytest.mark.parametrize("op", ["swiglu", "geglu"])
 def test_swiglu(interp, dtype, layout, max_block, op):
     interp(check_swiglu, dtype, layout, max_block, "cpu", op)

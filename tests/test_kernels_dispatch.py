@@ -1,6 +1,8 @@
-"""tpzoo.kernels' dispatch seam: the backend switch (TPZOO_KERNELS and use_backend), lazy Triton import,
-import without Triton, every launched kernel compiling for a GPU target, and the Triton cross-entropy under
-tensor parallelism (same losses, gradients and collectives as the reference on 2 and 4 ranks)."""
+"""tpzoo.kernels' dispatch seam: the backend switch (TPZOO_KERNELS and use_backend, per kernel too), `auto`'s
+choice by measurement (decision logic with an injected timer: selection, caching per process and on disk,
+consensus, per-class separation, overrides), lazy Triton import, import without Triton, every launched kernel
+compiling for a GPU target, and the Triton cross-entropy under tensor parallelism (same losses, gradients and
+collectives as the reference on 2 and 4 ranks)."""
 from __future__ import annotations
 
 import os
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 
 import tpzoo
 from tpzoo import kernels as K
-from tpzoo.kernels import dispatch
+from tpzoo.kernels import autotune, dispatch
 from tpzoo.parallel import count_collectives, gather_tp_tensor, get_tp_rank, padded_vocab_size
 from tpzoo.testing import run_on_ranks
 
@@ -55,6 +57,109 @@ def test_backend_switch(monkeypatch):
         K.get_backend()
 
 
+def test_backend_per_kernel(monkeypatch):
+    monkeypatch.setenv("TPZOO_KERNELS", "auto,layer_norm=torch")
+    assert K.get_backend("layer_norm") == "torch" and K.get_backend("rms_norm") == "auto"
+    with K.use_backend("triton", kernel="rms_norm"):  # the API beats the environment, for that kernel only
+        assert K.get_backend("rms_norm") == "triton" and K.get_backend("swiglu") == "auto"
+        with K.use_backend("torch"):  # every kernel without a setting of its own
+            assert K.get_backend("swiglu") == "torch" and K.get_backend("rms_norm") == "triton"
+    assert K.get_backend("rms_norm") == "auto"
+    monkeypatch.setenv("TPZOO_KERNELS", "layer_norm=torch,triton")
+    assert K.get_backend("layer_norm") == "torch" and K.get_backend() == "triton"
+    with pytest.raises(ValueError, match="unknown kernel"):
+        K.use_backend("torch", kernel="rmsnorm")
+    monkeypatch.setenv("TPZOO_KERNELS", "rmsnorm=torch")
+    with pytest.raises(ValueError, match="TPZOO_KERNELS"):
+        K.get_backend("rms_norm")
+
+
+@pytest.fixture
+def fake_timing():
+    """A timer reading each trial's time from `times` (label -> seconds; the closures carry their label), and a
+    consensus recording what it was asked; both restored afterwards."""
+    times, asked = {}, []
+    timer = autotune.set_timer(lambda run: times[run.label])
+    consensus = autotune.set_consensus(lambda key, triton: asked.append((key, triton)) or triton)
+    autotune.forget()
+    yield times, asked
+    autotune.set_timer(timer)
+    autotune.set_consensus(consensus)
+    autotune.forget()
+
+
+def _labelled(label):
+    def run():
+        raise AssertionError("the fake timer does not run trials")
+    run.label = label
+    return run
+
+
+def test_measured_choice_cached_per_class(fake_timing, tmp_path):
+    times, asked = fake_timing
+    built = []
+    runs = lambda: built.append(1) or (_labelled("triton"), _labelled("torch"))  # noqa: E731
+    times.update(triton=2.0, torch=1.0)
+    key = autotune.shape_class("layer_norm", torch.empty(8192, 4096, dtype=torch.bfloat16))
+    assert key == "layer_norm|bfloat16|n4096|rows8192"
+    assert autotune.decide(key, runs, cache_file=None) == "torch"  # the faster one, whatever the name
+    times.update(triton=0.5)
+    assert autotune.decide(key, runs, cache_file=None) == "torch"  # decided once per class and process
+    assert len(built) == 1 and autotune.trials_run() == 1 and asked == [(key, False)]
+    # another class (hidden size bucket, token bucket or dtype) is measured on its own
+    for x in (torch.empty(8192, 2048, dtype=torch.bfloat16), torch.empty(100, 4096, dtype=torch.bfloat16),
+              torch.empty(8192, 4096)):
+        assert autotune.decide(autotune.shape_class("layer_norm", x), runs, cache_file=None) == "triton"
+    assert autotune.shape_class("layer_norm", torch.empty(8000, 3000)) == "layer_norm|float32|n4096|rows8192"
+    with torch.no_grad():  # inference is timed forward only: a class of its own
+        assert autotune.shape_class("layer_norm", torch.empty(8000, 3000)).endswith("rows8192|forward")
+    assert autotune.trials_run() == 4
+    # on disk: a new process (forget) takes the file's decision without a trial, still asking the consensus
+    cache = tmp_path / "cache" / "dispatch.json"
+    times.update(triton=1.0, torch=3.0)
+    assert autotune.decide("k|a", runs, cache_file=cache) == "triton"
+    autotune.forget()
+    asked.clear()
+    assert autotune.decide("k|a", lambda: pytest.fail("trial despite the disk"), cache_file=cache) == "triton"
+    assert asked == [("k|a", True)] and autotune.trials_run() == 0
+    # the consensus has the last word (a TP peer measured otherwise)
+    autotune.forget()
+    autotune.set_consensus(lambda key, triton: False)
+    assert autotune.decide("k|a", runs, cache_file=cache) == "torch"
+
+
+def test_auto_measures_through_the_ops(fake_timing, monkeypatch):
+    """kernels.rms_norm / swiglu_packed under auto with tensors taken for CUDA ones: each new class runs one
+    trial (both implementations on stand-ins of the call's shapes) and then the measured winner; an override
+    skips the measurement; cross_entropy is never measured."""
+    times, asked = fake_timing
+    monkeypatch.delenv("TPZOO_KERNELS", raising=False)
+    monkeypatch.setattr(dispatch, "_gpu_with_triton", lambda ts: True)
+    seen = []
+    real_inputs = autotune.trial_inputs
+    monkeypatch.setattr(autotune, "trial_inputs", lambda ts, cut=(): seen.append(
+        [tuple(t.shape) if t is not None else None for t in ts]) or real_inputs(ts, cut))
+    monkeypatch.setattr(autotune, "_cache_file", lambda: None)
+    order = iter(["triton", "torch"] * 8)  # a trial builds its two closures in this order
+    monkeypatch.setattr(autotune, "fwd_bwd", lambda fn, inputs: _labelled(next(order)))
+    times.update(triton=3.0, torch=1.0)  # torch wins: the reference runs (no interpreter needed on CPU)
+    x = torch.randn(4, 6, 32, requires_grad=True)
+    y = K.rms_norm(x, torch.ones(32), 1e-6)
+    assert "RMSNorm" not in y.grad_fn.name() and autotune.trials_run() == 1 and seen == [[(4, 6, 32), (32,)]]
+    K.rms_norm(torch.randn(3, 7, 32), torch.ones(32), 1e-6)  # 21 rows: the same class (32 rows bucket)
+    assert autotune.trials_run() == 1
+    K.swiglu_packed(torch.randn(4, 6, 64))
+    assert autotune.trials_run() == 2 and asked[-1][0] == "swiglu|float32|n64|rows32"
+    with K.use_backend("torch", kernel="layer_norm"):
+        K.layer_norm(x, None, None, 1e-5)
+    assert dispatch.use_triton(x, kernel="cross_entropy")  # no trial offered: Triton, as before
+    assert autotune.trials_run() == 2
+    # trial inputs are capped: rows cut along dim 0 so each holds at most CAP_ELEMENTS
+    monkeypatch.setattr(autotune, "CAP_ELEMENTS", 64)
+    small = real_inputs([torch.randn(8, 4, 16), torch.randn(16), None], cut=(0,))
+    assert [tuple(t.shape) if t is not None else None for t in small] == [(1, 4, 16), (16,), None]
+
+
 def test_auto_takes_reference_on_cpu(monkeypatch):
     monkeypatch.delenv("TPZOO_KERNELS", raising=False)
     x = torch.randn(2, 3, 8, requires_grad=True)
@@ -77,12 +182,14 @@ def test_env_var_and_context_select_triton_in_interpreter():
         from tpzoo import kernels as K
         x = torch.randn(2, 3, 8, requires_grad=True)
         assert K.get_backend() == "triton"
-        assert K.rms_norm(x, torch.ones(8), 1e-6).grad_fn.name() == "NormFunctionBackward"
+        assert K.rms_norm(x, torch.ones(8), 1e-6).grad_fn.name() == "RMSNormFunctionBackward"
         with K.use_backend("torch"):
-            assert K.rms_norm(x, torch.ones(8), 1e-6).grad_fn.name() != "NormFunctionBackward"
-        assert K.rms_norm(x.double(), torch.ones(8).double(), 1e-6).grad_fn.name() != "NormFunctionBackward"
+            assert K.rms_norm(x, torch.ones(8), 1e-6).grad_fn.name() != "RMSNormFunctionBackward"
+        assert K.rms_norm(x.double(), torch.ones(8).double(), 1e-6).grad_fn.name() != "RMSNormFunctionBackward"
         K.cross_entropy(torch.randn(4, 6), torch.randint(0, 6, (4,)))
-        for name in ("rms_norm", "layer_norm", "apply_rotary", "swiglu", "bias_gelu", "cross_entropy"):
+        K.swiglu_packed(torch.randn(4, 8))
+        for name in ("rms_norm", "layer_norm", "apply_rotary", "swiglu", "swiglu_packed", "bias_gelu",
+                     "cross_entropy"):
             assert isinstance(getattr(K, name), types.FunctionType), name
         print("ok")
     """, TRITON_INTERPRET="1", TPZOO_KERNELS="triton")

@@ -1,6 +1,6 @@
 """The zoo's models give the same loss and gradients with the fused kernels forced on (Triton's interpreter on
 CPU) and off (torch references), at tp=2 with sequence parallelism. The 2024-25 families run their (1 + w) and
-per-head q/k RMSNorms through the norm kernel and Gemma's GeGLU through the SwiGLU kernel pair; OLMo 2's
+per-head q/k RMSNorms through the RMSNorm kernel and Gemma's GeGLU through the SwiGLU kernel pair; OLMo 2's
 full-width q/k norm stays on the torch path (docs/kernels.md)."""
 import pytest
 import torch
@@ -47,7 +47,8 @@ def _compare_backends(name):
     finally:
         K.dispatch.load = load
     # the Triton path really ran for every kernel this family uses (no silent fallback to the reference)
-    expected = {"norms", "activations", "vocab_cross_entropy"} | ({"rotary"} if cfg.position == "rope" else set())
+    norms = "rms" if cfg.norm == "rmsnorm" else "norms"  # RMSNorm's own kernels (kernels/rms.py)
+    expected = {norms, "activations", "vocab_cross_entropy"} | ({"rotary"} if cfg.position == "rope" else set())
     assert used == expected, used
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     for n in ref_grads:

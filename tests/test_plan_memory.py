@@ -135,6 +135,35 @@ def test_one_real_step_allocates_what_is_estimated():
     assert grad_storages == {opt.grads.data.untyped_storage().data_ptr()}
 
 
+def test_weight_gradients_autograd_holds_are_the_plans():
+    """The 16-bit weight gradients the plan's backward working set counts (weight_grad_bytes): in a real bf16
+    backward at tp = 1, the largest gradient tensor autograd hands a layer's matrix, the head and the embedding,
+    with gradient-accumulation fusion on (none for the column/row-parallel matrices) and off."""
+    from tpzoo.plan.memory import weight_grad_bytes
+
+    for name in ("nano-gpt", "nano-llama"):  # tied GeLU with biases; untied SwiGLU
+        cfg = get_config(name)
+        for fused in (True, False):
+            model = Transformer(cfg)
+            opt = DistributedAdamW(list(model.parameters()), model.dims, model_dtype=torch.bfloat16,
+                                   grad_accumulation_fusion=fused)
+            seen = {"layer": 0, "head": 0, "embedding": 0}
+            for n, p in model.named_parameters():
+                kind = ("layer" if n.startswith("layers.") and p.dim() == 2 else "head" if n == "lm_head.weight"
+                        else "embedding" if n == "embed.weight" else None)
+                if kind:
+                    p.register_hook(lambda g, k=kind: seen.__setitem__(k, max(seen[k], 0 if g is None else
+                                                                              g.numel() * g.element_size())))
+            opt.zero_grad()
+            ids = torch.randint(0, cfg.vocab_size, (2, 16))
+            model(ids, labels=ids).sum().backward()
+            layer, head, embedding = weight_grad_bytes(cfg, 1, 2, TrainingSpec(16, 2, grad_accumulation_fusion=fused))
+            if cfg.tie_embeddings:  # the head's gradient joins the embedding's (one tensor, counted there)
+                assert head == (0 if fused else embedding)
+                head = 0
+            assert (seen["layer"], seen["head"], seen["embedding"]) == (layer, head, embedding), (name, fused, seen)
+
+
 def measure_chunk(cfg, mode, *, layers=None, pre=True, post=True, b=2, s=16, hooks=False, fused=True):
     torch.manual_seed(0)
     model = Transformer(cfg, layers=layers, pre_process=pre, post_process=post, recompute=mode,

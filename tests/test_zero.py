@@ -44,6 +44,50 @@ def reference() -> dict:
             "params": {n: _full(n, p.detach().clone(), CFG) for n, p in model.named_parameters()}}
 
 
+def backward_step(chunks, dims, cfg, opt, layout: dict, step: int) -> tuple[dict, int]:
+    """Forward, backward and the gradient reductions of step `step` on this rank at `layout` (the optimizer's
+    update is the caller's); returns the executor's result and the number of micro-batches."""
+    mbs, tokens = local_microbatches(cfg, step)
+    opt.zero_grad()
+    out = forward_backward(chunks, mbs, dims, schedule=layout.get("schedule", "1f1b"), loss_scale=1.0 / tokens)
+    finalize_grads(chunks, dims)
+    opt.reduce_grads()
+    return out, len(mbs)
+
+
+def step_timing(opt, out, layout: dict, m: int) -> dict:
+    """When the step's gradient buckets started reducing, against the gradient-producing actions (check_overlap)."""
+    grads = opt.grads
+    early = [t for _, t in grads.started[:grads.overlapped]]
+    grad_actions = [(mb, t0, t1) for kind, mb, t0, t1 in out["timeline"]
+                    if kind == ("W" if layout.get("schedule") == "zb" else "B")]
+    late = [k for k, is_late in enumerate(grads.late) if is_late]
+    return {"early": early, "n_early": grads.overlapped, "n_buckets": len(grads.buckets), "m": m, "late": late,
+            "started": [k for k, _ in grads.started], "actions": grad_actions}
+
+
+def check_overlap(timing: list[dict], layout: dict) -> None:
+    """The overlapped reduction's promise, step by step (module docstring)."""
+    for t in timing:
+        if not layout["overlap"] and layout["zero"] < 2:  # ZeRO-2 reduces in every pass (waited on at its end)
+            assert t["n_early"] == 0, layout
+            continue
+        normal = sorted(set(range(t["n_buckets"])) - set(t["late"]), reverse=True)
+        if layout["zero"] >= 2:
+            # every micro-batch's backward reduce-scatters every bucket it filled, during that backward
+            passes = t["m"] * layout.get("v", 1)
+            assert t["n_early"] >= len(normal) * t["m"] and t["n_early"] <= passes * len(normal), layout
+            windows = [(t0, t1) for _, t0, t1 in t["actions"]]
+        else:
+            # every bucket without a late parameter started during the backward passes, from the end of the
+            # buffer, inside its chunk's last gradient-producing action (none earlier: not final before)
+            assert t["n_early"] == len(normal) > 0, layout
+            assert t["started"][:t["n_early"]] == normal, layout
+            windows = [(t0, t1) for mb, t0, t1 in t["actions"] if mb == t["m"] - 1]
+        for when in t["early"]:
+            assert any(t0 <= when <= t1 for t0, t1 in windows), (layout, when, windows)
+
+
 def train_zero(layout: dict) -> dict:
     from tpzoo.train.optim import DistributedAdamW
 
@@ -57,22 +101,11 @@ def train_zero(layout: dict) -> dict:
                                keep_gathered=layout.get("keep", False), **ADAM)
         losses, norms, timing = [], [], []
         for step in range(STEPS):
-            mbs, tokens = local_microbatches(CFG, step)
-            opt.zero_grad()
-            out = forward_backward(chunks, mbs, dims, schedule=layout.get("schedule", "1f1b"),
-                                   loss_scale=1.0 / tokens)
-            finalize_grads(chunks, dims)
-            opt.reduce_grads()
+            out, m = backward_step(chunks, dims, CFG, opt, layout, step)
             norms.append(opt.global_grad_norm()[0])
             opt.step(LR)
             losses.append(out["loss_sum"])
-            grads = opt.grads
-            early = [t for _, t in grads.started[:grads.overlapped]]
-            grad_actions = [(mb, t0, t1) for kind, mb, t0, t1 in out["timeline"]
-                            if kind == ("W" if layout.get("schedule") == "zb" else "B")]
-            late = [k for k, is_late in enumerate(grads.late) if is_late]
-            timing.append({"early": early, "n_early": grads.overlapped, "n_buckets": len(grads.buckets), "m": len(mbs),
-                           "late": late, "started": [k for k, _ in grads.started], "actions": grad_actions})
+            timing.append(step_timing(opt, out, layout, m))
         with opt.weights_readable():  # ZeRO-3: the weights all-gathered from the shards
             params = {n: _full(n, gather_tp_tensor(p, param_spec(p), reduce="first"), CFG)
                       for c in chunks for n, p in c.named_parameters()}
@@ -130,24 +163,7 @@ def check(ref: dict, ranks: list[dict], layout: dict) -> None:
         for name, p in r["params"].items():
             ref_name = "embed.weight" if name == "lm_head.weight" else name
             assert_close(p, ref["params"][ref_name], f"{layout} param {name}")
-        for t in r["timing"]:
-            if not layout["overlap"] and layout["zero"] < 2:  # ZeRO-2 reduces in every pass (waited on at its end)
-                assert t["n_early"] == 0, layout
-                continue
-            normal = sorted(set(range(t["n_buckets"])) - set(t["late"]), reverse=True)
-            if layout["zero"] >= 2:
-                # every micro-batch's backward reduce-scatters every bucket it filled, during that backward
-                passes = t["m"] * layout.get("v", 1)
-                assert t["n_early"] >= len(normal) * t["m"] and t["n_early"] <= passes * len(normal), layout
-                windows = [(t0, t1) for _, t0, t1 in t["actions"]]
-            else:
-                # every bucket without a late parameter started during the backward passes, from the end of the
-                # buffer, inside its chunk's last gradient-producing action (none earlier: not final before)
-                assert t["n_early"] == len(normal) > 0, layout
-                assert t["started"][:t["n_early"]] == normal, layout
-                windows = [(t0, t1) for mb, t0, t1 in t["actions"] if mb == t["m"] - 1]
-            for when in t["early"]:
-                assert any(t0 <= when <= t1 for t0, t1 in windows), (layout, when, windows)
+        check_overlap(r["timing"], layout)
     # loss_sum is reported on every pipeline rank; per dp rank it is that rank's share of the batch
     by_step = [sum(r["loss_sum"][s] for r in ranks) / (len(ranks) // layout["dp"]) for s in range(STEPS)]
     assert by_step == pytest.approx(ref["loss_sum"], rel=1e-5), layout
@@ -232,3 +248,37 @@ def test_state_bytes_of_a_real_step_follow_the_formulas():
                 assert live == sum(expected.values()), (dp, zero, live, expected)
                 if zero == 2 and dp > 1:  # no full-size fp32 gradient buffer
                     assert est.grads == 4 * (-(-count.numel // dp))
+
+
+def test_both_update_paths_follow_torch_adamw(monkeypatch):
+    """One process: DistributedAdamW's fused update (two multi-tensor kernels, the clipping scale folded in) and
+    its multi-tensor reference path (torch without the fused kernel) follow torch.optim.AdamW for three steps
+    whose gradients are scaled (clipping): loss, global norm and every parameter."""
+    from tpzoo.parallel import local_dims
+    from tpzoo.train import optim
+
+    dims, scales = local_dims(), (0.3, 1.0, 0.7)
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(optim, "_FUSED", None)
+        model, ref = Transformer(SMALL, dims=dims, seed=SEED), Transformer(SMALL, dims=dims, seed=SEED)
+        opt = optim.DistributedAdamW(list(model.parameters()), dims, bucket_elems=BUCKET, **ADAM)
+        decayed = [p for p in ref.parameters() if p.dim() >= 2]
+        torch_opt = torch.optim.AdamW([{"params": decayed}, {"params": [p for p in ref.parameters() if p.dim() < 2],
+                                                             "weight_decay": 0.0}], lr=LR, **ADAM)
+        for step, scale in enumerate(scales):
+            ids = torch.randint(0, SMALL.vocab_size, (2, 8), generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            model(ids, labels=ids).sum().backward()
+            opt.reduce_grads()
+            norm, _ = opt.global_grad_norm()
+            opt.step(LR, scale)
+            torch_opt.zero_grad()
+            ref(ids, labels=ids).sum().backward()
+            assert norm == pytest.approx(float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])),
+                                         rel=1e-6), (fused, step)
+            for p in ref.parameters():
+                p.grad.mul_(scale)
+            torch_opt.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_close(p.detach(), q.detach(), f"fused={fused} {name}")

@@ -21,7 +21,7 @@ import sys
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-KERNELS = ("rms_norm", "layer_norm", "apply_rotary", "swiglu", "bias_gelu", "cross_entropy")
+KERNELS = ("rms_norm", "layer_norm", "apply_rotary", "swiglu", "swiglu_packed", "bias_gelu", "cross_entropy")
 
 
 def make_case(name: str, a, device, dtype, gen):
@@ -47,6 +47,9 @@ def make_case(name: str, a, device, dtype, gen):
         g, u = r(t, a.ffn), r(t, a.ffn)
         n = t * a.ffn * e
         return K.swiglu, [g, u], r(t, a.ffn), 3 * n, 8 * n
+    if name == "swiglu_packed":  # gate|up as the MLP passes it: one packed gradient, no cat
+        n = t * a.ffn * e
+        return K.swiglu_packed, [r(t, 2 * a.ffn)], r(t, a.ffn), 3 * n, 8 * n
     if name == "bias_gelu":
         x, b = r(t, a.ffn), r(a.ffn)
         n = t * a.ffn * e
@@ -105,7 +108,7 @@ def run_gpu(a) -> None:
           f"heads={a.heads}x{a.head_dim} vocab_shard={a.vocab_shard}; measured copy bandwidth {peak_bw:.0f} GB/s\n")
     print("| kernel | impl | fwd ms | fwd+bwd ms | fwd GB/s | fwd+bwd GB/s | % of copy bw | peak extra MiB |")
     print("|---|---|---|---|---|---|---|---|")
-    impls = [("triton", "triton", False), ("eager", "torch", False)]
+    impls = [("triton", "triton", False), ("eager", "torch", False), ("auto", "auto", False)]  # auto: measured
     if not a.no_compile:
         impls.append(("compile", "torch", True))
     for name in a.only or KERNELS:
@@ -138,6 +141,7 @@ def cpu_sanity() -> int:
     cases = {
         "rms_norm": lambda: K.rms_norm(x, w, 1e-6), "layer_norm": lambda: K.layer_norm(x, w, w, 1e-5),
         "apply_rotary": lambda: K.apply_rotary(x, cos, sin), "swiglu": lambda: K.swiglu(x, x * 0.5),
+        "swiglu_packed": lambda: K.swiglu_packed(x),
         "bias_gelu": lambda: K.bias_gelu(x, w), "cross_entropy": lambda: K.cross_entropy(x[:, :, 0], target),
     }
     worst = 0.0

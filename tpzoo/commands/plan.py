@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero1", action="store_true", help="alias of --zero 1")
     p.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
                    help="model the data-parallel reduction after the backward instead of overlapped with it")
+    p.add_argument("--no-grad-accumulation-fusion", dest="grad_accumulation_fusion", action="store_false",
+                   help="model the 16-bit weight gradients autograd holds without gradient-accumulation fusion")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="LoRA fine-tuning of a frozen base at this adapter rank (all-linear targets)")
     p.add_argument("--kernels", default="fused", choices=["fused", "reference"],
@@ -87,6 +89,7 @@ def run(args) -> int:
         training = TrainingSpec(seq_len=args.seq_len, global_batch_size=args.global_batch_size, dtype=args.dtype,
                                 zero=max(args.zero, int(args.zero1)),
                                 overlap_grad_reduce=args.overlap_grad_reduce,
+                                grad_accumulation_fusion=args.grad_accumulation_fusion,
                                 lora_rank=args.lora_rank,
                                 vocab_padding_multiple=args.vocab_padding_multiple,
                                 kernels=args.kernels, fused_linear_cross_entropy=args.fused_linear_cross_entropy,

@@ -17,7 +17,8 @@ Zero-bubble's split backward (tpzoo.pipeline.weight_grad) runs this node twice: 
 for grad_W/grad_b. `grad_phase` tells the node which pass it is in, so B does no weight matmul and keeps nothing
 but x_local for W, and W re-gathers x_local and computes nothing of the input gradient (no reduce-scatter).
 Native ops learn the same from the autograd engine; a Python Function cannot ask it about leaf parameters.
-(tpzoo.kernels.fused_linear_cross_entropy reads the phase too, through current_grad_phase().)
+The weight gradients are accumulated into the fp32 main gradients where gradient-accumulation fusion applies
+(tpzoo.parallel.wgrad).
 
 FP8 (`fp8`: the layer's tpzoo.parallel.fp8.Fp8Linear): the layer's own weight runs its three GEMMs in FP8 on the
 gathered input (the gather itself stays in the activations' dtype); the extra weights (LoRA's A) do not. The
@@ -32,30 +33,12 @@ import torch.nn.functional as F
 
 from . import comm
 from .mappings import gather_from_sequence
+from .wgrad import SKIP, bias_grad, grad_phase, input_wanted, route, weight_grad
+from .wgrad import rows as _flat
 
-_PHASE: str | None = None  # None: a whole backward; "input" (zero-bubble's B); "weight" (its W)
+__all__ = ["gathered_linear", "grad_phase", "keep_gathered_inputs"]
+
 _KEEP_GATHERED = False     # benchmarks only: the former behaviour (autograd keeps the gathered input)
-
-
-@contextlib.contextmanager
-def grad_phase(phase: str | None):
-    """Within the block, sequence-parallel column matmuls compute only the input ("input") or only the weight
-    ("weight") gradients in backward. A plain module global, not thread-local: CUDA's autograd runs backward
-    on the engine's device threads."""
-    global _PHASE
-    if phase not in (None, "input", "weight"):
-        raise ValueError(f"grad_phase must be None, 'input' or 'weight', got {phase!r}")
-    previous, _PHASE = _PHASE, phase
-    try:
-        yield
-    finally:
-        _PHASE = previous
-
-
-def current_grad_phase() -> str | None:
-    """The phase grad_phase() set (None outside one): other Python autograd nodes that compute their input and
-    weight gradients separately (the fused linear cross-entropy) read it too."""
-    return _PHASE
 
 
 @contextlib.contextmanager
@@ -70,10 +53,6 @@ def keep_gathered_inputs():
         _KEEP_GATHERED = previous
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1])
-
-
 class _GatheredLinear(torch.autograd.Function):
     """y_i = x W_i^T + b_i for one gathered x and several (W_i, b_i): a layer and its LoRA A share one gather."""
 
@@ -82,6 +61,9 @@ class _GatheredLinear(torch.autograd.Function):
         ctx.dim, ctx.group, ctx.fp8 = dim, group, fp8
         pairs = list(zip(weights_and_biases[::2], weights_and_biases[1::2]))
         ctx.has_bias = [b is not None for _, b in pairs]
+        # autograd edge of each weight/bias (edges skip the non-tensor inputs: dim, group, absent biases)
+        present = [t is not None for t in weights_and_biases]
+        ctx.edges = [1 + sum(present[:j]) for j in range(len(present))]
         ctx.save_for_backward(x_local, *(w for w, _ in pairs))
         x = comm.all_gather(x_local, group, dim=dim)
         outs = [F.linear(x, w, b) for w, b in pairs[1 if fp8 else 0:]]
@@ -95,10 +77,11 @@ class _GatheredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_ys):
         x_local, *weights = ctx.saved_tensors
-        wanted = ctx.needs_input_grad[4:]  # (W_0, b_0, W_1, b_1, ...)
-        need_x = ctx.needs_input_grad[0] and _PHASE != "weight"
-        need_w = any(wanted) and _PHASE != "input"
-        fp8 = ctx.fp8 if grad_ys[0] is not None and (need_x or wanted[0] and need_w) else None
+        # where each weight's and bias's gradient goes (tpzoo.parallel.wgrad): inputs 4, 5, 6, ... are W_0, b_0, ...
+        ways = [route(ctx, 4 + j, ctx.edges[j]) for j in range(2 * len(weights))]
+        need_x = input_wanted(ctx)
+        need_w = any(w != SKIP for w in ways)
+        fp8 = ctx.fp8 if grad_ys[0] is not None and (need_x or ways[0] != SKIP) else None
         scales = fp8.backward_scales(_flat(grad_ys[0]), weights[0], need_x) if fp8 is not None else None
         gathering = comm.all_gather_start(x_local, ctx.group, dim=ctx.dim) if need_w else None
         x = scattering = None
@@ -113,18 +96,18 @@ class _GatheredLinear(torch.autograd.Function):
             if gathering is not None:
                 x = gathering.wait()  # posted in the same order on every rank: the gather, then the scatter
             scattering = comm.reduce_scatter_start(grad_x_full, ctx.group, dim=ctx.dim)
-        grads_wb = [None] * len(wanted)
+        grads_wb = [None] * len(ways)
         if need_w:  # overlaps the reduce-scatter
             x = _flat(gathering.wait() if x is None else x)
             for i, g in enumerate(grad_ys):
                 if g is None:
                     continue
                 g = _flat(g)
-                if wanted[2 * i]:
-                    grads_wb[2 * i] = (fp8.weight_grad(g, x, ctx.fp8_saved, scales) if i == 0 and fp8 is not None
-                                       else g.t().matmul(x))
-                if wanted[2 * i + 1] and ctx.has_bias[i]:
-                    grads_wb[2 * i + 1] = g.sum(0)
+                fp8_gemm = None
+                if i == 0 and fp8 is not None:  # the layer's weight: its FP8 weight-gradient GEMM
+                    fp8_gemm = lambda dtype, g=g, x=x: fp8.weight_grad(g, x, ctx.fp8_saved, scales, dtype)  # noqa: E731
+                grads_wb[2 * i] = weight_grad(ctx, ctx.edges[2 * i], g, x, ways[2 * i], fp8_gemm)
+                grads_wb[2 * i + 1] = bias_grad(ctx, ctx.edges[2 * i + 1], g, ways[2 * i + 1])
         grad_x = scattering.wait() if scattering is not None else None
         return (grad_x, None, None, None, *grads_wb)
 

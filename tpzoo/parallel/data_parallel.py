@@ -25,6 +25,10 @@ Late parameters. Gradients that another reduction still changes after the backwa
 parameters summed over tp under sequence parallelism, kv heads replicated over tp ranks, tied embedding copies)
 are not final when their hooks run. They are laid out last, and the buckets holding them are reduced by
 `finish`, after finalize_grads (sums commute, but a reduce-scattered bucket keeps only this rank's part).
+
+Gradient-accumulation fusion (`fuse`, on by default): the linear layers accumulate their weight gradients straight
+into `fused_target(param)` (the main gradient) and autograd delivers None; the same hook then only marks the
+parameter delivered (tpzoo.parallel.wgrad).
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ import torch
 
 from . import comm
 from .utils import param_spec
+from .wgrad import hooks_see_fused_grads
 
 DEFAULT_BUCKET_ELEMS = 1 << 24  # 64 MiB of fp32 per collective call
 
@@ -50,17 +55,21 @@ def is_late(param, tp: int | None = None, pp: int | None = None) -> bool:
 
 
 def _grad_ready(param: torch.Tensor) -> None:
-    """Post-accumulate hook: hand autograd's gradient to the buffer (fp32) and free the 16-bit .grad."""
+    """Post-accumulate hook: hand autograd's gradient to the buffer (fp32) and free the 16-bit .grad (None when
+    every use of the parameter accumulated its gradient itself: gradient-accumulation fusion)."""
     param._grad_buffer.add(param, param.grad)
     param.grad = None
 
 
-def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
     """Add a gradient computed outside autograd's accumulation (zero-bubble's W pass) where the parameter keeps
-    its gradient: its GradBuffer when one is attached, else .grad."""
+    its gradient: its GradBuffer when one is attached, else .grad. None: the pass delivered it already (fused into
+    the buffer) or had none for it; a GradBuffer still learns that the pass is done with the parameter."""
     buf = getattr(param, "_grad_buffer", None)
     if buf is not None:
         buf.add(param, grad)
+    elif grad is None:
+        return
     elif param.grad is None:
         param.grad = grad.clone()  # a copy: autograd may hand the same tensor to two parameters
     else:
@@ -112,8 +121,11 @@ class GradBuffer:
     """fp32 main gradients of `params` (each distinct Parameter once, late ones last) in one flat buffer on
     `device`, padded to a multiple of `pad_to` (the dp size, so ZeRO can split every bucket evenly)."""
 
-    def __init__(self, params, *, device, pad_to: int = 1, bucket_elems: int = DEFAULT_BUCKET_ELEMS, late=is_late):
+    def __init__(self, params, *, device, pad_to: int = 1, bucket_elems: int = DEFAULT_BUCKET_ELEMS, late=is_late,
+                 fuse: bool = True):
         self.params, self.offsets, self.numel, self.padded = flat_layout(params, pad_to, late)
+        # gradient-accumulation fusion: layers accumulate into fused_target() (needs the hook to see it)
+        self.fuse = fuse and hooks_see_fused_grads()
         self.pad_to, self.device = pad_to, device
         self.buckets = bucket_ranges(self.padded, pad_to, bucket_elems)
         size = self.buckets[0][1]
@@ -139,9 +151,18 @@ class GradBuffer:
         for p, o in zip(self.params, self.offsets):
             p.main_grad = self.data[o:o + p.numel()].view(p.shape)
 
-    def add(self, param, grad: torch.Tensor) -> None:
+    def add(self, param, grad: torch.Tensor | None) -> None:
+        """A pass delivered param's gradient: `grad` (any dtype) added into it, or None (fused: already in)."""
+        if grad is not None:
+            self.accumulate(param, grad)
+        self.delivered(param)
+
+    def accumulate(self, param, grad: torch.Tensor) -> None:
         param.main_grad.add_(grad)
-        self.arrived(param)
+
+    def fused_target(self, param) -> torch.Tensor | None:
+        """The fp32 tensor (param's shape) a fused layer accumulates param's gradient into now."""
+        return param.main_grad
 
     def pass_begins(self, params, last: bool) -> None:
         if last:  # what these parameters receive now is their last gradient of the step
@@ -174,8 +195,8 @@ class GradBuffer:
             self.shard_grad = torch.empty(self.padded // comm.group_size(group), dtype=torch.float32,
                                           device=self.device)
 
-    def arrived(self, param) -> None:
-        """A gradient was just added into param.main_grad (hook)."""
+    def delivered(self, param) -> None:
+        """A pass delivered param's gradient into param.main_grad (hook): with the chunk armed, it is final."""
         if self._group is None or id(param) not in self.armed or id(param) in self._final:
             return
         self._final.add(id(param))

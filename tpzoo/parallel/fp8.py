@@ -42,7 +42,8 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .column_linear import current_grad_phase
+from . import wgrad
+from .wgrad import SKIP, bias_grad, input_wanted, route, weight_grad
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_RECIPES = ("none", "tensorwise", "rowwise")
@@ -280,8 +281,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 class _Fp8LinearFunction(torch.autograd.Function):
     """y = x W^T + b with the three GEMMs in FP8 (Fp8Linear). Saves x and W as they are (the backward casts
-    again: row-wise scaling needs other axes, and the weight is the same until the optimizer step). Reads
-    zero-bubble's grad_phase like tpzoo.parallel.column_linear."""
+    again: row-wise scaling needs other axes, and the weight is the same until the optimizer step). Routes the
+    weight and bias gradients as tpzoo.parallel.wgrad does (zero-bubble's phases, gradient-accumulation fusion)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, fp8: Fp8Linear):
@@ -294,28 +295,27 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        phase, fp8 = current_grad_phase(), ctx.fp8
-        need_x = ctx.needs_input_grad[0] and phase != "weight"
-        need_w = ctx.needs_input_grad[1] and phase != "input"
-        need_b = ctx.needs_input_grad[2] and phase != "input"
+        fp8 = ctx.fp8
+        # where the weight's and bias's gradients go (tpzoo.parallel.wgrad: skipped, returned, or accumulated
+        # into the fp32 main gradient: the FP8 weight-gradient GEMM with fp32 output, added)
+        need_x, way_w, way_b = input_wanted(ctx), route(ctx, 1), route(ctx, 2)
         dy2 = _rows(dy)
-        grad_x = grad_w = grad_b = None
-        if need_x or need_w:
+        grad_x = grad_w = None
+        if need_x or way_w != SKIP:
             scales = fp8.backward_scales(dy2, weight, need_x)
             if need_x:
                 grad_x = fp8.input_grad(dy2, weight, ctx.fp8_saved, scales).view(*dy.shape[:-1], weight.shape[1])
-            if need_w:
-                grad_w = fp8.weight_grad(dy2, _rows(x), ctx.fp8_saved, scales)
-        if need_b:
-            grad_b = dy2.sum(0)
-        return grad_x, grad_w, grad_b, None
+            x2 = _rows(x)
+            grad_w = weight_grad(ctx, 1, dy2, x2, way_w,
+                                 lambda dtype: fp8.weight_grad(dy2, x2, ctx.fp8_saved, scales, dtype))
+        return grad_x, grad_w, bias_grad(ctx, 2, dy2, way_b), None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            fp8: Fp8Linear | None = None) -> torch.Tensor:
     """F.linear, or with `fp8` (a layer's Fp8Linear) its three GEMMs in FP8: the one call the layers make."""
     if fp8 is None:
-        return torch.nn.functional.linear(x, weight, bias)
+        return wgrad.linear(x, weight, bias)  # with gradient-accumulation fusion where it applies
     return _Fp8LinearFunction.apply(x, weight, bias, fp8)
 
 

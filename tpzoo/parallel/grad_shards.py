@@ -6,11 +6,13 @@ accumulate. What differs is where a gradient goes between autograd and that shar
 
 - Every pass that produces weight gradients (each micro-batch's backward, or zero-bubble's W) runs inside
   `grad_pass`. A gradient autograd hands over is added into a bucket-sized fp32 staging buffer, and its 16-bit
-  .grad freed. When the pass has delivered every gradient of a bucket it touches, the bucket's reduce-scatter
-  starts (asynchronously, buckets of a pass in a fixed order: from the end of the buffer, so every replica issues
-  the same collectives in the same order); what is left starts when the pass ends. So micro-batches are summed by
-  the reduce-scatters (as DeepSpeed's ZeRO-2 and FSDP do), one collective per bucket and micro-batch: m times
-  the communication of ZeRO-1 for m micro-batches, for (dp-1)/dp of the gradient memory.
+  .grad freed (with gradient-accumulation fusion a linear layer accumulates its weight's gradient into the
+  staging buffer itself when the weight lies inside one bucket: `fused_target`). When the pass has delivered
+  every gradient of a bucket it touches, the bucket's reduce-scatter starts (asynchronously, buckets of a pass in
+  a fixed order: from the end of the buffer, so every replica issues the same collectives in the same order);
+  what is left starts when the pass ends. So micro-batches are summed by the reduce-scatters (as DeepSpeed's
+  ZeRO-2 and FSDP do), one collective per bucket and micro-batch: m times the communication of ZeRO-1 for m
+  micro-batches, for (dp-1)/dp of the gradient memory.
 - Accumulation without a second buffer: before a bucket's gradients go in, its staging buffer's own segment
   (this rank's 1/dp) is set to what the shard already holds for it. A reduce-scatter sums the segment over the
   replicas, so rank d receives sum over replicas of this pass's gradients + its own running sum, written straight
@@ -75,16 +77,29 @@ class ShardedGradBuffer(GradBuffer):
         self.started, self.overlapped = [], 0
 
     # -- gradients in ---------------------------------------------------------------------------------------
-    def add(self, param, grad: torch.Tensor) -> None:
+    def accumulate(self, param, grad: torch.Tensor) -> None:
         o, g = self._offset[id(param)], grad.reshape(-1)
         for k in self._of_param[id(param)]:
             s, e = self.buckets[k]
             a, b = max(o, s), min(o + param.numel(), e)
             if self.late[k]:
                 self.data[a - self.late_start:b - self.late_start].add_(g[a - o:b - o])
-                continue
-            self._stage(k)[a - s:b - s].add_(g[a - o:b - o])
-            if self._in_pass is not None and k in self._in_pass:
+            else:
+                self._stage(k)[a - s:b - s].add_(g[a - o:b - o])
+
+    def fused_target(self, param) -> torch.Tensor | None:
+        """Where a fused layer accumulates param's gradient: its main_grad in the late buckets, else its slice of
+        the bucket's staging buffer when it lies in one bucket; None across buckets (staging buffers are apart)."""
+        main = getattr(param, "main_grad", None)
+        ks = self._of_param[id(param)]
+        if main is not None or len(ks) != 1:
+            return main
+        o, s = self._offset[id(param)], self.buckets[ks[0]][0]
+        return self._stage(ks[0])[o - s:o - s + param.numel()].view(param.shape)
+
+    def delivered(self, param) -> None:
+        for k in self._of_param[id(param)]:
+            if not self.late[k] and self._in_pass is not None and k in self._in_pass:
                 self._in_pass[k] -= 1
         self._start_ready()
 

@@ -11,6 +11,9 @@ The column- and row-parallel layers run their matmuls in FP8 when `layer.fp8` ho
 (tpzoo.parallel.fp8.enable_fp8; None by default): one call, tpzoo.parallel.fp8.linear, or the sequence-parallel
 column matmul given it.
 
+The column- and row-parallel matmuls accumulate their weight gradients straight into the fp32 main gradients
+when a GradBuffer with gradient-accumulation fusion holds them (tpzoo.parallel.wgrad).
+
 Every layer takes `dims` (a ParallelDims: its TP size, rank and group; default: the default dims) and `device`
 (default: dims.device). Built on "meta", a layer holds no memory and draws nothing: `to_empty()` then
 `reset_parameters()` materializes it exactly as a direct build would.
@@ -31,6 +34,7 @@ from .mappings import (copy_to_tp, gather_from_sequence, gather_from_tp, reduce_
 from .sharding import ShardSpec, shard
 from .dims import ParallelDims, divide
 from .state import get_dims
+from .wgrad import linear
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -141,7 +145,7 @@ class ColumnParallelLinear(nn.Module):
             return out if extra else (out,)
         x = gather_from_sequence(x, self.sequence_dim, group) if self.sequence_parallel else copy_to_tp(x, group)
         dropped = drop(x) if drop is not None else x
-        return (_fp8.linear(x, self.weight, bias, self.fp8), *(F.linear(dropped, w, b) for w, b in extra))
+        return (_fp8.linear(x, self.weight, bias, self.fp8), *(linear(dropped, w, b) for w, b in extra))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora is not None:  # low-rank adapters (tpzoo.parallel.lora)

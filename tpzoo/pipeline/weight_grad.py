@@ -9,7 +9,9 @@ weight). During B a pre-hook on each frontier node records the gradient flowing 
 from exactly there (autograd.grad with GradientEdge outputs) towards that node's parameters, so it runs only the
 weight branches: the weight-gradient matmuls, nothing of the activation-gradient chain. Its only TP collectives
 are the all-gathers of sequence-parallel column inputs, kept sharded between B and W (tpzoo.parallel
-.column_linear; `grad_phase` tells that Python autograd node which part it is asked for).
+.column_linear; `grad_phase` tells tpzoo's Python autograd nodes which part, and which parameters' gradients,
+each walk asks for: the linear layers accumulate the weight gradients into the fp32 main gradients,
+tpzoo.parallel.wgrad).
 
 A parameter reached from several frontier nodes (one weight used twice) restarts from all of them at once when
 none of them passes gradient to another (the experts of an MoE layer: slices of one weight, each in its own
@@ -23,7 +25,7 @@ from collections import defaultdict
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from tpzoo.parallel.column_linear import grad_phase
+from tpzoo.parallel.wgrad import grad_phase
 from tpzoo.parallel.data_parallel import accumulate_grad
 
 
@@ -99,20 +101,23 @@ class WeightGrad:
                 continue
             edges = [(GradientEdge(node, k), g) for node, gs in zip(nodes, grads_in) for k, g in enumerate(gs)
                      if g is not None]
-            with grad_phase("weight"):  # a sequence-parallel column matmul: gather x again, skip grad_x
+            # tpzoo's linear layers: no input gradient (an SP column matmul gathers x again); the weight gradients
+            # fused into their main gradients come back None (delivered below)
+            with grad_phase("weight", params):
                 grads = torch.autograd.grad([e for e, _ in edges], [get_gradient_edge(p) for p in params],
                                             [g for _, g in edges], retain_graph=True, allow_unused=True)
             _accumulate(params, grads)
         if fallback:
-            grads = torch.autograd.grad(self.out, fallback, self.grad, retain_graph=True, allow_unused=True)
+            with grad_phase(None, fallback):
+                grads = torch.autograd.grad(self.out, fallback, self.grad, retain_graph=True, allow_unused=True)
             _accumulate(fallback, grads)
         self.out = self.grad = self.captured = None  # frees the graph and the recorded gradients
 
 
 def _accumulate(params, grads) -> None:
+    """Hand W's gradients to where the parameters keep theirs; None: fused into the buffer already, or none."""
     for p, g in zip(params, grads):
-        if g is not None:
-            accumulate_grad(p, g)
+        accumulate_grad(p, g)
 
 
 def backward_input(out: list, grad, x: list, params: list) -> tuple[list, WeightGrad]:

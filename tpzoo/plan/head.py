@@ -11,8 +11,9 @@ what the forward keeps for the backward, besides the final norm's own saved tens
       The working set: one chunk of c = default_chunk_rows(T, h) tokens in the forward, its logits (e c V; a
       soft cap one more) and then either the torch reference's fp32 softmax work (8 c V in 16-bit: a copy and
       the exp; 4 c V in fp32) or the weight-gradient matmul's operands (the torch path's gradient, e c V, and in
-      16-bit the chunk's product, e V h); in the backward the scaled weight gradient (e V h) and the input
-      gradient (e h T / d).
+      16-bit the chunk's product, e V h); in the backward the scaled weight gradient handed to autograd (e V h;
+      none where gradient-accumulation fusion adds it into the fp32 main gradient, tpzoo.parallel.wgrad) and the
+      input gradient (e h T / d).
 Plus the per-token loss the caller sums: 4 bytes, the fp32 scalar it holds.
 Zero-bubble keeps from B to W the gradient of the stage output: unfused the logits' (e V T), fused the per-token
 loss's, which autograd hands over as one expanded fp32 scalar (4 bytes).
@@ -62,12 +63,15 @@ def head_output_grad_bytes(cfg: ModelConfig, tp: int, tokens: int, e: int, pad: 
 
 
 def head_transient_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, tokens: int, e: int, kernels: str,
-                         pad: int, fused: bool, head_trains: bool = True) -> int:
+                         pad: int, fused: bool, head_trains: bool = True, weight_grad: int | None = None) -> int:
     """The head's working set on top of what is kept (module docstring); a frozen head (LoRA) has no weight
-    gradient to compute."""
+    gradient to compute. `weight_grad`: the bytes of the 16-bit head weight gradient autograd holds in the
+    backward (plan.memory.weight_grad_bytes: 0 where it is fused into the main gradient). None: a bare head's
+    (no GradBuffer), e V h for the fused head when it trains, left out for the unfused one (its estimate is the
+    logits' gradient, which scripts/bench/loss_head.py compares with)."""
     h, v = cfg.hidden_size, _local_vocab(cfg, tp, pad)
     if not fused:
-        return e * v * tokens
+        return e * v * tokens + (weight_grad or 0)
     c = default_chunk_rows(tokens, h)
     torch_path = kernels == "reference"
     logits = c * v * (e + (e if cfg.final_softcap else 0))  # the chunk's logits (+ the capped ones)
@@ -75,7 +79,8 @@ def head_transient_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, tok
     softmax = c * v * ((8 if e < 4 else 4) if torch_path else 0)
     # the weight-gradient matmul: the torch path's gradient is a new tensor; a 16-bit product is summed in fp32
     product = c * v * (e if torch_path else 0) + (e * v * h if e < 4 else 0)
-    weight_grad = e * v * h if head_trains else 0
+    if weight_grad is None:
+        weight_grad = e * v * h if head_trains else 0
     forward = logits + max(softmax, product if head_trains else 0)
     return max(forward, weight_grad + e * h * tokens // (tp if sequence_parallel else 1))
 

@@ -328,6 +328,21 @@ def output_grad_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, micro_
     return e * cfg.hidden_size * tokens // (tp if sequence_parallel else 1)
 
 
+def weight_grad_bytes(cfg: ModelConfig, tp: int, e: int, training: TrainingSpec, ep: int = 1) -> tuple:
+    """(layer, head, embedding) bytes of the 16-bit weight gradient autograd holds on its way to the fp32 main grads:
+    a layer's largest weight's, the head's, the embedding's dense one (never fused). Gradient-accumulation fusion
+    (tpzoo.parallel.wgrad) spares the column/row-parallel weights' and the head's (the fused linear cross-entropy's
+    too), but not at ZeRO >= 2 for a weight crossing a bucket boundary (counted: the largest) nor the MoE experts'.
+    LoRA: none."""
+    if training.lora_rank:
+        return 0, 0, 0
+    d, h = local_dims(cfg, tp, training.vocab_padding_multiple), cfg.hidden_size
+    unfused = not training.grad_accumulation_fusion or training.zero_level >= 2
+    dense = e * h * max(d.q + 2 * d.kv, d.q, (2 if cfg.gated else 1) * d.ffn) if unfused else 0
+    experts = e * (cfg.num_experts // ep) * 2 * (cfg.expert_ffn // tp) * h if cfg.num_experts else 0
+    return max(dense, experts), e * d.vocab * h if unfused else 0, e * d.vocab * h
+
+
 @dataclass
 class MemoryBreakdown:
     stage: int            # the pipeline stage this breakdown is for (the fullest one)
@@ -336,8 +351,9 @@ class MemoryBreakdown:
     master: int
     optimizer: int
     activations: int
-    transient: int        # working set (one layer's activations in backward, or the head's) + recv buffers
-                          # (+ ZeRO-2's gradient staging buffers, + ZeRO-3's gathered layers)
+    transient: int        # backward working set (one layer's activations or the head's, and 16-bit weight
+                          # gradients) + recv buffers (+ ZeRO-2's staging buffers, + ZeRO-3's gathered layers,
+                          # + FP8's casts)
     reserve: int
 
     @property
@@ -373,7 +389,12 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
         grads.append(output_grad_bytes(cfg, t, sp, b, s, e, last, pad, fused))
     held = peak_bytes(held_states(layout.schedule, stage, p, m, v), acts, grads)
     one_layer = layer_activation_bytes(cfg, t, sp, "none", b * s, e, k, cfg.num_experts > 0, ep)
-    head = head_transient_bytes(cfg, t, sp, b * s, e, k, pad, fused, not training.lora_rank) if stage == p - 1 else 0
+    # 16-bit weight gradients on their way to the main grads; an unfused tied head's waits for the embedding's
+    layer_w, head_w, embed_w = weight_grad_bytes(cfg, t, e, training, ep)
+    tied_head = head_w if cfg.tie_embeddings and p == 1 else 0
+    head = (head_transient_bytes(cfg, t, sp, b * s, e, k, pad, fused, not training.lora_rank, head_w)
+            if stage == p - 1 else 0)
+    backward = max(one_layer + layer_w + tied_head, head, embed_w + tied_head if stage == 0 else 0)
     # The engine posts the receive buffers of the current and the next action ahead of need.
     recv = 2 * output_grad_bytes(cfg, t, sp, b, s, e, False) if p > 1 else 0
     # ZeRO-2: the fp32 staging buffers of the buckets being filled or reduce-scattered (about two at a time).
@@ -387,4 +408,4 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
     ids = [i for lo, hi in stage_chunks(cfg, p, stage, v) for i in range(lo, hi)]
     casts = fp8_transient_bytes(cfg, t, b * s, ids) if training.fp8 != "none" else 0
     return MemoryBreakdown(stage, st.params, st.grads, st.master, st.optimizer, held,
-                           max(one_layer, head) + recv + staging + gathered + casts, reserve_bytes)
+                           backward + recv + staging + gathered + casts, reserve_bytes)

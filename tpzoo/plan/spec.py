@@ -63,6 +63,7 @@ class TrainingSpec:
     grad_bucket_elems: int = 1 << 24   # DistributedAdamW's bucket (elements)
     fused_linear_cross_entropy: bool = True  # the head and the loss in token chunks (tpzoo's default; plan/head.py)
     fp8: str = "none"                  # "tensorwise" / "rowwise": the projections' GEMMs in FP8 (plan/fp8.py)
+    grad_accumulation_fusion: bool = True  # weight gradients accumulated into the fp32 main grads by the matmul
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:

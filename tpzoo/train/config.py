@@ -104,6 +104,9 @@ class ParallelSection:
                                          "backward passes, as soon as its gradients are final")
     grad_bucket_elems: int = _f(1 << 24, "elements per data-parallel gradient bucket (one collective each)",
                                 ge=1)
+    grad_accumulation_fusion: bool = _f(True, "the linear layers accumulate their weight gradients straight into "
+                                              "the fp32 main gradients in the backward matmul (no 16-bit .grad, no "
+                                              "separate add; Megatron's gradient_accumulation_fusion)")
     device: str = _f("auto", "where each rank computes: auto (cuda:LOCAL_RANK when CUDA is available, else cpu), "
                              "cpu, cuda or cuda:N", nonempty=True)
     dist_timeout: float = _f(600.0, "seconds a rank may wait on another (a collective, a stalled or dead rank) before "

@@ -150,7 +150,8 @@ class Trainer:
             trainable, dims,
             model_dtype=DTYPES[cfg.dtype], zero=cfg.zero_level, overlap=cfg.overlap_grad_reduce,
             bucket_elems=cfg.grad_bucket_elems, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-            weight_decay=cfg.weight_decay, modules=self.chunks, keep_gathered=cfg.zero3_gather_per_step)
+            weight_decay=cfg.weight_decay, modules=self.chunks, keep_gathered=cfg.zero3_gather_per_step,
+            grad_accumulation_fusion=cfg.grad_accumulation_fusion)
 
         self.train_ds, self.eval_ds, self.data_desc = build_datasets(cfg, self.tokenizer)
         self.pin = self.device.type == "cuda"

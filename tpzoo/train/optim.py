@@ -79,12 +79,13 @@ class DistributedAdamW:
     3 (ZeRO-3: ZeRO-2 plus the weights sharded, each layer of `modules` (the model chunks) gathered when used:
     tpzoo.parallel.param_shards; `keep_gathered` keeps them gathered from first use to the end of the step);
     group: the dims group the gradients are summed (and ZeRO-sharded) over: "dp_cp", or "edp" for expert weights
-    (tpzoo.train.expert_optim)."""
+    (tpzoo.train.expert_optim); grad_accumulation_fusion: the linear layers accumulate their weight gradients
+    straight into the fp32 main gradients (tpzoo.parallel.wgrad)."""
 
     def __init__(self, params, dims: ParallelDims, *, model_dtype: torch.dtype = torch.float32, zero: int = 0,
                  zero1: bool = False, overlap: bool = True, betas=(0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, bucket_elems: int = DEFAULT_BUCKET_ELEMS, modules=None,
-                 keep_gathered: bool = False, group: str = "dp_cp"):
+                 keep_gathered: bool = False, group: str = "dp_cp", grad_accumulation_fusion: bool = True):
         self.dims, self.device, self.group_name = dims, dims.device, group
         self.dp_size = dims.group_size(group)
         self.dp_rank = dims.edp_rank if group == "edp" else dims.dp_cp_rank
@@ -126,13 +127,15 @@ class DistributedAdamW:
         # Last, once the parameters' old storage is freed: the same layout as `flat`, element for element.
         if self.zero >= 2:  # ZeRO-3's gradients take ZeRO-2's path
             self.grads = ShardedGradBuffer(self.params, device=self.device, pad_to=self.dp_size, late=late,
-                                           dp_rank=self.dp_rank, overlap=overlap, bucket_elems=bucket_elems)
+                                           dp_rank=self.dp_rank, overlap=overlap, bucket_elems=bucket_elems,
+                                           fuse=grad_accumulation_fusion)
         else:
             self.grads = GradBuffer(self.params, device=self.device, pad_to=self.dp_size, late=late,
-                                    bucket_elems=bucket_elems)
+                                    bucket_elems=bucket_elems, fuse=grad_accumulation_fusion)
         self.grad_owned = None  # the reduced fp32 gradients of the owned segments, after reduce_grads()
         self.norm_runs = self._norm_weights(dims.tp_rank, dims.tp)
         self.ranges = self._update_ranges()
+        self._lists_key, self._lists = None, []
 
     # -- construction helpers -------------------------------------------------------------------------------
     def _shard_weights(self, modules, late, keep: bool) -> None:
@@ -157,8 +160,9 @@ class DistributedAdamW:
 
     def _norm_weights(self, tp_rank: int, tp: int) -> list[tuple[int, int, float]]:
         """The weights of `count_weight` over this rank's 1/dp of the buffer, as runs (start, end, weight) of
-        equal weight (a few per parameter) indexing the reduced gradients (the owned vector under ZeRO, the whole
-        buffer otherwise), so the norm is a handful of dot products with no model-sized temporary."""
+        equal weight (a few per parameter; adjacent ones merged, so one run at tp = 1) indexing the reduced
+        gradients (the owned vector under ZeRO, the whole buffer otherwise): the norm needs no model-sized
+        temporary."""
         runs = []
         for lo, hi, pos in _end_to_end(self.segments):
             at = pos if self.zero1 else lo  # where flat element lo sits in grad_owned
@@ -173,8 +177,12 @@ class DistributedAdamW:
                 else:
                     w[a - lo:b - lo] = cw.reshape(-1)[a - o:b - o]
             cuts = [0] + (torch.nonzero(w[1:] != w[:-1]).flatten() + 1).tolist() + [hi - lo]
-            runs += [(at + a, at + b, float(w[a])) for a, b in zip(cuts[:-1], cuts[1:])
-                     if b > a and float(w[a]) != 0.0]
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                if b > a and float(w[a]) != 0.0:
+                    if runs and runs[-1][1] == at + a and runs[-1][2] == float(w[a]):  # continues across segments
+                        runs[-1] = (runs[-1][0], at + b, float(w[a]))
+                    else:
+                        runs.append((at + a, at + b, float(w[a])))
         return runs
 
     def _update_ranges(self) -> list[tuple[int, int, bool, int]]:
@@ -230,59 +238,81 @@ class DistributedAdamW:
             self.grad_owned = self.grads.reduce(self.dp_group, shard=self.zero1)
 
     def local_sq_norm(self) -> torch.Tensor:
-        """This rank's share of the squared global norm (fp64 scalar on the device)."""
-        g = self.grad_owned
-        local = torch.zeros((), dtype=torch.float64, device=self.device)
-        for a, b, w in self.norm_runs:
-            local += w * torch.dot(g[a:b], g[a:b]).double()
-        return local
+        """This rank's share of the squared global norm (fp64 scalar on the device): at tp = 1 one dot product (the
+        runs of equal weight are merged), else one multi-tensor norm over the runs and their weighted sum."""
+        g, runs = self.grad_owned, self.norm_runs
+        if len(runs) == 1:
+            (a, b, w), = runs
+            sq = torch.dot(g[a:b], g[a:b]).double()
+            return sq if w == 1.0 else sq * w
+        if not runs:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        norms = torch.stack(torch._foreach_norm([g[a:b] for a, b, _ in runs])).double()
+        weights = torch.tensor([w for _, _, w in runs], dtype=torch.float64, device=self.device)
+        return torch.dot(norms * norms, weights)
 
     def global_grad_norm(self, flag: float = 0.0, extra_sq: torch.Tensor | None = None) -> tuple[float, float]:
         """(global L2 norm of the reduced gradients, world sum of `flag`): one all-reduce over every rank.
         `extra_sq`: another optimizer's local_sq_norm() (expert weights) counted in the same norm."""
-        local = self.local_sq_norm() + (extra_sq if extra_sq is not None else 0.0)
-        t = torch.stack([local, torch.tensor(float(flag), dtype=torch.float64, device=self.device)])
+        t = torch.full((2,), float(flag), dtype=torch.float64, device=self.device)  # [squared norm, flag]
+        t[0] = self.local_sq_norm() if extra_sq is None else self.local_sq_norm() + extra_sq
         if self.dims.world_size > 1:
             comm.all_reduce(t, None)
         total, flags = t.tolist()
         return math.sqrt(max(total, 0.0)) if math.isfinite(total) else float("nan"), flags
 
-    @torch.no_grad()
-    def step(self, lr: float, grad_scale: float = 1.0) -> None:
-        """One AdamW update of the owned range with gradients multiplied by `grad_scale` (clipping), then publish
-        the new weights to every rank's parameters."""
-        g = self.grad_owned
-        if grad_scale != 1.0:
-            g.mul_(grad_scale)  # the gradients are consumed by this step: scale in place, no temporary
-        self.step_count += 1
-        if _FUSED is not None:
-            # torch's fused AdamW kernel: one pass over memory instead of seven (about 8x faster on CPU); called
-            # once for the decayed runs and once for the rest, each a list of views of the flat buffers.
-            step = torch.tensor(float(self.step_count), device=self.device)
+    def _update_lists(self, g: torch.Tensor) -> list[tuple[bool, list]]:
+        """(decayed, [masters, gradients, exp_avgs, exp_avg_sqs]) per decay class: the update's multi-tensor lists,
+        views of persistent buffers, built once per gradient buffer (the reduced gradients always land in the same
+        one) instead of some hundred slices per step."""
+        key = (g.data_ptr(), g.numel())
+        if self._lists_key != key:
+            self._lists = []
             for decay in (True, False):
                 runs = [r for r in self.ranges if r[2] == decay]
                 if runs:
-                    views = [[self._master(a, b, f) for a, b, _, f in runs]]
-                    views += [[t[a:b] for a, b, _, _ in runs] for t in (g, self.exp_avg, self.exp_avg_sq)]
-                    _FUSED(*views, [], [step] * len(runs), lr=lr, beta1=self.betas[0], beta2=self.betas[1],
-                           weight_decay=self.weight_decay if decay else 0.0, eps=self.eps, amsgrad=False,
-                           maximize=False)
-        else:
+                    lists = [[self._master(a, b, f) for a, b, _, f in runs]]
+                    lists += [[t[a:b] for a, b, _, _ in runs] for t in (g, self.exp_avg, self.exp_avg_sq)]
+                    self._lists.append((decay, lists))
+            self._lists_key = key
+        return self._lists
+
+    @torch.no_grad()
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        """One AdamW update of the owned range with gradients multiplied by `grad_scale` (clipping, loss-scale
+        unscaling), then publish the new weights to every rank's parameters. Fused: two multi-tensor kernels
+        (decayed and not), the gradient scale folded in (the kernel divides by its reciprocal)."""
+        g = self.grad_owned
+        self.step_count += 1
+        if _FUSED is None:
+            if grad_scale != 1.0:
+                g.mul_(grad_scale)  # the gradients are consumed by this step: scale in place, no temporary
             self._step_reference(lr, g)
+        else:
+            # AdamW's t and the scale's reciprocal as device scalars (filled on the device: no host copy)
+            step = torch.full((), float(self.step_count), dtype=torch.float32, device=self.device)
+            unscale = None if grad_scale == 1.0 else torch.full((), 1.0 / grad_scale, device=self.device)
+            for decay, lists in self._update_lists(g):
+                _FUSED(*lists, [], [step] * len(lists[0]), lr=lr, beta1=self.betas[0], beta2=self.betas[1],
+                       weight_decay=self.weight_decay if decay else 0.0, eps=self.eps, amsgrad=False,
+                       maximize=False, grad_scale=unscale)
         self.publish()
 
     def _step_reference(self, lr: float, g: torch.Tensor) -> None:
-        """torch.optim.AdamW's arithmetic with plain tensor ops (torch without the fused kernel)."""
+        """torch.optim.AdamW's arithmetic in multi-tensor ops (its foreach implementation's sequence; torch without
+        the fused kernel)."""
         b1, b2 = self.betas
         t = self.step_count
-        for a, b, decay, f in self.ranges:
-            master, m, v = self._master(a, b, f), self.exp_avg[a:b], self.exp_avg_sq[a:b]
+        for decay, (masters, grads, ms, vs) in self._update_lists(g):
             if self.weight_decay and decay:
-                master.mul_(1.0 - lr * self.weight_decay)
-            m.lerp_(g[a:b], 1.0 - b1)
-            v.mul_(b2).addcmul_(g[a:b], g[a:b], value=1.0 - b2)
-            denom = (v.sqrt() / math.sqrt(1.0 - b2 ** t)).add_(self.eps)
-            master.addcdiv_(m, denom, value=-lr / (1.0 - b1 ** t))
+                torch._foreach_mul_(masters, 1.0 - lr * self.weight_decay)
+            torch._foreach_lerp_(ms, grads, 1.0 - b1)
+            torch._foreach_mul_(vs, b2)
+            torch._foreach_addcmul_(vs, grads, grads, value=1.0 - b2)
+            denom = torch._foreach_sqrt(vs)
+            torch._foreach_div_(denom, math.sqrt(1.0 - b2 ** t))
+            torch._foreach_add_(denom, self.eps)
+            torch._foreach_addcdiv_(masters, ms, denom, value=-lr / (1.0 - b1 ** t))
 
     def publish(self) -> None:
         """Make every parameter (on every dp rank) hold the master weights: under ZeRO each bucket is all-gathered
