@@ -136,6 +136,48 @@ def test_bad_arguments_fail_early():
         K.linear_cross_entropy(h, w, t, label_smoothing=1.0)
 
 
+def test_gradient_accumulation_fusion_adds_the_head_gradient_into_the_main_grad(monkeypatch):
+    """With a GradBuffer that fuses (tpzoo.parallel.wgrad) the op hands autograd no weight gradient and adds its
+    fp32 one into the main gradient: over two accumulated micro-batches, the uniform (training loss) and the
+    per-token-weighted path, equal to the unfused main gradient bit for bit in fp32 (the same product and sum),
+    to bf16's rounding in bf16 (unfused rounds the gradient to bf16 first). A retained graph's second backward
+    adds the same gradient again (the saved fp32 gradient is not scaled in place). Small blocks: the scaled add
+    runs in several (fused_linear_cross_entropy._add_scaled)."""
+    monkeypatch.setattr(fused_module, "_ADD_BLOCK", 5 * HIDDEN)
+    for dtype in (torch.float32, torch.bfloat16):
+        for weighted in (False, True):
+            g = torch.Generator().manual_seed(7)
+            hs = [torch.randn(B, S, HIDDEN, generator=g).to(dtype) for _ in range(2)]
+            w0 = (torch.randn(VOCAB, HIDDEN, generator=g) * 0.5).to(dtype)
+            ts = [torch.randint(0, VOCAB, (B, S), generator=g) for _ in range(2)]
+            weights = torch.rand(B, S, generator=g) if weighted else None
+            main, handed = {}, {}
+            for fuse in (True, False):
+                w = w0.clone().requires_grad_()
+                buf = GradBuffer([w], device=torch.device("cpu"), fuse=fuse)
+                assert buf.fuse == fuse
+                handed[fuse] = 0
+                w.register_hook(lambda grad, f=fuse: handed.__setitem__(f, handed[f] + (grad is not None)))
+                for h, t in zip(hs, ts):
+                    loss = K.linear_cross_entropy(h.requires_grad_(), w, t, label_smoothing=0.1, chunk_rows=5)
+                    (loss * weights if weighted else loss * 0.37).sum().backward()
+                main[fuse] = w.main_grad.clone()
+            what = (dtype, weighted)
+            assert handed == {True: 0, False: 2}, what
+            if dtype == torch.float32:
+                assert torch.equal(main[True], main[False]), (what, (main[True] - main[False]).abs().max())
+            else:
+                torch.testing.assert_close(main[True], main[False], rtol=1e-2,
+                                           atol=1e-2 * float(main[False].abs().max()))
+    w = w0.float().clone().requires_grad_()
+    GradBuffer([w], device=torch.device("cpu"))
+    loss = K.linear_cross_entropy(hs[0].float(), w, ts[0], chunk_rows=5).sum()
+    loss.backward(retain_graph=True)
+    once = w.main_grad.clone()
+    loss.backward()
+    assert torch.equal(w.main_grad, 2 * once)
+
+
 # -- whole models, fused vs unfused ------------------------------------------------------------------------------
 
 MODELS = {
