@@ -35,7 +35,8 @@ def plan_peak_gib(cfg, model_cfg, dims) -> float | None:
                                 zero=cfg.zero_level, overlap_grad_reduce=cfg.overlap_grad_reduce,
                                 grad_bucket_elems=cfg.grad_bucket_elems, lora_rank=cfg.lora_rank, kernels=kernels,
                                 fused_linear_cross_entropy=getattr(cfg, "fused_linear_cross_entropy", True),
-                                fp8=getattr(cfg, "fp8", "none"))
+                                fp8=getattr(cfg, "fp8", "none"),
+                                grad_accumulation_fusion=getattr(cfg, "grad_accumulation_fusion", True))
         return stage_memory(model_cfg, layout, training, dims.pp_rank).total / 2 ** 30
     except Exception:  # noqa: BLE001 - a layout the plan does not model: the message goes without the estimate
         return None
