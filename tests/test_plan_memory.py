@@ -138,13 +138,14 @@ def test_one_real_step_allocates_what_is_estimated():
 def test_weight_gradients_autograd_holds_are_the_plans():
     """The 16-bit weight gradients the plan's backward working set counts (weight_grad_bytes): in a real bf16
     backward at tp = 1, the largest gradient tensor autograd hands a layer's matrix, the head and the embedding,
-    with gradient-accumulation fusion on (none for the column/row-parallel matrices) and off."""
+    with gradient-accumulation fusion on (none for the column/row-parallel matrices and the head) and off, with
+    the fused linear cross-entropy (the default head) and the unfused one."""
     from tpzoo.plan.memory import weight_grad_bytes
 
-    for name in ("nano-gpt", "nano-llama"):  # tied GeLU with biases; untied SwiGLU
-        cfg = get_config(name)
+    for name, fused_head in (("nano-gpt", True), ("nano-llama", True), ("nano-llama", False)):
+        cfg = get_config(name)  # tied GeLU with biases; untied SwiGLU
         for fused in (True, False):
-            model = Transformer(cfg)
+            model = Transformer(cfg, fused_linear_cross_entropy=fused_head)
             opt = DistributedAdamW(list(model.parameters()), model.dims, model_dtype=torch.bfloat16,
                                    grad_accumulation_fusion=fused)
             seen = {"layer": 0, "head": 0, "embedding": 0}
@@ -161,7 +162,8 @@ def test_weight_gradients_autograd_holds_are_the_plans():
             if cfg.tie_embeddings:  # the head's gradient joins the embedding's (one tensor, counted there)
                 assert head == (0 if fused else embedding)
                 head = 0
-            assert (seen["layer"], seen["head"], seen["embedding"]) == (layer, head, embedding), (name, fused, seen)
+            assert (seen["layer"], seen["head"], seen["embedding"]) == (layer, head, embedding), \
+                (name, fused_head, fused, seen)
 
 
 def measure_chunk(cfg, mode, *, layers=None, pre=True, post=True, b=2, s=16, hooks=False, fused=True):
