@@ -2,8 +2,8 @@
 
 Phases (each timed; a failing phase is reported and the others still run; the exit code is non-zero if any failed):
   env       torch / CUDA / Triton versions and the device
-  tests     the test suite's CUDA tests (pytest -m cuda): compiled Triton kernels against their references, a
-            training step with every buffer on the GPU, load + generate on the GPU against transformers
+  tests     the test suite's CUDA tests (pytest -m cuda; skipped with --cpu): compiled Triton kernels against their
+            references, a training step with every buffer on the GPU, load + generate on the GPU against transformers
   kernels   scripts/bench/kernels.py: every Triton kernel against eager torch (bf16, time and bandwidth)
   pretrain  a short bf16 pretrain of a ~1B Llama-class model (llama-3.2-1b shapes) with the Triton kernels on:
             tokens/s, TFLOP/s per GPU and MFU from the steady-state steps
@@ -87,7 +87,7 @@ def phase_env(a, out: Path) -> list[str]:
 
 def phase_tests(a, out: Path) -> list[str]:
     if a.cpu:
-        return ["skipped on CPU (the CUDA tests need a GPU; CI runs the rest of the suite)"]
+        raise Skipped("the CUDA tests need a GPU (CI runs the rest of the suite)")
     text = _run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"],
                 out / "tests.log")
     return [text.strip().splitlines()[-1]]
