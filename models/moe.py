@@ -98,8 +98,8 @@ class MoELayer(nn.Module):
         # "grouped" / "loop" force one (tests compare them)
         self.expert_gemm = "auto"
         self.last_stats: dict | None = None
-        # [tokens] float, 1 for the tokens the router statistics count (0: context parallelism's padding; set by
-        # Transformer.forward for each call, None: every token counts)
+        # [tokens], 1 for the tokens the router statistics count (0: an SFT sample's or context parallelism's
+        # padding; set by Transformer.forward for each call, None: every token counts)
         self.token_mask: torch.Tensor | None = None
         self.reset_parameters()
 

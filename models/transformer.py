@@ -225,8 +225,9 @@ class Transformer(nn.Module):
         (models.moe.stage_stats; zeros on the first stage). This chunk adds its layers' sums; a chunk without the
         head then returns (hidden, statistics) for the next stage, the last one computes the router loss from the
         totals. Without it, a chunk that is the whole model computes the loss from its own layers.
-        token_mask [b, s] (this rank's tokens, before SP's split): the tokens the router statistics count (context
-        parallelism's padding, which HF's sequence does not have, is 0); None: all.
+        token_mask [b, s] (this rank's tokens, before SP's split): the tokens the router statistics count (0: an
+        SFT sample's padding, as transformers' attention mask; context parallelism's padding, which HF's sequence
+        does not have); None: all.
         doc_ids [b, S] (a packed batch; models/documents.py): each token's document in its row's whole sequence
         (every cp rank passes all of it, padded as tpzoo.parallel.context_parallel.shard_batch does); attention
         then stays within documents, and without position_ids (cp=1) positions restart at each document.

@@ -102,7 +102,7 @@ def test_packing_keeps_whole_examples_with_their_documents_and_positions():
     assert len(ds) < len(padded) and len(ds) <= 1 + sum(lengths) // seq + sum(n > seq // 2 for n in lengths)
     for i in range(len(ds)):
         s = ds[i]
-        assert set(s) == {"input_ids", "labels", "doc_ids", "position_ids"}
+        assert set(s) == {"input_ids", "labels", "token_mask", "doc_ids", "position_ids"}
         at = 0
         for d, j in enumerate(ds.rows[i]):
             n, ref = lengths[j], padded[j]
@@ -115,6 +115,7 @@ def test_packing_keeps_whole_examples_with_their_documents_and_positions():
         assert s["input_ids"][at:].tolist() == [tok.pad_id] * rest and (s["labels"][at:] == IGNORE_INDEX).all()
         assert s["doc_ids"][at:].tolist() == [len(ds.rows[i])] * rest
         assert s["position_ids"][at:].tolist() == list(range(rest))
+        assert s["token_mask"].tolist() == [1] * at + [0] * rest
     free = [seq - sum(lengths[j] for j in row) for row in ds.rows]
     for i, row in enumerate(ds.rows):  # a sample is only opened for an example that no earlier one had room for
         assert all(f < lengths[row[0]] for f in free[:i])
@@ -151,7 +152,7 @@ def test_sft_batches_through_the_resumable_loader():
     first.close()
     got += [next(resumed) for _ in range(4)]
     resumed.close()
-    keys = ("input_ids", "labels", "doc_ids", "position_ids")
+    keys = ("input_ids", "labels", "token_mask", "doc_ids", "position_ids")
     assert all(set(a) == set(keys) and torch.equal(a[k], b[k]) for a, b in zip(got, expected) for k in keys)
     assert expected[0]["labels"].dtype == torch.long and expected[0]["labels"].shape == (2, 64)
 

@@ -31,6 +31,8 @@ without any trained label is dropped (warned):
     within examples only (models/documents.py). An example's tokens, labels, positions and attention are those
     of its padded sample: packing changes how many slots a step wastes on padding, never the loss or gradient
     (tests/test_documents.py).
+  Both carry ``token_mask`` (1 on the examples' tokens, 0 on the padding): the router statistics of a mixture of
+  experts skip the padding (transformers' attention mask does the same).
 SFT sets are held in memory (tokenized once when built). ``eval_fraction`` holds out a deterministic, seeded
 subset of *examples* (before packing, so no example is split between train and eval).
 """
@@ -187,8 +189,17 @@ def _shifted(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return ids[:-1], np.where(mask[1:], ids[1:], IGNORE_INDEX)
 
 
+def _real_tokens(n: int, seq_len: int) -> np.ndarray:
+    """``token_mask`` of a sample whose first `n` slots hold examples: 1 there, 0 on the padding. A mixture of
+    experts' router statistics count only these tokens, as transformers' do given the attention mask, so padding
+    never enters the load-balancing and z-losses and a packed batch's router losses equal those of the same
+    examples padded."""
+    return (np.arange(seq_len) < n).astype(np.int64)
+
+
 class PaddedSFTDataset:
-    """One example per sample: ``{"input_ids", "labels"}`` int64 arrays of ``seq_len``, padded (see above)."""
+    """One example per sample: ``{"input_ids", "labels", "token_mask"}`` int64 arrays of ``seq_len``, padded (see
+    above)."""
 
     def __init__(self, examples: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int):
         if pad_id is None:
@@ -204,7 +215,7 @@ class PaddedSFTDataset:
         input_ids = np.full(self.seq_len, self.pad_id, dtype=np.int64)
         labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
         input_ids[:len(inputs)], labels[:len(inputs)] = inputs, targets
-        return {"input_ids": input_ids, "labels": labels}
+        return {"input_ids": input_ids, "labels": labels, "token_mask": _real_tokens(len(inputs), self.seq_len)}
 
 
 def pack_lengths(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -235,8 +246,8 @@ def pack_lengths(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 class PackedSFTDataset:
-    """Whole examples packed into samples of ``seq_len`` (see above): ``{"input_ids", "labels", "doc_ids",
-    "position_ids"}`` int64 arrays; ``rows[i]`` are the examples of sample ``i``, in order."""
+    """Whole examples packed into samples of ``seq_len`` (see above): ``{"input_ids", "labels", "token_mask",
+    "doc_ids", "position_ids"}`` int64 arrays; ``rows[i]`` are the examples of sample ``i``, in order."""
 
     def __init__(self, examples: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int):
         if pad_id is None:
@@ -256,7 +267,8 @@ class PackedSFTDataset:
         input_ids = np.concatenate([p[0] for p in parts] + [np.full(pad, self.pad_id, dtype=np.int64)])
         labels = np.concatenate([p[1] for p in parts] + [np.full(pad, IGNORE_INDEX, dtype=np.int64)])
         starts = np.cumsum([len(inputs) for inputs, _ in parts])[:-1 if pad == 0 else None]  # the padding: last
-        return {"input_ids": input_ids, "labels": labels, **documents_of(starts, self.seq_len)}
+        return {"input_ids": input_ids, "labels": labels, "token_mask": _real_tokens(used, self.seq_len),
+                **documents_of(starts, self.seq_len)}
 
 
 def build_sft_dataset(records: list[dict], tokenizer, seq_len: int, *, packing: bool = True,
@@ -277,8 +289,8 @@ def build_sft_datasets(source, tokenizer, seq_len: int, *, packing: bool = True,
     """Train and held-out SFT datasets from a JSONL path (or a list of records); ``eval`` is None without a split.
 
     Feed each to ``ResumableLoader(dataset, micro_batch_size, dp_rank=..., dp_size=..., seed=...)`` for batches
-    ``{"input_ids": LongTensor[b, seq_len], "labels": LongTensor[b, seq_len]}`` (and ``doc_ids``,
-    ``position_ids`` when packed).
+    ``{"input_ids": LongTensor[b, seq_len], "labels": LongTensor[b, seq_len], "token_mask": ...}`` (and
+    ``doc_ids``, ``position_ids`` when packed).
     """
     records = source if isinstance(source, list) else load_sft_records(source)
     train, held = split_records(records, eval_fraction, seed)

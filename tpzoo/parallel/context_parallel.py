@@ -39,14 +39,17 @@ def shard_batch(batch: dict, dims: ParallelDims, sequence_parallel: bool = False
     padded = padded_length(s, cp, dims.tp if sequence_parallel else 1)
     pos = local_positions(padded // (2 * cp), cp, dims.cp_rank, "cpu")
     out = {}
+    per_token = ("input_ids", "labels", "position_ids", "token_mask")  # sharded like the tokens
     for key, t in batch.items():
-        # the padding: ignored labels; a document of its own (ids < s within a row, so `padded` is new)
+        # the padding: ignored labels; a document of its own (ids < s within a row, so `padded` is new); not a
+        # real token (token_mask 0)
         fill = {"labels": IGNORE_INDEX, "doc_ids": padded}.get(key, 0)
-        if key in ("input_ids", "labels", "position_ids", "doc_ids") and padded > s:
+        if key in (*per_token, "doc_ids") and padded > s:
             t = torch.cat([t, t.new_full((t.shape[0], padded - s), fill)], dim=1)
-        out[key] = t.index_select(1, pos.to(t.device)) if key in ("input_ids", "labels", "position_ids") else t
+        out[key] = t.index_select(1, pos.to(t.device)) if key in per_token else t
     if "position_ids" not in batch:
         out["position_ids"] = pos.unsqueeze(0).to(ids.device)
-    if padded > s:  # the real tokens (the router statistics of a mixture of experts must not count the padding)
+    if padded > s and "token_mask" not in batch:
+        # the real tokens (the router statistics of a mixture of experts must not count the padding)
         out["token_mask"] = (pos < s).unsqueeze(0).expand(ids.shape[0], -1).to(ids.device)
     return out
