@@ -46,9 +46,9 @@ WIDE = dict(initializer_range=0.2)
 MODELS = {"gpt": get_config("nano-gpt").replace(**WIDE), "llama": get_config("nano-llama").replace(**WIDE),
           "gemma2": get_config("nano-llama").replace(sliding_window=3, attn_softcap=1.0, **WIDE,
                                                      layer_types=["sliding_attention", "full_attention"]),
-          # experts route each token alone: packing changes nothing there. (Without the router loss: its
-          # statistics count every token of the batch, padding included, as HF does without an attention mask,
-          # so fewer padding tokens change it.)
+          # experts route each token alone: packing changes nothing there. (Without the router loss: it is one
+          # per forward, and the reference runs all examples in one forward where the layouts run micro-batches;
+          # for the same examples packed and padded it is equal: tests/test_moe_padding.py.)
           "mixtral": get_config("nano-mixtral").replace(output_router_logits=False, **WIDE)}
 LAYOUTS = {  # world size -> layouts
     1: [{}],
