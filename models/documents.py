@@ -23,8 +23,17 @@ other and against per-document attention):
          (torch's flash varlen op would need the flattened layout and a max length on the host, cuDNN's ragged
          layout the same, and neither takes a soft-cap: docs/design.md.) FlexAttention has no backward on CPU:
          there its forward is tested against the exact path.
+
+FlexAttention compiles a Triton kernel per head dim and dtype, and some do not fit every GPU (its backward at
+head dim > 128 needs more shared memory than an RTX 4090 / L40S / sm_12x board has: pytorch/pytorch#198224).
+SFT packing is on by default, so such a failure would stop every fine-tune of a Gemma (head dim 256) there. The
+first call of each kind (device, dtype, heads, head dim, window, soft-cap, grad mode) therefore runs the flex
+path once on stand-in inputs of the call's shapes (forward, and backward under grad mode: the compiled graphs are
+the ones the real calls reuse); if that raises, the kind takes the exact path from then on, with one warning.
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +41,7 @@ import torch.nn.functional as F
 from .qk_norm import softcapped_attention
 
 _FLEX: dict = {}  # lazily: compiled (CUDA) -> flex_attention, compiled or eager
+_FLEX_WORKS: dict = {}  # a call's kind (see _flex_works) -> whether the flex path ran for it
 
 
 def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -115,8 +125,9 @@ def document_attention(q, k, v, docs: Documents, *, scale: float | None = None, 
     if q.shape[2] != docs.ids.shape[1] or q.shape[0] != docs.ids.shape[0]:
         raise ValueError(f"doc_ids {tuple(docs.ids.shape)} do not cover the attention's [batch, seq] "
                          f"({q.shape[0]}, {q.shape[2]})")
-    impl = impl or ("flex" if flex_available(q) else "exact")
     gqa = q.shape[1] != k.shape[1]
+    if impl is None:
+        impl = "flex" if flex_available(q) and _flex_works(q, k, v, docs, scale, window, softcap, gqa) else "exact"
     if impl == "flex":
         return _flex_attention(q, k, v, docs, scale, window, softcap, gqa)
     if impl != "exact":
@@ -125,6 +136,30 @@ def document_attention(q, k, v, docs: Documents, *, scale: float | None = None, 
         return softcapped_attention(q, k, v, docs.visible(window), scale, softcap)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.additive(window, q.dtype), enable_gqa=gqa,
                                           scale=scale)
+
+
+def _flex_works(q, k, v, docs: Documents, scale, window, softcap, gqa: bool) -> bool:
+    """Whether the flex path runs for calls of this kind: tried once on stand-ins of the call's shapes (module
+    docstring), the outcome remembered for the process."""
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    kind = (str(q.device), q.dtype, q.shape[1], k.shape[1], q.shape[-1], window, softcap, grad)
+    if kind not in _FLEX_WORKS:
+        try:
+            # identity hooks: activation checkpointing's (if this forward runs under it) must not see the trial
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), torch.enable_grad() if grad \
+                    else torch.no_grad():
+                trial = [torch.randn_like(t).requires_grad_(grad) for t in (q, k, v)]
+                out = _flex_attention(*trial, docs, scale, window, softcap, gqa)
+                if grad:
+                    torch.autograd.grad(out.float().sum(), trial)
+            _FLEX_WORKS[kind] = True
+        except Exception as exc:  # noqa: BLE001 - any failure of the fused kernel: the exact path instead
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            warnings.warn(f"tpzoo: FlexAttention cannot run document masking here ({q.dtype}, head dim "
+                          f"{q.shape[-1]}, {'training' if grad else 'inference'}: {type(exc).__name__}: {first}); "
+                          f"using the exact masked attention instead (an [S, S] mask per micro-batch)")
+            _FLEX_WORKS[kind] = False
+    return _FLEX_WORKS[kind]
 
 
 def _flex_attention(q, k, v, docs: Documents, scale, window, softcap, gqa: bool) -> torch.Tensor:

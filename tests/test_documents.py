@@ -274,6 +274,37 @@ def test_document_attention_is_per_document_attention(window, softcap):
     assert (pos[starts] == 0).all() and (pos[:, 1:][~starts[:, 1:]] == pos[:, :-1][~starts[:, 1:]] + 1).all()
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_a_flex_path_that_cannot_run_falls_back_to_the_exact_path(monkeypatch):
+    """The fused path is tried once per kind of call before it is taken. The CPU stands in for a GPU whose
+    FlexAttention kernel does not compile: it has FlexAttention's forward but not its backward, so in training the
+    trial fails (one warning, the exact path, the same gradients) and in inference it passes (flex taken)."""
+    from tpzoo.models import documents
+
+    monkeypatch.setattr(documents, "flex_available", lambda q: True)
+    monkeypatch.setattr(documents, "_FLEX_WORKS", {})
+    tried = []
+    real = documents._flex_attention
+    monkeypatch.setattr(documents, "_flex_attention", lambda *a: tried.append(a[0].requires_grad) or real(*a))
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, h, 16, 8, generator=g) for h in (4, 2, 2))
+    ids = _doc_ids(2, 16, 2)
+    want = _per_document(q, k, v, ids, None, None)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with pytest.warns(UserWarning, match="FlexAttention cannot run document masking.*head dim 8, training"):
+        out = document_attention(*leaves, Documents(ids))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    out.backward(torch.ones_like(out))  # the exact path's backward
+    assert all(t.grad is not None for t in leaves) and tried == [True]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # decided: no second trial, no second warning
+        document_attention(*leaves, Documents(ids))
+        assert tried == [True]
+        with torch.no_grad():  # inference: the trial passes, then the call itself runs flex
+            torch.testing.assert_close(document_attention(q, k, v, Documents(ids)), want, rtol=1e-5, atol=1e-6)
+    assert tried == [True, False, False]
+
+
 RING = [(12, None), (13, 3)]  # (sequence, window): 13 pads to 16, the padding a document of its own
 
 
