@@ -213,6 +213,11 @@ def test_block_kernel_choice():
     assert pick("cuda", bf16, 64, (7, 5), every) == "cuda_efficient"      # flash needs sm80+
     assert pick("cuda", fp32, 64, (9, 0), every) == "cuda_efficient"      # flash: 16-bit only
     assert pick("cuda", bf16, 512, (9, 0), every) == "cuda_efficient"     # flash: head dim <= 256
+    # flash's backward: no head dim in (192, 224] on sm86-89 and sm120-121
+    assert pick("cuda", bf16, 208, (8, 9), every) == "cuda_efficient"
+    assert pick("cuda", bf16, 208, (9, 0), every) == "cuda_flash"
+    assert pick("cuda", bf16, 256, (8, 9), every) == "cuda_flash"
+    assert pick("cuda", bf16, 200, (12, 0), every) == "cuda_efficient"
     assert pick("cuda", bf16, 64, (9, 0), every - {"cuda_flash"}) == "cuda_efficient"
     assert pick("cuda", bf16, 60, (9, 0), every) == "torch"               # head dim not a multiple of 8
     assert pick("cuda", bf16, 64, (9, 0), {"cpu_flash"}) == "torch"

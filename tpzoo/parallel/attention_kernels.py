@@ -121,13 +121,18 @@ def pick_kernel(device_type: str, dtype: torch.dtype, head_dim: int, capability:
                 available: set[str]) -> str:
     """The block kernel for these inputs (a pure function of them, so its rules are tested on any machine):
     CUDA flash for fp16/bf16 on sm80+ with head dim a multiple of 8 up to 256, else CUDA memory-efficient
-    attention (any float dtype, head dim a multiple of 8), the CPU flash kernel on CPU, else "torch" (the math)."""
+    attention (any float dtype, head dim a multiple of 8), the CPU flash kernel on CPU, else "torch" (the math).
+    Calling the ops directly skips SDPA's own checks, so theirs that apply are repeated here: flash's backward
+    does not run head dims in (192, 224] on sm86-sm89 and sm120-sm121 (RTX 30xx/40xx/50xx, A40, L40S: torch's
+    sdp_utils, check_requires_grad_and_head_dim_gt192_constraints)."""
     if device_type == "cpu":
         return "cpu_flash" if "cpu_flash" in available else "torch"
     if device_type != "cuda" or head_dim % 8:
         return "torch"
+    consumer = capability is not None and ((8, 6) <= capability <= (8, 9) or (12, 0) <= capability <= (12, 1))
+    flash_bwd_gap = consumer and 192 < head_dim <= 224
     if ("cuda_flash" in available and dtype in (torch.float16, torch.bfloat16) and head_dim <= 256
-            and capability is not None and capability >= (8, 0)):
+            and capability is not None and capability >= (8, 0) and not flash_bwd_gap):
         return "cuda_flash"
     if "cuda_efficient" in available and dtype in (torch.float16, torch.bfloat16, torch.float32):
         return "cuda_efficient"
