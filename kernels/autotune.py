@@ -7,7 +7,8 @@ and `auto` picked it by name. Under `auto`, the first time a kernel meets a *sha
 
 both implementations run forward + backward on random inputs of the call's shapes (rows capped so the trial
 allocates at most CAP_ELEMENTS per input) for WARMUP + ITERS iterations, timed with CUDA events (median), and
-the faster one is used for every later call of that class in the process. Decisions are also kept on disk (a
+the faster one is used for every later call of that class in the process (a Triton kernel whose trial raises,
+e.g. one that needs more shared memory than this GPU has, loses it, with a warning). Decisions are also kept on disk (a
 JSON file per GPU name, torch and Triton versions under $TPZOO_KERNEL_CACHE, default ~/.cache/tpzoo;
 TPZOO_KERNEL_CACHE=off disables it), so a later process skips the trials.
 
@@ -171,7 +172,16 @@ def decide(key: str, make_runs: Callable[[], tuple], cache_file=...) -> str:
     if choice not in ("triton", "torch"):
         _trials += 1
         run_triton, run_torch = make_runs()
-        t_triton, t_torch = _timer(run_triton), _timer(run_torch)
+        try:
+            t_triton = _timer(run_triton)
+        except Exception as exc:  # noqa: BLE001 - e.g. a block that needs more shared memory than this GPU has
+            import warnings
+
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            warnings.warn(f"tpzoo kernels: the Triton kernel failed its trial for {key} ({type(exc).__name__}: "
+                          f"{first}); torch's op runs instead")
+            t_triton = float("inf")
+        t_torch = _timer(run_torch)
         choice = "triton" if t_triton <= t_torch else "torch"
         _write_disk(path, key, choice)
     choice = "triton" if _consensus(key, choice == "triton") else "torch"

@@ -128,6 +128,22 @@ def test_measured_choice_cached_per_class(fake_timing, tmp_path):
     assert autotune.decide("k|a", runs, cache_file=cache) == "torch"
 
 
+def test_a_triton_kernel_that_fails_its_trial_loses_it(fake_timing):
+    times, asked = fake_timing
+    times.update(torch=1.0)
+
+    def broken():
+        raise RuntimeError("out of resource: shared memory, Required: 114688, Hardware limit: 101376")
+    broken.label = "broken"
+    timer = autotune.set_timer(lambda run: run() if run.label == "broken" else times[run.label])
+    try:
+        with pytest.warns(UserWarning, match=r"Triton kernel failed its trial for k\|b \(RuntimeError: out of resource: shared memory"):
+            assert autotune.decide("k|b", lambda: (broken, _labelled("torch")), cache_file=None) == "torch"
+    finally:
+        autotune.set_timer(timer)
+    assert asked == [("k|b", False)] and autotune.decided("k|b") == "torch"
+
+
 def test_auto_measures_through_the_ops(fake_timing, monkeypatch):
     """kernels.rms_norm / swiglu_packed under auto with tensors taken for CUDA ones: each new class runs one
     trial (both implementations on stand-ins of the call's shapes) and then the measured winner; an override
