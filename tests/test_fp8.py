@@ -131,6 +131,17 @@ def test_bad_recipe_is_refused_in_one_line():
     assert tuple(choices) == fp8.FP8_RECIPES  # the config spells the recipes out (no import at config time)
 
 
+def test_a_gpu_without_fp8_tensor_cores_is_refused_in_one_line():
+    gpu = torch.device("cuda", 0)
+    for recipe in ("tensorwise", "rowwise"):
+        problem = fp8.hardware_problem(recipe, gpu, (8, 0))  # an A100
+        assert problem.startswith(f"--fp8 {recipe} needs FP8 tensor cores (compute capability 8.9+")
+        assert "has 8.0: train without --fp8" in problem and "\n" not in problem
+        assert fp8.hardware_problem(recipe, gpu, (8, 9)) is None and fp8.hardware_problem(recipe, gpu, (9, 0)) is None
+        assert fp8.hardware_problem(recipe, torch.device("cpu")) is None  # the emulation
+    assert fp8.hardware_problem("none", gpu, (7, 0)) is None
+
+
 # -- layouts against one process ----------------------------------------------------------------------------------
 
 def _lora(chunks):

@@ -72,6 +72,20 @@ def get_recipe(name: str | None) -> Fp8Recipe | None:
     return _RECIPES[name]
 
 
+def hardware_problem(recipe: str | None, device: torch.device, capability: tuple[int, int] | None = None) -> str | None:
+    """Why `recipe` cannot run its GEMMs on `device` (one line), or None. torch._scaled_mm needs FP8 tensor cores
+    (compute capability 8.9+: Ada, Hopper, Blackwell); elsewhere on CUDA it fails inside the first forward with
+    a traceback, so the trainer asks first. CPU runs the emulation (tests) and never has a problem."""
+    if get_recipe(recipe) is None or device.type != "cuda":
+        return None
+    capability = capability or torch.cuda.get_device_capability(device)
+    if tuple(capability) >= (8, 9):
+        return None
+    name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "this GPU"
+    return (f"--fp8 {recipe} needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell); "
+            f"{name} has {capability[0]}.{capability[1]}: train without --fp8 (bf16)")
+
+
 # -- scales and casts -------------------------------------------------------------------------------------------
 
 def _quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

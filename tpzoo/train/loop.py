@@ -30,6 +30,7 @@ from tpzoo.errors import ConfigError
 from tpzoo.parallel import ParallelDims, comm, resolve_device, strict, watchdog
 from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.parallel.fp8 import enable_fp8
+from tpzoo.parallel.fp8 import hardware_problem as fp8_hardware_problem
 from tpzoo.parallel.state import get_dims, is_initialized
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward, materialize_chunks
 
@@ -135,6 +136,9 @@ class Trainer:
                                          fused_linear_cross_entropy=cfg.fused_linear_cross_entropy)
         # FP8 matmuls (tpzoo.parallel.fp8): a switch on the layers, nothing stored changes (checkpoints, resharding
         # and HF export never see it); layers whose dims _scaled_mm cannot take stay in the model dtype.
+        problem = fp8_hardware_problem(cfg.fp8, self.device)
+        if problem:
+            raise ConfigError(problem)
         self.fp8_report = enable_fp8(self.chunks, cfg.fp8)
         if self.lora:
             lora_setup.build(self.chunks, self.device, cfg, self.lora, self.lora_base, self.resume_dir)
