@@ -12,6 +12,7 @@ computed by default without the logits of all the tokens (models/lm_head.py, fus
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn as nn
@@ -71,7 +72,9 @@ class Transformer(nn.Module):
         start, end = layers if layers is not None else (0, cfg.num_layers)
         self.layer_range = (start, end)
         kw = {"dtype": dtype, "device": "meta"}
-        init = self._init_method
+        # not self._init_method: a bound method held by the children would tie the model into a reference cycle
+        # (freed only by Python's cyclic GC, so a dropped model's GPU memory would linger)
+        init = functools.partial(nn.init.normal_, std=cfg.initializer_range)
         if pre_process:
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, vocab_padding_multiple,
                                                 sequence_parallel, init, dims=dims, **kw)

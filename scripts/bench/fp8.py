@@ -17,6 +17,7 @@ torch (several passes and an fp32 copy per cast) instead of compiled kernels, to
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import pathlib
@@ -75,6 +76,11 @@ def run_case(name: str, variant: str, args, data) -> dict:
         opt = DistributedAdamW([p for c in chunks for p in c.parameters()], dims, model_dtype=args.dtype,
                                betas=(0.9, 0.95), weight_decay=0.1)
         if cuda:
+            # The previous case's parameters and main gradients live on in a reference cycle (a parameter and
+            # its GradBuffer) until Python's cyclic GC runs: without this its 6 bytes per parameter counted in
+            # this case's peak (what made FP8's peak look 4-31 GiB higher, issue 26's first measurement).
+            gc.collect()
+            torch.cuda.empty_cache()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         losses, times = [], []
