@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 
 import torch
 
 from . import comm
 from .utils import param_spec
-from .wgrad import hooks_see_fused_grads
+from .wgrad import grad_buffer_of, hooks_see_fused_grads
 
 DEFAULT_BUCKET_ELEMS = 1 << 24  # 64 MiB of fp32 per collective call
 
@@ -57,7 +58,10 @@ def is_late(param, tp: int | None = None, pp: int | None = None) -> bool:
 def _grad_ready(param: torch.Tensor) -> None:
     """Post-accumulate hook: hand autograd's gradient to the buffer (fp32) and free the 16-bit .grad (None when
     every use of the parameter accumulated its gradient itself: gradient-accumulation fusion)."""
-    param._grad_buffer.add(param, param.grad)
+    buf = grad_buffer_of(param)
+    if buf is None:  # the buffer was dropped (its owner gone): the gradient stays in .grad
+        return
+    buf.add(param, param.grad)
     param.grad = None
 
 
@@ -65,7 +69,7 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
     """Add a gradient computed outside autograd's accumulation (zero-bubble's W pass) where the parameter keeps
     its gradient: its GradBuffer when one is attached, else .grad. None: the pass delivered it already (fused into
     the buffer) or had none for it; a GradBuffer still learns that the pass is done with the parameter."""
-    buf = getattr(param, "_grad_buffer", None)
+    buf = grad_buffer_of(param)
     if buf is not None:
         buf.add(param, grad)
     elif grad is None:
@@ -81,7 +85,7 @@ def grad_pass(params, last: bool):
     """The pipeline executor runs every pass that produces weight gradients (B, or zero-bubble's W) inside this;
     `last`: the chunk's last such pass of the step, after which its gradients are final. No-op without a
     GradBuffer."""
-    buffers = {id(b): b for b in (getattr(p, "_grad_buffer", None) for p in params) if b is not None}
+    buffers = {id(b): b for b in (grad_buffer_of(p) for p in params) if b is not None}
     for b in buffers.values():
         b.pass_begins(params, last)
     yield
@@ -142,7 +146,7 @@ class GradBuffer:
         self._hooks = []
         for p in self.params:
             p.grad = None
-            p._grad_buffer = self
+            p._grad_buffer = weakref.ref(self)  # weak: the buffer holds p (wgrad.grad_buffer_of)
             self._hooks.append(p.register_post_accumulate_grad_hook(_grad_ready))
         self.armed: set[int] = set()
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import time
+import weakref
 
 import torch
 import torch.nn as nn
@@ -93,7 +94,32 @@ class Unit:
         self.pending: list | None = None
         self.live = True  # storage allocated (gathered, or a gather in flight)
         self.prefetch = False  # gathered by a prefetch not yet used
-        self.prev = self.next = None  # neighbours in forward order, in the same chunk
+        self._prev = self._next = None  # neighbours in forward order, in the same chunk (weakly: see prev)
+
+    # Neighbours by weak reference (ParamShards.units owns every unit): strong links both ways would make each pair
+    # a reference cycle holding its modules, so a dropped model's memory would wait for Python's cyclic GC.
+    @property
+    def prev(self) -> "Unit | None":
+        return self._prev() if self._prev is not None else None
+
+    @prev.setter
+    def prev(self, unit: "Unit | None") -> None:
+        self._prev = weakref.ref(unit) if unit is not None else None
+
+    @property
+    def next(self) -> "Unit | None":
+        return self._next() if self._next is not None else None
+
+    @next.setter
+    def next(self, unit: "Unit | None") -> None:
+        self._next = weakref.ref(unit) if unit is not None else None
+
+
+def _call(shards_ref, method: str, unit_ref, *args):
+    """A module hook's call into its ParamShards (weakly held: nothing once the optimizer that owns it is gone)."""
+    shards, unit = shards_ref(), unit_ref()
+    if shards is not None and unit is not None:
+        getattr(shards, method)(unit, *args)
 
 
 class ParamShards:
@@ -164,10 +190,16 @@ class ParamShards:
         self.prefetching = True  # off: every gather waited on when the layer needs it (benchmarks)
         self.wait_s = 0.0  # host seconds ensure() waited for gathers (benchmarks, CPU: gloo waits block)
         self._hooks = []
+        # The hooks reach this object and the unit through weak references: a strong one would close a cycle
+        # (module -> hook -> unit -> module) that kept a dropped model's memory until Python's cyclic GC ran.
+        me = weakref.ref(self)
         for u in self.units:
             if u.module is not None:
-                self._hooks.append(u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u)))
-                self._hooks.append(u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out)))
+                unit = weakref.ref(u)
+                self._hooks.append(u.module.register_forward_pre_hook(
+                    lambda m, a, unit=unit: _call(me, "_pre_forward", unit)))
+                self._hooks.append(u.module.register_forward_hook(
+                    lambda m, a, out, unit=unit: _call(me, "_post_forward", unit, out)))
 
     def _add_unit(self, mod, ps, keys, read, offset, resident=False) -> Unit:
         unit = Unit(mod, keys, self.buckets, self.dtype, self.device, resident)

@@ -87,9 +87,17 @@ def hooks_see_fused_grads() -> bool:
     return fired == [True]
 
 
+def grad_buffer_of(param):
+    """The GradBuffer `param`'s gradient goes to, or None. A parameter holds it by weak reference: the buffer holds
+    its parameters, and a strong reference back would make a cycle, so a dropped model and optimizer would keep
+    their memory (GPU memory included) until Python's cyclic GC happened to run."""
+    ref = getattr(param, "_grad_buffer", None)
+    return ref() if ref is not None else None
+
+
 def _buffer(param):
     """The GradBuffer fusing `param`'s gradient, or None (no buffer, fusion off, a frozen parameter)."""
-    buf = getattr(param, "_grad_buffer", None)
+    buf = grad_buffer_of(param)
     return buf if buf is not None and buf.fuse and param.requires_grad else None
 
 
@@ -122,7 +130,7 @@ def target(ctx, edge: int) -> torch.Tensor | None:
     FUSE), or None where the buffer has no single place for it now (a weight across ZeRO-2 buckets: hand it
     to autograd)."""
     param = ctx.next_functions[edge][0].variable
-    return param._grad_buffer.fused_target(param)
+    return grad_buffer_of(param).fused_target(param)
 
 
 _DTYPE_ADDMM: dict = {}  # (device type, dtype) -> which fp32-accumulating GEMM torch runs there

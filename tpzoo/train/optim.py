@@ -148,9 +148,11 @@ class DistributedAdamW:
         self.master = None if self.master_is_flat else torch.cat([read(a, b, torch.float32)
                                                                   for a, b, _ in self.owned])
         self.flat = None
+        # the group looked up when used (dp_group); the closure does not hold self (a reference cycle would keep
+        # a dropped optimizer's memory until Python's cyclic GC ran)
+        dims, name, size = self.dims, self.group_name, self.dp_size
         self.shards = ParamShards(self.params, self.offsets, self.buckets, self.owned, late, modules, read,
-                                  self.padded, lambda: self.dp_group if self.dp_size > 1 else SELF_GROUP,
-                                  keep=keep)
+                                  self.padded, lambda: dims.group(name) if size > 1 else SELF_GROUP, keep=keep)
 
     def _owned_of(self, full: torch.Tensor) -> torch.Tensor:
         """The owned segments of a flat tensor in this layout, end to end (a new fp32 tensor)."""
