@@ -15,6 +15,7 @@ import torch
 
 import tpzoo
 from tpzoo.models import get_config
+from tpzoo.parallel import GradBuffer
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward
 from tpzoo.testing import run_on_ranks
 from tpzoo.train.optim import DistributedAdamW
@@ -71,3 +72,24 @@ def test_dropped_model_and_optimizer_free_their_memory_without_the_cyclic_gc():
     for rank in run_on_ranks(2, _alive_after, LAYOUTS):
         assert rank.pop("control") == [True, False]
         assert rank == {name: [] for name in LAYOUTS}, rank
+
+
+def test_a_dropped_grad_buffer_leaves_plain_parameters():
+    """Parameters hold their GradBuffer weakly: dropped, it takes its hooks and main_grad views with it (the
+    gradient is autograd's .grad again), and never those of a buffer that took the parameters over since."""
+    w = torch.nn.Parameter(torch.ones(3))
+    first = GradBuffer([w], device=torch.device("cpu"))
+    (2 * w).sum().backward()
+    assert w.grad is None and torch.equal(w.main_grad, torch.full((3,), 2.0))
+    del first
+    assert not hasattr(w, "main_grad") and not hasattr(w, "_grad_buffer")
+    (3 * w).sum().backward()
+    assert torch.equal(w.grad, torch.full((3,), 3.0))
+    w.grad = None
+    old = GradBuffer([w], device=torch.device("cpu"))
+    new = GradBuffer([w], device=torch.device("cpu"))
+    del old  # its hook goes; the new buffer keeps collecting
+    (4 * w).sum().backward()
+    assert w.grad is None and torch.equal(new.data[:3], torch.full((3,), 4.0))
+    new.remove()
+    assert not hasattr(w, "main_grad")

@@ -58,10 +58,7 @@ def is_late(param, tp: int | None = None, pp: int | None = None) -> bool:
 def _grad_ready(param: torch.Tensor) -> None:
     """Post-accumulate hook: hand autograd's gradient to the buffer (fp32) and free the 16-bit .grad (None when
     every use of the parameter accumulated its gradient itself: gradient-accumulation fusion)."""
-    buf = grad_buffer_of(param)
-    if buf is None:  # the buffer was dropped (its owner gone): the gradient stays in .grad
-        return
-    buf.add(param, param.grad)
+    grad_buffer_of(param).add(param, param.grad)
     param.grad = None
 
 
@@ -121,9 +118,23 @@ def shard_segments(buckets: list[tuple[int, int]], dp: int, rank: int) -> list[t
     return out
 
 
+def _detach(hooks, params, ref) -> None:
+    """A dropped GradBuffer's parameters back to plain .grad: its hooks removed, and its main_grad views where
+    no later buffer has taken the parameter over."""
+    for h in hooks:
+        h.remove()
+    for p in (w() for w in params):
+        if p is not None and getattr(p, "_grad_buffer", None) is ref:
+            del p._grad_buffer
+            if hasattr(p, "main_grad"):
+                del p.main_grad
+
+
 class GradBuffer:
     """fp32 main gradients of `params` (each distinct Parameter once, late ones last) in one flat buffer on
-    `device`, padded to a multiple of `pad_to` (the dp size, so ZeRO can split every bucket evenly)."""
+    `device`, padded to a multiple of `pad_to` (the dp size, so ZeRO can split every bucket evenly). Keep a
+    reference to it (DistributedAdamW keeps its own) for as long as it is to collect gradients: the parameters
+    hold it only weakly, and once it is dropped they are plain parameters again."""
 
     def __init__(self, params, *, device, pad_to: int = 1, bucket_elems: int = DEFAULT_BUCKET_ELEMS, late=is_late,
                  fuse: bool = True):
@@ -144,10 +155,14 @@ class GradBuffer:
         self.started, self.overlapped = [], 0
         self._allocate()
         self._hooks = []
+        ref = weakref.ref(self)  # weak: the buffer holds its parameters (wgrad.grad_buffer_of)
         for p in self.params:
             p.grad = None
-            p._grad_buffer = weakref.ref(self)  # weak: the buffer holds p (wgrad.grad_buffer_of)
+            p._grad_buffer = ref
             self._hooks.append(p.register_post_accumulate_grad_hook(_grad_ready))
+        # Dropped (its owner, the optimizer, gone): the parameters go back to plain autograd gradients.
+        self._detach = weakref.finalize(self, _detach, list(self._hooks), [weakref.ref(p) for p in self.params],
+                                        ref)
         self.armed: set[int] = set()
 
     def _allocate(self) -> None:
@@ -249,11 +264,6 @@ class GradBuffer:
         return self.data.nbytes
 
     def remove(self) -> None:
-        """Detach from the parameters (their gradients go back to plain .grad)."""
-        for h in self._hooks:
-            h.remove()
-        for p in self.params:
-            if hasattr(p, "main_grad"):
-                del p.main_grad
-            del p._grad_buffer
+        """Detach from the parameters (their gradients go back to plain .grad), as dropping it does."""
+        self._detach()
         self._hooks = []
