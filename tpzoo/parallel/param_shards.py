@@ -79,8 +79,29 @@ class FlatReader:
         return out
 
 
+class _WeakLink:
+    """An attribute held by weak reference (None when unset or gone). Units link to their neighbours both ways;
+    strong links would make each pair a reference cycle holding its modules, so a dropped model's memory would
+    wait for Python's cyclic GC (ParamShards.units owns every unit)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return self
+        ref = getattr(obj, self.slot, None)
+        return ref() if ref is not None else None
+
+    def __set__(self, obj, value) -> None:
+        setattr(obj, self.slot, weakref.ref(value) if value is not None else None)
+
+
 class Unit:
     """One gathering unit: its module, the buckets its parameters lie in and its buffer over them."""
+
+    prev = _WeakLink()
+    next = _WeakLink()
 
     def __init__(self, module, keys: list[int], buckets, dtype, device, resident: bool = False):
         self.module, self.keys, self.resident = module, keys, resident
@@ -94,25 +115,7 @@ class Unit:
         self.pending: list | None = None
         self.live = True  # storage allocated (gathered, or a gather in flight)
         self.prefetch = False  # gathered by a prefetch not yet used
-        self._prev = self._next = None  # neighbours in forward order, in the same chunk (weakly: see prev)
-
-    # Neighbours by weak reference (ParamShards.units owns every unit): strong links both ways would make each pair
-    # a reference cycle holding its modules, so a dropped model's memory would wait for Python's cyclic GC.
-    @property
-    def prev(self) -> "Unit | None":
-        return self._prev() if self._prev is not None else None
-
-    @prev.setter
-    def prev(self, unit: "Unit | None") -> None:
-        self._prev = weakref.ref(unit) if unit is not None else None
-
-    @property
-    def next(self) -> "Unit | None":
-        return self._next() if self._next is not None else None
-
-    @next.setter
-    def next(self, unit: "Unit | None") -> None:
-        self._next = weakref.ref(unit) if unit is not None else None
+        self.prev = self.next = None  # neighbours in forward order, in the same chunk (weakly: _WeakLink)
 
 
 def _call(shards_ref, method: str, unit_ref, *args):
