@@ -131,15 +131,33 @@ def test_bad_recipe_is_refused_in_one_line():
     assert tuple(choices) == fp8.FP8_RECIPES  # the config spells the recipes out (no import at config time)
 
 
-def test_a_gpu_without_fp8_tensor_cores_is_refused_in_one_line():
-    gpu = torch.device("cuda", 0)
+def test_a_gpu_that_cannot_run_the_recipe_is_refused_in_one_line():
+    gpu, runs = torch.device("cuda", 0), (lambda rec, device: None)  # a trial GEMM that ran
     for recipe in ("tensorwise", "rowwise"):
-        problem = fp8.hardware_problem(recipe, gpu, (8, 0))  # an A100
+        problem = fp8.hardware_problem(recipe, gpu, (8, 0), trial=runs)  # an A100: no trial needed
         assert problem.startswith(f"--fp8 {recipe} needs FP8 tensor cores (compute capability 8.9+")
         assert "has 8.0: train without --fp8" in problem and "\n" not in problem
-        assert fp8.hardware_problem(recipe, gpu, (8, 9)) is None and fp8.hardware_problem(recipe, gpu, (9, 0)) is None
+        for capability in ((8, 9), (9, 0)):
+            assert fp8.hardware_problem(recipe, gpu, capability, trial=runs) is None
         assert fp8.hardware_problem(recipe, torch.device("cpu")) is None  # the emulation
     assert fp8.hardware_problem("none", gpu, (7, 0)) is None
+
+    def refused(rec, device):  # what cuBLAS said of row-wise scaling on an sm_120 board
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmulAlgoGetHeuristic\nmore")
+    problem = fp8.hardware_problem("rowwise", gpu, (12, 0), trial=refused)
+    assert problem.startswith("--fp8 rowwise: torch ") and "cannot run its scaled GEMMs" in problem
+    assert "(RuntimeError: CUDA error: CUBLAS_STATUS_NOT_SUPPORTED" in problem and "try --fp8 tensorwise" in problem
+    assert "\n" not in problem
+    assert fp8.hardware_problem("rowwise", gpu, (9, 0), trial=lambda rec, device: None) is None
+
+
+def test_the_hardware_trial_runs_an_fp8_linear_s_three_gemms():
+    """The trial's own code, on the CPU emulation (on a GPU the same calls reach torch._scaled_mm)."""
+    for name in ("tensorwise", "rowwise"):
+        y, dx, dw = fp8._trial_gemm(get_recipe(name), torch.device("cpu"))
+        assert (y.shape, dx.shape, dw.shape) == ((32, 16), (32, 32), (16, 32))
+        assert (y.dtype, dx.dtype, dw.dtype) == (torch.bfloat16, torch.bfloat16, torch.float32)
+        assert all(torch.isfinite(t).all() for t in (y, dx, dw))
 
 
 # -- layouts against one process ----------------------------------------------------------------------------------

@@ -72,18 +72,44 @@ def get_recipe(name: str | None) -> Fp8Recipe | None:
     return _RECIPES[name]
 
 
-def hardware_problem(recipe: str | None, device: torch.device, capability: tuple[int, int] | None = None) -> str | None:
+def hardware_problem(recipe: str | None, device: torch.device, capability: tuple[int, int] | None = None,
+                     trial=None) -> str | None:
     """Why `recipe` cannot run its GEMMs on `device` (one line), or None. torch._scaled_mm needs FP8 tensor cores
-    (compute capability 8.9+: Ada, Hopper, Blackwell); elsewhere on CUDA it fails inside the first forward with
-    a traceback, so the trainer asks first. CPU runs the emulation (tests) and never has a problem."""
-    if get_recipe(recipe) is None or device.type != "cuda":
+    (compute capability 8.9+: Ada, Hopper, Blackwell), and which scalings it runs depends on the GPU and the torch
+    build (row-wise scaling has been Hopper-only in some versions, and cuBLAS refuses it on sm_120): so after the
+    capability, one small GEMM of the recipe's kind is tried (`trial(rec, device)`, default _trial_gemm). Either
+    failure would otherwise be a traceback from inside the first forward. CPU runs the emulation: no problem."""
+    rec = get_recipe(recipe)
+    if rec is None or device.type != "cuda":
         return None
     capability = capability or torch.cuda.get_device_capability(device)
-    if tuple(capability) >= (8, 9):
-        return None
     name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "this GPU"
-    return (f"--fp8 {recipe} needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell); "
-            f"{name} has {capability[0]}.{capability[1]}: train without --fp8 (bf16)")
+    if tuple(capability) < (8, 9):
+        return (f"--fp8 {recipe} needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell); "
+                f"{name} has {capability[0]}.{capability[1]}: train without --fp8 (bf16)")
+    try:
+        (trial or _trial_gemm)(rec, device)
+    except Exception as exc:  # noqa: BLE001 - whatever torch says, in one line
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        other = "tensorwise" if rec.rowwise else "rowwise"
+        return (f"--fp8 {recipe}: torch {torch.__version__} cannot run its scaled GEMMs on {name} "
+                f"({type(exc).__name__}: {first}); try --fp8 {other}, or train without --fp8")
+    return None
+
+
+def _trial_gemm(rec: "Fp8Recipe", device: torch.device) -> tuple:
+    """The three GEMMs of an Fp8Linear on small bf16 operands, output dtypes as in training (the weight gradient in
+    fp32, for the main gradient): (y, dx, dw)."""
+    fp8 = Fp8Linear(rec, "column")
+    x = torch.randn(32, 32, device=device, dtype=torch.bfloat16)
+    w = torch.randn(16, 32, device=device, dtype=torch.bfloat16)
+    y, saved = fp8.forward(x, w)
+    dy = torch.randn_like(y)
+    scales = fp8.backward_scales(dy, w, True)
+    out = (y, fp8.input_grad(dy, w, saved, scales), fp8.weight_grad(dy, x, saved, scales, torch.float32))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out
 
 
 # -- scales and casts -------------------------------------------------------------------------------------------
