@@ -112,6 +112,39 @@ def test_writing_a_buffer_before_wait_is_an_error_naming_the_collective(which, m
         assert "test_strict_collectives.py" in e  # where it was started
 
 
+def _strided(strict_on: bool, which: str):
+    from tpzoo.parallel import CollectiveMisuse, comm, strict_collectives
+
+    dims = _world()
+    with strict_collectives(strict_on):
+        t = torch.arange(6.0).view(2, 3).t()  # the mistake: a transposed view (NCCL: "Tensors must be contiguous")
+        try:
+            if which == "all_reduce":
+                comm.all_reduce(t, dims.dp_group)
+            elif which == "broadcast":
+                comm.broadcast(t, 0, dims.dp_group)
+            elif which == "all_reduce_start":
+                comm.all_reduce_start(t, dims.dp_group).wait()
+            else:  # into a strided output
+                comm.all_gather_into_start(torch.zeros(4, 3).t(), torch.zeros(6), dims.dp_group).wait()
+        except CollectiveMisuse as e:
+            return str(e)
+        return t.tolist()
+
+
+@pytest.mark.parametrize("which", ["all_reduce", "broadcast", "all_reduce_start", "all_gather_into"])
+def test_a_non_contiguous_tensor_is_refused_as_nccl_refuses_it(which):
+    t = [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
+    if which in ("all_reduce", "broadcast"):  # gloo takes it and gets it right: nothing to see without the mode
+        want = [[2 * x for x in row] for row in t] if which == "all_reduce" else t
+        assert run_on_ranks(2, _strided, False, which) == [want, want]
+    name = "all_reduce" if which == "all_reduce_start" else which
+    shape = "(3, 4), strides (1, 3)" if which == "all_gather_into" else "(3, 2), strides (1, 3)"
+    for e in run_on_ranks(2, _strided, True, which):
+        assert e.startswith(f"{name}: a non-contiguous tensor (shape {shape}; group dp"), e
+        assert "NCCL refuses it" in e and "test_strict_collectives.py" in e
+
+
 def _out_of_order(strict_on: bool):
     from tpzoo.parallel import CollectiveMisuse, comm, strict, strict_collectives
 

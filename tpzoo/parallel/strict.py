@@ -122,6 +122,16 @@ def _short(path: str) -> str:
     return os.path.basename(path)
 
 
+def check_layout(kind: str, group: str, *tensors: torch.Tensor) -> None:
+    """NCCL takes only contiguous tensors ("Tensors must be contiguous"), where gloo's all-reduce and broadcast
+    accept strided ones: a transposed or sliced view handed to a collective passes every gloo test and fails on
+    the first GPU cluster. Strict mode refuses it here."""
+    for t in tensors:
+        if not t.is_contiguous():
+            raise CollectiveMisuse(f"{kind}: a non-contiguous tensor (shape {tuple(t.shape)}, strides {t.stride()}; "
+                                   f"group {group}; at {_started_at()}): NCCL refuses it; pass .contiguous()")
+
+
 _OUTSTANDING: dict[int, "Guard"] = {}
 
 
