@@ -296,13 +296,26 @@ def test_a_flex_path_that_cannot_run_falls_back_to_the_exact_path(monkeypatch):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
     out.backward(torch.ones_like(out))  # the exact path's backward
     assert all(t.grad is not None for t in leaves) and tried == [True]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # decided: no second trial, no second warning
-        document_attention(*leaves, Documents(ids))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        document_attention(*leaves, Documents(ids))  # decided: no second trial, no second warning
         assert tried == [True]
         with torch.no_grad():  # inference: the trial passes, then the call itself runs flex
             torch.testing.assert_close(document_attention(q, k, v, Documents(ids)), want, rtol=1e-5, atol=1e-6)
     assert tried == [True, False, False]
+    assert not [w for w in seen if "FlexAttention cannot run" in str(w.message)]
+    # under activation checkpointing (the trial runs inside the checkpointed forward, its own saved tensors kept
+    # from the checkpoint's hooks): the same fallback, and recomputation in backward takes the exact path again
+    monkeypatch.setattr(documents, "_FLEX_WORKS", {})
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with pytest.warns(UserWarning, match="FlexAttention cannot run document masking"):
+        out = torch.utils.checkpoint.checkpoint(lambda *a: document_attention(*a, Documents(ids)), *leaves,
+                                                use_reentrant=False)
+    out.backward(torch.ones_like(out))
+    reference = [t.clone().requires_grad_() for t in (q, k, v)]
+    document_attention(*reference, Documents(ids), impl="exact").backward(torch.ones_like(out))
+    for got, want_grad in zip(leaves, reference):
+        torch.testing.assert_close(got.grad, want_grad.grad, rtol=1e-5, atol=1e-6)
 
 
 RING = [(12, None), (13, 3)]  # (sequence, window): 13 pads to 16, the padding a document of its own
