@@ -31,9 +31,12 @@ import pathlib
 import re
 import statistics
 import tempfile
+import warnings
 from typing import Callable
 
 import torch
+
+from tpzoo.errors import brief
 
 WARMUP, ITERS = 2, 5
 CAP_ELEMENTS = 1 << 25  # per trial input: 64 MiB in bf16
@@ -175,11 +178,8 @@ def decide(key: str, make_runs: Callable[[], tuple], cache_file=...) -> str:
         try:
             t_triton = _timer(run_triton)
         except Exception as exc:  # noqa: BLE001 - e.g. a block that needs more shared memory than this GPU has
-            import warnings
-
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
-            warnings.warn(f"tpzoo kernels: the Triton kernel failed its trial for {key} ({type(exc).__name__}: "
-                          f"{first}); torch's op runs instead")
+            warnings.warn(f"tpzoo kernels: the Triton kernel failed its trial for {key} ({brief(exc)}); torch's op "
+                          f"runs instead")
             t_triton = float("inf")
         t_torch = _timer(run_torch)
         choice = "triton" if t_triton <= t_torch else "torch"

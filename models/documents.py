@@ -38,6 +38,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from tpzoo.errors import brief
+
 from .qk_norm import softcapped_attention
 
 _FLEX: dict = {}  # lazily: compiled (CUDA) -> flex_attention, compiled or eager
@@ -146,17 +148,15 @@ def _flex_works(q, k, v, docs: Documents, scale, window, softcap, gqa: bool) -> 
     if kind not in _FLEX_WORKS:
         try:
             # identity hooks: activation checkpointing's (if this forward runs under it) must not see the trial
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), torch.enable_grad() if grad \
-                    else torch.no_grad():
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), torch.set_grad_enabled(grad):
                 trial = [torch.randn_like(t).requires_grad_(grad) for t in (q, k, v)]
                 out = _flex_attention(*trial, docs, scale, window, softcap, gqa)
                 if grad:
                     torch.autograd.grad(out.float().sum(), trial)
             _FLEX_WORKS[kind] = True
         except Exception as exc:  # noqa: BLE001 - any failure of the fused kernel: the exact path instead
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
             warnings.warn(f"tpzoo: FlexAttention cannot run document masking here ({q.dtype}, head dim "
-                          f"{q.shape[-1]}, {'training' if grad else 'inference'}: {type(exc).__name__}: {first}); "
+                          f"{q.shape[-1]}, {'training' if grad else 'inference'}: {brief(exc)}); "
                           f"using the exact masked attention instead (an [S, S] mask per micro-batch)")
             _FLEX_WORKS[kind] = False
     return _FLEX_WORKS[kind]

@@ -72,9 +72,9 @@ class Transformer(nn.Module):
         start, end = layers if layers is not None else (0, cfg.num_layers)
         self.layer_range = (start, end)
         kw = {"dtype": dtype, "device": "meta"}
-        # not self._init_method: a bound method held by the children would tie the model into a reference cycle
-        # (freed only by Python's cyclic GC, so a dropped model's GPU memory would linger)
-        init = functools.partial(nn.init.normal_, std=cfg.initializer_range)
+        # A function of the config, not a bound method: held by the children, a method would tie the model into a
+        # reference cycle (freed only by Python's cyclic GC, so a dropped model's GPU memory would linger).
+        self._init_method = init = functools.partial(nn.init.normal_, std=cfg.initializer_range)
         if pre_process:
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, vocab_padding_multiple,
                                                 sequence_parallel, init, dims=dims, **kw)
@@ -120,9 +120,6 @@ class Transformer(nn.Module):
         if device.type != "meta":
             self.materialize(device)
             self.init_weights()
-
-    def _init_method(self, t: torch.Tensor) -> None:
-        nn.init.normal_(t, std=self.cfg.initializer_range)
 
     # -- materialization ------------------------------------------------------------------------------------
     def materialize(self, device) -> "Transformer":

@@ -57,6 +57,13 @@ def message(err: BaseException) -> str:
     return text
 
 
+def brief(err: BaseException, limit: int = 200) -> str:
+    """`Type: first line` of an exception, the line cut at `limit` characters: for an error quoted inside another
+    message (compilers and CUDA libraries raise pages; their first line names the failure)."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0][:limit] if lines else ''}"
+
+
 def job_store(timeout: float = 5.0):
     """A client of the job's rendezvous store (MASTER_ADDR:MASTER_PORT: torchrun's agent or tpzoo's launcher holds
     it), or None when there is none to reach."""

@@ -114,8 +114,7 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if p == 1:
         return t
     _record("all_reduce", group, t, 2 * (p - 1) / p)
-    if strict.enabled():
-        strict.check_layout("all_reduce", group_name(group), t)
+    strict.check_layout("all_reduce", group, t)
     if _via_host(t, group):
         host = t.cpu()
         dist.all_reduce(host, op=op, group=group)
@@ -190,8 +189,7 @@ def broadcast(t: torch.Tensor, src: int, group=None) -> torch.Tensor:
     if group_size(group) == 1:
         return t
     _record("broadcast", group, t, 1.0 if dist.get_rank() == src else 0.0)
-    if strict.enabled():
-        strict.check_layout("broadcast", group_name(group), t)
+    strict.check_layout("broadcast", group, t)
     if _via_host(t, group):
         host = t.cpu()
         dist.broadcast(host, src=src, group=group)
@@ -266,8 +264,7 @@ def batch_send_recv(sends: list[tuple], recvs: list[tuple], group=None, wait: bo
     for entry in recvs:
         t, peer, tag = (*entry, 0)[:3]
         _record("recv", group, t, 0.0)
-        if strict_on:
-            strict.check_layout("recv", group_name(group), t)
+        strict.check_layout("recv", group, t)
         dst = t
         if _via_host(t, group):
             dst = torch.empty(t.shape, dtype=t.dtype, device="cpu")
@@ -352,10 +349,9 @@ def all_reduce_start(t: torch.Tensor, group) -> Pending:
     if p == 1:
         return Pending(None, t)
     _record("all_reduce", group, t, 2 * (p - 1) / p)
+    strict.check_layout("all_reduce", group, t)
     if not (_via_host(t, group) or strict.enabled()):
         return Pending(dist.all_reduce(t, group=group, async_op=True), t, keep=t)
-    if strict.enabled():
-        strict.check_layout("all_reduce", group_name(group), t)
     # staged: the sum runs on a copy (in host memory for gloo with CUDA tensors), copied back by wait()
     staged = t.cpu() if _via_host(t, group) else t.clone()
     work = dist.all_reduce(staged, group=group, async_op=True)
@@ -371,10 +367,9 @@ def _into_start(kind: str, collective, out: torch.Tensor, t: torch.Tensor, group
         return Pending(None, out.copy_(t))
     _record(kind, group, t if kind == "reduce_scatter" else out, (p - 1) / p)
     host = _via_host(t, group)
+    strict.check_layout(name or kind, group, out, t)
     if not (host or strict.enabled()):
         return Pending(collective(out, t, group=group, async_op=True), out, keep=t)
-    if strict.enabled():
-        strict.check_layout(name or kind, group_name(group), out, t)
     device = torch.device("cpu") if host else out.device
     received = torch.empty(out.shape, dtype=out.dtype, device=device)
     src = t.to(device, copy=True)  # what the collective reads: the input as it was at start

@@ -154,15 +154,13 @@ class GradBuffer:
         self._group, self._pending, self.shard_grad = None, {}, None
         self.started, self.overlapped = [], 0
         self._allocate()
-        self._hooks = []
-        ref = weakref.ref(self)  # weak: the buffer holds its parameters (wgrad.grad_buffer_of)
+        hooks, ref = [], weakref.ref(self)  # weak: the buffer holds its parameters (wgrad.grad_buffer_of)
         for p in self.params:
             p.grad = None
             p._grad_buffer = ref
-            self._hooks.append(p.register_post_accumulate_grad_hook(_grad_ready))
-        # Dropped (its owner, the optimizer, gone): the parameters go back to plain autograd gradients.
-        self._detach = weakref.finalize(self, _detach, list(self._hooks), [weakref.ref(p) for p in self.params],
-                                        ref)
+            hooks.append(p.register_post_accumulate_grad_hook(_grad_ready))
+        # Dropped (its owner, the optimizer, gone) or remove()d: the parameters go back to plain autograd gradients.
+        self._release = weakref.finalize(self, _detach, hooks, [weakref.ref(p) for p in self.params], ref)
         self.armed: set[int] = set()
 
     def _allocate(self) -> None:
@@ -265,5 +263,4 @@ class GradBuffer:
 
     def remove(self) -> None:
         """Detach from the parameters (their gradients go back to plain .grad), as dropping it does."""
-        self._detach()
-        self._hooks = []
+        self._release()

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from tpzoo.errors import brief
+
 from . import comm
 from . import wgrad
 from .wgrad import SKIP, bias_grad, input_wanted, route, weight_grad
@@ -90,10 +92,9 @@ def hardware_problem(recipe: str | None, device: torch.device, capability: tuple
     try:
         (trial or _trial_gemm)(rec, device)
     except Exception as exc:  # noqa: BLE001 - whatever torch says, in one line
-        first = (str(exc).strip().splitlines() or [""])[0][:200]
         other = "tensorwise" if rec.rowwise else "rowwise"
         return (f"--fp8 {recipe}: torch {torch.__version__} cannot run its scaled GEMMs on {name} "
-                f"({type(exc).__name__}: {first}); try --fp8 {other}, or train without --fp8")
+                f"({brief(exc)}); try --fp8 {other}, or train without --fp8")
     return None
 
 

@@ -118,11 +118,12 @@ class Unit:
         self.prev = self.next = None  # neighbours in forward order, in the same chunk (weakly: _WeakLink)
 
 
-def _call(shards_ref, method: str, unit_ref, *args):
-    """A module hook's call into its ParamShards (weakly held: nothing once the optimizer that owns it is gone)."""
+def _call(shards_ref, method, unit_ref, *args):
+    """A module hook's call of `method` (a ParamShards function) on its shards and unit, both weakly held: nothing
+    once the optimizer that owns them is gone."""
     shards, unit = shards_ref(), unit_ref()
     if shards is not None and unit is not None:
-        getattr(shards, method)(unit, *args)
+        method(shards, unit, *args)
 
 
 class ParamShards:
@@ -200,9 +201,9 @@ class ParamShards:
             if u.module is not None:
                 unit = weakref.ref(u)
                 self._hooks.append(u.module.register_forward_pre_hook(
-                    lambda m, a, unit=unit: _call(me, "_pre_forward", unit)))
+                    lambda m, a, unit=unit: _call(me, ParamShards._pre_forward, unit)))
                 self._hooks.append(u.module.register_forward_hook(
-                    lambda m, a, out, unit=unit: _call(me, "_post_forward", unit, out)))
+                    lambda m, a, out, unit=unit: _call(me, ParamShards._post_forward, unit, out)))
 
     def _add_unit(self, mod, ps, keys, read, offset, resident=False) -> Unit:
         unit = Unit(mod, keys, self.buckets, self.dtype, self.device, resident)

@@ -35,6 +35,10 @@ import sys
 
 import torch
 
+from tpzoo.errors import brief
+
+from .state import group_name
+
 ENV = "TPZOO_STRICT_COLLECTIVES"
 
 
@@ -122,14 +126,17 @@ def _short(path: str) -> str:
     return os.path.basename(path)
 
 
-def check_layout(kind: str, group: str, *tensors: torch.Tensor) -> None:
+def check_layout(kind: str, group, *tensors: torch.Tensor) -> None:
     """NCCL takes only contiguous tensors ("Tensors must be contiguous"), where gloo's all-reduce and broadcast
     accept strided ones: a transposed or sliced view handed to a collective passes every gloo test and fails on
-    the first GPU cluster. Strict mode refuses it here."""
+    the first GPU cluster. Strict mode refuses it here (a no-op without the mode)."""
+    if not enabled():
+        return
     for t in tensors:
         if not t.is_contiguous():
             raise CollectiveMisuse(f"{kind}: a non-contiguous tensor (shape {tuple(t.shape)}, strides {t.stride()}; "
-                                   f"group {group}; at {_started_at()}): NCCL refuses it; pass .contiguous()")
+                                   f"group {group_name(group)}; at {_started_at()}): NCCL refuses it; pass "
+                                   f".contiguous()")
 
 
 _OUTSTANDING: dict[int, "Guard"] = {}
@@ -230,8 +237,7 @@ def after_previous_batch(group, kind: str, group_label: str) -> None:
             f"{kind} on group {group_label}, started at {_started_at()}: the group's previous point-to-point batch "
             f"(started at {where}) did not complete within {P2P_TIMEOUT:g} s. NCCL runs a group's batches one "
             f"after another and a send may wait for its receive, so this order deadlocks on GPUs: post a "
-            f"receive in the same batch as the sends it waits behind ({type(e).__name__}: "
-            f"{str(e).splitlines()[0][:200]})") from None
+            f"receive in the same batch as the sends it waits behind ({brief(e)})") from None
 
 
 def outstanding() -> list[str]:
