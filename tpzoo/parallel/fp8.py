@@ -46,6 +46,7 @@ from tpzoo.errors import brief
 from . import comm
 from . import wgrad
 from .wgrad import SKIP, bias_grad, input_wanted, route, weight_grad
+from .wgrad import rows as _rows
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_RECIPES = ("none", "tensorwise", "rowwise")
@@ -315,10 +316,6 @@ class Fp8Linear:
 
 
 # -- the seam the layers call -----------------------------------------------------------------------------------
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1])
-
 
 class _Fp8LinearFunction(torch.autograd.Function):
     """y = x W^T + b with the three GEMMs in FP8 (Fp8Linear). Saves x and W as they are (the backward casts
