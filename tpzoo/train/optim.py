@@ -257,7 +257,8 @@ class DistributedAdamW:
         """(global L2 norm of the reduced gradients, world sum of `flag`): one all-reduce over every rank.
         `extra_sq`: another optimizer's local_sq_norm() (expert weights) counted in the same norm."""
         t = torch.full((2,), float(flag), dtype=torch.float64, device=self.device)  # [squared norm, flag]
-        t[0] = self.local_sq_norm() if extra_sq is None else self.local_sq_norm() + extra_sq
+        local = self.local_sq_norm()
+        t[0] = local if extra_sq is None else local + extra_sq
         if self.dims.world_size > 1:
             comm.all_reduce(t, None)
         total, flags = t.tolist()
