@@ -22,6 +22,9 @@ def _shutdown_rank_pools():
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (scripts/gpu_check.sh runs them: pytest -m cuda)")
     config.addinivalue_line("markers", "faults: the fault and bad-input suite (runs alone with pytest -m faults)")
+    config.addinivalue_line("markers", "slow: exhaustive layouts beyond the ones each feature's tests prove; left out "
+                                       "of the default run (pyproject's addopts), run by .ci/run after the suite "
+                                       "(bash scripts/test.sh -m slow)")
 
 
 def pytest_collection_modifyitems(config, items):
