@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from tpzoo.errors import brief
 
-from .qk_norm import softcapped_attention
+from .kinds.attention_extras import softcapped_attention
 
 _FLEX: dict = {}  # lazily: compiled (CUDA) -> flex_attention, compiled or eager
 _FLEX_WORKS: dict = {}  # a call's kind (see _flex_works) -> whether the flex path ran for it
