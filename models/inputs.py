@@ -102,6 +102,10 @@ class Context:
     rotary: dict = field(default_factory=dict)
     records: dict = field(default_factory=dict)
 
+    def shared_tensors(self) -> list:
+        """The tensors every layer reads (the rotary tables): what a recomputed block keeps as its inputs."""
+        return [t for pair in self.rotary.values() for t in pair]
+
     def record(self, layer: int, key: str, value) -> None:
         """A layer's auxiliary output of this forward (e.g. a router's statistics, models/kinds/moe.py), gathered
         per key by the Transformer (models/aux.py). A recomputation (activation checkpointing) records the same

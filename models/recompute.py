@@ -23,6 +23,8 @@ from torch.utils.checkpoint import checkpoint
 
 from tpzoo.errors import ConfigError
 
+from .inputs import Context
+
 RECOMPUTE_MODES = ("none", "selective", "full")
 _STATE = threading.local()
 
@@ -57,10 +59,13 @@ class _Recomputed:
         module = self.module()
         if self.direct or not torch.is_grad_enabled():
             return self.function(module, *args, **kwargs)
-        return checkpoint(self._run, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
+        # A Context's shared tensors (the rotary tables) enter as inputs of their own: the checkpoint keeps them
+        # as it keeps every tensor input (saved once, as autograd's saved-tensor hooks see them).
+        shared = [t for a in args if isinstance(a, Context) for t in a.shared_tensors()]
+        return checkpoint(self._run, len(args), *args, *shared, use_reentrant=False, context_fn=_contexts, **kwargs)
 
-    def _run(self, *args, **kwargs):
-        module = self.module()
+    def _run(self, n: int, *args, **kwargs):
+        args, module = args[:n], self.module()
         if not is_recomputing():  # the forward: the module's hooks have run already
             return self.function(module, *args, **kwargs)
         self.direct = True  # backward's second forward: through the module's call and hooks, then straight in

@@ -159,7 +159,7 @@ def _indivisible_sequence():
             errors.append(str(e))
         if chunks[0].pre_process:
             try:
-                chunks[0](input_ids=torch.zeros(1, 7, dtype=torch.long))
+                chunks[0](torch.zeros(1, 7, dtype=torch.long))
             except ValueError as e:
                 errors.append(str(e))
         return errors

@@ -101,9 +101,7 @@ class RouterStatistics(AuxRule):
         return self.trains(cfg) if loss.aux_losses else bool(moe_layer_count(cfg))
 
     def reduce(self, cfg: ModelConfig, layout: ModelLayout, total: torch.Tensor) -> tuple:
-        dims = layout.dims
-        aux, z = router_losses(total, moe_layer_count(cfg), cfg.moe.num_experts, dims.tp_group,
-                               layout.sequence_parallel, dims.cp_group if dims.cp > 1 else None)
+        aux, z = router_losses(total, moe_layer_count(cfg), cfg.moe.num_experts, layout)
         term = cfg.moe.router_aux_loss_coef * aux + cfg.moe.router_z_loss_coef * z if self.trains(cfg) else None
         return term, {"router_aux_loss": aux.detach(), "router_z_loss": z.detach()}
 
@@ -290,8 +288,7 @@ class _AllReduceSum(torch.autograd.Function):
         return comm.all_reduce(grad.contiguous().clone(), ctx.group), None
 
 
-def router_losses(totals: torch.Tensor, num_layers: int, num_experts: int, tp_group, sequence_parallel: bool,
-                  cp_group=None) -> tuple:
+def router_losses(totals: torch.Tensor, num_layers: int, num_experts: int, layout: ModelLayout) -> tuple:
     """(load-balancing loss, z-loss) of one forward from `totals` (stage_stats summed over every MoE layer of the
     model, all pipeline stages included; this rank's tokens), `num_layers` MoE layers in the model.
 
@@ -300,12 +297,13 @@ def router_losses(totals: torch.Tensor, num_layers: int, num_experts: int, tp_gr
     tokens rows), P_e the mean routing probability of e over all (layer, token) rows. The z-loss is the mean over
     tokens of logsumexp(logits)^2, summed over layers. Under SP each rank holds its shard's sums; one all-reduce
     over tp (identity backward: every tp rank computes the same loss, on the same tokens) makes them total. Under
-    context parallelism (cp_group) each cp rank holds its chunks of the sequence: the sums are added over cp too,
+    context parallelism (cp > 1) each cp rank holds its chunks of the sequence: the sums are added over cp too,
     and since each cp rank adds the loss to its own tokens, the gradient of the totals is summed over cp."""
-    if sequence_parallel:
-        totals = reduce_from_tp(totals, tp_group)
-    if cp_group is not None:
-        totals = _AllReduceSum.apply(totals, cp_group)
+    dims = layout.dims
+    if layout.sequence_parallel:
+        totals = reduce_from_tp(totals, dims.tp_group)
+    if dims.cp > 1:
+        totals = _AllReduceSum.apply(totals, dims.cp_group)
     counts, probs, z, rows = totals.split([num_experts, num_experts, 1, 1])
     aux = num_experts * torch.sum((counts / rows) * (probs / rows))
     return aux, z.sum() / (rows.sum() / num_layers)
