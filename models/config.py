@@ -237,12 +237,14 @@ class ModelConfig:
         if unknown:
             raise ConfigError(f"unknown ModelConfig fields: {sorted(unknown)}")
         kw = {k: v for k, v in d.items() if k in top and k not in SUBCONFIGS}
-        groups = {g: dict(d.get(g) or {}) for g in SUBCONFIGS}
-        for g, value in d.items():
-            if g in SUBCONFIGS and value is not None and not isinstance(value, (dict, SUBCONFIGS[g])):
+        groups = {}
+        for g, kind in SUBCONFIGS.items():
+            value = d.get(g) or {}
+            if isinstance(value, kind):
+                value = dataclasses.asdict(value)
+            if not isinstance(value, dict):
                 raise ConfigError(f"ModelConfig.{g} must be an object, got {value!r}")
-            if isinstance(value, SUBCONFIGS[g] if g in SUBCONFIGS else ()):
-                groups[g] = dataclasses.asdict(value)
+            groups[g] = dict(value)
         for flat, (g, name) in FLAT.items():
             if flat in d:
                 if name in groups[g] and groups[g][name] != d[flat]:

@@ -293,8 +293,8 @@ class Transformer(nn.Module):
             if not self.post_process:
                 return totals, []
         elif whole:
-            totals = {key: rule.combine(cfg, ctx.recorded(key), device) for key, rule in rules.items()
-                      if ctx.recorded(key)}
+            recorded = {key: ctx.recorded(key) for key in rules}
+            totals = {key: rules[key].combine(cfg, records, device) for key, records in recorded.items() if records}
         else:
             training = [k for k, rule in rules.items() if rule.trains(cfg)]
             if training and loss.aux_losses and inputs.labels is not None:

@@ -40,3 +40,24 @@ def test_an_old_checkpoint_resumes_bit_exact(tmp_path, model):
     assert result["start_step"] == 2 and result["steps"] == [3, 4]
     assert result["losses"] == EXPECTED[model]["losses"]
     assert result["grad_norms"] == EXPECTED[model]["grad_norms"]
+
+
+def test_flat_and_nested_configs_are_one_config():
+    """Every named config reads back from its nested dict and from the flat one of before (the FLAT table), and
+    its flat names read the nested fields; a flat field that contradicts the nested one, or an unknown one, is
+    refused naming it."""
+    from tpzoo.errors import ConfigError
+    from tpzoo.models import list_configs
+    from tpzoo.models.config import FLAT
+
+    for cfg in list_configs().values():
+        nested = cfg.to_dict()
+        flat = {k: v for k, v in nested.items() if k not in ("attention", "mlp", "moe")}
+        flat.update({name: nested[group][field] for name, (group, field) in FLAT.items()})
+        assert ModelConfig.from_dict(nested) == ModelConfig.from_dict(json.loads(cfg.to_json())) == cfg
+        assert ModelConfig.from_dict(flat) == cfg
+        assert all(getattr(cfg, name) == nested[group][field] for name, (group, field) in FLAT.items())
+    with pytest.raises(ConfigError, match=r"num_heads=8 contradicts attention.num_heads=4"):
+        ModelConfig.from_dict({**get_config("nano-llama").to_dict(), "num_heads": 8})
+    with pytest.raises(ConfigError, match=r"unknown ModelConfig.moe fields: \['experts'\]"):
+        ModelConfig.from_dict({**get_config("nano-llama").to_dict(), "moe": {"experts": 4}})

@@ -6,14 +6,17 @@
 Each case is scripts/bench/train.py's tpzoo step (forward, backward, global-norm clipping, AdamW; `--impl tpzoo`)
 run by each revision's own copy of the script in a fresh process, the two revisions alternating run after run
 (before, after, before, after, ...), so machine load drifts over both alike; the report is the median over the
-runs of each run's median step time, and the ratio after / before. The other revision is a plain copy of the
-commit (`git archive`) put first on PYTHONPATH; both read the same random HF model (made once).
+runs of each run's median step time, and the ratio after / before; beside it the CPU time of the whole run (all
+its processes: start, imports, model build, warm-up and timed steps), which a busy machine disturbs less than the
+wall clock. The other revision is a plain copy of the commit (`git archive`) put first on PYTHONPATH; both read the
+same random HF model (made once).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -38,18 +41,26 @@ def checkout(rev: str, into: str) -> str:
     return into
 
 
-def run(tree: str, model: str, tp: int, extra: list, hf_dir: str, args) -> float:
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run(tree: str, model: str, tp: int, extra: list, hf_dir: str, args) -> tuple[float, float]:
+    """(median step seconds, CPU seconds of the whole run) of one case at one revision."""
     script = os.path.join(tree, "scripts", "bench", "train.py")
     launcher = [sys.executable] if tp == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                                                  str(tp)]
     cmd = launcher + [script, "--impl", "tpzoo", "--model", model, "--hf-dir", hf_dir, "--steps", str(args.steps),
                       "--warmup", str(args.warmup)] + extra
     env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1")
+    cpu = _children_cpu()
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
+    cpu = _children_cpu() - cpu
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:
         raise RuntimeError(f"{tree} {model} tp={tp} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-    return json.loads(lines[-1][7:])["step_s_median"]
+    return json.loads(lines[-1][7:])["step_s_median"], cpu
 
 
 def make_hf(model: str, path: str) -> None:
@@ -79,19 +90,22 @@ def main() -> None:
             for label, model, tp, extra in CASES:
                 for which, tree in (("before", before), ("after", ROOT)):
                     times[(label, which)].append(run(tree, model, tp, extra, hf[model], args))
-                    print(f"{label} {which}: {times[(label, which)][-1]:.4f} s", file=sys.stderr, flush=True)
+                    step, cpu = times[(label, which)][-1]
+                    print(f"{label} {which}: step {step:.4f} s, run {cpu:.1f} CPU s", file=sys.stderr, flush=True)
     head = (f"Command: `python scripts/bench/ab.py --before {args.before} --repeats {args.repeats} --steps {args.steps}"
             f" --write docs/benchmarks.md`. scripts/bench/train.py's tpzoo training step (float32, batch 4 x 256, one "
             f"torch thread per process) at revision {args.before} (before) and at this checkout (after), each "
             f"revision's own script in a fresh process, alternating {args.repeats} times; each run reports its median "
             f"of {args.steps} steps after {args.warmup} warm-up, the table the median over runs. Load average when "
-            f"it started: {load:.1f} (a shared 2-core machine: the runs' spread is in the last column).")
-    rows = ["| case | before: step (median) | after: step (median) | after / before | spread (min-max, after) |",
-            "|---|---|---|---|---|"]
+            f"it started: {load:.1f} (a shared 2-core machine: the spread of the after runs' steps is in the fifth column; the CPU time of a whole run varies less).")
+    rows = ["| case | step before | step after | after / before | steps after (min-max) | run CPU before | "
+            "run CPU after | after / before |", "|---|---|---|---|---|---|---|---|"]
     for label, *_ in CASES:
-        b, a = (statistics.median(times[(label, w)]) for w in ("before", "after"))
-        spread = f"{min(times[(label, 'after')]):.3f}-{max(times[(label, 'after')]):.3f} s"
-        rows.append(f"| {label} | {b:.3f} s | {a:.3f} s | {a / b:.3f} | {spread} |")
+        (b, a), (cb, ca) = ([statistics.median(t[i] for t in times[(label, w)]) for w in ("before", "after")]
+                            for i in (0, 1))
+        after = [t[0] for t in times[(label, "after")]]
+        rows.append(f"| {label} | {b:.3f} s | {a:.3f} s | {a / b:.3f} | {min(after):.3f}-{max(after):.3f} s | "
+                    f"{cb:.1f} s | {ca:.1f} s | {ca / cb:.3f} |")
     text = head + "\n\n" + "\n".join(rows)
     print("\n" + text)
     if args.write:
