@@ -11,7 +11,8 @@
    a changed layout or micro-batch size still resumes.
 5. The held-out loss of one checkpoint (the torchrun run's, trained at lr 0) is the same (1e-6) at dp 1, dp 2,
    dp 2 with ep 2, tp 2, pp 2 and cp 2 (+ ep 2), each a `tpzoo pretrain --base CKPT --lr 0 --steps 1` on the same
-   eval settings: 5 held-out sequences, so at dp 2 one rank evaluates a filler sequence whose labels are ignored.
+   eval settings: 6 held-out sequences in micro-batches of 2, so at dp 2 (3 each) a filler sequence whose labels
+   are ignored completes each rank's second micro-batch.
 6. TQDM_DISABLE=1 hides the bars of `convert to-hf --merge` and `preprocess` (their --quiet flags passed an
    explicit disable=False, which tqdm's own reading of TQDM_DISABLE does not override); without it they draw.
 
@@ -31,9 +32,10 @@ from preflight_helpers import cli, one_error_line
 from tpzoo.testing import run_on_ranks
 
 TEXT = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"
-# 16-token sequences, 5 held-out ones per evaluation (an odd number: dp 2 needs a filler), 1 sequence per micro-batch
-SHAPE = ["--seq-len", "16", "--global-batch-size", "4", "--micro-batch-size", "1", "--eval-fraction", "0.02",
-         "--eval-batches", "5", "--sample-prompt", "", "--log-interval", "1"]
+# 16-token sequences, 2 per micro-batch; 6 held-out ones per evaluation: at dp 2, 3 per rank, whose second
+# micro-batch is completed by a filler sequence (labels ignored)
+SHAPE = ["--seq-len", "16", "--global-batch-size", "4", "--micro-batch-size", "2", "--eval-fraction", "0.02",
+         "--eval-batches", "3", "--sample-prompt", "", "--log-interval", "1"]
 
 
 def metrics(log_dir) -> list[dict]:
@@ -102,7 +104,7 @@ def test_resuming_with_another_seq_len_names_it_before_any_rank(moe_run, monkeyp
     from tpzoo.cli import main
 
     # another layout and micro-batch size (the run's global batch and data kept) pass the preflight
-    assert main([*resume, "--ep", "1", "--micro-batch-size", "2"]) == 0 and started == [2]
+    assert main([*resume, "--ep", "1", "--micro-batch-size", "1"]) == 0 and started == [2]
 
 
 @pytest.fixture
