@@ -20,7 +20,6 @@ The layouts of case 5 run `tpzoo.cli.main` on pooled gloo ranks (tpzoo.testing.r
 torchrun's environment (RANK, WORLD_SIZE): the command's own torchrun path, without starting processes per run.
 """
 import json
-import os
 import subprocess
 import sys
 import sysconfig
