@@ -5,14 +5,19 @@ HF's own router: the loop and the grouped paths give HF's output, and the groupe
 loop's (an expert without tokens included). The conversion round trip is bit-exact. The comparison can fail: gate|up
 left interleaved, the gate_up bias or the down bias dropped, or the plain SwiGLU each change the output beyond the
 tolerance. The MXFP4 dequantization equals transformers' own convert_moe_packed_tensors bit for bit (bf16 and
-fp32), and its layout is HF's unquantized [E, h, 2f]."""
+fp32), and its layout is HF's unquantized [E, h, 2f]. Under expert tensor parallelism (tp 2, gloo) with gate|up and
+its bias split by parts and the down bias on one tp rank, the reduced output equals HF's and every rank's
+gradient shards equal the one-process gradients' shards (the down bias's whole on its rank)."""
 import functools
 
 import pytest
 import torch
 
+import tpzoo
 from tpzoo.models.experts import clamped_swiglu, expert_mlp
 from tpzoo.models.hf_experts import dequantize_mxfp4, gpt_oss_experts_from_hf, gpt_oss_experts_to_hf
+from tpzoo.parallel import ShardSpec, reduce_from_tp, shard
+from tpzoo.testing import run_on_ranks
 
 E, K, H, F_ = 4, 2, 16, 12
 
@@ -116,3 +121,34 @@ def test_mxfp4_dequantize_equals_transformers(dtype):
     one = dequantize_mxfp4(torch.full((1, 1, 1, 16), 0x21, dtype=torch.uint8),
                            torch.full((1, 1, 1), 128, dtype=torch.uint8), torch.float32)
     assert one[0, :2, 0].tolist() == [1.0, 2.0]
+
+
+SPECS = {"gate_up": ShardSpec(1, parts=(F_, F_)), "gate_up_bias": ShardSpec(1, parts=(F_, F_)),
+         "down": ShardSpec(2), "down_bias": ShardSpec(None)}
+
+
+def _tp_worker(params, x, weights, index, dy):
+    dims = tpzoo.init_parallel(tp=2)
+    try:
+        mine = {n: shard(t, SPECS[n], dims.tp_rank, 2).clone().requires_grad_() for n, t in params.items()}
+        used = dict(mine, down_bias=mine["down_bias"] if dims.tp_rank == 0 else None)  # added once, before the sum
+        out = reduce_from_tp(_moe(x, weights, index, used, "grouped"), dims.tp_group)
+        out.backward(dy)
+        return out.detach(), {n: t.grad for n, t in mine.items()}
+    finally:
+        tpzoo.destroy_parallel()
+
+
+def test_expert_biases_under_expert_tensor_parallelism():
+    experts, x, weights, index, want = _hf()
+    dy = torch.randn(x.shape[0], H, generator=torch.Generator().manual_seed(5))
+    full = {n: t.clone().requires_grad_() for n, t in _params(experts).items()}
+    _moe(x, weights, index, full, "loop").backward(dy)
+    per_rank = run_on_ranks(2, _tp_worker, _params(experts), x, weights, index, dy)
+    for rank, (out, grads) in enumerate(per_rank):
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        for name, g in grads.items():
+            if name == "down_bias" and rank == 1:
+                assert g is None  # unused on the other rank: the trainer sums this gradient over tp
+                continue
+            torch.testing.assert_close(g, shard(full[name].grad, SPECS[name], rank, 2), rtol=1e-5, atol=1e-5)
