@@ -23,6 +23,12 @@ Cache (decoding, `LatentCache`): the normalized latent [b, s, kv_lora_rank] and 
 replicated on each tp rank, where expanded keys and values would hold heads/tp * (192 + 128) = 5,120 at tp 8.
 Each step re-expands the cached latents with kv_b_proj (docs/design.md says why). Decoding runs without SP and
 at cp = 1, as for the other attention kinds.
+
+Parameter names are transformers' (DeepseekV3Attention's state dict maps one to one; column/row shards by
+`param_spec`). LoRA: HF PEFT can target every projection here (all nn.Linear in transformers: q_proj or q_a_proj /
+q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj; "all-linear" takes them all). tpzoo's adapters
+(tpzoo.parallel.lora) attach to the column / row ones (q_proj, q_b_proj, kv_b_proj, o_proj); the replicated down
+projections need a replicated adapter (A and B whole on every rank, both partial under SP like the weight).
 """
 from __future__ import annotations
 
