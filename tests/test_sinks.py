@@ -157,3 +157,25 @@ def test_sinks_under_context_parallelism():
     plain = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     idx = per_rank[0][0]["idx"]
     assert (plain.index_select(2, idx) - per_rank[0][0]["out"]).abs().max() > 1e-2
+
+
+@pytest.mark.cuda
+def test_sinks_on_cuda_flex_and_fused_blocks():
+    """GPU twin of the CPU checks above: the compiled FlexAttention path (its backward through the log-sum-exp)
+    and the CUDA block kernels (sink_attention's fused path) against the exact torch math, fp32 and bf16."""
+    s, dev = 64, torch.device("cuda")
+    ids = torch.tensor([[0] * 20 + [1] * 44, [0] * 50 + [1] * 14], device=dev)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+        g = torch.Generator(device=dev).manual_seed(0)
+        q, k, v = (torch.randn(B, n, s, 16, generator=g, device=dev, dtype=dtype) for n in (H, HKV, HKV))
+        sinks = torch.randn(H, generator=g, device=dev)
+        grad = torch.randn(B, H, s, 16, generator=g, device=dev, dtype=dtype)
+        exact = _grads(lambda *t: document_attention(t[0], t[1], t[2], Documents(ids), window=24, sinks=t[3],
+                                                     impl="exact"), q, k, v, sinks, grad)
+        flex = _grads(lambda *t: document_attention(t[0], t[1], t[2], Documents(ids), window=24, sinks=t[3],
+                                                    impl="flex"), q, k, v, sinks, grad)
+        fused = _grads(lambda *t: sink_attention(*t), q, k, v, sinks, grad)
+        plain = _grads(lambda *t: sink_attention(*t, fused=False), q, k, v, sinks, grad)
+        for got, want in ((flex, exact), (fused, plain)):
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
