@@ -260,7 +260,7 @@ class GatedDeltaNet(nn.Module):
         """This cp rank's share of the per-head parameters: conv rows of its q, k, v heads; A_log, dt_bias."""
         cp, r, cfg = self.dims.cp, self.dims.cp_rank, self.cfg
         kd, vd, nv = self.key_heads * cfg.key_head_dim, self.value_heads * cfg.value_head_dim, self.value_heads
-        rows = torch.cat([torch.arange(r * n // cp, (r + 1) * n // cp) + off
+        rows = torch.cat([torch.arange(r * n // cp, (r + 1) * n // cp, device="cpu") + off
                           for n, off in ((kd, 0), (kd, kd), (vd, 2 * kd))]).to(conv_w.device)
         heads = slice(r * nv // cp, (r + 1) * nv // cp)
         return conv_w.index_select(0, rows), A_log[heads], dt_bias[heads]
