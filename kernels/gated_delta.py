@@ -131,8 +131,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: float | None = None, init
     q_in = q * G.exp().unsqueeze(-1)                    # q reading the state that entered the chunk
     k_out = k * (G[..., -1:] - G).exp().unsqueeze(-1)   # k decayed to the chunk's end
     decay = G[..., -1].exp()[..., None, None]           # the whole chunk's decay
+    del D, L, k_beta, q, k, v, beta  # not needed by the scan (without autograd: freed before it)
 
-    state = _initial(initial_state, b, h, dk, dv, v)
+    state = _initial(initial_state, b, h, dk, dv, U)
     outs = []
     for i in range(n):
         if reset is not None:

@@ -111,7 +111,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, past: torch.Tensor | None
         tap = xp[:, taps - 1 - j: taps - 1 - j + s]
         if reach is not None:
             tap = torch.where(reach >= j, tap, 0.0)
-        out = out + tap * weight[:, taps - 1 - j]
+        out = torch.addcmul(out, tap, weight[:, taps - 1 - j])
     tail = xp[:, xp.shape[1] - (taps - 1):]
     if reach is not None and taps > 1:  # the next token continues the last document: reach + 1
         j = torch.arange(taps - 1, 0, -1, device=x.device)  # how far before the next token each entry lies
