@@ -17,7 +17,7 @@ from tpzoo.models import gated_deltanet as gdn
 from tpzoo.models.documents import Documents
 from tpzoo.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from tpzoo.models.gated_deltanet_hf import gated_deltanet_tensor_maps
-from tpzoo.parallel import ParallelDims, ParallelLayoutError, comm, shard, unshard
+from tpzoo.parallel import ParallelDims, ParallelLayoutError, comm, finish_tp_grads, shard, unshard
 from tpzoo.parallel.ring_attention import local_positions
 from tpzoo.testing import run_on_ranks
 
@@ -225,6 +225,7 @@ def _rank_cases(weights: dict, x, w, cases: list) -> list:
             with comm.count_collectives() as counter:
                 y = layer(xl, docs=Documents(DOC_IDS) if packed else None)
                 (y * _local(w, dims, sp)).sum().backward()
+            finish_tp_grads(layer, dims)  # the trainer's TP reduction: the gated norm's partial gradient summed
             res = {"y": y.detach(), "dx": xl.grad, "grads": {n: p.grad for n, p in layer.named_parameters()},
                    "fresh": fresh, "a2a": counter.get("all_to_all", "cp").calls}
             if not packed and cp == 1 and not sp:  # generation at this layout: prefill 100, decode 4
@@ -241,7 +242,7 @@ def _rank_cases(weights: dict, x, w, cases: list) -> list:
 
 def _merge(per_rank: list, i: int, tp: int, cp: int, sp: bool) -> dict:
     """One case's per-rank results as full tensors: outputs in sequence order, gradients summed over cp then
-    unsharded over tp (the norm's partial gradient summed over every rank)."""
+    unsharded over tp (the norm's gradient, already summed over tp by finish_tp_grads, equal on the tp ranks)."""
     specs = {n: p.tp_spec for n, p in GatedDeltaNet(ref_cfg("qwen3_5"), ParallelDims.for_rank(tp=tp, cp=cp))
              .named_parameters()}
     rank = lambda t, c: per_rank[c * tp + t][i]  # noqa: E731 (tp fastest)
@@ -255,7 +256,9 @@ def _merge(per_rank: list, i: int, tp: int, cp: int, sp: bool) -> dict:
     merged["grads"] = {}
     for name, spec in specs.items():
         per_tp = [sum(rank(t, c)["grads"][name] for c in range(cp)) for t in range(tp)]
-        merged["grads"][name] = sum(per_tp) if name == "norm.weight" else unshard(per_tp, spec)
+        if spec.replicated:
+            assert all(torch.equal(g, per_tp[0]) for g in per_tp), name
+        merged["grads"][name] = per_tp[0] if spec.replicated else unshard(per_tp, spec)
     merged["fresh"] = [unshard([rank(t, 0)["fresh"][j] for t in range(tp)], spec) if not spec.replicated
                        else rank(0, 0)["fresh"][j] for j, spec in enumerate(specs.values())]
     return merged
