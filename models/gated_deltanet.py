@@ -112,7 +112,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, past: torch.Tensor | None
         if reach is not None:
             tap = torch.where(reach >= j, tap, 0.0)
         out = torch.addcmul(out, tap, weight[:, taps - 1 - j])
-    tail = xp[:, xp.shape[1] - (taps - 1):]
+    tail = xp[:, xp.shape[1] - (taps - 1):].clone()  # a copy: a cache must not keep the whole prompt's inputs alive
     if reach is not None and taps > 1:  # the next token continues the last document: reach + 1
         j = torch.arange(taps - 1, 0, -1, device=x.device)  # how far before the next token each entry lies
         tail = torch.where((reach[:, -1:] + 1 >= j.view(1, -1, 1)), tail, 0.0)

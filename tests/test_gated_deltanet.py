@@ -265,13 +265,24 @@ def _merge(per_rank: list, i: int, tp: int, cp: int, sp: bool) -> dict:
 
 
 def test_tensor_and_context_parallel_equal_transformers():
+    check_layouts("qwen3_5", {2: [(2, 1, False, False), (2, 1, True, False), (2, 1, True, True)],
+                              4: [(2, 2, True, False), (2, 2, True, True)]})
+
+
+@pytest.mark.slow
+def test_more_layouts_and_qwen3_next():
+    check_layouts("qwen3_next", {2: [(2, 1, True, True), (1, 2, False, True)],
+                                 4: [(2, 2, False, False), (2, 2, False, True), (1, 4, False, True)]})
+
+
+def check_layouts(family: str, layouts: dict) -> None:
+    """(tp, cp, sp, packed) cases per world size, each against transformers' results for `family`'s weights (the
+    tpzoo layer is the same for both families: only the HF names differ)."""
     x, w = inputs()
-    refs = {False: hf_reference("qwen3_5", x, w), True: hf_reference("qwen3_5", x, w, DOC_IDS)}
+    refs = {False: hf_reference(family, x, w), True: hf_reference(family, x, w, DOC_IDS)}
     weights = refs[False]["weights"]
     torch.manual_seed(5)
     fresh = [p.detach() for p in GatedDeltaNet(ref_cfg("qwen3_5"), ParallelDims.for_rank(device="cpu")).parameters()]
-    layouts = {2: [(2, 1, False, False), (2, 1, True, False), (2, 1, True, True)],
-               4: [(2, 2, True, False), (2, 2, True, True)]}
     for world, cases in layouts.items():
         per_rank = run_on_ranks(world, _rank_cases, weights, x, w, cases)
         for i, (tp, cp, sp, packed) in enumerate(cases):
