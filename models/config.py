@@ -98,7 +98,10 @@ FLAT = {
                                "decoder_sparse_step")},
     "moe_ffn_hidden_size": ("moe", "ffn_hidden_size"),
 }
+# Each kind's settings: a frozen dataclass in a ModelConfig field of the same name (a new kind adds its own here,
+# with a default, e.g. None when the model has no such layer); attention's and the MLP's are required.
 SUBCONFIGS = {"attention": AttentionConfig, "mlp": MLPConfig, "moe": MoEConfig}
+REQUIRED = ("attention", "mlp")
 _POSITIVE = (("vocab_size", None), ("hidden_size", None), ("num_layers", None), ("max_position_embeddings", None),
              ("num_heads", "attention"), ("num_kv_heads", "attention"), ("head_dim", "attention"),
              ("sliding_window", "attention"), ("ffn_hidden_size", "mlp"))
@@ -254,10 +257,11 @@ class ModelConfig:
             allowed = {f.name for f in dataclasses.fields(SUBCONFIGS[g])}
             if set(values) - allowed:
                 raise ConfigError(f"unknown ModelConfig.{g} fields: {sorted(set(values) - allowed)}")
-        for g in ("attention", "mlp"):
+        for g in REQUIRED:
             if not groups[g]:
                 raise ConfigError(f"ModelConfig needs its {g} settings ({g}: {{...}}, or the flat fields)")
-        return cls(**kw, **{g: SUBCONFIGS[g](**values) for g, values in groups.items()})
+        # an optional kind's settings absent (or null): the field's default
+        return cls(**kw, **{g: SUBCONFIGS[g](**values) for g, values in groups.items() if values or g in REQUIRED})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
