@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tpzoo
-from tpzoo.models import Transformer, get_config
+from tpzoo.models import Inputs, LossOptions, ModelLayout, Transformer, get_config
 from tpzoo.parallel import comm, fp8, gather_tp_tensor, grad_of, local_dims, param_spec
 from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.parallel.fp8 import E4M3, E5M2, Fp8Linear, enable_fp8, get_recipe
@@ -121,7 +121,7 @@ def test_bad_recipe_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^fp8 recipe 'e4m3' is unknown: choose one of none, tensorwise, rowwise$"):
         get_recipe("e4m3")
     with pytest.raises(ValueError, match="fp8 recipe 'delayed' is unknown"):
-        enable_fp8([Transformer(MODELS["llama"], device="meta")], "delayed")
+        enable_fp8([Transformer(MODELS["llama"], ModelLayout(device="meta"))], "delayed")
     from tpzoo.train import load_config
     from tpzoo.train.config import ModelSection
 
@@ -188,7 +188,8 @@ def _train(chunks, dims, cfg, layout: dict, recipe: str) -> dict:
             mbs = [shard_batch(mb, dims, layout.get("sp", False)) for mb in mbs]
         for p in params:
             p.grad = None
-        out = forward_backward(chunks, mbs, dims, schedule=layout.get("schedule", "1f1b"), loss_scale=1.0 / tokens)
+        out = forward_backward(chunks, mbs, dims, schedule=layout.get("schedule", "1f1b"), loss_scale=1.0 / tokens,
+                               loss=LossOptions(fused=False))
         finalize_grads(chunks, dims)
         for p in params:
             comm.all_reduce(p.grad, dims.grad_group)  # a group of one: nothing
@@ -212,7 +213,7 @@ def run_layouts(model: str, recipe: str, layouts: list[dict]) -> list[dict]:
             fp8._Reductions.run = lambda self: list(self.tensors)
         try:
             chunks = build_model_chunks(cfg, dims, sequence_parallel=layout.get("sp", False), seed=SEED,
-                                        dtype=torch.float64, fused_linear_cross_entropy=False)
+                                        dtype=torch.float64)
             results.append(_train(chunks, dims, cfg, layout, recipe))
         finally:
             fp8._Reductions.run = saved_run
@@ -223,7 +224,7 @@ def run_layouts(model: str, recipe: str, layouts: list[dict]) -> list[dict]:
 def _reference(model: str, recipe: str, lora: bool = False) -> dict:
     """One process, one Transformer (no pipeline machinery), the same micro-batches in the same order."""
     cfg = MODELS[model]
-    chunks = [Transformer(cfg, seed=SEED, dtype=torch.float64, fused_linear_cross_entropy=False)]
+    chunks = [Transformer(cfg, ModelLayout(dtype=torch.float64), seed=SEED)]
     return _train(chunks, local_dims(), cfg, {"lora": lora}, recipe)
 
 
@@ -345,7 +346,7 @@ def _fit_adapters(recipe: str) -> tuple[list, bool, bool]:
     opt = torch.optim.AdamW(adapters.values(), lr=1e-2)
     losses = []
     for _ in range(30):
-        loss = model(ids, labels=torch.roll(ids, -1, 1)).float().mean()
+        loss = model(Inputs(ids, labels=torch.roll(ids, -1, 1))).float().mean()
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -4,7 +4,7 @@ the model dtype), the step gets faster by their half and no more, and the casts'
 import pytest
 import torch
 
-from tpzoo.models import Transformer, get_config
+from tpzoo.models import Inputs, Transformer, get_config
 from tpzoo.parallel import fp8
 from tpzoo.plan import ClusterSpec, Layout, TrainingSpec, estimate, stage_memory
 from tpzoo.plan.fp8 import fp8_flops, fp8_transient_bytes
@@ -36,7 +36,7 @@ def _counted_fp8_flops(cfg, lora: bool) -> tuple[int, int]:
     ids = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
     fp8.scaled_mm = counting
     try:
-        loss = model(ids, labels=ids).sum()
+        loss = model(Inputs(ids, labels=ids)).sum()
         forward, counted[0] = counted[0], 0
         loss.backward()
     finally:

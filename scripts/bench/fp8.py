@@ -38,8 +38,9 @@ def model_config(name: str):
     from tpzoo.models import ModelConfig, get_config
 
     if name == "toy-llama":  # every projection's dims a multiple of 16, small enough for a few CPU steps
-        return ModelConfig(family="llama", vocab_size=512, hidden_size=256, num_layers=4, num_heads=4,
-                           num_kv_heads=2, ffn_hidden_size=768, max_position_embeddings=1024, name="toy-llama")
+        return ModelConfig.from_dict(dict(family="llama", vocab_size=512, hidden_size=256, num_layers=4,
+                                          num_heads=4, num_kv_heads=2, ffn_hidden_size=768,
+                                          max_position_embeddings=1024, name="toy-llama"))
     if name == "llama-3-8b-8l":  # llama-3-8b's shapes, 8 of its 32 layers: one GPU holds it with AdamW
         return get_config("llama-3-8b").replace(num_layers=8, name="llama-3-8b-8l")
     return get_config(name)

@@ -65,13 +65,13 @@ def kernels(c: collections.Counter) -> int:
 
 def measure(args, fusion: bool) -> dict:
     import tpzoo
-    from tpzoo.models import Transformer, get_config
+    from tpzoo.models import Inputs, Transformer, get_config
     from tpzoo.train.optim import DistributedAdamW
 
     cfg = get_config(args.model)
     dims = tpzoo.init_parallel(tp=1)
     try:
-        model = Transformer(cfg, dims=dims, seed=1)
+        model = Transformer(cfg, dims, seed=1)
         kw = dict(model_dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype], zero=args.zero,
                   weight_decay=0.1, bucket_elems=args.bucket_elems)
         if "grad_accumulation_fusion" in inspect.signature(DistributedAdamW).parameters:
@@ -82,12 +82,12 @@ def measure(args, fusion: bool) -> dict:
         ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
         for _ in range(2):  # warm: the optimizer's first step builds what it keeps
             opt.zero_grad()
-            model(ids, labels=ids).sum().backward()
+            model(Inputs(ids, labels=ids)).sum().backward()
             opt.reduce_grads()
             opt.global_grad_norm()
             opt.step(1e-3, 0.5)
         opt.zero_grad()
-        loss = model(ids, labels=ids).sum()
+        loss = model(Inputs(ids, labels=ids)).sum()
         backward = count(loss.backward)
         opt.reduce_grads()
         return {"backward": backward, "norm": count(opt.global_grad_norm),

@@ -49,7 +49,7 @@ from .spec import DTYPE_BYTES, Layout, TrainingSpec, local_seq_len, num_micro_ba
 
 @dataclass(frozen=True)
 class LocalDims:
-    """One tensor-parallel rank's share of a layer (tpzoo.models.blocks)."""
+    """One tensor-parallel rank's share of a layer (tpzoo.models.kinds (attention.py, mlp.py))."""
     q: int          # query features (heads/tp * head_dim)
     kv: int         # key (= value) features, replicated heads included
     heads: int
@@ -79,7 +79,7 @@ class ParamCount:
 
 
 def layer_params(cfg: ModelConfig, tp: int, moe: bool = False, ep: int = 1) -> ParamCount:
-    """One layer on one tp rank; `moe`: its MLP is models/moe.py's MoELayer at expert parallelism `ep` (a
+    """One layer on one tp rank; `moe`: its MLP is models/kinds/moe.py's MoE at expert parallelism `ep` (a
     replicated router E x h, partial under SP like a norm; E/ep local experts, each split over tp like the dense
     MLP: etp = tp). `matmul` counts the weights one token goes through: the router and k experts."""
     d = local_dims(cfg, tp)

@@ -27,6 +27,7 @@ import tpzoo
 from tpzoo.checkpoint.lora_io import lora_metadata
 from tpzoo.data import IGNORE_INDEX, micro_batches_per_step, single_documents_dropped
 from tpzoo.errors import ConfigError
+from tpzoo.models import LossOptions, ModelLayout
 from tpzoo.parallel import ParallelDims, comm, resolve_device, strict, watchdog
 from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.parallel.fp8 import enable_fp8
@@ -131,11 +132,14 @@ class Trainer:
         # What every LoRA checkpoint of the run records: the adapter config and the base as it was at the start
         # (fingerprinted once here, not at every save).
         self.lora_meta = lora_metadata(self.lora, self.lora_base) if self.lora else None
-        self.chunks = build_model_chunks(model_cfg, dims, sequence_parallel=cfg.sequence_parallel,
-                                         recompute=cfg.recompute, seed=cfg.seed, virtual_stages=cfg.virtual_stages,
-                                         dtype=DTYPES[cfg.dtype] if self.lora else None, device="meta",
-                                         cp_mode=cfg.cp_mode,
-                                         fused_linear_cross_entropy=cfg.fused_linear_cross_entropy)
+        layout = ModelLayout(dims, sequence_parallel=cfg.sequence_parallel, cp_mode=cfg.cp_mode,
+                             dtype=DTYPES[cfg.dtype] if self.lora else None, device="meta")
+        self.chunks = build_model_chunks(model_cfg, layout, recompute=cfg.recompute, seed=cfg.seed,
+                                         virtual_stages=cfg.virtual_stages)
+        # What the last stage computes: the training loss, and the held-out one (the language model's alone).
+        self.loss = LossOptions(label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss,
+                                fused=cfg.fused_linear_cross_entropy)
+        self.held_out = LossOptions(aux_losses=False, fused=cfg.fused_linear_cross_entropy)
         # FP8 matmuls (tpzoo.parallel.fp8): a switch on the layers, nothing stored changes (checkpoints, resharding
         # and HF export never see it); layers whose dims _scaled_mm cannot take stay in the model dtype.
         problem = fp8_hardware_problem(cfg.fp8, self.device)
@@ -214,7 +218,7 @@ class Trainer:
             scale = float("nan")
         self.optimizer.zero_grad()
         out = forward_backward(self.chunks, batches, self.dims, schedule=cfg.schedule, loss_scale=scale,
-                               label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss)
+                               loss=self.loss)
         finalize_grads(self.chunks, self.dims)
         self.optimizer.reduce_grads()
         (loss_sum,) = self._global_sum([out["loss_sum"]], self.grad_group)
@@ -238,6 +242,8 @@ class Trainer:
             self.skips = 0
             clip = cfg.clip_grad / (grad_norm + 1e-6) if cfg.clip_grad > 0 and grad_norm > cfg.clip_grad else 1.0
             self.optimizer.step(lr, clip / loss_scale)  # unscale and clip in the update's one pass
+            for chunk in self.chunks:  # non-gradient state updated from the step (tpzoo.models.aux)
+                chunk.after_optimizer_step()
             if self.scaler:
                 self.scaler.update(False)
         strict.check_all_waited(f"the end of training step {step}")  # strict collective mode; else a no-op
@@ -262,7 +268,7 @@ class Trainer:
         for c in self.chunks:
             c.eval()
         out = forward_backward(self.chunks, batches, self.dims, schedule=cfg.schedule, forward_only=True,
-                               router_loss=False)
+                               loss=self.held_out)
         for c in self.chunks:
             c.train()
         loss_sum, tokens = self._global_sum([out["loss_sum"], out["tokens"]], self.grad_group)
