@@ -2,7 +2,8 @@
 
 The model-wide shape (vocabulary, width, depth, norms, embeddings, head) sits at the top level; each layer kind's
 settings sit in their own frozen sub-config: `attention` (softmax attention and its positions), `mlp` (the dense
-MLP), `moe` (the mixture of experts; num_experts 0: none). Which kind each layer runs is per layer:
+MLP), `moe` (the mixture of experts; num_experts 0: none), `gated_deltanet` (linear attention; None: no such layer).
+Which kind each layer runs is per layer:
 `token_mixer(i)` and `channel_mixer(i)` (explicit lists `token_mixers` / `channel_mixers`, or, when they are None,
 the rules HF configs use: every layer attention; a mixture of experts where `moe.num_experts` is set, except
 Qwen3-MoE's `mlp_only_layers` and off `decoder_sparse_step`). A family file reads HF's config into these
@@ -46,6 +47,8 @@ class AttentionConfig:
     partial_rotary_factor: float = 1.0  # Phi-4-mini: 0.75, rotary on the first head_dim * factor dims of q and k
     rope_local_theta: float | None = None  # Gemma 3: the rope base of sliding layers (None: rope_theta everywhere)
     rope_layers: list | None = None  # SmolLM3: per-layer 1/0, whether the layer applies rope (None: every layer)
+    output_gate: bool = False        # Qwen3.5 / Qwen3-Next: q's projection is twice as wide, each head's query then
+                                     # its gate; the output is scaled by sigmoid(gate) before the out projection
 
     def window(self, i: int) -> int | None:
         """The sliding window of layer i (None: full causal attention)."""
@@ -86,6 +89,44 @@ class MoEConfig:
     decoder_sparse_step: int = 1     # Qwen3-MoE: layer i is MoE when (i + 1) % step == 0
 
 
+@dataclass(frozen=True)
+class GatedDeltaNetConfig:
+    """Gated DeltaNet (models/kinds/gated_deltanet.py), the linear attention of Qwen3.5 / Qwen3-Next (HF's
+    linear_* fields). Its norm's eps is the model's norm_eps, its init std the model's initializer_range."""
+    num_key_heads: int               # HF linear_num_key_heads
+    num_value_heads: int             # HF linear_num_value_heads (a multiple of the key heads)
+    key_head_dim: int                # HF linear_key_head_dim
+    value_head_dim: int              # HF linear_value_head_dim
+    conv_kernel: int = 4             # HF linear_conv_kernel_dim: the causal depthwise conv's taps
+    chunk_size: int = 64             # the chunked (WY) form's chunk (kernels/gated_delta.py)
+
+    def __post_init__(self):
+        for name in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel",
+                     "chunk_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ConfigError(f"gated_deltanet.{name} must be a positive integer, got {value!r}")
+        if self.num_value_heads % self.num_key_heads:
+            raise ConfigError(f"gated_deltanet: num_value_heads={self.num_value_heads} is not a multiple of "
+                              f"num_key_heads={self.num_key_heads}")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_parts(self) -> tuple[int, ...]:
+        return self.key_dim, self.key_dim, self.value_dim  # q | k | v
+
+    @property
+    def in_proj_parts(self) -> tuple[int, ...]:
+        return (*self.conv_parts, self.value_dim, self.num_value_heads, self.num_value_heads)  # .. | z | b | a
+
+
 # The flat spellings of older configs: name -> (sub-config, its field).
 FLAT = {
     **{n: ("attention", n) for n in ("num_heads", "num_kv_heads", "head_dim", "qkv_bias", "out_bias", "qk_norm",
@@ -100,7 +141,8 @@ FLAT = {
 }
 # Each kind's settings: a frozen dataclass in a ModelConfig field of the same name (a new kind adds its own here,
 # with a default, e.g. None when the model has no such layer); attention's and the MLP's are required.
-SUBCONFIGS = {"attention": AttentionConfig, "mlp": MLPConfig, "moe": MoEConfig}
+SUBCONFIGS = {"attention": AttentionConfig, "mlp": MLPConfig, "moe": MoEConfig,
+              "gated_deltanet": GatedDeltaNetConfig}
 REQUIRED = ("attention", "mlp")
 _POSITIVE = (("vocab_size", None), ("hidden_size", None), ("num_layers", None), ("max_position_embeddings", None),
              ("num_heads", "attention"), ("num_kv_heads", "attention"), ("head_dim", "attention"),
@@ -117,8 +159,9 @@ class ModelConfig:
     attention: AttentionConfig
     mlp: MLPConfig
     moe: MoEConfig = field(default_factory=MoEConfig)
+    gated_deltanet: GatedDeltaNetConfig | None = None
     # Per-layer kinds (registered names: models/kinds): None = the rules above.
-    token_mixers: list | None = None    # "attention"
+    token_mixers: list | None = None    # "attention" | "gated_deltanet"
     channel_mixers: list | None = None  # "mlp" | "moe"
     max_position_embeddings: int = 2048
     norm: str = "rmsnorm"            # "rmsnorm" | "layernorm"
@@ -174,6 +217,9 @@ class ModelConfig:
                 raise ConfigError("mixture of experts: only gated (swiglu / geglu_tanh) experts are implemented")
         if "moe" in (self.channel_mixers or ()) and not moe.num_experts:
             raise ConfigError("channel_mixers names 'moe' layers, but moe.num_experts is 0")
+        for kind in set(self.token_mixers or ()) & set(SUBCONFIGS):  # a kind with its own settings needs them
+            if getattr(self, kind) is None:
+                raise ConfigError(f"token_mixers names {kind!r} layers, but the config has no {kind} settings")
         if self.norm_offset and self.norm != "rmsnorm":
             raise ConfigError("norm_offset (1 + weight) is only defined for rmsnorm")
 

@@ -1,4 +1,4 @@
-"""Hugging Face names of a Gated DeltaNet layer (models/gated_deltanet.py), for the family files to use.
+"""Hugging Face names of a Gated DeltaNet layer (models/kinds/gated_deltanet.py), for the family files to use.
 
 tpzoo's tensors (full, unsharded; prefix e.g. "layers.3.mixer"):
     in_proj.weight   [2 key_dim + 2 value_dim + 2 value_heads, hidden]   q | k | v | z | b | a
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .gated_deltanet import GatedDeltaNetConfig
+from .config import GatedDeltaNetConfig
 from .hf_mapping import TensorMap, concatenated, same
 
 LAYOUTS = ("qwen3_5", "qwen3_next")

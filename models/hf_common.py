@@ -43,34 +43,55 @@ def read_rope(family: str, hf: dict, params: dict | None = None, field: str = "r
     return theta, (params if kind != "default" else None)
 
 
-def read_layer_types(family: str, hf: dict, num_layers: int) -> list | None:
+LINEAR_ATTENTION = "linear_attention"  # HF's layer type of a Gated DeltaNet layer (Qwen3.5, Qwen3-Next)
+
+
+def read_layer_types(family: str, hf: dict, num_layers: int, allowed: tuple = LAYER_TYPES) -> list | None:
+    """HF's `layer_types` (None when absent), each entry one of `allowed` (a family with linear-attention layers
+    adds LINEAR_ATTENTION), else refused naming the field."""
     types = hf.get("layer_types")
     if types is None:
         return None
-    unknown = sorted(set(types) - set(LAYER_TYPES))
+    unknown = sorted(set(types) - set(allowed))
     if unknown:
-        raise refuse(family, "layer_types", unknown[0], list(LAYER_TYPES))
+        raise refuse(family, "layer_types", unknown[0], list(allowed))
     if len(types) != num_layers:
         raise ConfigError(f"{family}: HF config field layer_types has {len(types)} entries for {num_layers} layers")
     return list(types)
 
 
-def decoder_tensor_map(cfg: ModelConfig, norms: dict[str, str], moe_maps=None) -> list:
+def token_mixers_of(types: list | None) -> list | None:
+    """The token-mixer kind of each layer from HF's layer_types: "gated_deltanet" where it says
+    "linear_attention", softmax "attention" elsewhere (None: no layer_types, every layer attention)."""
+    if types is None:
+        return None
+    return ["gated_deltanet" if t == LINEAR_ATTENTION else "attention" for t in types]
+
+
+def decoder_tensor_map(cfg: ModelConfig, norms: dict[str, str], moe_maps=None, token_maps=None,
+                       prefix: str = "model.") -> list:
     """Map of a decoder whose HF layers are model.layers.{i}.self_attn.{q,k,v,o}_proj (+ q_norm, k_norm) and
     mlp.{gate,up,down}_proj; `norms`: tpzoo norm name -> HF module name within the layer. `moe_maps(cfg, i, p, q)`
-    maps the channel mixer of a mixture-of-experts layer (models/moe_families.py)."""
+    maps the channel mixer of a mixture-of-experts layer (models/moe_families.py), `token_maps(cfg, i, p, q)` the
+    token mixer of a layer whose kind is not softmax attention (a Gated DeltaNet's); `prefix` is where HF keeps the
+    decoder ("model.", or a multimodal checkpoint's "model.language_model.")."""
     a = cfg.attention
     hd = a.head_dim
-    qkv_sizes = (a.num_heads * hd, a.num_kv_heads * hd, a.num_kv_heads * hd)
+    q_rows = a.num_heads * hd * (2 if a.output_gate else 1)  # a gated q_proj holds each head's query and gate
+    qkv_sizes = (q_rows, a.num_kv_heads * hd, a.num_kv_heads * hd)
     ffn = cfg.mlp.ffn_hidden_size
-    maps = [same("embed.weight", "model.embed_tokens.weight", vocab_dim=0)]
+    maps = [same("embed.weight", prefix + "embed_tokens.weight", vocab_dim=0)]
     for i in range(cfg.num_layers):
-        p, q = f"layers.{i}.", f"model.layers.{i}."
+        p, q = f"layers.{i}.", f"{prefix}layers.{i}."
+        attention = cfg.token_mixer(i) == "attention"
         proj = tuple(q + f"self_attn.{n}_proj" for n in "qkv")
-        maps += [
-            concatenated(p + "attn.qkv.weight", tuple(n + ".weight" for n in proj), qkv_sizes, layer=i),
-            same(p + "attn.out.weight", q + "self_attn.o_proj.weight", layer=i),
-        ]
+        if attention:
+            maps += [
+                concatenated(p + "attn.qkv.weight", tuple(n + ".weight" for n in proj), qkv_sizes, layer=i),
+                same(p + "attn.out.weight", q + "self_attn.o_proj.weight", layer=i),
+            ]
+        else:
+            maps += token_maps(cfg, i, p, q)
         if cfg.channel_mixer(i) == "moe":
             maps += moe_maps(cfg, i, p, q)
         else:
@@ -78,13 +99,13 @@ def decoder_tensor_map(cfg: ModelConfig, norms: dict[str, str], moe_maps=None) -
                                   (ffn, ffn), layer=i),
                      same(p + "mlp.fc_out.weight", q + "mlp.down_proj.weight", layer=i)]
         maps += [same(p + ours + ".weight", q + theirs + ".weight", layer=i) for ours, theirs in norms.items()]
-        if a.qk_norm != "none":
+        if attention and a.qk_norm != "none":
             maps += [same(p + f"attn.{n}_norm.weight", q + f"self_attn.{n}_norm.weight", layer=i) for n in "qk"]
-        if a.qkv_bias:
+        if attention and a.qkv_bias:
             maps.append(concatenated(p + "attn.qkv.bias", tuple(n + ".bias" for n in proj), qkv_sizes, layer=i))
-        if a.out_bias:
+        if attention and a.out_bias:
             maps.append(same(p + "attn.out.bias", q + "self_attn.o_proj.bias", layer=i))
-    return maps + head_maps(cfg)
+    return maps + head_maps(cfg, prefix)
 
 
 def common_fields(hf: dict) -> dict:
@@ -127,8 +148,8 @@ def rope_to_hf(cfg: ModelConfig) -> dict:
     return {"rope_type": "default", **(a.rope_scaling or {}), "rope_theta": a.rope_theta}
 
 
-def head_maps(cfg) -> list:
+def head_maps(cfg, prefix: str = "model.") -> list:
     """The final norm and the output head of a Llama-shaped HF model (a tied head is the embedding, not exported)."""
-    head = (same("lm_head.weight", "model.embed_tokens.weight", vocab_dim=0, export=False) if cfg.tie_embeddings
+    head = (same("lm_head.weight", prefix + "embed_tokens.weight", vocab_dim=0, export=False) if cfg.tie_embeddings
             else same("lm_head.weight", "lm_head.weight", vocab_dim=0))
-    return [same("final_norm.weight", "model.norm.weight"), head]
+    return [same("final_norm.weight", prefix + "norm.weight"), head]

@@ -24,6 +24,8 @@ class TensorMap:
     vocab_dim: int | None = None               # dim padded to the padded vocab when sharded
     export: bool = True                        # False: a copy of another tensor (tied head), not written to HF
     layer: int | None = None                   # transformer layer index (pipeline stage assignment)
+    rows: tuple[int, ...] | None = None        # the HF tensors' rows when the tpzoo tensor stacks them (dim 0,
+                                               # concatenated): LoRA gives each its adapter over those rows
 
 
 def same(name: str, hf: str, **kw) -> TensorMap:
@@ -46,5 +48,6 @@ def concatenated(name: str, hfs: tuple[str, ...], sizes: tuple[int, ...], dim: i
     def to_hf(x: torch.Tensor) -> Tensors:
         return [p.t().contiguous() if transpose else p.contiguous() for p in x.split(list(sizes), dim=dim)]
 
-    return TensorMap(name, tuple(hfs), to_tpzoo, to_hf, **kw)
+    rows = tuple(sizes) if dim == 0 and not transpose else None
+    return TensorMap(name, tuple(hfs), to_tpzoo, to_hf, rows=rows, **kw)
 

@@ -4,7 +4,10 @@ Targets are HF module names as PEFT takes them (`q_proj`, `v_proj`, `down_proj`,
 "all-linear" (every linear layer of the transformer blocks, not the output head: PEFT's meaning). Where a name
 comes from is the family's own HF tensor map, so every family of the zoo gets LoRA with no per-family code: a
 tpzoo weight made of several HF tensors (q|k|v, gate|up) gets one adapter per HF projection, sharded like that
-part of the weight.
+part of the weight. An HF projection may cover several consecutive parts of a tpzoo weight (Qwen3.5's
+`in_proj_qkv`: q|k|v of the Gated DeltaNet's in_proj): its adapter spans those parts, sharded like them. A weight
+whose HF tensors are a permutation of its rows, not a concatenation (Qwen3-Next's `in_proj_qkvz` / `in_proj_ba`,
+grouped per key head), cannot take adapters: targeting it is refused with one line.
 """
 from __future__ import annotations
 
@@ -56,10 +59,30 @@ class Site:
     module_name: str          # in the chunk, e.g. "layers.3.attn.qkv"
     layer: nn.Module
     hf_modules: list[str]     # e.g. ["model.layers.3.self_attn.q_proj", ...k_proj, ...v_proj]
+    groups: list | None = None  # how many consecutive parts of the fused weight each HF module covers (None: one)
+    adaptable: bool = True    # False: the HF tensors permute the weight's rows (no adapter can follow them)
 
     @property
     def short_names(self) -> list[str]:
         return [m.rsplit(".", 1)[-1] for m in self.hf_modules]
+
+
+def _groups(layer: nn.Module, rows: tuple | None, n_hf: int) -> tuple[list | None, bool]:
+    """(parts per HF tensor, adaptable) for a layer whose weight is made of `n_hf` HF tensors of `rows` rows."""
+    parts = getattr(layer, "shard_spec", None) and layer.shard_spec.parts
+    if n_hf == 1 or (parts is not None and len(parts) == n_hf):
+        return None, True
+    if rows is None or parts is None:
+        return None, False
+    groups, i = [], 0
+    for want in rows:  # consecutive parts adding up to each HF tensor's rows
+        start, total = i, 0
+        while total < want and i < len(parts):
+            total, i = total + parts[i], i + 1
+        if total != want:
+            return None, False
+        groups.append(i - start)
+    return (groups, True) if i == len(parts) else (None, False)
 
 
 def sites(chunk) -> list[Site]:
@@ -73,16 +96,25 @@ def sites(chunk) -> list[Site]:
         if tm is None or not all(h.endswith(".weight") for h in tm.hf):
             raise ConfigError(f"{chunk.cfg.family}: no Hugging Face mapping for {name}.weight (LoRA names come "
                               f"from it)")
-        out.append(Site(name, mod, [h[: -len(".weight")] for h in tm.hf]))
+        groups, adaptable = _groups(mod, tm.rows, len(tm.hf))
+        out.append(Site(name, mod, [h[: -len(".weight")] for h in tm.hf], groups, adaptable))
     return out
 
 
 def valid_targets(chunk) -> list[str]:
-    return sorted({n for s in sites(chunk) for n in s.short_names})
+    return sorted({n for s in sites(chunk) if s.adaptable for n in s.short_names})
 
 
 def check_targets(chunk, lcfg: LoRAConfig) -> None:
+    all_sites = sites(chunk)
     valid = valid_targets(chunk)
+    fixed = sorted({n for s in all_sites if not s.adaptable for n in s.short_names})
+    refused = [t for t in lcfg.targets if t in fixed] or (fixed if ALL_LINEAR in lcfg.targets else [])
+    if refused:
+        raise ConfigError(f"lora: {chunk.cfg.family}'s {', '.join(refused)} cannot take adapters (tpzoo's weight "
+                          f"holds their rows regrouped, a permutation an adapter cannot follow); name the targets "
+                          f"instead{' of ' + ALL_LINEAR if ALL_LINEAR in lcfg.targets else ''}, from: "
+                          f"{', '.join(valid)}")
     unknown = [t for t in lcfg.targets if t != ALL_LINEAR and t not in valid]
     if unknown:
         raise ConfigError(f"unknown lora target{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} for "
@@ -102,7 +134,7 @@ def add_lora(chunks, lcfg: LoRAConfig) -> None:
             names = [n if (every or n in lcfg.targets) else None for n in site.short_names]
             if all(n is None for n in names):
                 continue
-            site.layer.lora = LoRA(site.layer, names, lcfg.rank, lcfg.alpha, lcfg.dropout)
+            site.layer.lora = LoRA(site.layer, names, lcfg.rank, lcfg.alpha, lcfg.dropout, groups=site.groups)
         chunk.lora_config = lcfg
 
 

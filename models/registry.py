@@ -115,4 +115,4 @@ def _load_builtin() -> None:
     if _LOADED:
         return
     _LOADED = True
-    from . import gemma, gpt2, llama, moe_families, olmo2, phi3, qwen3, smollm3, zoo  # noqa: F401
+    from . import gemma, gpt2, llama, moe_families, olmo2, olmo3, phi3, qwen3, qwen3_5, smollm3, zoo  # noqa: F401

@@ -1,4 +1,4 @@
-"""The Gated DeltaNet layer (models/gated_deltanet.py) against transformers' own layers, Qwen3.5's
+"""The Gated DeltaNet layer (models/kinds/gated_deltanet.py, token-mixer kind "gated_deltanet") against transformers' own layers, Qwen3.5's
 (Qwen3_5GatedDeltaNet: in_proj_qkv / z / b / a) and Qwen3-Next's (Qwen3NextGatedDeltaNet: grouped in_proj_qkvz /
 ba), tiny random fp32 weights, sequences longer than the chunk: the output, the input's gradient and every
 parameter's gradient (mapped back to HF names) within 1e-5 of the largest entry, at tp 1 here and on gloo ranks
@@ -13,10 +13,12 @@ import pytest
 import torch
 
 import tpzoo
-from tpzoo.models import gated_deltanet as gdn
+from tpzoo.models import AttentionConfig, Context, MLPConfig, ModelConfig, ModelLayout
+from tpzoo.models.config import GatedDeltaNetConfig
 from tpzoo.models.documents import Documents
-from tpzoo.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from tpzoo.models.gated_deltanet_hf import gated_deltanet_tensor_maps
+from tpzoo.models.kinds import gated_deltanet as gdn
+from tpzoo.models.kinds.gated_deltanet import GatedDeltaNet
 from tpzoo.parallel import ParallelDims, ParallelLayoutError, comm, finish_tp_grads, shard, unshard
 from tpzoo.parallel.ring_attention import local_positions
 from tpzoo.testing import run_on_ranks
@@ -55,6 +57,32 @@ def _transformers_torch_path(monkeypatch):
             monkeypatch.setattr(mod, name, inspect.unwrap(getattr(mod, name)))
 
 
+def model_config(g: GatedDeltaNetConfig) -> ModelConfig:
+    """A one-layer model config around the layer's settings (the eps and init std are the model's)."""
+    return ModelConfig(family="qwen3_5", vocab_size=97, hidden_size=HF_KW["hidden_size"], num_layers=1,
+                       attention=AttentionConfig(4), mlp=MLPConfig(32), gated_deltanet=g,
+                       token_mixers=["gated_deltanet"], norm_eps=HF_KW["rms_norm_eps"])
+
+
+def build(g: GatedDeltaNetConfig, dims, sp: bool = False) -> GatedDeltaNet:
+    """The kind built on meta, materialized on the CPU and reset in registration order (as a model's
+    init_weights: the layer's own A_log, dt_bias, then its children), from the current RNG state."""
+    layer = GatedDeltaNet(model_config(g), 0, ModelLayout(dims, sequence_parallel=sp))
+    attrs = {n: dict(p.__dict__) for n, p in layer.named_parameters()}
+    layer.to_empty(device="cpu")
+    for n, p in layer.named_parameters():  # to_empty drops the parallel attributes (Transformer restores them)
+        p.__dict__.update(attrs[n])
+    for m in layer.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    return layer
+
+
+def from_hf_cfg(hf_cfg) -> GatedDeltaNetConfig:
+    return GatedDeltaNetConfig(hf_cfg.linear_num_key_heads, hf_cfg.linear_num_value_heads,
+                               hf_cfg.linear_key_head_dim, hf_cfg.linear_value_head_dim, hf_cfg.linear_conv_kernel_dim)
+
+
 def hf_layer(family: str, seed: int = 0):
     """transformers' layer with every weight random (A_log and dt_bias distinct, the norm away from 1)."""
     config_cls, module, name = FAMILIES[family]
@@ -66,7 +94,7 @@ def hf_layer(family: str, seed: int = 0):
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
         layer.A_log.copy_(torch.rand(layer.A_log.shape, generator=g).mul(3).add(0.3).log())
         layer.norm.weight.add_(1.0)
-    return layer, GatedDeltaNetConfig.from_hf(hf_cfg)
+    return layer, from_hf_cfg(hf_cfg)
 
 
 def tensor_maps(cfg, family):
@@ -109,9 +137,13 @@ def hf_reference(family: str, x, w, doc_ids=None) -> dict:
     return {"y": y.detach(), "dx": x.grad, "grads": grads, "weights": to_tpzoo(layer.state_dict(), cfg, family)}
 
 
+def context(docs=None) -> Context:
+    return Context(0, None if docs is None else Documents(docs))
+
+
 def run_ours(layer, x, w, docs=None):
     x = x.clone().requires_grad_()
-    y = layer(x, docs=None if docs is None else Documents(docs))
+    y = layer(x, context(docs))
     (y * w).sum().backward()
     return {"y": y.detach(), "dx": x.grad, "grads": {n: p.grad for n, p in layer.named_parameters()}}
 
@@ -128,7 +160,7 @@ def check(got: dict, ref: dict, what: str) -> None:
 def test_layer_equals_transformers(family):
     x, w = inputs()
     ref = hf_reference(family, x, w)
-    layer = load(GatedDeltaNet(ref_cfg(family), ParallelDims.for_rank(device="cpu")), ref["weights"])
+    layer = load(build(ref_cfg(family), ParallelDims.for_rank(device="cpu")), ref["weights"])
     check(run_ours(layer, x, w), ref, f"{family} tp=1")
     # the mapping round-trips bit-exact
     hf_sd = hf_layer(family)[0].state_dict()
@@ -138,30 +170,30 @@ def test_layer_equals_transformers(family):
 
 
 def ref_cfg(family):
-    return GatedDeltaNetConfig.from_hf(FAMILIES[family][0](**HF_KW))
+    return from_hf_cfg(FAMILIES[family][0](**HF_KW))
 
 
 def test_packed_equals_documents_and_the_checks_can_fail(monkeypatch):
     x, w = inputs()
     family, cfg = "qwen3_5", ref_cfg("qwen3_5")
     per_doc = hf_reference(family, x, w, DOC_IDS)
-    layer = load(GatedDeltaNet(cfg, ParallelDims.for_rank(device="cpu")), per_doc["weights"])
+    layer = load(build(cfg, ParallelDims.for_rank(device="cpu")), per_doc["weights"])
     check(run_ours(layer, x, w, DOC_IDS), per_doc, "packed vs transformers per document")
     whole = hf_reference(family, x, w)
-    y = layer(x)
+    y = layer(x, context())
     # A_log and dt_bias swapped (both [value heads]): the mapping mistake the tests must see
     swapped = dict(per_doc["weights"], A_log=per_doc["weights"]["dt_bias"], dt_bias=per_doc["weights"]["A_log"])
-    bad = load(GatedDeltaNet(cfg, ParallelDims.for_rank(device="cpu")), swapped)
-    assert max_error(bad(x), whole["y"]) > 1e-2
+    bad = load(build(cfg, ParallelDims.for_rank(device="cpu")), swapped)
+    assert max_error(bad(x, context()), whole["y"]) > 1e-2
     # the output gate ignored
     with monkeypatch.context() as mp:
         mp.setattr(gdn.GatedRMSNorm, "forward", lambda self, o, z: gdn.kernels.rms_norm(o, self.weight, self.eps))
-        assert max_error(layer(x), whole["y"]) > 1e-2
+        assert max_error(layer(x, context()), whole["y"]) > 1e-2
     # the short conv not reset at document boundaries (the recurrence still is)
     with monkeypatch.context() as mp:
         conv = gdn.causal_conv
         mp.setattr(gdn, "causal_conv", lambda x, weight, past=None, starts=None: conv(x, weight, past, None))
-        assert max_error(layer(x, docs=Documents(DOC_IDS)), per_doc["y"]) > 1e-3
+        assert max_error(layer(x, context(DOC_IDS)), per_doc["y"]) > 1e-3
     assert_close(y, whole["y"], "unpatched again")
 
 
@@ -169,39 +201,26 @@ def test_cache_prefill_then_decode_equals_the_full_forward():
     x, _ = inputs(b=2, s=80)
     layer, cfg = hf_layer("qwen3_5")
     full = layer(x).detach()
-    ours = load(GatedDeltaNet(cfg, ParallelDims.for_rank(device="cpu")), to_tpzoo(layer.state_dict(), cfg, "qwen3_5"))
+    ours = load(build(cfg, ParallelDims.for_rank(device="cpu")), to_tpzoo(layer.state_dict(), cfg, "qwen3_5"))
     with torch.no_grad():
         cache = ours.new_cache(2)
-        steps = [ours(x[:, :70], cache=cache)] + [ours(x[:, t:t + 1], cache=cache) for t in range(70, 80)]
-        assert cache.length == 80
+        steps = [ours(x[:, :70], context(), cache)] + [ours(x[:, t:t + 1], context(), cache) for t in range(70, 80)]
         assert_close(torch.cat(steps, dim=1), full, "prefill 70 + decode 10 vs the full forward")
         # a packed prefill (documents of 68 and 2 tokens), then decoding that continues the last document: the
         # state and the conv's last 3 inputs must hold that document only (its 2 tokens, not the one before)
         ids = torch.tensor([[0] * 68 + [1] * 2] * 2)
         cache = ours.new_cache(2)
-        steps = [ours(x[:, :70], cache=cache, docs=Documents(ids))[:, 68:]]
-        steps += [ours(x[:, t:t + 1], cache=cache) for t in range(70, 75)]
+        steps = [ours(x[:, :70], context(ids), cache)[:, 68:]]
+        steps += [ours(x[:, t:t + 1], context(), cache) for t in range(70, 75)]
         assert_close(torch.cat(steps, dim=1), layer(x[:, 68:75]), "packed prefill + decode vs the document alone")
 
 
-def test_refusals_and_layout_independent_init():
+def test_refusals():
     cfg = ref_cfg("qwen3_5")  # 4 key heads
     with pytest.raises(ParallelLayoutError, match="tp=8 does not divide linear_num_key_heads=4"):
-        GatedDeltaNet(cfg, ParallelDims.for_rank(tp=8, device="meta"))
+        GatedDeltaNet(model_config(cfg), 0, ModelLayout(ParallelDims.for_rank(tp=8, device="meta")))
     with pytest.raises(ParallelLayoutError, match="tp x cp = 2 x 4 .* use a cp that divides"):
-        GatedDeltaNet(cfg, ParallelDims.for_rank(tp=2, cp=4, device="meta"))
-    # built on meta then reset in registration order (a model's init_weights) == built directly, same draws
-    torch.manual_seed(3)
-    direct = GatedDeltaNet(cfg, ParallelDims.for_rank(device="cpu"))
-    late = GatedDeltaNet(cfg, ParallelDims.for_rank(device="meta")).to_empty(device="cpu")
-    for p_late, p in zip(late.parameters(), direct.parameters()):
-        p_late.__dict__.update(p.__dict__)  # to_empty drops the parallel attributes (Transformer restores them)
-    torch.manual_seed(3)
-    for m in late.modules():
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()
-    for (name, a), b in zip(direct.named_parameters(), late.parameters()):
-        assert torch.equal(a, b), name
+        GatedDeltaNet(model_config(cfg), 0, ModelLayout(ParallelDims.for_rank(tp=2, cp=4, device="meta")))
 
 
 # on gloo ranks (each layout against transformers' results computed here)
@@ -219,11 +238,11 @@ def _rank_cases(weights: dict, x, w, cases: list) -> list:
         dims = tpzoo.init_parallel(tp=tp, cp=cp)
         try:
             torch.manual_seed(5)
-            fresh = [p.detach().clone() for p in GatedDeltaNet(ref_cfg("qwen3_5"), dims, sp).parameters()]
-            layer = load(GatedDeltaNet(ref_cfg("qwen3_5"), dims, sp), weights)
+            fresh = [p.detach().clone() for p in build(ref_cfg("qwen3_5"), dims, sp).parameters()]
+            layer = load(build(ref_cfg("qwen3_5"), dims, sp), weights)
             xl = _local(x, dims, sp).detach().clone().requires_grad_()
             with comm.count_collectives() as counter:
-                y = layer(xl, docs=Documents(DOC_IDS) if packed else None)
+                y = layer(xl, context(DOC_IDS if packed else None))
                 (y * _local(w, dims, sp)).sum().backward()
             finish_tp_grads(layer, dims)  # the trainer's TP reduction: the gated norm's partial gradient summed
             res = {"y": y.detach(), "dx": xl.grad, "grads": {n: p.grad for n, p in layer.named_parameters()},
@@ -231,8 +250,8 @@ def _rank_cases(weights: dict, x, w, cases: list) -> list:
             if not packed and cp == 1 and not sp:  # generation at this layout: prefill 100, decode 4
                 with torch.no_grad():
                     cache = layer.new_cache(x.shape[0])
-                    steps = [layer(x[:, :100], cache=cache)] + [layer(x[:, t:t + 1], cache=cache)
-                                                                for t in range(100, 104)]
+                    steps = [layer(x[:, :100], context(), cache)] + [layer(x[:, t:t + 1], context(), cache)
+                                                                     for t in range(100, 104)]
                 res["decoded"] = torch.cat(steps, dim=1)
             out.append(res)
         finally:
@@ -243,8 +262,8 @@ def _rank_cases(weights: dict, x, w, cases: list) -> list:
 def _merge(per_rank: list, i: int, tp: int, cp: int, sp: bool) -> dict:
     """One case's per-rank results as full tensors: outputs in sequence order, gradients summed over cp then
     unsharded over tp (the norm's gradient, already summed over tp by finish_tp_grads, equal on the tp ranks)."""
-    specs = {n: p.tp_spec for n, p in GatedDeltaNet(ref_cfg("qwen3_5"), ParallelDims.for_rank(tp=tp, cp=cp))
-             .named_parameters()}
+    specs = {n: p.tp_spec for n, p in GatedDeltaNet(model_config(ref_cfg("qwen3_5")), 0, ModelLayout(
+        ParallelDims.for_rank(tp=tp, cp=cp))).named_parameters()}
     rank = lambda t, c: per_rank[c * tp + t][i]  # noqa: E731 (tp fastest)
     chunk = S // (2 * cp)
     order = torch.cat([local_positions(chunk, cp, c, "cpu") for c in range(cp)])
@@ -282,7 +301,7 @@ def check_layouts(family: str, layouts: dict) -> None:
     refs = {False: hf_reference(family, x, w), True: hf_reference(family, x, w, DOC_IDS)}
     weights = refs[False]["weights"]
     torch.manual_seed(5)
-    fresh = [p.detach() for p in GatedDeltaNet(ref_cfg("qwen3_5"), ParallelDims.for_rank(device="cpu")).parameters()]
+    fresh = [p.detach() for p in build(ref_cfg("qwen3_5"), ParallelDims.for_rank(device="cpu")).parameters()]
     for world, cases in layouts.items():
         per_rank = run_on_ranks(world, _rank_cases, weights, x, w, cases)
         for i, (tp, cp, sp, packed) in enumerate(cases):

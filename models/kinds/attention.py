@@ -1,9 +1,11 @@
 """Token mixer "attention": causal softmax attention (MHA / GQA), with per-layer sliding windows, Gemma 2's
-soft-capped scores, q/k norms and rotary positions (full, partial, per-layer tables, NoPE layers).
+soft-capped scores, q/k norms, rotary positions (full, partial, per-layer tables, NoPE layers) and Qwen3.5 /
+Qwen3-Next's output gate (q's projection twice as wide: each head's query, then its gate; the attention output
+times sigmoid(gate) enters the output projection).
 
 TP split: heads. q|k|v is one column-parallel matmul (each rank its query heads and the kv heads they read: kv
-heads split when tp divides them, replicated, each rank keeping the one its query heads use, when kv_heads < tp);
-the output projection is row-parallel.
+heads split when tp divides them, replicated, each rank keeping the one its query heads use, when kv_heads < tp;
+a gated q part is split per head, its gate rows with it); the output projection is row-parallel.
 What crosses ranks: entering the TP region (all-gather of the sequence under SP, else identity / all-reduce of
 the input gradient), leaving it (all-reduce, or reduce-scatter under SP); OLMo 2's whole-width q/k norm adds one
 all-reduce of 2 fp32 per token (attention_extras.py); under context parallelism the core exchanges K/V (ring) or
@@ -72,12 +74,14 @@ class Attention(nn.Module):
         self.layout = layout
         self.kv_replicas = max(1, tp // nkv)
         self.heads, self.kv_heads, self.head_dim = nh // tp, max(1, nkv // tp), hd
-        self.qk_norm = a.qk_norm
+        self.qk_norm, self.gated = a.qk_norm, a.output_gate
         init = lambda t: nn.init.normal_(t, std=cfg.initializer_range)  # noqa: E731
-        # q|k|v fused in one column-parallel matmul; the k and v parts may be replicated head-wise.
-        spec = ShardSpec(0, parts=(nh * hd, nkv * hd, nkv * hd), replicas=(1, self.kv_replicas, self.kv_replicas),
+        # q|k|v fused in one column-parallel matmul; the k and v parts may be replicated head-wise. With the output
+        # gate the q part holds per head [query | gate] (HF's q_proj layout), split by whole heads.
+        q_rows = nh * hd * (2 if self.gated else 1)
+        spec = ShardSpec(0, parts=(q_rows, nkv * hd, nkv * hd), replicas=(1, self.kv_replicas, self.kv_replicas),
                          block=hd)
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, (nh + 2 * nkv) * hd, bias=a.qkv_bias, shard_spec=spec,
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, q_rows + 2 * nkv * hd, bias=a.qkv_bias, shard_spec=spec,
                                         init_method=init, **layout.linear)
         out_std = cfg.initializer_range / math.sqrt(2 * cfg.num_layers)  # GPT-2's scaled residual init
         self.out = RowParallelLinear(nh * hd, cfg.hidden_size, bias=a.out_bias,
@@ -104,8 +108,11 @@ class Attention(nn.Module):
 
     def forward(self, x, ctx: Context, cache: KVCache | None = None):
         # One matmul enters the TP region for q, k and v (under SP: gathers the sequence, keeps only the shard).
-        q, k, v = self.qkv(x).split(
-            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
+        q_width = self.heads * self.head_dim * (2 if self.gated else 1)
+        q, k, v = self.qkv(x).split([q_width, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
+        if self.gated:  # per head: its query, then its gate
+            q, gate = q.unflatten(-1, (self.heads, 2 * self.head_dim)).chunk(2, dim=-1)
+            q, gate = q.flatten(-2), gate.flatten(-2)
         if self.qk_norm == "full":  # OLMo 2: over all heads' width, spanning the TP ranks
             q, k = full_width_qk_norm(q, k, self.q_norm, self.k_norm, self.kv_replicas, self.layout.dims.tp_group)
         q, k, v = (rearrange(t, "b s (heads d) -> b s heads d", d=self.head_dim) for t in (q, k, v))
@@ -117,15 +124,18 @@ class Attention(nn.Module):
         q, k, v = (rearrange(t, "b s heads d -> b heads s d") for t in (q, k, v))
         if cache is not None:
             k, v = cache.update(k, v)
-        out = self.core(q, k, v, ctx.past, ctx.docs)
-        return self.out(rearrange(out, "b heads s d -> b s (heads d)"))
+        out = rearrange(self.core(q, k, v, ctx.past, ctx.docs), "b heads s d -> b s (heads d)")
+        if self.gated:
+            out = out * torch.sigmoid(gate)
+        return self.out(out)
 
     # -- sizes, without building (ModelConfig.num_parameters, flops_per_token) ----------------------------------
     @staticmethod
     def num_parameters(cfg: ModelConfig, layer: int, active: bool = False) -> int:
         a, h = cfg.attention, cfg.hidden_size
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        n = h * (q + 2 * kv) + q * h + (q + 2 * kv if a.qkv_bias else 0) + (h if a.out_bias else 0)
+        q_in = q * (2 if a.output_gate else 1)  # the gate's rows
+        n = h * (q_in + 2 * kv) + q * h + (q_in + 2 * kv if a.qkv_bias else 0) + (h if a.out_bias else 0)
         return n + {"none": 0, "head": 2 * a.head_dim, "full": q + kv}[a.qk_norm]
 
     @staticmethod

@@ -4,7 +4,9 @@ y = x W^T + b + (alpha / r) * dropout(x) A^T B^T, with W frozen, A [r, in] drawn
 bound 1/sqrt(in)) and B [out, r] starting at zero, so a fresh adapter leaves the model unchanged.
 
 A fused layer (q|k|v, gate|up) gets one adapter per Hugging Face projection, named by it ("q_proj", ...): part j
-has its own A_j and a B_j sharded exactly as part j of the fused weight (kv heads replicated over TP included).
+has its own A_j and a B_j sharded exactly as part j of the fused weight (kv heads replicated over TP included). A
+projection covering several consecutive parts (`groups`: Qwen3.5's in_proj_qkv over a Gated DeltaNet's q|k|v)
+has one adapter whose B is sharded as those parts together.
 
 Column-parallel layer, weight split by rows [out/tp, in]:
     A_j replicated [r, in], B_j split with its part [out_j/tp, r]. u = x A^T is computed on every rank from the
@@ -44,17 +46,27 @@ def _kaiming_uniform(t: torch.Tensor) -> None:
     nn.init.kaiming_uniform_(t, a=math.sqrt(5))
 
 
-def _part_specs(layer_spec: ShardSpec, out_features: int, n_adapters: int) -> list[tuple[int, ShardSpec]]:
-    """(full rows, ShardSpec) of each adapter's B: one per part of the fused weight, or one for all of it."""
+def _part_specs(layer_spec: ShardSpec, out_features: int, n_adapters: int,
+                groups: list | None = None) -> list[tuple[int, ShardSpec]]:
+    """(full rows, ShardSpec) of each adapter's B: one per part of the fused weight (or per group of consecutive
+    parts, `groups` giving how many each), or one for all of it."""
     parts = layer_spec.parts or (out_features,)
     if n_adapters == 1:
         return [(out_features, layer_spec)]
-    if n_adapters != len(parts):
-        raise ValueError(f"{n_adapters} adapters for a weight fused from {len(parts)} parts")
+    groups = list(groups) if groups is not None else [1] * len(parts)
+    if n_adapters != len(groups) or sum(groups) != len(parts):
+        raise ValueError(f"{n_adapters} adapters for a weight fused from {len(parts)} parts (groups {groups})")
     reps = layer_spec.replicas or (1,) * len(parts)
-    # parts=(size,) spelled out: the full size of a replicated part is not the shard size times tp
-    return [(size, ShardSpec(0, parts=(size,), replicas=(rep,), block=layer_spec.block) if rep > 1
-             else ShardSpec(0)) for size, rep in zip(parts, reps)]
+    out, i = [], 0
+    for n in groups:
+        sizes, rs = parts[i:i + n], reps[i:i + n]
+        i += n
+        if n == 1 and rs[0] == 1:
+            out.append((sizes[0], ShardSpec(0)))
+        else:  # parts spelled out: each splits separately (and a replicated part's full size is not shard x tp)
+            out.append((sum(sizes), ShardSpec(0, parts=tuple(sizes), replicas=None if set(rs) == {1} else tuple(rs),
+                                              block=layer_spec.block)))
+    return out
 
 
 class LoRA(nn.Module):
@@ -64,7 +76,7 @@ class LoRA(nn.Module):
     weight HF fuses too (GPT-2's c_attn)."""
 
     def __init__(self, layer: nn.Module, names: list, rank: int, alpha: float, dropout: float = 0.0,
-                 dtype=None, device=None):
+                 dtype=None, device=None, groups: list | None = None):
         super().__init__()
         if rank <= 0 or alpha <= 0:
             raise ValueError(f"LoRA needs rank > 0 and alpha > 0 (got rank {rank}, alpha {alpha})")
@@ -83,7 +95,7 @@ class LoRA(nn.Module):
         self.local_rows: list[int] = []
         if self.column:
             for name, (rows, spec) in zip(self.parts, _part_specs(layer.shard_spec, layer.out_features,
-                                                                  len(self.parts))):
+                                                                  len(self.parts), groups)):
                 self.local_rows.append(spec.local_size(rows, self.tp))
                 if name is None:
                     continue

@@ -1,0 +1,131 @@
+"""The hybrid Qwen families: Qwen3.5 (dense and MoE, the text part) and Qwen3-Next. Each layer's token mixer comes
+from HF's `layer_types`: Gated DeltaNet where it says "linear_attention" (models/kinds/gated_deltanet.py), gated
+softmax attention where it says "full_attention" (models/kinds/attention.py with `output_gate`: q_proj twice as
+wide, each head's query then its gate; per-head q/k RMSNorm; partial rotary, 0.25 of head_dim). Every RMSNorm but
+the DeltaNet's gated one scales by (1 + w) (`norm_offset`). The channel mixer is a SwiGLU MLP (Qwen3.5 dense), or
+a mixture of experts with a sigmoid-gated shared expert (Qwen3.5-MoE on every layer; Qwen3-Next where
+`mlp_only_layers` / `decoder_sparse_step` say).
+
+HF names: model.layers.{i}.linear_attn.* (models/gated_deltanet_hf.py: Qwen3.5's in_proj_qkv / z / b / a, Qwen3-Next's
+grouped in_proj_qkvz / in_proj_ba), model.layers.{i}.self_attn.{q,k,v,o}_proj, q_norm, k_norm, mlp.* .
+A Qwen3.5 multimodal checkpoint (model_type "qwen3_5" / "qwen3_5_moe", Qwen3_5(Moe)ForConditionalGeneration) is
+read for its text part: `text_config`, the tensors under model.language_model.; its vision tower (model.visual.*)
+and multi-token-prediction head (mtp.*) are not read, trained or written (to-hf writes the same config.json and
+the text model's tensors under their names: the vision tensors are to be copied from the original checkpoint to
+serve it multimodal). mrope's sections (`mrope_section`) rotate text positions like plain rope (all three
+position rows are the token's position), so they are kept for the round trip and otherwise unused.
+"""
+from __future__ import annotations
+
+from .config import AttentionConfig, GatedDeltaNetConfig, MLPConfig, ModelConfig
+from .gated_deltanet_hf import gated_deltanet_tensor_maps
+from .hf_common import (LINEAR_ATTENTION, check, common_attention, common_fields, common_to_hf, decoder_tensor_map,
+                        read_layer_types, read_rope, token_mixers_of)
+from .registry import Family, register_family
+
+NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+TYPES = ("full_attention", LINEAR_ATTENTION)
+MROPE = ("mrope_section", "mrope_interleaved")  # multimodal rope: no effect on text positions
+
+
+def _layer_types(family: str, hf: dict) -> list:
+    n = hf["num_hidden_layers"]
+    types = read_layer_types(family, hf, n, TYPES)
+    if types is None:  # HF's default: every `full_attention_interval`-th layer is full attention
+        every = hf.get("full_attention_interval", 4)
+        types = [LINEAR_ATTENTION if (i + 1) % every else "full_attention" for i in range(n)]
+    return types
+
+
+def _rope(family: str, hf: dict) -> tuple[float, dict | None, float]:
+    """(theta, scaling, partial rotary factor); the multimodal sections dropped."""
+    params = dict(hf.get("rope_parameters") or {})
+    if not params:
+        params = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10000.0)}
+    partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+    for key in MROPE:
+        params.pop(key, None)
+    theta, scaling = read_rope(family, hf, params)
+    return theta, scaling, partial
+
+
+def text_config_from_hf(family: str, hf: dict, **model) -> ModelConfig:
+    """The ModelConfig of a Qwen3.5 / Qwen3-Next text config `hf` (`model`: the channel mixers' settings)."""
+    check(family, hf, "hidden_act", ("silu",), "silu")
+    check(family, hf, "attn_output_gate", (True,), True)  # some hub configs spell it out; always gated in HF
+    theta, scaling, partial = _rope(family, hf)
+    bias = hf.get("attention_bias", False)
+    fields = common_fields(hf)
+    gdn = GatedDeltaNetConfig(num_key_heads=hf["linear_num_key_heads"], num_value_heads=hf["linear_num_value_heads"],
+                              key_head_dim=hf["linear_key_head_dim"], value_head_dim=hf["linear_value_head_dim"],
+                              conv_kernel=hf.get("linear_conv_kernel_dim", 4))
+    attention = AttentionConfig(**common_attention(hf), rope_theta=theta, rope_scaling=scaling,
+                                partial_rotary_factor=partial, qkv_bias=bias, out_bias=bias, qk_norm="head",
+                                output_gate=True)
+    model.setdefault("mlp", MLPConfig(hf["intermediate_size"], activation="swiglu"))
+    return ModelConfig(family=family, **fields, attention=attention, gated_deltanet=gdn,
+                       token_mixers=token_mixers_of(_layer_types(family, hf)), norm_offset=True, **model)
+
+
+def from_hf(family: str, hf: dict, channel=None) -> ModelConfig:
+    """A text config, or a multimodal one's text part (its dict kept whole for the round trip); `channel(text)`:
+    the ModelConfig fields of the family's channel mixers."""
+    multimodal = "text_config" in hf
+    text = hf["text_config"] if multimodal else hf
+    cfg = text_config_from_hf(family, text, **(channel(text) if channel else {}))
+    if multimodal and "tie_word_embeddings" in hf:
+        cfg.tie_embeddings = bool(hf["tie_word_embeddings"])
+    cfg.extra = {"hf_config": hf}
+    return cfg
+
+
+def text_config_to_hf(cfg: ModelConfig, model_type: str, architecture: str, base: dict) -> dict:
+    """The HF text config of `cfg`: `base` (the source's) with every field the config owns overwritten."""
+    hf = common_to_hf(cfg.replace(extra={"hf_config": base}), model_type, architecture)
+    a, g = cfg.attention, cfg.gated_deltanet
+    rope = {k: v for k, v in (base.get("rope_parameters") or {}).items() if k in MROPE}
+    rope.update({"rope_type": "default", **(a.rope_scaling or {}), "rope_theta": a.rope_theta,
+                 "partial_rotary_factor": a.partial_rotary_factor})
+    hf.update(hidden_act="silu", attention_bias=a.qkv_bias, head_dim=a.head_dim, rope_parameters=rope,
+              linear_num_key_heads=g.num_key_heads, linear_num_value_heads=g.num_value_heads,
+              linear_key_head_dim=g.key_head_dim, linear_value_head_dim=g.value_head_dim,
+              linear_conv_kernel_dim=g.conv_kernel,
+              layer_types=[LINEAR_ATTENTION if cfg.token_mixer(i) == "gated_deltanet" else "full_attention"
+                           for i in range(cfg.num_layers)])
+    return hf
+
+
+def to_hf(cfg: ModelConfig, model_type: str, architecture: str, channel=None) -> dict:
+    """`cfg` as the HF config it came from: a text config, or the multimodal dict with its text_config updated."""
+    orig = cfg.extra.get("hf_config", {})
+    multimodal = "text_config" in orig
+    text = text_config_to_hf(cfg, model_type + ("_text" if multimodal else ""), architecture,
+                             orig["text_config"] if multimodal else orig)
+    if channel is not None:
+        text.update(channel(cfg))
+    if not multimodal:
+        return text
+    hf = dict(orig)
+    hf["text_config"] = text
+    hf["tie_word_embeddings"] = cfg.tie_embeddings
+    return hf
+
+
+def prefix_of(cfg: ModelConfig) -> str:
+    """Where the checkpoint keeps the decoder: a multimodal one's language model, or the text model's."""
+    return "model.language_model." if "text_config" in cfg.extra.get("hf_config", {}) else "model."
+
+
+def tensor_map(cfg: ModelConfig, gdn_layout: str, moe_maps=None) -> list:
+    def deltanet(cfg, i, p, q):
+        return gated_deltanet_tensor_maps(cfg.gated_deltanet, p + "attn", q + "linear_attn", gdn_layout, layer=i)
+    return decoder_tensor_map(cfg, NORMS, moe_maps, deltanet, prefix_of(cfg))
+
+
+# -- Qwen3.5 (dense) ------------------------------------------------------------------------------------------------
+
+register_family(Family(
+    name="qwen3_5", hf_model_types=("qwen3_5_text", "qwen3_5"), hf_architecture="Qwen3_5ForCausalLM",
+    config_from_hf=lambda hf: from_hf("qwen3_5", hf),
+    config_to_hf=lambda cfg: to_hf(cfg, "qwen3_5", "Qwen3_5ForCausalLM"),
+    hf_tensor_map=lambda cfg: tensor_map(cfg, "qwen3_5")))
