@@ -13,7 +13,8 @@ with the delta rule"): within a chunk, with G the running sum of g from the chun
 for j <= i (0 above the diagonal), the writes solve one unit lower-triangular system L = I + strict_tril(beta k k^T
 * D): U = L^-1 (beta v) are the chunk's values as if the incoming state were zero, W = L^-1 (beta exp(G) k) how
 they correct for it. Then one step per chunk: u = U - W S, o = (exp(G) q) S + (q k^T * D) u,
-S <- exp(G_C) S + (exp(G_C - G) k)^T u. Everything but that scan is batched over chunks. fp32 throughout.
+S <- exp(G_C) S + (exp(G_C - G) k)^T u. Everything but that scan is batched over chunks. fp32 throughout
+(fp64 inputs stay fp64).
 
 Documents (packing): `starts` [b, s] marks tokens whose document differs from the previous token's (a row's first
 token continues the initial state). The recurrent state must be *zero* before such a token. Two ways that look
@@ -44,16 +45,21 @@ def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
     return starts
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or fp64 for fp64 inputs (the float64 parity tests: no fp32 rounding left to hide a difference)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
 
 
 def _heads_first(q, k, v, g, beta, scale, qk_l2norm):
-    """fp32, [b, hv, s, d] (q, k repeated over their value heads), q scaled; g, beta [b, hv, s]."""
+    """fp32 (compute_dtype), [b, hv, s, d] (q, k repeated over their value heads), q scaled; g, beta [b, hv, s]."""
     ratio = v.shape[2] // k.shape[2]
     if v.shape[2] % k.shape[2]:
         raise ValueError(f"{v.shape[2]} value heads are not a multiple of {k.shape[2]} key heads")
-    q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))
+    q, k, v, g, beta = (t.transpose(1, 2).to(compute_dtype(t.dtype)) for t in (q, k, v, g, beta))
     if qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
     q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
@@ -65,7 +71,7 @@ def _heads_first(q, k, v, g, beta, scale, qk_l2norm):
 def _initial(state, b, h, dk, dv, like):
     if state is None:
         return like.new_zeros(b, h, dk, dv)
-    return state.float()
+    return state.to(like.dtype)
 
 
 def _chunk_slots(starts: torch.Tensor | None, s: int, size: int):

@@ -57,7 +57,8 @@ def gated_deltanet_tensor_maps(cfg: GatedDeltaNetConfig, ours: str, theirs: str,
     else:
         in_proj = _grouped_in_proj(f"{ours}.in_proj.weight",
                                    (f"{theirs}.in_proj_qkvz.weight", f"{theirs}.in_proj_ba.weight"), cfg, **kw)
-    conv = TensorMap(f"{ours}.conv.weight", (f"{theirs}.conv1d.weight",), lambda t: t[0].squeeze(1),
+    # flatten, not squeeze: the checkpoint engine probes a mapping with stand-ins whose size-1 dims are not 1
+    conv = TensorMap(f"{ours}.conv.weight", (f"{theirs}.conv1d.weight",), lambda t: t[0].flatten(1),
                      lambda x: [x.unsqueeze(1).contiguous()], **kw)
     return [in_proj, conv, *(same(f"{ours}.{n}", f"{theirs}.{n}", **kw)
                              for n in ("A_log", "dt_bias", "norm.weight", "out_proj.weight"))]

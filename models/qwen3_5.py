@@ -17,10 +17,12 @@ position rows are the token's position), so they are kept for the round trip and
 """
 from __future__ import annotations
 
-from .config import AttentionConfig, GatedDeltaNetConfig, MLPConfig, ModelConfig
+from .config import AttentionConfig, GatedDeltaNetConfig, MLPConfig, ModelConfig, MoEConfig
 from .gated_deltanet_hf import gated_deltanet_tensor_maps
 from .hf_common import (LINEAR_ATTENTION, check, common_attention, common_fields, common_to_hf, decoder_tensor_map,
                         read_layer_types, read_rope, token_mixers_of)
+from .hf_mapping import concatenated, same
+from .moe_families import _expert_maps
 from .registry import Family, register_family
 
 NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
@@ -62,7 +64,8 @@ def text_config_from_hf(family: str, hf: dict, **model) -> ModelConfig:
     attention = AttentionConfig(**common_attention(hf), rope_theta=theta, rope_scaling=scaling,
                                 partial_rotary_factor=partial, qkv_bias=bias, out_bias=bias, qk_norm="head",
                                 output_gate=True)
-    model.setdefault("mlp", MLPConfig(hf["intermediate_size"], activation="swiglu"))
+    if "mlp" not in model:
+        model["mlp"] = MLPConfig(hf["intermediate_size"], activation="swiglu")
     return ModelConfig(family=family, **fields, attention=attention, gated_deltanet=gdn,
                        token_mixers=token_mixers_of(_layer_types(family, hf)), norm_offset=True, **model)
 
@@ -96,11 +99,11 @@ def text_config_to_hf(cfg: ModelConfig, model_type: str, architecture: str, base
 
 
 def to_hf(cfg: ModelConfig, model_type: str, architecture: str, channel=None) -> dict:
-    """`cfg` as the HF config it came from: a text config, or the multimodal dict with its text_config updated."""
+    """`cfg` as the HF config it came from: a text config (`model_type`), or the multimodal dict with its
+    text_config updated; `channel(cfg)`: the channel mixers' HF fields."""
     orig = cfg.extra.get("hf_config", {})
     multimodal = "text_config" in orig
-    text = text_config_to_hf(cfg, model_type + ("_text" if multimodal else ""), architecture,
-                             orig["text_config"] if multimodal else orig)
+    text = text_config_to_hf(cfg, model_type, architecture, orig["text_config"] if multimodal else orig)
     if channel is not None:
         text.update(channel(cfg))
     if not multimodal:
@@ -127,5 +130,73 @@ def tensor_map(cfg: ModelConfig, gdn_layout: str, moe_maps=None) -> list:
 register_family(Family(
     name="qwen3_5", hf_model_types=("qwen3_5_text", "qwen3_5"), hf_architecture="Qwen3_5ForCausalLM",
     config_from_hf=lambda hf: from_hf("qwen3_5", hf),
-    config_to_hf=lambda cfg: to_hf(cfg, "qwen3_5", "Qwen3_5ForCausalLM"),
+    config_to_hf=lambda cfg: to_hf(cfg, "qwen3_5_text", "Qwen3_5ForCausalLM"),
     hf_tensor_map=lambda cfg: tensor_map(cfg, "qwen3_5")))
+
+
+# -- the mixtures of experts: Qwen3.5-MoE, Qwen3-Next --------------------------------------------------------------
+
+def moe_from_hf(text: dict, every_layer: bool) -> dict:
+    """The channel mixers' settings: a softmax top-k router, SwiGLU experts and a sigmoid-gated shared expert
+    (Qwen3.5-MoE: on every layer, top-k renormalized; Qwen3-Next: HF's mlp_only_layers / decoder_sparse_step rule,
+    dense layers keeping an MLP of intermediate_size)."""
+    experts = text.get("num_experts", 0)
+    moe = MoEConfig(num_experts=experts, num_experts_per_tok=text.get("num_experts_per_tok", 0),
+                    ffn_hidden_size=text.get("moe_intermediate_size"),
+                    norm_topk_prob=True if every_layer else bool(text.get("norm_topk_prob", True)),
+                    router_aux_loss_coef=text.get("router_aux_loss_coef", 0.001),
+                    output_router_logits=bool(text.get("output_router_logits", False)),
+                    mlp_only_layers=None if every_layer else (list(text.get("mlp_only_layers") or []) or None),
+                    decoder_sparse_step=1 if every_layer else text.get("decoder_sparse_step", 1),
+                    shared_expert_ffn=text.get("shared_expert_intermediate_size", 0) if experts else 0,
+                    shared_expert_gate=bool(experts))
+    # Qwen3.5-MoE has no dense layer (and no intermediate_size): the MLP settings are the experts' activation
+    return {"moe": moe, "mlp": MLPConfig(text.get("intermediate_size") or text["moe_intermediate_size"],
+                                         activation="swiglu")}
+
+
+def moe_to_hf(cfg: ModelConfig, every_layer: bool) -> dict:
+    moe = cfg.moe
+    hf = {"num_experts": moe.num_experts, "num_experts_per_tok": moe.num_experts_per_tok,
+          "moe_intermediate_size": cfg.expert_ffn, "shared_expert_intermediate_size": moe.shared_expert_ffn,
+          "router_aux_loss_coef": moe.router_aux_loss_coef, "output_router_logits": moe.output_router_logits}
+    if not every_layer:
+        hf.update(norm_topk_prob=moe.norm_topk_prob, mlp_only_layers=list(moe.mlp_only_layers or []),
+                  decoder_sparse_step=moe.decoder_sparse_step)
+    return hf
+
+
+_ROUTED = _expert_maps("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))
+
+
+def moe_maps(cfg: ModelConfig, i: int, p: str, q: str) -> list:
+    """The router, the experts (stored per expert by HF) and the gated shared expert of layer i."""
+    ffn = cfg.moe.shared_expert_ffn
+    shared = q + "mlp.shared_expert."
+    return _ROUTED(cfg, i, p, q) + [
+        concatenated(p + "mlp.shared_experts.fc_in.weight", (shared + "gate_proj.weight", shared + "up_proj.weight"),
+                     (ffn, ffn), layer=i),
+        same(p + "mlp.shared_experts.fc_out.weight", shared + "down_proj.weight", layer=i),
+        same(p + "mlp.shared_expert_gate.weight", q + "mlp.shared_expert_gate.weight", layer=i)]
+
+
+def _moe_to_hf(cfg: ModelConfig, model_type: str, architecture: str, every_layer: bool) -> dict:
+    hf = to_hf(cfg, model_type, architecture, lambda c: moe_to_hf(c, every_layer))
+    text = hf.get("text_config", hf)
+    base = cfg.extra.get("hf_config", {})
+    if every_layer and "intermediate_size" not in base.get("text_config", base):
+        text.pop("intermediate_size", None)  # Qwen3.5-MoE has no dense MLP to size
+    return hf
+
+
+register_family(Family(
+    name="qwen3_5_moe", hf_model_types=("qwen3_5_moe_text", "qwen3_5_moe"), hf_architecture="Qwen3_5MoeForCausalLM",
+    config_from_hf=lambda hf: from_hf("qwen3_5_moe", hf, lambda text: moe_from_hf(text, every_layer=True)),
+    config_to_hf=lambda cfg: _moe_to_hf(cfg, "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", every_layer=True),
+    hf_tensor_map=lambda cfg: tensor_map(cfg, "qwen3_5", moe_maps)))
+
+register_family(Family(
+    name="qwen3_next", hf_model_types=("qwen3_next",), hf_architecture="Qwen3NextForCausalLM",
+    config_from_hf=lambda hf: from_hf("qwen3_next", hf, lambda text: moe_from_hf(text, every_layer=False)),
+    config_to_hf=lambda cfg: _moe_to_hf(cfg, "qwen3_next", "Qwen3NextForCausalLM", every_layer=False),
+    hf_tensor_map=lambda cfg: tensor_map(cfg, "qwen3_next", moe_maps)))

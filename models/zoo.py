@@ -1,7 +1,7 @@
 """Named configs: published shapes (with the HF repository each comes from) and tiny ones for tests/demos."""
 from __future__ import annotations
 
-from .config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig
+from .config import AttentionConfig, GatedDeltaNetConfig, MLPConfig, ModelConfig, MoEConfig
 from .registry import CONFIGS, register_config
 
 GPT2_MLP = dict(activation="gelu_tanh", bias=True)
@@ -224,3 +224,62 @@ register_config("tiny-mixtral", ModelConfig(
 register_config("nano-mixtral", ModelConfig(
     family="mixtral", vocab_size=97, hidden_size=32, num_layers=2, attention=AttentionConfig(4, num_kv_heads=2),
     mlp=MLPConfig(32), moe=TINY_MOE, max_position_embeddings=64))
+
+
+# Hybrid linear attention (models/kinds/gated_deltanet.py): Qwen3.5 and Qwen3-Next put three Gated DeltaNet layers
+# before each gated attention layer (output gate, partial rotary 0.25, (1 + w) norms); OLMo 3 three sliding-window
+# layers before each full one. The text models only (Qwen3.5's checkpoints add a vision tower and an MTP head).
+def _every_4th(layers: int, other: str, fourth: str) -> list:
+    return [other if (i + 1) % 4 else fourth for i in range(layers)]
+
+
+def _qwen_hybrid(name, family, *, vocab, h, layers, heads, kv, ffn, gdn, src, moe=None, bos=None, eos=None):
+    register_config(name, ModelConfig(
+        family=family, vocab_size=vocab, hidden_size=h, num_layers=layers,
+        attention=AttentionConfig(num_heads=heads, num_kv_heads=kv, head_dim=256, rope_theta=10000000.0,
+                                  partial_rotary_factor=0.25, qk_norm="head", output_gate=True),
+        mlp=MLPConfig(ffn), moe=moe or MoEConfig(), gated_deltanet=gdn,
+        token_mixers=_every_4th(layers, "gated_deltanet", "attention"), max_position_embeddings=262144,
+        norm_eps=1e-6, norm_offset=True, bos_token_id=bos, eos_token_id=eos, hf_source=src))
+
+
+def _qwen_moe(experts: int, top_k: int) -> MoEConfig:
+    return MoEConfig(num_experts=experts, num_experts_per_tok=top_k, ffn_hidden_size=512, router_aux_loss_coef=0.001,
+                     shared_expert_ffn=512, shared_expert_gate=True)
+
+
+_GDN_16_32 = GatedDeltaNetConfig(num_key_heads=16, num_value_heads=32, key_head_dim=128, value_head_dim=128)
+_qwen_hybrid("qwen3.5-27b", "qwen3_5", vocab=248320, h=5120, layers=64, heads=24, kv=4, ffn=17408, eos=248044,
+             gdn=GatedDeltaNetConfig(num_key_heads=16, num_value_heads=48, key_head_dim=128, value_head_dim=128),
+             src="Qwen/Qwen3.5-27B")
+_qwen_hybrid("qwen3.5-35b-a3b", "qwen3_5_moe", vocab=248320, h=2048, layers=40, heads=16, kv=2, ffn=512, eos=248044,
+             gdn=_GDN_16_32, moe=_qwen_moe(256, 8), src="Qwen/Qwen3.5-35B-A3B")
+_qwen_hybrid("qwen3-next-80b-a3b", "qwen3_next", vocab=151936, h=2048, layers=48, heads=16, kv=2, ffn=5120,
+             bos=151643, eos=151645, gdn=_GDN_16_32, moe=_qwen_moe(512, 10), src="Qwen/Qwen3-Next-80B-A3B-Instruct")
+# OLMo 3 7B: its full-attention layers extend the 8K pretraining context 8x with YaRN (their own rope table)
+OLMO3_YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192, "beta_fast": 32.0,
+              "beta_slow": 1.0, "attention_factor": 1.2079441541679836}
+register_config("olmo-3-7b", ModelConfig(
+    family="olmo3", vocab_size=100278, hidden_size=4096, num_layers=32,
+    attention=AttentionConfig(num_heads=32, num_kv_heads=32, rope_theta=500000.0, rope_scaling=OLMO3_YARN,
+                              rope_local_theta=500000.0, qk_norm="full", sliding_window=4096,
+                              layer_types=_every_4th(32, "sliding_attention", "full_attention")),
+    mlp=MLPConfig(11008), max_position_embeddings=65536, norm_eps=1e-6, pre_norm=False, post_norm=True,
+    eos_token_id=100257, pad_token_id=100277, hf_source="allenai/Olmo-3-1025-7B"))
+# Trainable cuts for CPU tests and demos: the same layer pattern at toy widths (tp 2 splits every head group).
+_NANO_GDN = GatedDeltaNetConfig(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8)
+_NANO_HYBRID = dict(vocab_size=97, hidden_size=32, num_layers=4, max_position_embeddings=256, norm_eps=1e-6,
+                    norm_offset=True, gated_deltanet=_NANO_GDN,
+                    attention=AttentionConfig(4, num_kv_heads=2, head_dim=16, partial_rotary_factor=0.25,
+                                              qk_norm="head", output_gate=True),
+                    token_mixers=_every_4th(4, "gated_deltanet", "attention"))
+register_config("nano-qwen3.5", ModelConfig(family="qwen3_5", mlp=MLPConfig(64), **_NANO_HYBRID))
+register_config("nano-qwen3-next", ModelConfig(
+    family="qwen3_next", mlp=MLPConfig(64), **_NANO_HYBRID,
+    moe=MoEConfig(num_experts=4, num_experts_per_tok=2, ffn_hidden_size=16, router_aux_loss_coef=0.001,
+                  shared_expert_ffn=24, shared_expert_gate=True)))
+register_config("nano-olmo3", ModelConfig(
+    family="olmo3", vocab_size=97, hidden_size=32, num_layers=4, max_position_embeddings=256,
+    attention=AttentionConfig(4, num_kv_heads=2, qk_norm="full", sliding_window=8, rope_local_theta=1000.0,
+                              layer_types=_every_4th(4, "sliding_attention", "full_attention")),
+    mlp=MLPConfig(64), pre_norm=False, post_norm=True))

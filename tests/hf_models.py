@@ -9,6 +9,48 @@ ROPE31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 16}
 
 
+# The hybrid families (tests/test_models_hybrid.py): 3 Gated DeltaNet layers and 1 gated attention layer (4 key /
+# 8 value heads: tp 2 x cp 2 splits them), or OLMo 3's 3 sliding layers (window 8) and 1 full one.
+HYBRID = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
+              linear_value_head_dim=8, max_position_embeddings=256, pad_token_id=None, bos_token_id=None,
+              eos_token_id=None, initializer_range=0.1)  # weights large enough that every part changes the loss
+HYBRID_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+
+
+def use_torch_gated_delta() -> None:
+    """transformers routes its torch gated-delta functions to flash-linear-attention when fla is installed, even
+    for CPU tensors: the oracle is its own torch code (the undecorated functions), in every hybrid family."""
+    import importlib
+    import inspect
+
+    for name in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        for fn in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+            setattr(module, fn, inspect.unwrap(getattr(module, fn)))
+
+
+def _hybrid(kind: str):
+    import transformers as tf
+
+    use_torch_gated_delta()
+    if kind == "qwen3_5":
+        return tf.Qwen3_5TextConfig(**HYBRID, intermediate_size=48), tf.Qwen3_5ForCausalLM
+    if kind == "qwen3_5_moe":
+        return tf.Qwen3_5MoeTextConfig(**HYBRID, **HYBRID_MOE), tf.Qwen3_5MoeForCausalLM
+    if kind == "qwen3_next":  # layer 1 keeps a dense MLP (mlp_only_layers)
+        return tf.Qwen3NextConfig(**HYBRID, **HYBRID_MOE, intermediate_size=48, mlp_only_layers=[1]), \
+            tf.Qwen3NextForCausalLM
+    # OLMo 3: sliding layers with their own rope base, linear scaling on the full one
+    kw = {k: v for k, v in HYBRID.items() if not k.startswith("linear_") and k != "head_dim"}
+    rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    return tf.Olmo3Config(**kw, intermediate_size=48, sliding_window=8, rope_parameters=rope), tf.Olmo3ForCausalLM
+
+
+HYBRID_KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo3")
+
+
 def make_hf_model(kind: str):
     import transformers as tf
 
@@ -61,6 +103,8 @@ def make_hf_model(kind: str):
                                              "partial_rotary_factor": 0.5},
                             pad_token_id=None, bos_token_id=None, eos_token_id=None)
         cls = tf.Phi3ForCausalLM
+    elif kind in HYBRID_KINDS:
+        cfg, cls = _hybrid(kind)
     else:
         raise ValueError(kind)
     torch.manual_seed(0)
@@ -69,6 +113,8 @@ def make_hf_model(kind: str):
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name or "ln_" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            if "shared_expert_gate" in name:
+                p.mul_(5.0)  # a gate that matters: the shared expert's sigmoid away from 1/2
     return model
 
 

@@ -91,7 +91,7 @@ def layout_step(chunks, dims, cfg, step: int, params: list, main_grads: GradBuff
     finalize_grads(chunks, dims)
     main_grads.reduce(dims.grad_group)
     for p in params:
-        p.grad = p.main_grad  # what the optimizer steps on
+        p.grad = p.main_grad.to(p.dtype)  # what the optimizer steps on (fp32 main grads; float64 models too)
     return out
 
 

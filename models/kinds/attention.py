@@ -59,6 +59,11 @@ class KVCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
+def output_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Qwen3.5 / Qwen3-Next: the attention output [b, s, heads * d] times sigmoid of its gate (same shape)."""
+    return out * torch.sigmoid(gate)
+
+
 @register_token_mixer("attention")
 class Attention(nn.Module):
     """Causal self-attention of layer `layer`, heads split over TP (see the module docstring)."""
@@ -126,7 +131,7 @@ class Attention(nn.Module):
             k, v = cache.update(k, v)
         out = rearrange(self.core(q, k, v, ctx.past, ctx.docs), "b heads s d -> b s (heads d)")
         if self.gated:
-            out = out * torch.sigmoid(gate)
+            out = output_gate(out, gate)
         return self.out(out)
 
     # -- sizes, without building (ModelConfig.num_parameters, flops_per_token) ----------------------------------

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from tpzoo import kernels
 from tpzoo.errors import ConfigError
-from tpzoo.kernels.gated_delta import document_starts
+from tpzoo.kernels.gated_delta import compute_dtype, document_starts
 from tpzoo.parallel import (ColumnParallelLinear, ParallelLayoutError, RowParallelLinear, ShardSpec, mark_parallel,
                             normal_init)
 from tpzoo.parallel.layers import _init_shard
@@ -111,7 +111,7 @@ class GatedRMSNorm(nn.Module):
                 self.weight.fill_(1.0)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return (kernels.rms_norm(x, self.weight, self.eps) * F.silu(z.float())).to(x.dtype)
+        return (kernels.rms_norm(x, self.weight, self.eps) * F.silu(z.to(compute_dtype(z.dtype)))).to(x.dtype)
 
 
 class DeltaRule(nn.Module):
@@ -196,7 +196,8 @@ class GatedDeltaNet(nn.Module):
         q, k = (t.unflatten(-1, (-1, g.key_head_dim)) for t in (q, k))
         v = v.unflatten(-1, (nv, g.value_head_dim))
         beta = b.sigmoid()
-        decay = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+        f32 = compute_dtype(a.dtype)
+        decay = -A_log.to(f32).exp() * F.softplus(a.to(f32) + dt_bias)
         o, state = self.core(q, k, v, decay, beta, starts, None if cache is None else cache.state, cache is not None)
         if cp > 1:
             o = self._to_sequence(o)
