@@ -45,7 +45,8 @@ def _ours(model):
         return model.full_logits(model(IDS))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2", "qwen3", "olmo2", "gemma3", "phi3", "smollm3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2", "qwen3", "olmo2", "gemma3", "phi3", "smollm3",
+                                  "qwen3_5"])  # qwen3_5: one adapter spanning in_proj's q|k|v (HF in_proj_qkv)
 def test_peft_round_trip(kind, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -9,7 +9,7 @@ than the Gated DeltaNet's chunk (64) and the window:
 - greedy generation of 20 tokens after a 70-token prompt equal to transformers' at tp 1, tp 2 and pp 2 (each layer
   its own cache: KV for attention, the conv's tail and the recurrent state for the Gated DeltaNet);
 - three SGD steps at tp 2 + SP, pp 2 and cp 2 equal to one process (losses, every gradient of the first step and
-  every parameter after the last, 1e-5 of each tensor's largest entry); the trainer resumes a run exactly;
+  every parameter after the last, 1e-5 of each tensor's largest entry); the trainer resumes a run bit for bit;
 - a packed batch (document masking) equals its documents run one by one (loss and every gradient), and so do its
   runs at tp 2 + SP and cp 2;
   (these two in float64: the gradients of A_log and dt_bias, sums over every token of the decays' cumulative
@@ -18,7 +18,7 @@ than the Gated DeltaNet's chunk (64) and the window:
 - the comparisons can fail: A_log / dt_bias swapped, the attention's output gate ignored, or the conv not reset
   at a document boundary each move the loss past the tolerance;
 - a multimodal Qwen3.5 checkpoint is read for its text part; LoRA: Qwen3.5's in_proj_qkv adapter spans q|k|v
-  (PEFT is the oracle: tests/test_lora_peft.py), Qwen3-Next's grouped projections are refused; named configs'
+  (PEFT is the oracle: tests/test_lora_peft.py's qwen3_5 case), Qwen3-Next's grouped projections are refused; named configs'
   sizes equal their built models'.
 """
 import json
@@ -372,3 +372,33 @@ def test_named_configs_count_what_they_build(name):
         assert round(cfg.num_parameters() / 1e9) == PUBLISHED[name]
     if name.endswith("a3b"):
         assert 2.5e9 < cfg.num_parameters(active=True) < 4e9
+
+
+# -- the trainer resumes exactly --------------------------------------------------------------------------------------
+
+def _three_runs(base: dict, run: str) -> list[dict]:
+    """The trainer on this rank: 3 steps straight; 2 steps saving; the saved run resumed to step 3."""
+    from tpzoo.train import load_config, train
+
+    return [train(load_config(None, base)),
+            train(load_config(None, {**base, "steps": 2, "save": run, "save_every": 2})),
+            train(load_config(None, {**base, "save": run, "resume": "auto"}))]
+
+
+def test_the_trainer_resumes_exactly(tmp_path):
+    """`tpzoo pretrain` of nano-qwen3-next (Gated DeltaNet, gated attention, MoE with the gated shared expert) at
+    tp 2 + SP on 72-token rows: a run saved at step 2 and resumed gives step 3's loss and grad norm bit for bit."""
+    import sysconfig
+    from pathlib import Path
+
+    from tpzoo.data import iter_documents, preprocess
+
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    store = str(preprocess(iter_documents([str(lib / "textwrap.py")]), "byte", tmp_path / "store").path)
+    base = dict(model="nano-qwen3-next", data=[store], seq_len=72, global_batch_size=2, micro_batch_size=1, steps=3,
+                lr=3e-3, warmup_steps=1, min_lr=3e-4, tp=2, sequence_parallel=True, save="", sample_prompt="",
+                quiet=True, log_interval=100, eval_fraction=0.0, seed=0, prefetch=1)
+    straight, saved, resumed = run_on_ranks(2, _three_runs, base, str(tmp_path / "run"))[0]
+    assert saved["losses"] == straight["losses"][:2]
+    assert resumed["steps"] == [3] and resumed["losses"][-1] == straight["losses"][-1]
+    assert resumed["grad_norms"][-1] == straight["grad_norms"][-1]
