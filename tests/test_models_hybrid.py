@@ -18,8 +18,8 @@ than the Gated DeltaNet's chunk (64) and the window:
 - the comparisons can fail: A_log / dt_bias swapped, the attention's output gate ignored, or the conv not reset
   at a document boundary each move the loss past the tolerance;
 - a multimodal Qwen3.5 checkpoint is read for its text part; LoRA: Qwen3.5's in_proj_qkv adapter spans q|k|v
-  (PEFT is the oracle: tests/test_lora_peft.py's qwen3_5 case), Qwen3-Next's grouped projections are refused; named configs'
-  sizes equal their built models'.
+  (PEFT is the oracle: tests/test_lora_peft.py's qwen3_5 case), Qwen3-Next's grouped projections are refused;
+  named configs' sizes equal their built models'.
 """
 import json
 import math
@@ -140,7 +140,8 @@ def test_eval_at_tp2_cp2_with_sequence_parallelism(cases):
 # -- the checks can fail ----------------------------------------------------------------------------------------------
 
 def test_the_comparisons_can_fail(cases, monkeypatch):
-    """A_log / dt_bias swapped, or the attention's output gate ignored: the eval loss moves 10x past the tolerance (1e-5)."""
+    """A_log / dt_bias swapped, or the attention's output gate ignored: the eval loss moves 10x past the tolerance
+    (1e-5)."""
     _, _, tokens, out = cases
     _, ckpt, _, ref = out["qwen3_5"]
     model = load_model(ckpt, device="cpu").eval()

@@ -250,9 +250,10 @@ class GatedDeltaNet(nn.Module):
     def sequence_flops(cfg: ModelConfig, layer: int, seq_len: int) -> int:
         """Forward FLOPs per token beyond the projections (2 per multiply-add, the causal half not discounted, as
         attention's), independent of the sequence length (the conv's 2 K per channel is counted with the
-        parameters, by ModelConfig.flops_per_token, as a depthwise matmul): the chunked rule per value head and chunk of C tokens (kernels/gated_delta.py): k k^T and q k^T (2 C^2 d_k), the two unitriangular
-        solves (C^2 (d_k + d_v) / 2), the intra-chunk products with the new values (C^2 d_v) and the state's three
-        products (3 C d_k d_v): per token C (5 d_k + 3 d_v) + 6 d_k d_v."""
+        parameters, by ModelConfig.flops_per_token, as a depthwise matmul): the chunked rule per value head and
+        chunk of C tokens (kernels/gated_delta.py): k k^T and q k^T (2 C^2 d_k), the two unitriangular solves
+        (C^2 (d_k + d_v) / 2), the intra-chunk products with the new values (C^2 d_v) and the state's three products
+        (3 C d_k d_v): per token C (5 d_k + 3 d_v) + 6 d_k d_v."""
         g = cfg.gated_deltanet
         c, dk, dv = g.chunk_size, g.key_head_dim, g.value_head_dim
         return g.num_value_heads * (c * (5 * dk + 3 * dv) + 6 * dk * dv)
