@@ -41,7 +41,7 @@ class _Exchange(torch.autograd.Function):
 def exchange(x: torch.Tensor, group, p: int, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     """The all-to-all that splits `scatter_dim` into p parts (part i to rank i) and concatenates the parts that
     arrive along `gather_dim`; its backward is the inverse exchange. Other mixers that trade a sequence split for a
-    head split use it too (models/gated_deltanet.py)."""
+    head split use it too (models/kinds/gated_deltanet.py)."""
     return _Exchange.apply(x, group, p, scatter_dim, gather_dim)
 
 
