@@ -403,3 +403,31 @@ def test_the_trainer_resumes_exactly(tmp_path):
     assert saved["losses"] == straight["losses"][:2]
     assert resumed["steps"] == [3] and resumed["losses"][-1] == straight["losses"][-1]
     assert resumed["grad_norms"][-1] == straight["grad_norms"][-1]
+
+
+# -- pipeline stages weigh each layer's kinds ---------------------------------------------------------------------
+
+def test_pipeline_stages_weigh_each_layer_kind(monkeypatch):
+    """Qwen3-Next's layers with the first 8 dense (mlp_only_layers: a dense-first stack) at pp 4: the most expensive
+    stage (its layers' parameters by their kinds, the embedding on the first, the head on the last) is the least any
+    split into 4 consecutive ranges gives (all of them tried), and 10% less than counting every layer as the
+    average one (the partition before layer kinds) gives."""
+    import itertools
+
+    from tpzoo.pipeline import partition
+
+    cfg = get_config("qwen3-next-80b-a3b").replace(mlp_only_layers=list(range(8)))
+    costs, n = partition.layer_costs(cfg), cfg.num_layers
+    assert len(set(costs)) == 4  # Gated DeltaNet or attention, dense MLP or experts
+    embed = cfg.vocab_size * cfg.hidden_size
+    extra = [embed, 0, 0, embed + cfg.hidden_size]
+
+    def worst(ranges):
+        return max(sum(costs[a:b]) + e for (a, b), e in zip(ranges, extra))
+
+    ranges = partition.partition_layers(cfg, 4)
+    assert [a for a, _ in ranges[1:]] == [b for _, b in ranges[:-1]] and ranges[0][0] == 0 and ranges[-1][1] == n
+    best = min(worst(list(zip((0, *cuts), (*cuts, n)))) for cuts in itertools.combinations(range(1, n), 3))
+    assert worst(ranges) == best
+    monkeypatch.setattr(partition, "layer_costs", lambda cfg: [1] * cfg.num_layers)  # every layer the average
+    assert worst(partition.partition_layers(cfg, 4)) > 1.1 * best

@@ -44,7 +44,8 @@ def partition_layers(cfg, pp: int, boundaries: list[int] | None = None,
     """Layer range [start, end) of every model stage (index vstage*pp + pp_rank), pp*virtual_stages of them.
 
     Default: balanced by parameter count, the embedding counted on the first stage and the head on the last
-    (so with a large vocabulary the end stages get fewer layers). `boundaries=[0, 3, 8]` gives stage 0 the layers
+    (so with a large vocabulary the end stages get fewer layers), each layer weighed by its own kinds where they
+    differ (`layer_costs`: hybrid stacks, dense layers among MoE ones). `boundaries=[0, 3, 8]` gives stage 0 the layers
     [0, 3) and stage 1 [3, 8); uneven splits are allowed, empty stages are not."""
     if pp < 1 or virtual_stages < 1:
         raise PartitionError(f"pp and virtual_stages must be >= 1, got pp={pp}, virtual_stages={virtual_stages}")
@@ -58,6 +59,9 @@ def partition_layers(cfg, pp: int, boundaries: list[int] | None = None,
     extra = [0] * stages
     extra[0] += embedding
     extra[-1] += head
+    costs = layer_costs(cfg)
+    if len(set(costs)) > 1:  # layers of different kinds (hybrid, dense-first MoE): weigh each
+        return _contiguous_min_max(costs, extra)
     # Water-filling: every stage starts with one layer; each further layer goes to the stage that would be the
     # cheapest after taking it. With identical layers this minimizes the most expensive stage.
     counts = [1] * stages
@@ -69,6 +73,43 @@ def partition_layers(cfg, pp: int, boundaries: list[int] | None = None,
         out.append((start, start + n))
         start += n
     return out
+
+
+def layer_costs(cfg) -> list[int]:
+    """Each layer's parameters, counted by its own kinds (models/kinds: a Gated DeltaNet layer and an attention
+    layer, a dense MLP and a mixture of experts differ), norms included."""
+    from tpzoo.models.kinds import channel_mixer_kind, token_mixer_kind  # models depend on tpzoo.parallel
+
+    norms = 2 * (int(cfg.pre_norm) + int(cfg.post_norm)) * cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1)
+    return [norms + token_mixer_kind(cfg.token_mixer(i)).num_parameters(cfg, i)
+            + channel_mixer_kind(cfg.channel_mixer(i)).num_parameters(cfg, i) for i in range(cfg.num_layers)]
+
+
+def _contiguous_min_max(costs: list[int], extra: list[int]) -> list[tuple[int, int]]:
+    """Consecutive layer ranges, one or more per stage, whose most expensive stage (its layers plus its `extra`)
+    is as cheap as possible: dynamic programming over (stages, layers), the earliest split among equals."""
+    n, stages = len(costs), len(extra)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][j]: the cheapest most expensive stage of layers [0, j) over stages 0..k; cut[k][j]: stage k's start
+    best = [[inf] * (n + 1) for _ in range(stages)]
+    cut = [[0] * (n + 1) for _ in range(stages)]
+    for j in range(1, n + 1):
+        best[0][j] = prefix[j] + extra[0]
+    for k in range(1, stages):
+        for j in range(k + 1, n + 1):
+            for i in range(k, j):
+                v = max(best[k - 1][i], prefix[j] - prefix[i] + extra[k])
+                if v < best[k][j]:
+                    best[k][j], cut[k][j] = v, i
+    out, end = [], n
+    for k in range(stages - 1, 0, -1):
+        out.append((cut[k][end], end))
+        end = cut[k][end]
+    out.append((0, end))
+    return out[::-1]
 
 
 def model_stages(cfg, pp: int, boundaries: list[int] | None = None, virtual_stages: int = 1) -> list:
