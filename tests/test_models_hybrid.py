@@ -44,6 +44,7 @@ import test_3d_parity as p3
 from checkpoint_helpers import assert_bit_exact, ids, safetensors_dir, write_hf
 from hf_models import HYBRID_KINDS
 from test_eval import _hf_loss
+from test_models_2025 import _config
 
 PROMPT, NEW = 70, 20  # a prompt longer than a chunk and the window, then 20 tokens through the caches
 EVAL_SEQ = 72         # eval windows longer than a chunk
@@ -65,12 +66,6 @@ def cases(tmp_path_factory):
                                  do_sample=False)
         out[kind] = (str(root / kind), str(root / f"{kind}-t2"), gen, _hf_loss(model, tokens, EVAL_SEQ)[0])
     return root, prompt, tokens, out
-
-
-def _config(path):
-    d = json.loads((path / "config.json").read_text())
-    d.pop("transformers_version", None)
-    return d
 
 
 @pytest.mark.parametrize("kind", HYBRID_KINDS)
