@@ -35,7 +35,7 @@ _GROUP_NAMES: dict = {}  # ProcessGroup -> short name, for the collective counte
 
 def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, ep: int = 1, *, device=None,
                   backend: str | None = None, timeout: datetime.timedelta | None = None,
-                  watchdog: bool | None = None) -> ParallelDims:
+                  watchdog: bool | None = None, replicas: int = 1) -> ParallelDims:
     """Create the tp/cp/dp/pp (and with ep > 1 the expert ep/edp) process groups of this rank and choose its device; return them as ParallelDims
     (also the default dims from now on).
 
@@ -44,6 +44,7 @@ def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, 
     `device`: 'auto' (default: cuda:LOCAL_RANK with CUDA, else cpu), 'cpu', 'cuda', 'cuda:N'. `backend`: default
     nccl for CUDA, gloo for CPU (and for GPUs shared by several ranks). The layout is checked before any
     collective is issued. `timeout`: how long a collective waits (default TPZOO_DIST_TIMEOUT, 600 s).
+    `replicas`: split dp into that many replicas of whole model copies (their groups: tpzoo.parallel.dims).
     `watchdog`: name a stalled or dead rank well before that (tpzoo.parallel.watchdog); default on inside the tpzoo
     commands, off otherwise (TPZOO_WATCHDOG=0/1 overrides)."""
     global _DIMS
@@ -54,11 +55,11 @@ def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, 
     owns = False
     if dist.is_initialized():
         world_size, rank = dist.get_world_size(), dist.get_rank()
-        dp = check_layout(world_size, tp, pp, cp, dp, ep)
+        dp = check_layout(world_size, tp, pp, cp, dp, ep, replicas)
     else:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
-        dp = check_layout(world_size, tp, pp, cp, dp, ep)
+        dp = check_layout(world_size, tp, pp, cp, dp, ep, replicas)
         backend = backend or default_backend(device)
         if backend == "nccl" and device.type != "cuda":
             raise ConfigError(f"backend nccl needs a CUDA device, got {device}")
@@ -73,7 +74,7 @@ def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, 
         torch.cuda.set_device(device)
 
     dims = ParallelDims(tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, rank=rank, world_size=world_size, device=device,
-                        owns_default_group=owns)
+                        owns_default_group=owns, replicas=replicas)
     # Every rank must create every group, in the same order (new_group is collective over the world).
     for name, ranks in dims.enumerate_groups():
         group = dist.new_group(ranks=ranks, timeout=timeout) if world_size > 1 else dist.group.WORLD

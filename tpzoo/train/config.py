@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from tpzoo.errors import ConfigError
 
-from .config_values import check_value, range_text, read_toml, suggest
+from .config_values import check_value, parse_link, range_text, read_toml, suggest
 
 # tpzoo.pipeline.SCHEDULES' names, spelled out so that reading a config does not import the pipeline (a test
 # keeps the two equal).
@@ -114,6 +114,30 @@ class ParallelSection:
 
 
 @dataclass
+class ReplicaSection:
+    replicas: int = _f(1, "split the data-parallel ranks into this many replicas of dp/replicas consecutive dp ranks "
+                          "(whole model copies: nodes, clusters) joined by a slow link; inside a replica everything "
+                          "works as without (docs/training.md, 'Training across slow links')", ge=1)
+    sync_every: int = _f(1, "1: every step's gradients summed across the replicas hierarchically (reduce-scatter "
+                            "inside, all-reduce of each shard across, all-gather inside); H > 1: DiLoCo, each "
+                            "replica takes H AdamW steps alone, then their parameter changes are averaged and "
+                            "applied by the outer optimizer", ge=1)
+    sync_fragments: int = _f(1, "Streaming DiLoCo: the layers in F fragments (strided: layer i in fragment i % F), "
+                                "fragment f synced at its own offset of the H steps (at most the layers, at most "
+                                "sync_every)", ge=1)
+    sync_overlap: int = _f(0, "Streaming DiLoCo: start each fragment's exchange this many inner steps before it is "
+                              "applied, overlapped with them (less than sync_every / sync_fragments)", ge=0)
+    sync_dtype: str = _f("fp32", "dtype of the outer gradients sent across replicas (summed in fp32): fp32, bf16, "
+                                 "or fp8 (e4m3 with an fp32 scale per 128 values)", choices=("fp32", "bf16", "fp8"))
+    outer_lr: float = _f(0.7, "DiLoCo's outer learning rate (Nesterov SGD on the averaged parameter change; the "
+                              "paper's 0.7; short runs of small models want less, docs/training.md)", ge=0)
+    outer_momentum: float = _f(0.9, "DiLoCo's outer Nesterov momentum (the paper's 0.9)", ge=0, lt=1)
+    emulate_link: str = _f("", "emulate a slow link between the replicas: GBPS[:LATENCY_MS] (gigabits per second, "
+                               "milliseconds); every collective across replicas then lasts at least its bytes / "
+                               "bandwidth + latency ('' = TPZOO_EMULATE_LINK, else none)")
+
+
+@dataclass
 class DataSection:
     data: list = _f([], "pretrain: text/.jsonl/.parquet files, directories or a token store (default: the "
                         "Python standard library's .py files); sft: one JSONL file", type=str, nonempty=True)
@@ -193,7 +217,8 @@ class LogSection:
     temperature: float = _f(0.8, "sampling temperature of the sample (0 = greedy)", ge=0)
 
 
-SECTIONS = {"run": RunSection, "model": ModelSection, "parallel": ParallelSection, "data": DataSection,
+SECTIONS = {"run": RunSection, "model": ModelSection, "parallel": ParallelSection, "replicas": ReplicaSection,
+            "data": DataSection,
             "lora": LoraSection, "optim": OptimSection, "checkpoint": CheckpointSection, "log": LogSection}
 
 # Where a value came from, for error messages: one text for every key, or a function of the key.
@@ -264,9 +289,14 @@ class TrainConfig:
                 raise ConfigError(f"tp*cp*pp*dp = {self.tp}*{self.cp}*{self.pp}*{self.dp} = {mp * self.dp} does not "
                                   f"equal the world size {world_size} (dp = 0 infers it)")
             dp = world_size // mp
-        if dp % self.ep:
-            raise ConfigError(f"ep={self.ep} does not divide dp={dp} (expert parallelism is carved out of the "
-                              f"data-parallel ranks)")
+        if dp % self.replicas:
+            raise ConfigError(f"replicas={self.replicas} does not divide dp={dp} (a replica is dp/replicas whole "
+                              f"data-parallel ranks; set --dp, or run under torchrun)")
+        if (dp // self.replicas) % self.ep:
+            within = f" / replicas={self.replicas}" if self.replicas > 1 else ""
+            raise ConfigError(f"ep={self.ep} does not divide dp={dp}{within} (expert parallelism is carved out of "
+                              f"the data-parallel ranks{' of one replica' if self.replicas > 1 else ''})")
+        self._validate_sync()
         per_step = self.micro_batch_size * dp
         if self.global_batch_size % per_step:
             raise ConfigError(f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
@@ -303,6 +333,23 @@ class TrainConfig:
             raise ConfigError(f"task 'sft' needs exactly one SFT JSONL file (--data PATH.jsonl), got "
                               f"{len(self.data)}: {self.data}")
         return self
+
+    def _validate_sync(self) -> None:
+        """DiLoCo's schedule: fragments fit the interval, the overlap fits a fragment's share of it."""
+        h, f, t = self.sync_every, self.sync_fragments, self.sync_overlap
+        if f > h:
+            raise ConfigError(f"sync_fragments={f} is more than sync_every={h}: each fragment is synced at its own "
+                              f"step of the {h}-step interval")
+        if t and t >= h // f:
+            raise ConfigError(f"sync_overlap={t} must be less than sync_every / sync_fragments = {h}/{f} (an "
+                              f"exchange must be applied before the next fragment's starts)")
+        if h == 1 and self.sync_dtype != "fp32":
+            raise ConfigError(f"sync_dtype {self.sync_dtype!r} is for DiLoCo's outer gradients (sync_every > 1); "
+                              f"synchronous training sums fp32 gradients")
+        if h > 1 and self.dtype == "fp16":
+            raise ConfigError("--dtype fp16 with sync_every > 1: each replica would scale its loss on its own; use "
+                              "bf16")
+        parse_link(self.emulate_link)
 
     @property
     def zero_level(self) -> int:

@@ -141,6 +141,22 @@ def check_value(name: str, value: Any, t: type, meta) -> Any:
     return value
 
 
+def parse_link(text: str, name: str = "emulate_link") -> tuple[float, float] | None:
+    """'GBPS[:LATENCY_MS]' (gigabits per second, milliseconds) -> (gbps, latency_ms); '' -> None."""
+    text = text.strip()
+    if not text:
+        return None
+    gbps, _, latency = text.partition(":")
+    try:
+        value = (float(gbps), float(latency) if latency else 0.0)
+    except ValueError:
+        value = (math.nan, math.nan)
+    if not (math.isfinite(value[0]) and value[0] > 0 and math.isfinite(value[1]) and value[1] >= 0):
+        raise ConfigError(f"{name}: expected GBPS[:LATENCY_MS] (gigabits per second > 0, milliseconds >= 0; e.g. "
+                          f"0.1:5), got {text!r}")
+    return value
+
+
 def _range_phrase(meta) -> str:
     text = range_text(meta)
     return f"in {text}" if text[0] in "[(" else text

@@ -35,14 +35,14 @@ from tpzoo.parallel.state import get_dims, is_initialized
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward, materialize_chunks
 
 from . import checkpointing as ckpt
-from . import lora_setup
+from . import diloco, diloco_state, lora_setup
 from . import rundir
 from .config import TrainConfig
 from .data import build_datasets, make_loader, resolve_tokenizer
 from .generate import generate
 from .loss_scale import DynamicLossScaler
 from .lr import lr_at
-from .metrics import MetricsLogger, Throughput, format_line, peak_memory_gb
+from .metrics import MetricsLogger, Throughput, format_line, peak_memory_gb, window_means
 from .oom import OOM_ERRORS, out_of_memory
 from .expert_optim import ExpertParallelAdamW
 from .optim import DistributedAdamW
@@ -53,17 +53,21 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) a training run on this rank. Creates the tpzoo process groups unless they exist (then
     their layout must match cfg); returns the same result dict on every rank."""
-    cfg.validate(get_dims().world_size if is_initialized() else None)  # the Python API checks what the CLI does
+    import torch.distributed as dist
+
+    world = get_dims().world_size if is_initialized() else dist.get_world_size() if dist.is_initialized() else None
+    cfg.validate(world)  # the Python API checks what the CLI does
     owns = not is_initialized()
     if owns:
         tpzoo.init_parallel(tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, dp=cfg.dp or None, ep=cfg.ep, device=cfg.device,
-                            timeout=datetime.timedelta(seconds=cfg.dist_timeout))
+                            timeout=datetime.timedelta(seconds=cfg.dist_timeout), replicas=cfg.replicas)
     dims = get_dims()
     try:
-        if (dims.tp, dims.pp, dims.cp, dims.ep) != (cfg.tp, cfg.pp, cfg.cp, cfg.ep) or (cfg.dp and cfg.dp != dims.dp):
-            raise ConfigError(f"config asks for tp={cfg.tp} cp={cfg.cp} pp={cfg.pp} dp={cfg.dp or 'auto'} ep={cfg.ep}, "
-                             f"but the process groups are tp={dims.tp} cp={dims.cp} pp={dims.pp} dp={dims.dp} "
-                             f"ep={dims.ep}")
+        if ((dims.tp, dims.pp, dims.cp, dims.ep, dims.replicas) != (cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.replicas)
+                or (cfg.dp and cfg.dp != dims.dp)):
+            raise ConfigError(f"config asks for tp={cfg.tp} cp={cfg.cp} pp={cfg.pp} dp={cfg.dp or 'auto'} ep={cfg.ep} "
+                             f"replicas={cfg.replicas}, but the process groups are tp={dims.tp} cp={dims.cp} "
+                             f"pp={dims.pp} dp={dims.dp} ep={dims.ep} replicas={dims.replicas}")
         if cfg.device != "auto" and resolve_device(cfg.device) != dims.device:
             raise ConfigError(f"config asks for device {cfg.device}, but the parallel runtime computes on "
                              f"{dims.device}")
@@ -91,6 +95,8 @@ class Trainer:
         try:
             self._setup(cfg, dims)
         except BaseException:
+            if getattr(self, "replica_sync", None) is not None:
+                self.replica_sync.close()
             self.run_dir.release()  # the lock goes with a run that failed to start
             raise
 
@@ -99,7 +105,8 @@ class Trainer:
         self.rank, self.world = dims.rank, dims.world_size
         self.tp_rank, self.pp_rank, self.dp_rank, self.dp = dims.tp_rank, dims.pp_rank, dims.dp_rank, dims.dp
         self.dp_group = dims.dp_group
-        self.grad_group = dims.grad_group  # dp x cp: where token counts and loss sums are summed
+        # dp x cp: where token counts and loss sums are summed (a DiLoCo replica's own: tpzoo.train.diloco)
+        self.grad_group = diloco.loss_group(cfg, dims)
         self.is_main = self.rank == 0
         self.n_micro = micro_batches_per_step(cfg.global_batch_size, cfg.micro_batch_size, self.dp)
         _seed_everything(cfg.seed)
@@ -129,6 +136,8 @@ class Trainer:
         # What every LoRA checkpoint of the run records: the adapter config and the base as it was at the start
         # (fingerprinted once here, not at every save).
         self.lora_meta = lora_metadata(self.lora, self.lora_base) if self.lora else None
+        # this rank's replica's own weights and optimizer state in a DiLoCo checkpoint (else the checkpoint's)
+        own = diloco_state.own_checkpoint(self.resume_dir, self.train_state, cfg, dims)
         self.chunks = build_model_chunks(model_cfg, dims, sequence_parallel=cfg.sequence_parallel,
                                          recompute=cfg.recompute, seed=cfg.seed, virtual_stages=cfg.virtual_stages,
                                          dtype=DTYPES[cfg.dtype] if self.lora else None, device="meta",
@@ -141,9 +150,9 @@ class Trainer:
             raise ConfigError(problem)
         self.fp8_report = enable_fp8(self.chunks, cfg.fp8)
         if self.lora:
-            lora_setup.build(self.chunks, self.device, cfg, self.lora, self.lora_base, self.resume_dir)
+            lora_setup.build(self.chunks, self.device, cfg, self.lora, self.lora_base, own)
         else:
-            weights_from = self.resume_dir or (cfg.base or None)
+            weights_from = own or (cfg.base or None)
             materialize_chunks(self.chunks, self.device, init=not weights_from)
             if weights_from:
                 ckpt.load_weights(self.chunks, weights_from)
@@ -155,7 +164,7 @@ class Trainer:
             model_dtype=DTYPES[cfg.dtype], zero=cfg.zero_level, overlap=cfg.overlap_grad_reduce,
             bucket_elems=cfg.grad_bucket_elems, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
             weight_decay=cfg.weight_decay, modules=self.chunks, keep_gathered=cfg.zero3_gather_per_step,
-            grad_accumulation_fusion=cfg.grad_accumulation_fusion)
+            grad_accumulation_fusion=cfg.grad_accumulation_fusion, **diloco.optimizer_groups(cfg, dims))
 
         self.train_ds, self.eval_ds, self.data_desc = build_datasets(cfg, self.tokenizer)
         self.pin = self.device.type == "cuda"
@@ -164,13 +173,17 @@ class Trainer:
         # fp16: gradients would underflow without a loss scale (bf16 and fp32 have fp32's exponent range)
         self.scaler = DynamicLossScaler() if cfg.dtype == "fp16" else None
         if self.train_state is not None:
-            ckpt.load_optimizer(self.optimizer, self.resume_dir, self.train_state, self.chunks)
+            ckpt.load_optimizer(self.optimizer, own, self.train_state, self.chunks)
             self.loader.load_state_dict(self.train_state["loader"])
             self.start_step = int(self.train_state["step"])
             self.skips = int(self.train_state.get("consecutive_skips", 0))
             if self.scaler is not None and self.train_state.get("loss_scaler"):
                 self.scaler = DynamicLossScaler.from_state(self.train_state["loss_scaler"])
             ckpt.load_rng(self.resume_dir, self.rank, self.world, self.device)
+        # replicas / DiLoCo: the outer optimizer and the cross-replica metrics (None without)
+        self.replica_sync = diloco.ReplicaSync.create(cfg, dims, self.optimizer, self.chunks)
+        if self.train_state is not None:
+            diloco_state.load(self.replica_sync, self.resume_dir, self.train_state, self.chunks)
         if self.start_step > cfg.steps:
             raise ConfigError(f"checkpoint {self.resume_dir} is at step {self.start_step}, past --steps {cfg.steps}")
 
@@ -238,6 +251,8 @@ class Trainer:
             self.optimizer.step(lr, clip / loss_scale)  # unscale and clip in the update's one pass
             if self.scaler:
                 self.scaler.update(False)
+        if self.replica_sync is not None:  # DiLoCo's outer step when due; sync_bytes, sync_s
+            m_sync = self.replica_sync.after_step(step)
         strict.check_all_waited(f"the end of training step {step}")  # strict collective mode; else a no-op
         seconds = time.perf_counter() - t0
         self.throughput.add(self.tokens_per_step, seconds)
@@ -245,6 +260,8 @@ class Trainer:
              "step_time": seconds, "skipped": self.skips if skipped and not overflow else 0}
         if self.scaler:
             m["loss_scale"] = loss_scale
+        if self.replica_sync is not None:
+            m.update(m_sync)
         return m
 
     @torch.no_grad()
@@ -252,9 +269,10 @@ class Trainer:
         """Mean loss over the held-out split's first eval_batches micro-batches per dp rank (None without one): the
         language model's (a mixture of experts' router losses left out, as `tpzoo eval` does)."""
         cfg = self.cfg
-        if self.eval_ds is None or len(self.eval_ds) < cfg.micro_batch_size * self.dp:
+        rank, ranks = diloco.data_rank(cfg, self.dims)  # a DiLoCo replica evaluates the whole held-out set
+        if self.eval_ds is None or len(self.eval_ds) < cfg.micro_batch_size * ranks:
             return None
-        loader = make_loader(self.eval_ds, cfg, self.dp_rank, self.dp, train=False, pin_memory=self.pin)
+        loader = make_loader(self.eval_ds, cfg, rank, ranks, train=False, pin_memory=self.pin)
         batches = [self._to_device(self._local(b)) for _, b in zip(range(cfg.eval_batches), loader)]
         loader.close()
         for c in self.chunks:
@@ -282,6 +300,8 @@ class Trainer:
             + (f" | resumed from {self.resume_dir} at step {self.start_step}" if self.resume_dir else ""))
         if self.fp8_report.line():
             self.logger.print(self.fp8_report.line())
+        if self.replica_sync is not None:
+            self.logger.print(self.replica_sync.describe())
         if cfg.resume and self.resume_dir is None:
             self.logger.print(f"--resume: no checkpoint under {cfg.save!r} yet, starting at step 0")
         history: list[dict] = []
@@ -307,7 +327,7 @@ class Trainer:
                                   f"checkpoint is {ckpt.latest_checkpoint(cfg.save) if cfg.save else None}")
                 break
             if step % cfg.log_interval == 0 or step == cfg.steps:
-                line = dict(m, loss=sum(w["loss"] for w in window) / len(window))
+                line = dict(m, **window_means(window))
                 self.logger.print(format_line(line) + (f" | eval {m['eval_loss']:.4f}"
                                                        if m.get("eval_loss") is not None else ""))
                 window.clear()
@@ -344,6 +364,8 @@ class Trainer:
 
     def close(self) -> None:
         try:
+            if self.replica_sync is not None:
+                self.replica_sync.close()
             self.loader.close()
             self.logger.close()
         finally:

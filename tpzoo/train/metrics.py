@@ -91,9 +91,19 @@ def format_line(m: dict) -> str:
     parts = [f"step {m['step']:>6d}", f"loss {m['loss']:.4f}", f"grad_norm {m['grad_norm']:.3f}",
              f"lr {m['lr']:.2e}", f"tok/s {m['tokens_per_s']:,.0f}", f"TFLOP/s/dev {m['tflops_per_device']:.3f}",
              f"MFU {mfu}", f"mem {m['peak_mem_gb']:.2f}GB", f"data_wait {100 * m['data_wait']:.1f}%"]
+    if "sync_bytes" in m:  # replicas (tpzoo.train.diloco): sent across them by this rank, seconds blocked on it
+        parts.append(f"sync {m['sync_bytes'] / 1e6:.3f} MB {m['sync_s']:.3f}s")
     if m.get("skipped"):
         parts.append(f"SKIPPED({m['skipped']})")
     return " | ".join(parts)
+
+
+WINDOW_MEANS = ("loss", "sync_bytes", "sync_s")
+
+
+def window_means(window: list[dict]) -> dict:
+    """The metrics a log line averages over its interval (the others are the last step's)."""
+    return {k: sum(w[k] for w in window) / len(window) for k in WINDOW_MEANS if k in window[-1]}
 
 
 class MetricsLogger:
