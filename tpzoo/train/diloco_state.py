@@ -75,13 +75,13 @@ def save(trainer, tmp: Path, lora: dict) -> dict | None:
         subs = [_replica_dir(r) for r in range(1, dims.replicas)]
         with opt.weights_readable():
             for r, sub in enumerate(subs, 1):
-                (tmp / sub).mkdir(parents=True)
+                (tmp / sub).mkdir(parents=True, exist_ok=True)
                 save_model_shards(chunks, tmp / sub, trainer.model_cfg, dp_writer=r * per, **lora)
         for kind in opt.state_kinds():
             full = opt.full_state(kind)
             with opt.params_viewing(full):
                 for r, sub in enumerate(subs, 1):
-                    (tmp / sub / "optim" / kind).mkdir(parents=True)
+                    (tmp / sub / "optim" / kind).mkdir(parents=True, exist_ok=True)
                     save_model_shards(chunks, tmp / sub / "optim" / kind, trainer.model_cfg, dp_writer=r * per,
                                       **lora)
         dirs += subs + [f"{sub}/optim/{kind}" for sub in subs for kind in opt.state_kinds()]
@@ -91,7 +91,7 @@ def save(trainer, tmp: Path, lora: dict) -> dict | None:
             continue
         state = sync.global_ if kind == "global" else sync.velocity if kind == "velocity" else _ready_vectors(sync)
         full = _full(sync, state)
-        (tmp / "diloco" / kind).mkdir(parents=True)
+        (tmp / "diloco" / kind).mkdir(parents=True, exist_ok=True)
         with opt.params_viewing(full):
             save_model_shards(chunks, tmp / "diloco" / kind, trainer.model_cfg, **lora)  # replica 0 writes
         dirs.append(f"diloco/{kind}")

@@ -10,7 +10,7 @@ under torchrun, on every rank before the process groups exist: the first rank's 
   - the model config, parsed only (never the weights): the named config, the --base / --resume checkpoint's
     manifest, or a Hugging Face config.json; a corrupt one is named;
   - the layout against the model: tp divides the heads and the FFN, kv heads divide by tp or tp by them,
-    pp * virtual_stages <= layers; learned positions cover seq_len; the tokenizer fits the vocabulary (when its
+    pp * virtual_stages <= layers, Streaming DiLoCo's fragments <= layers; learned positions cover seq_len; the tokenizer fits the vocabulary (when its
     size can be read without loading it);
   - the files: data paths exist, named files are not empty, an SFT file parses and validates record by record
     (file:line), eval's text file is UTF-8 (file and byte offset), the checkpoint to resume parses.
@@ -213,6 +213,9 @@ def check_train(cfg, world_size: int | None = None):
     check_layout(model_cfg, cfg.tp, cfg.pp, cfg.virtual_stages, label, ep=cfg.ep)
     check_context(model_cfg, cfg.tp, cfg.cp, cfg.cp_mode, label)
     check_positions(model_cfg, cfg.seq_len, label)
+    if cfg.sync_fragments > model_cfg.num_layers:  # Streaming DiLoCo's fragments are groups of layers
+        raise ConfigError(f"sync_fragments={cfg.sync_fragments} is more than the {model_cfg.num_layers} layers of "
+                          f"{label}")
     check_tokenizer(tokenizer, model_cfg.vocab_size if what else None, label)
     check_lora(cfg, model_cfg)
     if cfg.task == "sft":
