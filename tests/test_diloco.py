@@ -175,6 +175,15 @@ def test_diloco_equals_plain_torch_reference(store, tmp_path, form):
         assert max(float((other["weights"][0][n] - w0[n]).abs().max()) for n in w0) > 1e-3
 
 
+def test_a_diloco_replica_evaluates_the_synchronous_held_out_set(store):
+    """With lr 0 (weights never change) a DiLoCo run's held-out loss (replica 0's ranks alone) equals the
+    synchronous run's (every dp rank): the same held-out batches, not a replica's share of them."""
+    kw = dict(replicas=2, lr=0.0, min_lr=0.0, steps=2, eval_fraction=0.2, eval_batches=2)
+    sync, dil = run_on_ranks(2, _train_all, [tiny(store, **kw), tiny(store, sync_every=2, **kw)])[0]
+    assert sync[0]["eval_loss"] is not None
+    assert dil[0]["eval_loss"] == pytest.approx(sync[0]["eval_loss"], abs=1e-6, rel=0)
+
+
 # -- synchronous replicas equal flat data parallelism -------------------------------------------------------------
 
 def _train_all(cfgs: list, log_dirs: list | None = None) -> list:
@@ -291,6 +300,16 @@ def test_diloco_under_zero_sends_the_owned_shard(store):
     cfgs = [tiny(store, replicas=2, sync_every=2, steps=4, zero=z) for z in (0, 1, 3)]
     out = run_on_ranks(4, _train_all, cfgs)
     numel = _numel(out[0][0][1])
+    # tpzoo plan's DiLoCo bytes (one replica: dp 2 under ZeRO-1) are what these ranks sent, per sync
+    from tpzoo.models import get_config
+    from tpzoo.plan import ClusterSpec, Layout, TrainingSpec, estimate
+    from tpzoo.plan import replicas as plan
+
+    model = get_config("nano-gpt").replace(vocab_size=259)  # the byte tokenizer's vocabulary
+    training, cluster = TrainingSpec(seq_len=16, global_batch_size=4, zero=1, dtype="fp32"), ClusterSpec(gpus=2)
+    est = estimate(model, Layout(dp=2), cluster, training)
+    planned = plan.diloco(model, est, cluster, training, plan.ReplicaSpec(2, 1.0), 2)
+    assert planned.bytes_per_step * 2 * 2 == 4 * numel  # per step x H, both ranks of the replica = one model
     for z, i in ((0, 0), (1, 1), (3, 2)):
         sent = [_payload(rank[i][2], "all_reduce@cross_replica") for rank in out]
         if z == 0:

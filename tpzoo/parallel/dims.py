@@ -88,7 +88,8 @@ def check_expert_layout(dp: int, cp: int, ep: int, replicas: int = 1) -> None:
         raise ParallelLayoutError(f"replicas={replicas} does not divide dp={dp} (a replica is dp/replicas whole "
                                   f"data-parallel ranks)")
     if (dp * cp // replicas) % ep:
-        within, of = (f" / replicas = {dp * cp // replicas}", " of one replica") if replicas > 1 else (f" = {dp * cp}", "")
+        within, of = ((f" / replicas = {dp * cp // replicas}", " of one replica") if replicas > 1
+                      else (f" = {dp * cp}", ""))
         raise ParallelLayoutError(f"ep={ep} does not divide dp*cp = {dp}*{cp}{within} (expert parallelism is "
                                   f"carved out of the data/context-parallel ranks{of})")
 

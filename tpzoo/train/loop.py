@@ -269,11 +269,11 @@ class Trainer:
         """Mean loss over the held-out split's first eval_batches micro-batches per dp rank (None without one): the
         language model's (a mixture of experts' router losses left out, as `tpzoo eval` does)."""
         cfg = self.cfg
-        rank, ranks = diloco.data_rank(cfg, self.dims)  # a DiLoCo replica evaluates the whole held-out set
+        rank, ranks, count = diloco.eval_share(cfg, self.dims)  # a DiLoCo replica: the whole set, alone
         if self.eval_ds is None or len(self.eval_ds) < cfg.micro_batch_size * ranks:
             return None
         loader = make_loader(self.eval_ds, cfg, rank, ranks, train=False, pin_memory=self.pin)
-        batches = [self._to_device(self._local(b)) for _, b in zip(range(cfg.eval_batches), loader)]
+        batches = [self._to_device(self._local(b)) for _, b in zip(range(count), loader)]
         loader.close()
         for c in self.chunks:
             c.eval()
