@@ -466,7 +466,7 @@ def test_a_rank_killed_mid_sync_loses_nothing(store, tmp_path):
 BAD = [  # (flags, what the one error line says)
     (["--tp", "1", "--dp", "4", "--replicas", "3"], "replicas=3 does not divide dp=4"),
     (["--tp", "1", "--replicas", "2"], "replicas=2 does not divide dp=1"),
-    (["--tp", "1", "--dp", "4", "--replicas", "2", "--ep", "4"], "ep=4 does not divide dp=4 / replicas=2"),
+    (["--tp", "1", "--dp", "4", "--replicas", "2", "--ep", "4"], "ep=4 does not divide dp*cp = 4*1 / replicas = 2"),
     (["--tp", "1", "--sync-every", "2", "--sync-fragments", "3"], "sync_fragments=3 is more than sync_every=2"),
     (["--tp", "1", "--sync-every", "12", "--sync-fragments", "5"], "sync_fragments=5 is more than the 4 layers"),
     (["--tp", "1", "--sync-every", "10", "--sync-fragments", "2", "--sync-overlap", "5"],

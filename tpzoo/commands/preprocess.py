@@ -27,9 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from tqdm import tqdm
-
     from tpzoo.data import default_corpus, iter_documents, load_tokenizer, preprocess
+    from tpzoo.progress import progress_bar
 
     if Path(args.out).exists() and not args.force:
         raise FileExistsError(f"output {args.out} already exists (pass --force to replace it)")
@@ -39,7 +38,7 @@ def run(args) -> int:
               file=sys.stderr)
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(args.tokenizer)
-    bar = tqdm(unit="doc", desc="preprocess", disable=args.quiet, file=sys.stderr, dynamic_ncols=True)
+    bar = progress_bar(not args.quiet, unit="doc", desc="preprocess", file=sys.stderr, dynamic_ncols=True)
     totals = {"tokens": 0}
 
     def on_progress(docs: int, tokens: int) -> None:

@@ -1,6 +1,7 @@
 """All-to-all context parallelism (DeepSpeed-Ulysses), `--cp-mode a2a`: before attention an all-to-all over the cp
 group trades the sequence split for a head split (each rank then holds every token of heads/cp of its heads), the
-attention runs locally on whole sequences, and a second all-to-all trades back. Needs the query heads on a rank
+attention runs locally on whole sequences, and a second all-to-all trades back. Per-head parameters of the attention
+itself (sinks) follow the heads: `local_heads` names the ones `attend` sees. Needs the query heads on a rank
 (after TP) divisible by cp; kv heads that do not divide are expanded to the query heads first.
 
 Volume per layer and rank: forward 4 all-to-alls (q, k, v in; the output back), backward the same 4.
@@ -51,3 +52,12 @@ def ulysses_attention(q, k, v, group, cp: int, attend) -> torch.Tensor:
     q, k, v = (_Exchange.apply(t, group, cp, 1, 2).index_select(2, natural) for t in (q, k, v))
     out = attend(q, k, v)
     return _Exchange.apply(out.index_select(2, order.to(q.device)).contiguous(), group, cp, 2, 1)
+
+
+def local_heads(heads: int, cp: int, cp_rank: int) -> slice:
+    """The query heads (of this rank's `heads`) that `attend` sees on cp rank cp_rank: per-head parameters of the
+    attention itself (gpt-oss's sinks) are sliced with it."""
+    if heads % cp:
+        raise ValueError(f"cp-mode a2a: {heads} query heads per rank are not divisible by cp={cp}")
+    n = heads // cp
+    return slice(cp_rank * n, (cp_rank + 1) * n)

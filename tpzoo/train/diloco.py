@@ -69,13 +69,13 @@ def loss_group(cfg, dims):
     return dims.group("replica_dp") if diloco(cfg) and dims.replicas > 1 else dims.grad_group
 
 
-def eval_share(cfg, dims) -> tuple[int, int, int]:
-    """(rank, ranks, micro-batches per rank) of the held-out batches: under DiLoCo a replica's ranks evaluate, on
-    their own, the batches all the dp ranks evaluate together without it (the same held-out loss to compare)."""
+def eval_share(cfg, dims) -> tuple[int, int]:
+    """(rank, ranks) the held-out sequences are split over (tpzoo.train.heldout): under DiLoCo a replica's own dp
+    ranks evaluate all of them (its model's held-out loss on the set every layout evaluates)."""
     if diloco(cfg) and dims.replicas > 1:
         per = dims.dp // dims.replicas
-        return dims.dp_rank % per, per, cfg.eval_batches * dims.replicas
-    return dims.dp_rank, dims.dp, cfg.eval_batches
+        return dims.dp_rank % per, per
+    return dims.dp_rank, dims.dp
 
 
 # Groups whose ranks may sit in different replicas: what crosses the slow link. Besides cross_replica, the

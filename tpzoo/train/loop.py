@@ -31,7 +31,7 @@ from tpzoo.parallel import ParallelDims, comm, resolve_device, strict, watchdog
 from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.parallel.fp8 import enable_fp8
 from tpzoo.parallel.fp8 import hardware_problem as fp8_hardware_problem
-from tpzoo.parallel.state import get_dims, is_initialized
+from tpzoo.parallel.state import get_dims, is_initialized, job_world_size
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward, materialize_chunks
 
 from . import checkpointing as ckpt
@@ -40,6 +40,7 @@ from . import rundir
 from .config import TrainConfig
 from .data import build_datasets, make_loader, resolve_tokenizer
 from .generate import generate
+from .heldout import heldout_batches
 from .loss_scale import DynamicLossScaler
 from .lr import lr_at
 from .metrics import MetricsLogger, Throughput, format_line, peak_memory_gb, window_means
@@ -53,10 +54,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) a training run on this rank. Creates the tpzoo process groups unless they exist (then
     their layout must match cfg); returns the same result dict on every rank."""
-    import torch.distributed as dist
-
-    world = get_dims().world_size if is_initialized() else dist.get_world_size() if dist.is_initialized() else None
-    cfg.validate(world)  # the Python API checks what the CLI does
+    cfg.validate(get_dims().world_size if is_initialized() else job_world_size())  # the world init_parallel joins
     owns = not is_initialized()
     if owns:
         tpzoo.init_parallel(tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, dp=cfg.dp or None, ep=cfg.ep, device=cfg.device,
@@ -114,6 +112,7 @@ class Trainer:
         self.resume_dir = self.run_dir.resume_from
         if self.resume_dir is not None:
             self.train_state = ckpt.read_train_state(self.resume_dir)
+            ckpt.check_resumable(cfg, self.train_state, self.resume_dir)
             self.tokenizer = ckpt.load_tokenizer_of(self.resume_dir)
             model_cfg = ckpt.model_config_of(self.resume_dir)
         else:
@@ -266,15 +265,15 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean loss over the held-out split's first eval_batches micro-batches per dp rank (None without one): the
-        language model's (a mixture of experts' router losses left out, as `tpzoo eval` does)."""
+        """Mean loss over the held-out split's first eval_batches x micro_batch_size sequences, the same at every
+        layout (tpzoo.train.heldout; None without a held-out split): the language model's (a mixture of experts'
+        router losses left out, as `tpzoo eval` does)."""
         cfg = self.cfg
-        rank, ranks, count = diloco.eval_share(cfg, self.dims)  # a DiLoCo replica: the whole set, alone
-        if self.eval_ds is None or len(self.eval_ds) < cfg.micro_batch_size * ranks:
+        if self.eval_ds is None or len(self.eval_ds) == 0:
             return None
-        loader = make_loader(self.eval_ds, cfg, rank, ranks, train=False, pin_memory=self.pin)
-        batches = [self._to_device(self._local(b)) for _, b in zip(range(count), loader)]
-        loader.close()
+        rank, ranks = diloco.eval_share(cfg, self.dims)  # a DiLoCo replica evaluates the whole set on its own
+        batches = [self._to_device(self._local(b)) for b in
+                   heldout_batches(self.eval_ds, cfg.eval_batches, cfg.micro_batch_size, rank, ranks)]
         for c in self.chunks:
             c.eval()
         out = forward_backward(self.chunks, batches, self.dims, schedule=cfg.schedule, forward_only=True,
@@ -290,7 +289,7 @@ class Trainer:
         cfg = self.cfg
         s = self.dims
         self.logger.print(
-            f"tpzoo {cfg.task}: model {self.model_cfg.name or cfg.model} "
+            f"tpzoo {cfg.task}: {ckpt.model_label(cfg, self.model_cfg, self.resume_dir)} "
             f"({self.model_cfg.num_parameters() / 1e6:.2f}M params, vocab {self.model_cfg.vocab_size}) | "
             f"tp={s.tp} cp={s.cp}{'/' + cfg.cp_mode if s.cp > 1 else ''} pp={s.pp} dp={s.dp}"
             f"{f' ep={s.ep}' if s.ep > 1 else ''} sp={cfg.sequence_parallel} zero={cfg.zero_level} {cfg.dtype} on "
