@@ -23,19 +23,9 @@ from tpzoo.parallel.lora import is_lora_param
 from tpzoo.testing import run_on_ranks
 from tpzoo.train import load_config
 
+from test_train import _cli, _train_capturing_state, store  # noqa: F401 (store: the session's token store)
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="session")
-def store(tmp_path_factory):
-    """A small byte-level token store (a few stdlib modules)."""
-    import sysconfig
-
-    from tpzoo.data import iter_documents, preprocess
-
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    files = [str(lib / f) for f in ("textwrap.py", "shlex.py", "fnmatch.py", "colorsys.py")]
-    return str(preprocess(iter_documents(files), "byte", tmp_path_factory.mktemp("data") / "store").path)
 
 
 def tiny(store, **kw):
@@ -296,8 +286,11 @@ def test_lora_replicas_sync_only_the_adapters(store, tmp_path):
 def test_diloco_under_zero_sends_the_owned_shard(store):
     """DiLoCo at dp 4 as 2 replicas under ZeRO-1 and ZeRO-3: each rank sends its owned segments of the outer
     gradient, so the two ranks of a replica send one model's parameters together per sync (sync_every 2, 4
-    steps: 2 syncs); the runs equal DiLoCo at ZeRO-0 (to 1e-6: the same arithmetic, sharded)."""
+    steps: 2 syncs); the runs equal DiLoCo at ZeRO-0 (to 1e-6: the same arithmetic, sharded). With 2 fragments
+    under ZeRO-1 the first rank of a replica owns none of fragment 1 (layer 1 lies in the other half of the
+    bucket): it sends nothing for it and still joins the weights' all-gather; equal to ZeRO-0's streaming run."""
     cfgs = [tiny(store, replicas=2, sync_every=2, steps=4, zero=z) for z in (0, 1, 3)]
+    cfgs += [tiny(store, replicas=2, sync_every=2, sync_fragments=2, steps=4, zero=z) for z in (0, 1)]
     out = run_on_ranks(4, _train_all, cfgs)
     numel = _numel(out[0][0][1])
     # tpzoo plan's DiLoCo bytes (one replica: dp 2 under ZeRO-1) are what these ranks sent, per sync
@@ -319,6 +312,11 @@ def test_diloco_under_zero_sends_the_owned_shard(store):
         for rank in out:
             assert rank[i][0]["losses"] == pytest.approx(rank[0][0]["losses"], abs=1e-6, rel=0), z
             _close(rank[0][1], rank[i][1], 1e-6, f"zero {z}")
+    calls = [rank[4][2]["all_reduce@cross_replica"]["calls"] for rank in out]
+    assert calls[0] < calls[1] and calls == [calls[0], calls[1]] * 2  # rank 0 skipped fragment 1's exchanges
+    for rank in out:
+        assert rank[4][0]["losses"] == pytest.approx(rank[3][0]["losses"], abs=1e-6, rel=0)
+        _close(rank[3][1], rank[4][1], 1e-6, "streaming, zero 1")
 
 
 # -- checkpoints -----------------------------------------------------------------------------------------------------
@@ -339,30 +337,6 @@ def _state(trainer) -> dict:
         with opt.params_viewing(full):
             out.update({f"{kind}:{n}": p.detach().clone() for c in trainer.chunks for n, p in c.named_parameters()})
     return out
-
-
-def _train_capturing(cfg, at_step: int):
-    """Train; capture _state when step `at_step` is saved (0: when the run starts)."""
-    from tpzoo.train.loop import Trainer, train
-
-    captured, originals = {}, (Trainer.save, Trainer.train_step)
-
-    def save(self, step):
-        path = originals[0](self, step)
-        if step == at_step:
-            captured.update(_state(self))
-        return path
-
-    def train_step(self, step):
-        if at_step == 0 and not captured:
-            captured.update(_state(self))
-        return originals[1](self, step)
-
-    Trainer.save, Trainer.train_step = save, train_step
-    try:
-        return train(cfg), captured
-    finally:
-        Trainer.save, Trainer.train_step = originals
 
 
 RESUME = {"diloco": dict(sync_every=10, save_every=15),
@@ -406,12 +380,13 @@ def test_diloco_checkpoint_resumes_at_another_dp_and_zero_level(store, tmp_path)
     A resume with another schedule is refused in one line."""
     save = str(tmp_path / "run")
     kw = dict(replicas=2, steps=10, sync_every=4, sync_fragments=2, sync_overlap=1, save=save, keep_last=0)
-    (straight, saved), (straight1, saved1) = run_on_ranks(2, _train_capturing, tiny(store, save_every=5, **kw), 5)
+    (straight, saved), (straight1, saved1) = run_on_ranks(2, _train_capturing_state,
+                                                          tiny(store, save_every=5, **kw), 5, _state)
     assert any(saved[k].abs().sum() > 0 for k in saved if k.startswith("ready:"))  # fragment 1 in flight at 5
     # micro-batches of 1 at dp 4 (2 at dp 2): each replica's rows of every step stay the same (tpzoo.data.loader)
-    resumed = run_on_ranks(4, _train_capturing, tiny(store, zero=1, micro_batch_size=1,
-                                                     resume=f"{save}/step_00000005",
-                                                     **{**kw, "save": str(tmp_path / "again")}), 0)
+    resumed = run_on_ranks(4, _train_capturing_state, tiny(store, zero=1, micro_batch_size=1,
+                                                           resume=f"{save}/step_00000005",
+                                                           **{**kw, "save": str(tmp_path / "again")}), 0, _state)
     # ranks 0, 1: replica 0 (rank 0 of the saved run), ranks 2, 3: replica 1; each reports its replica's loss
     for (res, loaded), (run, mine) in zip(resumed, [(straight, saved)] * 2 + [(straight1, saved1)] * 2):
         assert loaded.keys() == mine.keys()
@@ -422,18 +397,6 @@ def test_diloco_checkpoint_resumes_at_another_dp_and_zero_level(store, tmp_path)
     with pytest.raises(Exception, match=r"ConfigError: .* DiLoCo checkpoint taken with sync_every 4 \(now 6\)"):
         run_on_ranks(2, _train, tiny(store, **{**kw, "sync_every": 6, "resume": f"{save}/step_00000005",
                                                "save": str(tmp_path / "third")}))
-
-
-def _cli(args, cwd, env=None):
-    import os
-    import subprocess
-    import sys
-
-    e = dict(os.environ, **(env or {}))
-    e.pop("WORLD_SIZE", None)
-    e.pop("RANK", None)
-    return subprocess.run([sys.executable, "-m", "tpzoo", "pretrain", *args], cwd=cwd, env=e, capture_output=True,
-                          text=True, timeout=600)
 
 
 @pytest.mark.faults

@@ -107,10 +107,6 @@ class Fragment:
     offset: int                                     # applied after the steps t with t % H == offset % H
     runs: list = field(default_factory=list)        # (part, owned start, owned end, flat start)
 
-    @property
-    def numel(self) -> int:
-        return sum(b - a for _, a, b, _ in self.runs)
-
 
 def _fragments(parts, chunks, count: int, every: int) -> list[Fragment]:
     """Every fragment's runs of owned positions (merged where contiguous), over the optimizer parts."""
@@ -137,6 +133,9 @@ class ReplicaSync:
     optimizer's owned segments, fp32) on its fragments' schedule."""
 
     def __init__(self, cfg, dims, optimizer, chunks):
+        if diloco(cfg) and cfg.sync_fragments > chunks[0].cfg.num_layers:  # (preflight says it first)
+            raise ConfigError(f"sync_fragments={cfg.sync_fragments} is more than the model's "
+                              f"{chunks[0].cfg.num_layers} layers")
         self.cfg, self.dims, self.optimizer = cfg, dims, optimizer
         self.parts = getattr(optimizer, "parts", (optimizer,))
         self.every, self.overlap, self.dtype = cfg.sync_every, cfg.sync_overlap, cfg.sync_dtype
@@ -156,9 +155,6 @@ class ReplicaSync:
         self.ready: dict[int, torch.Tensor] = {}  # fragment -> its mean outer gradient, received, not applied
         self.syncs = 0
         if diloco(cfg):
-            layers = chunks[0].cfg.num_layers
-            if cfg.sync_fragments > layers:
-                raise ConfigError(f"sync_fragments={cfg.sync_fragments} is more than the model's {layers} layers")
             self.fragments = _fragments(self.parts, chunks, cfg.sync_fragments, self.every)
             self.global_ = [self._owned_master(i) for i in range(len(self.parts))]
             self.velocity = [torch.zeros_like(g) for g in self.global_]
@@ -218,8 +214,10 @@ class ReplicaSync:
 
     def _start(self, f: Fragment) -> None:
         """The fragment's outer gradient (global minus this replica's parameters, fp32), sent to be averaged."""
-        if not f.runs:  # nothing of it on this rank, nor on its peers across replicas (same coordinates); the
-            self.ready[f.index] = torch.zeros(0)  # apply still publishes (collective inside the replica)
+        if not f.runs:
+            # nothing of it on this rank, nor on its peers across replicas (the same coordinates); its apply still
+            # publishes (collective inside the replica, where other ranks may own some of it)
+            self.ready[f.index] = torch.zeros(0, device=self.dims.device)
             return
         delta = torch.cat(torch._foreach_sub(self._runs(f, self.global_), self._masters(f)))
         ex = Exchange(delta, self.cross, self.dtype)

@@ -132,7 +132,7 @@ def load(sync, resume_dir, train_state: dict, chunks) -> None:
             for f in sync.fragments:
                 if f.index in entry["ready"]:
                     pieces = [owned[i][a:b] for i, a, b, _ in f.runs]
-                    sync.ready[f.index] = torch.cat(pieces) if pieces else torch.zeros(0)
+                    sync.ready[f.index] = torch.cat(pieces) if pieces else torch.zeros(0, device=opt.device)
         else:
             for dst, src in zip(sync.global_ if kind == "global" else sync.velocity, owned):
                 dst.copy_(src)
