@@ -125,8 +125,9 @@ def render(loss: dict, sweep: dict, fast: dict, loads: list[float], argv) -> str
              f"with other jobs (load average {', '.join(f'{x:.0f}' for x in loads)} at the start, after the loss "
              f"runs, at the end). Each run: `{cmd}`: 2 replicas of one rank each, 8 x 128 tokens per step, "
              f"the demo model (tiny-gpt, {loss[('DiLoCo H=10', SEEDS[0])]['bytes_100'] / 40:,.0f} fp32 "
-             f"parameters: 10 syncs of 4 bytes each per 100 steps at H=10). Forms: synchronous `--sync-every 1`; DiLoCo `--sync-every H`; Streaming "
-             f"`--sync-every H --sync-fragments 2 --sync-overlap 1 --sync-dtype bf16`.", "",
+             f"parameters: 10 syncs of 4 bytes each per 100 steps at H=10). Forms: synchronous `--sync-every 1`; "
+             f"DiLoCo `--sync-every H`; Streaming `--sync-every H --sync-fragments 2 --sync-overlap 1 "
+             f"--sync-dtype bf16`.", "",
              "Loss: 300 steps, held-out loss at steps 100 and 300 (ratio to synchronous at the same seed), seeds "
              f"{' / '.join(SEEDS)}; bytes sent across replicas by one rank per 100 steps (sync_bytes).", "",
              "| form | MB / 100 steps | loss @100 | loss @300 |", "|---|---|---|---|"]
@@ -141,25 +142,45 @@ def render(loss: dict, sweep: dict, fast: dict, loads: list[float], argv) -> str
         lines += ["", f"Outer learning rate and momentum, DiLoCo H=10, 300 steps, seed {SEEDS[0]} (held-out loss, "
                       f"ratio to synchronous):", "",
                   "| outer lr | outer momentum | loss @100 | loss @300 |", "|---|---|---|---|"]
-        for (lr, mom), ev in sorted({**sweep, ("0.5", "0.5"): ev0}.items(), key=lambda kv: (-float(kv[0][1]), -float(kv[0][0]))):
+        order = sorted({**sweep, ("0.5", "0.5"): ev0}.items(), key=lambda kv: (-float(kv[0][1]), -float(kv[0][0])))
+        for (lr, mom), ev in order:
             lines.append(f"| {lr} | {mom} | {ev[100]:.3f} ({ratio(ev, SEEDS[0], 100):.3f}) | "
                          f"{ev[300]:.3f} ({ratio(ev, SEEDS[0], 300):.3f}) |")
-    lines += ["", "Speed: tokens/s over steps 11-60 of 60-step runs (median of 2; in brackets the share of the "
+    lines += ["", "Speed: tokens/s over steps 11-60 of 60-step runs, both runs (in brackets the share of the "
                   "step time blocked on the link, sync_s), per emulated link (Gbit/s per rank, + 5 ms; none: "
-                  "no emulation); speed-up: the median ratio to the synchronous run just before it.", "",
-              "| form | " + " | ".join(f"tok/s @{g}" for g in LINKS) + " | speed-up @0.1 | speed-up @1 |",
-              "|---|" + "---|" * (len(LINKS) + 2)]
+                  "no emulation).", "",
+              "| form | " + " | ".join(f"tok/s @{g}" for g in LINKS) + " |", "|---|" + "---|" * len(LINKS)]
+    for name in FORMS:
+        runs = {link: [fast[(name, link, rep)] for rep in range(2)] for link in LINKS}
+        cells = [" / ".join(f"{r['tok_s']:,.0f} ({100 * r['link_share']:.0f}%)" for r in runs[link]) for link in LINKS]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Speed-up over synchronous at each link: measured (the ratio of tokens/s to the synchronous run "
+                  "just before, median of the 2 pairs), and at equal compute (every form does the same work per "
+                  "step; the load drifts between runs: each run's step split into link seconds, sync_s, and the "
+                  "rest, the rest replaced by the median over the forms at that link and pair: (c + link_sync) / "
+                  "(c + link_form)).", "",
+              "| form | " + " | ".join(f"measured @{g} | equal compute @{g}" for g in LINKS[1:]) + " |",
+              "|---|" + "---|" * (2 * len(LINKS) - 2)]
     for name in FORMS:
         cells = []
-        for link in LINKS:
-            runs = [fast[(name, link, rep)] for rep in range(2)]
-            cells.append(f"{_median2([r['tok_s'] for r in runs]):,.0f} "
-                         f"({100 * _median2([r['link_share'] for r in runs]):.0f}%)")
-        ups = [_median2([fast[(name, g, rep)]["tok_s"] / fast[("synchronous", g, rep)]["tok_s"] for rep in range(2)])
-               for g in ("0.1", "1")]
-        ups = [f"{u:.1f}x" for u in ups]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {ups[0]} | {ups[1]} |")
+        for link in LINKS[1:]:
+            measured = _median2([fast[(name, link, rep)]["tok_s"] / fast[("synchronous", link, rep)]["tok_s"]
+                                 for rep in range(2)])
+            equal = _median2([_equal_compute(fast, name, link, rep) for rep in range(2)])
+            cells += [f"{measured:.1f}x", f"{equal:.1f}x"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _split(r: dict) -> tuple[float, float]:
+    """(compute, link) seconds per step of a speed run."""
+    step = TOKENS_PER_STEP / r["tok_s"]
+    return step * (1 - r["link_share"]), step * r["link_share"]
+
+
+def _equal_compute(fast: dict, name: str, link: str, rep: int) -> float:
+    c = statistics.median(_split(fast[(form, link, rep)])[0] for form in FORMS)
+    return (c + _split(fast[("synchronous", link, rep)])[1]) / (c + _split(fast[(name, link, rep)])[1])
 
 
 if __name__ == "__main__":
