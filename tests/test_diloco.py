@@ -230,19 +230,22 @@ def test_synchronous_replicas_equal_flat_and_send_a_shard(store):
     inside each replica: 3 steps equal the flat layout (losses and norms to 1e-6, every weight to 1e-6 of its
     tensor's largest entry), and each rank sends across replicas only its 1/(dp/K) shard of the fp32 gradients
     per step: half the bytes of the flat all-reduce (counted by comm's counters). DiLoCo (sync_every 2) trains at
-    each layout too, and after a sync step both replicas hold the same weights, bit for bit."""
-    cfgs = []
-    for kw in SYNC_LAYOUTS.values():
-        cfgs += [tiny(store, **kw), tiny(store, replicas=2, **kw),
-                 tiny(store, replicas=2, sync_every=2, steps=4, **kw)]
-    out = run_on_ranks(4, _train_all, cfgs)
-    world = {name: [rank[3 * i:3 * i + 3] for rank in out] for i, name in enumerate(SYNC_LAYOUTS)}
+    pp 2 and ep 2 too (ZeRO 0/1/3: test_diloco_under_zero_sends_the_owned_shard), and after a sync step both
+    replicas hold the same weights, bit for bit."""
+    cfgs, diloco_too = [], ("pp2_dp2", "ep2_dp4_zero1")
     for name, kw in SYNC_LAYOUTS.items():
-        per_rank = world[name]
+        cfgs += [tiny(store, **kw), tiny(store, replicas=2, **kw)]
+        cfgs += [tiny(store, replicas=2, sync_every=2, steps=4, **kw)] if name in diloco_too else []
+    out = run_on_ranks(4, _train_all, cfgs)
+    at = 0
+    for name, kw in SYNC_LAYOUTS.items():
+        per_rank = [rank[at:at + 2 + (name in diloco_too)] for rank in out]
+        at += 2 + (name in diloco_too)
         replica_dp = 4 // (kw.get("tp", 1) * kw.get("pp", 1)) // 2
-        for flat, rep, _ in per_rank:
+        for flat, rep, *_ in per_rank:
             _check_sync_pair(flat, rep, name, 3, replica_dp)
-        _check_diloco_trains([r[2] for r in per_rank], _peers(4, **kw), name)
+        if name in diloco_too:
+            _check_diloco_trains([r[2] for r in per_rank], _peers(4, **kw), name)
 
 
 def _check_diloco_trains(runs: list, peers: list, name: str) -> None:
@@ -267,10 +270,11 @@ def test_synchronous_replicas_with_tp2_sp_inside_equal_flat(store):
 def test_lora_replicas_sync_only_the_adapters(store, tmp_path):
     """LoRA inside replicas (dp 4, 2 replicas): synchronous equals flat; DiLoCo trains and sends only the adapters
     (sync_every 2 over 4 steps: 2 syncs of the adapters' fp32 values), the frozen base untouched."""
-    run_on_ranks(1, _train, tiny(store, steps=1, save=str(tmp_path / "base")))
     kw = dict(base=str(tmp_path / "base" / "step_00000001"), lora_rank=4, lr=1e-2)
-    out = run_on_ranks(4, _train_all, [tiny(store, **kw), tiny(store, replicas=2, **kw),
+    out = run_on_ranks(4, _train_all, [tiny(store, steps=1, save=str(tmp_path / "base")),  # the base, first
+                                       tiny(store, **kw), tiny(store, replicas=2, **kw),
                                        tiny(store, replicas=2, sync_every=2, steps=4, **kw)])
+    out = [rank[1:] for rank in out]
     for flat, rep, _ in out:
         _check_sync_pair(flat, rep, "lora_dp4", 3, 2, lora=True)
     runs = [r[2] for r in out]
@@ -521,7 +525,7 @@ def test_the_emulated_link_is_a_lower_bound_that_overlap_hides():
         assert r["sync"] >= floor and r["async"] >= floor, r
         owed = r["sleeps"]
         assert len(owed[0]) == 1 and len(owed[1]) == 1 and owed[2] == [] and owed[3] == [], r
-        assert 0.95 * 2 * floor <= r["blocked"] <= r["total"], r  # (the async one: blocked from its wait)
+        assert 1.5 * floor <= r["blocked"] <= r["total"], r  # (the async one: blocked from its wait on)
 
 
 def test_strict_mode_lets_a_carried_handle_cross_steps_but_not_the_call():
