@@ -71,7 +71,10 @@ class CollectiveCounter:
         return sum(s.calls for s in self.stats.values())
 
     def summary(self) -> dict:
-        return {f"{k}@{g}": vars(s) for (k, g), s in sorted(self.stats.items())}
+        """{"kind@group": calls, elements, payload and sent bytes}: what was sent, comparable between runs (the
+        blocked seconds, a measurement, are in `.stats` / `.get`)."""
+        return {f"{k}@{g}": {f: v for f, v in vars(s).items() if f != "seconds"}
+                for (k, g), s in sorted(self.stats.items())}
 
 
 _COUNTERS: list[CollectiveCounter] = []
