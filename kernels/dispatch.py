@@ -26,7 +26,8 @@ import torch
 from . import autotune
 
 BACKENDS = ("auto", "triton", "torch")
-KERNEL_NAMES = ("rms_norm", "layer_norm", "apply_rotary", "swiglu", "geglu", "bias_gelu", "cross_entropy")
+KERNEL_NAMES = ("rms_norm", "layer_norm", "apply_rotary", "swiglu", "geglu", "bias_gelu", "cross_entropy",
+                "fp8_cast")
 ENV_VAR = "TPZOO_KERNELS"
 
 _overrides: dict[str | None, str] = {}  # use_backend's choices: None -> every kernel, name -> that kernel

@@ -82,7 +82,8 @@ class _GatheredLinear(torch.autograd.Function):
         need_x = input_wanted(ctx)
         need_w = any(w != SKIP for w in ways)
         fp8 = ctx.fp8 if grad_ys[0] is not None and (need_x or ways[0] != SKIP) else None
-        scales = fp8.backward_scales(_flat(grad_ys[0]), weights[0], need_x) if fp8 is not None else None
+        scales = (fp8.backward_scales(_flat(grad_ys[0]), weights[0], ctx.fp8_saved, need_x, ways[0] != SKIP)
+                  if fp8 is not None else None)
         gathering = comm.all_gather_start(x_local, ctx.group, dim=ctx.dim) if need_w else None
         x = scattering = None
         if need_x:
