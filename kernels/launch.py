@@ -98,7 +98,7 @@ VIEWS = frozenset({
 # composite ops that are only a dispatch when nothing needs copying (aten::to of a tensor already in that dtype):
 # what they run inside is counted instead
 _PASS_THROUGH = frozenset({"aten::to", "aten::contiguous", "aten::reshape"})
-LABEL = "tpzoo::"  # a record_function label (as_one_launch): one launch on the GPU, whatever it runs here
+LABELS = ("tpzoo::", "triton::")  # record_function labels (as_one_launch): one launch on the GPU each
 
 
 def as_one_launch(name: str):
@@ -111,17 +111,17 @@ def as_one_launch(name: str):
 
 def count_launches(fn) -> collections.Counter:
     """The launches fn() makes, as a GPU would see them: top-level aten ops (not nested in another aten op or a
-    label), each Triton kernel launched through run() (as triton::<name>; interpreted on CPU, no aten op), each
-    as_one_launch label once; ops that launch nothing (views, allocations, a no-op aten::to) counted together
-    as "views". Collectives are counted by their c10d op names."""
+    label), each Triton kernel launched through run() (as triton::<name>; in the interpreter its own tensor work
+    on the CPU is not counted), each as_one_launch label once, each collective (c10d::<op>) once; ops that launch
+    nothing (views, allocations, an aten::to with nothing to convert) are counted together as "views"."""
     from torch.profiler import ProfilerActivity, profile
 
     out: collections.Counter = collections.Counter()
     plain = run
 
-    def counted(kernel, grid, *a, **kw):
-        out[f"triton::{getattr(kernel, '__name__', kernel)}"] += 1
-        return plain(kernel, grid, *a, **kw)
+    def counted(kernel, grid, *a, **kw):  # labelled: what the interpreter runs on the CPU inside is not counted
+        with as_one_launch(f"triton::{getattr(kernel, '__name__', kernel)}"):
+            return plain(kernel, grid, *a, **kw)
 
     globals()["run"] = counted
     try:
@@ -133,17 +133,19 @@ def count_launches(fn) -> collections.Counter:
         name, parent = e.name, e.cpu_parent
         inside = False
         while parent is not None:  # nested in a counted op or a label: not a launch of its own
-            if parent.name.startswith(LABEL) or (parent.name.startswith("aten::")
+            if parent.name.startswith(LABELS) or (parent.name.startswith("aten::")
                                                  and parent.name not in _PASS_THROUGH):
                 inside = True
                 break
             parent = parent.cpu_parent
         if inside:
             continue
-        if name.startswith(LABEL):
+        if name.startswith(LABELS):
             out[name] += 1
         elif name.startswith("aten::"):
             out["views" if name in VIEWS else name] += 1
+        elif name.startswith("c10d::"):
+            out[name] += 1
     return out
 
 

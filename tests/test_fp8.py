@@ -366,3 +366,115 @@ def test_lora_adapters_train_on_an_fp8_base():
     assert base_kept and all_moved
     assert fp8_losses[-1] < fp8_losses[0] - 0.4, fp8_losses
     assert abs(fp8_losses[-1] - bf16_losses[-1]) < 0.02 * bf16_losses[-1], (fp8_losses[-1], bf16_losses[-1])
+
+
+# -- launches and the weights' casts ------------------------------------------------------------------------------
+
+# Launches of one FP8 linear's micro-batch (a column layer, tp = 1, its weight cached): amax, cast and GEMM per
+# operand, the output gradient cast once in both layouts. The Triton path launches the same (test_kernels.py).
+# Before issue 36 the same forward and backward took 28 and 37 ops (tensorwise), 34 and 68 (rowwise).
+LAUNCH_BUDGET = {"tensorwise": (3, 5), "rowwise": (2, 7)}
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_an_fp8_linear_launches_few_kernels(recipe):
+    """Forward: amax (none where the amax is fused into the row cast), one cast of x, one _scaled_mm.
+    Backward: amax of dy, dy cast in both layouts (tensorwise; rowwise: per token, then per channel with x),
+    x cast transposed, two _scaled_mm. No host arithmetic on scales, no transposes or padding copies; the weight's
+    casts come from the cache (none here). Fails when the count grows."""
+    from fp8_kernel_checks import fp8_linear_launches
+    from tpzoo.kernels.launch import launches
+
+    fwd, bwd, _, casts = fp8_linear_launches(recipe, "torch")
+    assert (sum(fwd.values()), sum(bwd.values())) <= LAUNCH_BUDGET[recipe], (fwd, bwd)
+    assert (launches(fwd), launches(bwd)) == (sum(fwd.values()), sum(bwd.values()))
+    assert casts == (1 if recipe == "tensorwise" else 2)  # from the first micro-batch only
+
+
+CACHE_CFG = get_config("nano-llama").replace(num_layers=2)
+MICRO_BATCHES = 2
+
+
+def _cached_run(layout: dict) -> dict:
+    """Two AdamW steps (DistributedAdamW, fp32) of MICRO_BATCHES micro-batches each, FP8 `layout["recipe"]`, the weights'
+    casts kept or not (`cache`), ZeRO level `zero`, recomputation, LoRA; `stale`: the optimizer's publication
+    hidden from FP8 (the bug caching must not have). Returns the losses, the weights after, and the weight casts."""
+    from tpzoo.train.optim import DistributedAdamW
+
+    dims = tpzoo.init_parallel(dp=layout.get("dp", 1))
+    saved = fp8.weights_changed
+    if layout.get("stale"):
+        fp8.weights_changed = lambda: None
+    try:
+        chunks = build_model_chunks(CACHE_CFG, dims, seed=SEED, recompute=layout.get("recompute", "none"))
+        if layout.get("lora"):
+            _lora(chunks)
+        enable_fp8(chunks, layout["recipe"], cache_weights=layout["cache"])
+        params = [p for c in chunks for p in c.parameters() if p.requires_grad]
+        opt = DistributedAdamW(params, dims, zero=layout.get("zero", 0), modules=chunks, weight_decay=0.1,
+                               keep_gathered=layout.get("keep", False))
+        g = torch.Generator().manual_seed(dims.dp_rank)
+        losses = []
+        for _ in range(2):
+            mbs = [{"input_ids": ids[:, :-1], "labels": ids[:, 1:]} for ids in
+                   (torch.randint(0, CACHE_CFG.vocab_size, (2, 17), generator=g) for _ in range(MICRO_BATCHES))]
+            opt.zero_grad()
+            out = forward_backward(chunks, mbs, dims, loss_scale=1.0 / 64)
+            finalize_grads(chunks, dims)
+            opt.reduce_grads()
+            opt.step(1e-2)
+            losses.append(out["loss_sum"])
+        # a forward after the last step: its casts see the published weights
+        with torch.no_grad():
+            losses.append(float(chunks[0](mbs[0]["input_ids"], labels=mbs[0]["labels"]).sum()))
+        layers = [m.fp8 for c in chunks for m in c.modules() if getattr(m, "fp8", None) is not None]
+        return {"losses": losses, "weights": opt.full_weights().clone(), "layers": len(layers),
+                "casts": sum(f.weight_casts for f in layers)}
+    finally:
+        fp8.weights_changed = saved
+        tpzoo.destroy_parallel()
+
+
+def _cache_layouts(layouts: list[dict]) -> list[dict]:
+    return [_cached_run(layout) for layout in layouts]
+
+
+def test_weights_are_cast_once_per_step_and_again_after_it():
+    """2 micro-batches per step, full recomputation: each FP8 weight is cast once per step (tensorwise: both
+    layouts in one kernel; rowwise: one kernel per scale axis) and once for the forward after the last step (no
+    backward: the forward's layout only), where casting per use takes (forward, recomputation, backward) per
+    micro-batch. Losses and weights equal casting per use bit for bit; with the optimizer's publication hidden,
+    the stale fp8 weights change the second step."""
+    results = {}
+    for recipe in ("tensorwise", "rowwise"):
+        for cache in (True, False):
+            results[recipe, cache] = _cached_run(dict(recipe=recipe, cache=cache, recompute="full"))
+        per_step = 1 if recipe == "tensorwise" else 2
+        on, off = results[recipe, True], results[recipe, False]
+        assert on["layers"] == 4 * CACHE_CFG.num_layers
+        assert on["casts"] == on["layers"] * (2 * per_step + 1)  # 2 steps and the forward after them
+        assert off["casts"] == on["layers"] * (2 * MICRO_BATCHES * 3 + 1)
+        assert on["losses"] == off["losses"] and torch.equal(on["weights"], off["weights"])
+    stale = _cached_run(dict(recipe="tensorwise", cache=True, recompute="full", stale=True))
+    want = results["tensorwise", True]
+    assert stale["losses"][0] == want["losses"][0] and stale["losses"][1] != want["losses"][1]
+    assert stale["casts"] == stale["layers"]  # cast once, never again
+
+
+def test_weight_casts_under_zero_1_2_3_and_lora():
+    """dp = 2 ranks: ZeRO-1 and ZeRO-2 publish by all-gather (no version counter moves: the publication invalidates
+    the casts), ZeRO-3 regathers the layers (cached only with the layers kept gathered for the step: each use
+    casts otherwise), LoRA's frozen base is cast once for the whole run. Cast once per step where cached; losses
+    and weights equal casting per use bit for bit."""
+    layouts = [dict(recipe="tensorwise", dp=2, zero=z, cache=c, keep=z == 3, lora=lora)
+               for z, lora in ((1, False), (3, False), (1, True)) for c in (True, False)]
+    per_rank = run_on_ranks(2, _cache_layouts, layouts)
+    for rank in per_rank:
+        for i in range(0, len(layouts), 2):
+            on, off, layout = rank[i], rank[i + 1], layouts[i]
+            assert on["losses"] == off["losses"] and torch.equal(on["weights"], off["weights"]), layout
+            n = on["layers"]
+            assert on["casts"] == (n if layout["lora"] else 3 * n), (layout, on["casts"])
+            # per use: forward and backward of each micro-batch (the frozen embedding's layer 0 qkv needs no
+            # input gradient under LoRA: no backward cast there), and the last forward
+            assert off["casts"] == n * (2 * MICRO_BATCHES * 2 + 1) - 2 * MICRO_BATCHES * layout["lora"], layout

@@ -107,8 +107,7 @@ def _trial_gemm(rec: "Fp8Recipe", device: torch.device) -> tuple:
     fp8 = Fp8Linear(rec, "column", cache_weights=False)
     x = torch.randn(40, 32, device=device, dtype=torch.bfloat16)
     w = torch.randn(16, 32, device=device, dtype=torch.bfloat16)
-    with torch.enable_grad():
-        y, saved = fp8.forward(x, w)
+    y, saved = fp8.forward(x, w, backward=True)
     dy = torch.randn_like(y)
     scales = fp8.backward_scales(dy, w, saved, True, True)
     out = (y, fp8.input_grad(dy, w, saved, scales), fp8.weight_grad(dy, x, saved, scales, torch.float32))
@@ -197,12 +196,13 @@ class Fp8Linear:
             self._cached = entry if self.cache_weights else None
         return entry
 
-    def forward(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-        """x W^T in x's dtype, and what the backward reuses (the weight's fp8 copies; tensorwise x's amax)."""
+    def forward(self, x: torch.Tensor, w: torch.Tensor, backward: bool = False) -> tuple[torch.Tensor, tuple]:
+        """x W^T in x's dtype, and what the backward reuses (the weight's fp8 copies; tensorwise x's amax).
+        `backward`: a backward will follow (the caller's autograd decides; a Function's forward runs without
+        grad mode), so the input gradient's copy of W is cast now, with the forward's, once for the step."""
         r, red, e = self.recipe, _Reductions(), self._weight(w)
         need_q = e.q is None
-        # a backward will follow: cast the input gradient's copy of W now, once for the step
-        need_t = self.cache_weights and e.qt is None and torch.is_grad_enabled()
+        need_t = self.cache_weights and e.qt is None and backward
         if r.rowwise:  # x per token, W per output channel: over the input features; W per input channel: over out
             ix = red.add(amax(x, 1), self._in_split) if self._in_split is not None else None
             iw = red.add(amax(w, 1), self._in_split) if need_q and self._in_split is not None else None
@@ -288,8 +288,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
     tpzoo.parallel.wgrad does (zero-bubble's phases, gradient-accumulation fusion)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, fp8: Fp8Linear):
-        y, ctx.fp8_saved = fp8.forward(_rows(x), weight)
+    def forward(ctx, x, weight, bias, fp8: Fp8Linear, backward: bool):
+        y, ctx.fp8_saved = fp8.forward(_rows(x), weight, backward)
         ctx.fp8 = fp8
         ctx.save_for_backward(x, weight)
         y = y.view(*x.shape[:-1], weight.shape[0])
@@ -311,7 +311,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             x2 = _rows(x)
             grad_w = weight_grad(ctx, 1, dy2, x2, way_w,
                                  lambda dtype: fp8.weight_grad(dy2, x2, ctx.fp8_saved, scales, dtype))
-        return grad_x, grad_w, bias_grad(ctx, 2, dy2, way_b), None
+        return grad_x, grad_w, bias_grad(ctx, 2, dy2, way_b), None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -319,7 +319,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear, or with `fp8` (a layer's Fp8Linear) its three GEMMs in FP8: the one call the layers make."""
     if fp8 is None:
         return wgrad.linear(x, weight, bias)  # with gradient-accumulation fusion where it applies
-    return _Fp8LinearFunction.apply(x, weight, bias, fp8)
+    backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return _Fp8LinearFunction.apply(x, weight, bias, fp8, backward)
 
 
 # -- switching a model's layers ----------------------------------------------------------------------------------
