@@ -139,7 +139,9 @@ class Trainer:
         problem = fp8_hardware_problem(cfg.fp8, self.device)
         if problem:
             raise ConfigError(problem)
-        self.fp8_report = enable_fp8(self.chunks, cfg.fp8)
+        # the weights' fp8 copies are kept for the step, except under ZeRO-3 gathering each layer per use
+        self.fp8_report = enable_fp8(self.chunks, cfg.fp8,
+                                     cache_weights=cfg.zero_level < 3 or cfg.zero3_gather_per_step)
         if self.lora:
             lora_setup.build(self.chunks, self.device, cfg, self.lora, self.lora_base, self.resume_dir)
         else:
