@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from . import comm
+from .eager import eager
 from .mappings import gather_from_sequence
 from .wgrad import SKIP, bias_grad, grad_phase, input_wanted, route, weight_grad
 from .wgrad import rows as _flat
@@ -113,6 +114,7 @@ class _GatheredLinear(torch.autograd.Function):
         return (grad_x, None, None, None, None, *grads_wb)
 
 
+@eager  # a collective inside (and FP8's Python state): a graph break under torch.compile
 def gathered_linear(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dim: int, group,
                     extra: tuple = (), fp8=None) -> torch.Tensor | tuple:
     """y = all_gather(x_local along `dim`) W^T + b; backward reduce-scatters the input gradient. Saves only

@@ -49,6 +49,7 @@ from tpzoo.errors import brief
 
 from . import comm
 from . import wgrad
+from .eager import eager
 from .fp8_ops import ALIGN, E4M3, E5M2, EPS, amax, cast, cast_rows, scale_of, scaled_mm  # noqa: F401 (re-exported)
 from .wgrad import SKIP, bias_grad, input_wanted, route, weight_grad
 from .wgrad import rows as _rows
@@ -319,6 +320,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear, or with `fp8` (a layer's Fp8Linear) its three GEMMs in FP8: the one call the layers make."""
     if fp8 is None:
         return wgrad.linear(x, weight, bias)  # with gradient-accumulation fusion where it applies
+    return _fp8_linear(x, weight, bias, fp8)
+
+
+@eager
+def _fp8_linear(x, weight, bias, fp8: Fp8Linear):
+    """Never traced by torch.compile (tpzoo.parallel.eager: a graph break): the FP8 GEMMs run their own fused
+    casts, and the weight cache is Python state."""
     backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return _Fp8LinearFunction.apply(x, weight, bias, fp8, backward)
 

@@ -366,6 +366,8 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
                  reserve_bytes: int = 0) -> MemoryBreakdown:
     """Peak memory of one GPU of pipeline stage `stage` (any tp/dp rank: they hold the same sizes)."""
     e, k, p, v, t = training.act_bytes, training.kernels, layout.pp, layout.virtual_stages, layout.tp
+    if training.compile:  # inductor's kernels for the compiled blocks save what the fused kernels do
+        k = "fused"
     fused = training.fused_linear_cross_entropy
     b, s, sp, pad = layout.micro_batch_size, local_seq_len(layout, training), layout.sequence_parallel, \
         training.vocab_padding_multiple
