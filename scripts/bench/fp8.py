@@ -204,7 +204,7 @@ def main(argv=None) -> int:
             f"{', blocks compiled' if args.compile else ''}; {elapsed:.0f} s in all).\n\n"
             + table(results))
     if not cuda:
-        body += ("\n\nOn the CPU FP8 is emulated (the same casts, the GEMM in fp32): it can only be slower; this run "
+        body += ("\n\nOn the CPU FP8 is emulated (the same casts, the GEMM in fp64): it can only be slower; this run "
                  "shows the path works end to end and how far the emulated numerics move the loss. GPU "
                  "(`--device cuda`: llama-3.2-3b and llama-3-8b cut to 8 layers, bf16 weights, 200 steps of 2 x "
                  "2048 tokens; the goal is >= 1.3x bf16 tokens/s with the loss within 1 %): see the GPU section.")
