@@ -5,13 +5,14 @@
 #              torch's cast, an FP8 linear through torch._scaled_mm against the CPU emulation
 #   fp8_8b     FP8 vs bf16, llama-3-8b cut to 8 layers, 200 steps of 2 x 2048: tokens/s, loss, peak memory
 #   gpu_step   the training step, llama-3.2-1b bf16 micro 4 x 2048: tpzoo with and without --compile beside
-#              transformers + torch.compile and + Liger, --profile (each tpzoo variant's split) and --kernels
-#   fp8_3b     FP8 vs bf16, llama-3.2-3b, 30 steps: tokens/s and peak memory
-#   cp_ring, moe, sft_packing   the GPU benchmarks of issues 25 and 28 not measured yet
+#              transformers + torch.compile and + Liger, --profile (each tpzoo variant's split by category)
+#   fp8_3b     FP8 vs bf16, llama-3.2-3b, 20 steps: tokens/s and peak memory, the top kernels of each variant
+#   kernels    gpu_step.py --kernels' table on its own (the Triton kernels at llama-3.2-1b's shapes)
+#   cp_ring, sft_packing, moe   the GPU benchmarks of issues 25 and 28 not measured yet (smaller runs)
 # Each step runs under its own time cap (`timeout`; 560 s together at most), in this order, the most important
-# first; a failing or cut step keeps the others. Everything goes under $OUT: gpu_measure.md (every benchmark's
-# section, ready to merge into docs/benchmarks.md, and a table of the steps), gpu_measure.log (all output),
-# fp8.jsonl (each FP8 case as it finished), env.txt.
+# first; a failing or cut step keeps the others, and the step-time benchmarks append each result to a .jsonl as
+# it finishes. Everything goes under $OUT: gpu_measure.md (every benchmark's section, ready to merge into
+# docs/benchmarks.md, and a table of the steps), gpu_measure.log (all output), fp8.jsonl, gpu_step.jsonl, env.txt.
 #
 #   bash scripts/gpu_measure.sh --fetch-wheels  # here, once per checkout: Liger's wheel into .whl/ (ignored by git);
 #                                               # the device machine reaches no package index
@@ -52,7 +53,7 @@ else
 fi
 mkdir -p "$OUT"
 MD="$OUT/gpu_measure.md" LOG="$OUT/gpu_measure.log"
-rm -f "$MD" "$LOG" "$OUT/fp8.jsonl"
+rm -f "$MD" "$LOG" "$OUT/fp8.jsonl" "$OUT/gpu_step.jsonl"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 STEPS=()
 
@@ -72,32 +73,39 @@ step() {  # step NAME CAP_SECONDS COMMAND...: run it under its cap, log it, note
 
 B=scripts/bench
 ENV_PROBE='import torch, sys, importlib; print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda, "|", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"); [print(m, getattr(importlib.import_module(m), "__version__", "?") if importlib.util.find_spec(m) else "missing") for m in ("triton", "transformers", "liger_kernel", "peft")]'
-step env 20 $PY -c "$ENV_PROBE"
+step env 15 $PY -c "$ENV_PROBE"
 $PY -c "import torch; print(torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')" \
   > "$OUT/env.txt" 2>&1; command -v nvidia-smi >/dev/null && nvidia-smi >> "$OUT/env.txt" 2>&1
 
 if [ "$MODE" = "gpu" ]; then
-  step tests 70 $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py::test_cuda_fp8_casts tests/test_fp8.py -m cuda
-  step fp8_8b 160 $PY $B/fp8.py --device cuda --models llama-3-8b-8l --steps 200 --warmup 10 \
+  step tests 60 $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py::test_cuda_fp8_casts tests/test_fp8.py -m cuda
+  step fp8_8b 150 $PY $B/fp8.py --device cuda --models llama-3-8b-8l --steps 200 --warmup 10 \
     --jsonl "$OUT/fp8.jsonl" --write "$MD" --section fp8_cuda_issue36
-  step gpu_step 140 $PY $B/gpu_step.py --model llama-3.2-1b --micro 4 --seq 2048 --steps 8 --warmup 3 \
-    --impls tpzoo tpzoo-compile hf-bf16 hf-compile hf-liger --profile --kernels --write "$MD" --section gpu_step_cuda
-  step fp8_3b 70 $PY $B/fp8.py --device cuda --models llama-3.2-3b --steps 30 --warmup 10 --profile 12 \
+  step gpu_step 170 $PY $B/gpu_step.py --model llama-3.2-1b --micro 4 --seq 2048 --steps 6 --warmup 3 \
+    --impls tpzoo tpzoo-compile hf-compile hf-liger --profile --jsonl "$OUT/gpu_step.jsonl" --write "$MD" \
+    --section gpu_step_cuda
+  step fp8_3b 50 $PY $B/fp8.py --device cuda --models llama-3.2-3b --steps 20 --warmup 8 --profile 12 \
     --jsonl "$OUT/fp8.jsonl" --write "$MD" --section fp8_cuda_issue36_3b
-  step cp_ring 25 $PY $B/cp_ring.py --device cuda --write "$MD"
-  step moe 50 $PY $B/moe.py --device cuda --write "$MD"
-  step sft_packing 35 $PY $B/sft_packing.py --device cuda --model llama-3.2-1b --seq-len 2048 --dtype bf16 \
-    --micro-batch-size 8 --examples 2000 --steps 10 --write "$MD"
+  # gpu_step.py --kernels, as its own step (llama-3.2-1b's shapes at 8192 tokens): a cut here keeps the table above
+  step kernels 35 $PY $B/kernels.py --no-compile --tokens 8192 --seq 2048 --hidden 2048 --ffn 8192 --heads 32 \
+    --head-dim 64 --vocab-shard 128256
+  step cp_ring 20 $PY $B/cp_ring.py --device cuda --write "$MD"
+  step sft_packing 30 $PY $B/sft_packing.py --device cuda --model llama-3.2-1b --seq-len 2048 --dtype bf16 \
+    --micro-batch-size 8 --examples 600 --steps 6 --write "$MD"
+  step moe 30 $PY $B/moe.py --device cuda --steps 3 --write "$MD"
 else  # the same steps at toy sizes on the CPU
   step tests 120 $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py::test_cuda_fp8_casts tests/test_fp8.py -m cuda
   step fp8_8b 300 $PY $B/fp8.py --steps 6 --warmup 2 --jsonl "$OUT/fp8.jsonl" --write "$MD" --section fp8_cuda_issue36
   step gpu_step 600 $PY $B/gpu_step.py --device cpu --model nano-llama --micro 2 --seq 64 --steps 2 --warmup 1 \
-    --impls tpzoo tpzoo-compile hf-bf16 hf-liger --profile --write "$MD" --section gpu_step_cuda
+    --impls tpzoo tpzoo-compile hf-bf16 hf-liger --profile --jsonl "$OUT/gpu_step.jsonl" --write "$MD" \
+    --section gpu_step_cuda
   step fp8_3b 300 $PY $B/fp8.py --steps 4 --warmup 1 --variants none,rowwise --profile 5 \
     --jsonl "$OUT/fp8.jsonl" --write "$MD" --section fp8_cuda_issue36_3b
+  step kernels 120 env TRITON_INTERPRET=1 $PY $B/kernels.py --no-compile --tokens 64 --seq 16 --hidden 64 --ffn 128 --heads 4 \
+    --head-dim 16 --vocab-shard 256
   step cp_ring 300 $PY $B/cp_ring.py --device cpu --seq 512 --cp 2 --reps 1 --write "$MD"
-  step moe 300 $PY $B/moe.py --device cpu --steps 2 --write "$MD"
   step sft_packing 300 $PY $B/sft_packing.py --device cpu --examples 40 --steps 2 --seq-len 64 --write "$MD"
+  step moe 300 $PY $B/moe.py --device cpu --steps 2 --write "$MD"
 fi
 
 {

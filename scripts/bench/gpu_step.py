@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import json
 import math
 import os
 import statistics
@@ -269,6 +270,7 @@ def main(argv=None) -> None:
     p.add_argument("--kernels", action="store_true", help="also run scripts/bench/kernels.py at these shapes")
     p.add_argument("--write", metavar="MD", help="write the report into this markdown file (section gpu_step)")
     p.add_argument("--section", default="gpu_step", help="the markdown section's name (default gpu_step)")
+    p.add_argument("--jsonl", help="append each implementation's result to this file as it finishes")
     args = p.parse_args(argv)
     from tpzoo.models import get_config
 
@@ -281,6 +283,9 @@ def main(argv=None) -> None:
     rows = []
     for impl in sorted(args.impls, key=IMPLS.index):  # Liger last: it patches transformers for the process
         r = run(impl, cfg, args, device)
+        if args.jsonl:  # as each finishes: a run cut short keeps what it measured
+            with open(args.jsonl, "a") as f:
+                f.write(json.dumps({k: v for k, v in r.items() if k != "profile"} | {"model": cfg.name}) + "\n")
         print(f"{impl}: " + (r["skipped"] if "skipped" in r else f"{r['tokens_per_s']:,.0f} tokens/s, "
                              f"loss {r['loss']:.3f}"), file=sys.stderr, flush=True)
         rows.append(r)
