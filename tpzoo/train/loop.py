@@ -15,6 +15,7 @@ global values); `max_skips` in a row stop the run without saving, so the last go
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import random
@@ -38,6 +39,8 @@ from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward,
 from . import checkpointing as ckpt
 from . import lora_setup
 from . import rundir
+from .compile import compile_blocks, compile_report, graph_breaks
+from .compile import eager as compile_eager
 from .config import TrainConfig
 from .data import build_datasets, make_loader, resolve_tokenizer
 from .generate import generate
@@ -145,7 +148,9 @@ class Trainer:
         problem = fp8_hardware_problem(cfg.fp8, self.device)
         if problem:
             raise ConfigError(problem)
-        self.fp8_report = enable_fp8(self.chunks, cfg.fp8)
+        # the weights' fp8 copies are kept for the step, except under ZeRO-3 gathering each layer per use
+        self.fp8_report = enable_fp8(self.chunks, cfg.fp8,
+                                     cache_weights=cfg.zero_level < 3 or cfg.zero3_gather_per_step)
         if self.lora:
             lora_setup.build(self.chunks, self.device, cfg, self.lora, self.lora_base, self.resume_dir)
         else:
@@ -153,6 +158,8 @@ class Trainer:
             materialize_chunks(self.chunks, self.device, init=not weights_from)
             if weights_from:
                 ckpt.load_weights(self.chunks, weights_from)
+        # Regional torch.compile (tpzoo.train.compile): each block, in place, once its weights are in place
+        self.compiled_blocks = compile_blocks(self.chunks) if cfg.compile else 0
         # Expert weights under ep > 1 reduce over their own group: a second AdamW (tpzoo.train.expert_optim).
         trainable = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
         experts = dims.ep > 1 and any(getattr(p, "expert_parallel", False) for p in trainable)
@@ -302,6 +309,8 @@ class Trainer:
                 m = self.train_step(step)
             except OOM_ERRORS as e:  # one line: the step, the peak, the plan's estimate, the flags that lower it
                 raise out_of_memory(e, step, cfg, self.model_cfg, self.dims) from e
+            if self.compiled_blocks and step == self.start_step + 1:  # the step that compiled: said once
+                self.logger.print(compile_report(self.compiled_blocks, m["step_time"]))
             window.append(m)
             m.update(self.throughput.summary(), peak_mem_gb=peak_memory_gb(self.device),
                      data_wait=self.loader.wait_fraction)
@@ -331,7 +340,9 @@ class Trainer:
                   "lrs": [m["lr"] for m in history], "eval_loss": eval_loss, "checkpoint": saved,
                   "tokens_per_s": history[-1]["tokens_per_s"] if history else None, "sample": None,
                   "fp8": {"recipe": self.fp8_report.recipe, "layers": len(self.fp8_report.fp8_layers),
-                          "fallbacks": [name for name, _, _ in self.fp8_report.fallbacks]}}
+                          "fallbacks": [name for name, _, _ in self.fp8_report.fallbacks]},
+                  "compile": {"blocks": self.compiled_blocks,
+                              "graph_breaks": dict(graph_breaks()) if self.compiled_blocks else {}}}
         if history:
             self.logger.print(f"loss: first {history[0]['loss']:.4f} (step {history[0]['step']}) -> last "
                               f"{history[-1]['loss']:.4f} (step {history[-1]['step']})")
@@ -340,8 +351,9 @@ class Trainer:
         if status == "ok" and cfg.sample_prompt and cfg.sample_tokens > 0 and self.dims.cp > 1:
             self.logger.print("sample skipped: generation runs at cp=1 (tpzoo generate on the checkpoint)")
         elif status == "ok" and cfg.sample_prompt and cfg.sample_tokens > 0:
-            text = generate(self.chunks, self.dims, self.tokenizer, cfg.sample_prompt, cfg.sample_tokens,
-                            temperature=cfg.temperature, seed=cfg.seed, max_context=cfg.seq_len)
+            with compile_eager() if self.compiled_blocks else contextlib.nullcontext():  # a growing KV cache
+                text = generate(self.chunks, self.dims, self.tokenizer, cfg.sample_prompt, cfg.sample_tokens,
+                                temperature=cfg.temperature, seed=cfg.seed, max_context=cfg.seq_len)
             result["sample"] = cfg.sample_prompt + text
             self.logger.print(f"sample ({'greedy' if cfg.temperature <= 0 else f'T={cfg.temperature}'}):\n"
                               f"{'-' * 60}\n{cfg.sample_prompt}{text}\n{'-' * 60}")
