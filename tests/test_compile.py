@@ -46,13 +46,13 @@ def test_compiled_blocks_train_as_eager_at_tp2_sp_with_fp8_and_recomputation(sto
 
 
 def _lora_fp8_model(compiled: bool):
-    from tpzoo.models import Transformer, get_config
+    from tpzoo.models import Transformer, apply_recompute, get_config
     from tpzoo.models.lora import LoRAConfig, add_lora, init_lora
     from tpzoo.parallel.fp8 import enable_fp8
     from tpzoo.train.compile import compile_blocks
 
     cfg = get_config("nano-llama")
-    model = Transformer(cfg, seed=3, recompute="selective")
+    model = apply_recompute(Transformer(cfg, seed=3), "selective")
     add_lora([model], LoRAConfig(rank=4, alpha=8.0, dropout=0.0, targets=["all-linear"]))
     init_lora([model], 3)
     g = torch.Generator().manual_seed(4)
@@ -66,13 +66,15 @@ def _lora_fp8_model(compiled: bool):
 
 def _adapter_steps(model) -> tuple[list, dict]:
     """Two forward + backward passes of the adapters with an SGD step between (the frozen FP8 base cast once)."""
+    from tpzoo.models import Inputs
+
     ids = torch.randint(0, model.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5))
     adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.SGD(adapters.values(), lr=0.1)
     losses = []
     for _ in range(2):
         opt.zero_grad()
-        loss = model(ids, labels=torch.roll(ids, -1, 1)).mean()
+        loss = model(Inputs(ids, labels=torch.roll(ids, -1, 1))).mean()
         loss.backward()
         losses.append(loss.item())
         grads = {n: p.grad.clone() for n, p in adapters.items()}

@@ -427,7 +427,7 @@ def _cached_run(layout: dict) -> dict:
             losses.append(out["loss_sum"])
         # a forward after the last step: its casts see the published weights
         with torch.no_grad():
-            losses.append(float(chunks[0](mbs[0]["input_ids"], labels=mbs[0]["labels"]).sum()))
+            losses.append(float(chunks[0](Inputs(mbs[0]["input_ids"], labels=mbs[0]["labels"])).sum()))
         layers = [m.fp8 for c in chunks for m in c.modules() if getattr(m, "fp8", None) is not None]
         return {"losses": losses, "weights": opt.full_weights().clone(), "layers": len(layers),
                 "casts": sum(f.weight_casts for f in layers)}
