@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from tpzoo.errors import brief
 
-from .qk_norm import softcapped_attention
+from .kinds.attention_extras import softcapped_attention
 from .sinks import sink_attention
 
 _FLEX: dict = {}  # lazily: compiled (CUDA) -> flex_attention, compiled or eager

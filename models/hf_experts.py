@@ -1,7 +1,7 @@
 """Hugging Face expert tensor layouts that differ from tpzoo's, converted both ways (pure tensor functions, for a
 family's HF mapping; nothing crosses ranks, nothing is cached).
 
-tpzoo's experts (models/experts.py, models/moe.py) keep nn.Linear's layout with gate|up fused in halves:
+tpzoo's experts (models/kinds/experts.py, models/kinds/moe.py) keep nn.Linear's layout with gate|up fused in halves:
     gate_up [E, 2f, h] (rows 0..f-1 the gate, f..2f-1 up), down [E, h, f], gate_up_bias [E, 2f], down_bias [E, h].
 gpt-oss's checkpoints (transformers' GptOssExperts) keep x @ W's layout with gate and up *interleaved*:
     gate_up_proj [E, h, 2f] (column 2j the gate of unit j, 2j + 1 its up), gate_up_proj_bias [E, 2f] (same

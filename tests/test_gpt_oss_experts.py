@@ -1,4 +1,4 @@
-"""gpt-oss's experts through tpzoo's expert_mlp (models/experts.py) against transformers' GptOssExperts, fp32:
+"""gpt-oss's experts through tpzoo's expert_mlp (models/kinds/experts.py) against transformers' GptOssExperts, fp32:
 HF's interleaved gate_up_proj converted to tpzoo's fused gate|up halves (models/hf_experts.py), expert biases,
 the clamped SwiGLU (alpha 1.702, limit 7.0, (up + 1) * glu; inputs large enough that both clamps bind), routed by
 HF's own router: the loop and the grouped paths give HF's output, and the grouped path's gradients equal the
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tpzoo
-from tpzoo.models.experts import clamped_swiglu, expert_mlp
+from tpzoo.models.kinds.experts import clamped_swiglu, expert_mlp
 from tpzoo.models.hf_experts import dequantize_mxfp4, gpt_oss_experts_from_hf, gpt_oss_experts_to_hf
 from tpzoo.parallel import ShardSpec, reduce_from_tp, shard
 from tpzoo.testing import run_on_ranks

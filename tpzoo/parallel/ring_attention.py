@@ -21,7 +21,7 @@ Analytical volume per layer and rank (counted by tpzoo.parallel.comm under "send
     backward N-1 sends of K|V and N sends of dK|dV (same elements, fp32 or wider).
 
 Grouped-query attention: K/V travel with their kv heads only and are expanded to the query heads per block; the
-gradients of the expanded heads are summed back. (Under TP, ParallelAttention already holds the kv heads its query
+gradients of the expanded heads are summed back. (Under TP, the attention token mixer already holds the kv heads its query
 heads use, replicated or split.) Sliding windows mask by global position. Packed documents (`doc_ids` [b, S] of the
 whole padded sequence, natural order, held by every rank): each block also masks the query/key pairs of different
 documents (every rank picks its queries' and the block owner's ids from the whole sequence's: nothing more
@@ -38,7 +38,7 @@ classified from its positions alone (`block_visibility`, host integers, no devic
 kernel without a mask), causal by local index (the diagonal block; the kernel's own causal mask), no pair visible
 (a sliding window that ends before the block: skipped, its K/V passed on), or cut by a sliding window (torch math
 with the explicit mask: a window that binds inside a block is the one case without a fused kernel). Soft-capped
-scores (Gemma 2) are refused by the caller (models/blocks.py: --cp-mode a2a).
+scores (Gemma 2) are refused by the caller (models/kinds/attention_core.py: --cp-mode a2a).
 
 Attention sinks (gpt-oss: one learned logit per head that joins every row's softmax with no value): once the
 ring has merged every block, the sink merges as one more block whose output is zero and whose log-sum-exp is the

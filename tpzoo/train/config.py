@@ -107,6 +107,9 @@ class ParallelSection:
     grad_accumulation_fusion: bool = _f(True, "the linear layers accumulate their weight gradients straight into "
                                               "the fp32 main gradients in the backward matmul (no 16-bit .grad, no "
                                               "separate add; Megatron's gradient_accumulation_fusion)")
+    compile: bool = _f(False, "regional torch.compile: each transformer block compiled on its own (graph breaks "
+                              "only at the TP collectives and FP8 projections; the first step compiles, reported "
+                              "once; not with --zero 3; docs/training.md)")
     device: str = _f("auto", "where each rank computes: auto (cuda:LOCAL_RANK when CUDA is available, else cpu), "
                              "cpu, cuda or cuda:N", nonempty=True)
     dist_timeout: float = _f(600.0, "seconds a rank may wait on another (a collective, a stalled or dead rank) before "
@@ -317,6 +320,9 @@ class TrainConfig:
         if self.zero_level == 3 and self.ep > 1:
             raise ConfigError(f"--zero 3 with ep={self.ep}: sharding the expert weights over their own group is not "
                               f"implemented; use --zero 2 (or ep=1)")
+        if self.compile and self.zero_level == 3:
+            raise ConfigError("--compile with --zero 3: the per-layer gathers (hooks on the compiled blocks) are not "
+                              "composed with compilation; use --zero 2")
         if self.zero3_gather_per_step and self.zero_level != 3:
             raise ConfigError(f"zero3_gather_per_step needs --zero 3 (zero = {self.zero_level})")
         if self.task == "sft" and self.document_masking:

@@ -227,7 +227,7 @@ def check_train(cfg, world_size: int | None = None):
 def check_lora(cfg, model_cfg) -> None:
     """LoRA settings against the model: the adapter config (--lora-from's or the flags'), its targets, its base
     (a resumed LoRA run's must be there, unchanged)."""
-    from tpzoo.models import Transformer
+    from tpzoo.models import ModelLayout, Transformer
     from tpzoo.models.lora import check_targets
     from tpzoo.parallel import ParallelDims
 
@@ -237,7 +237,7 @@ def check_lora(cfg, model_cfg) -> None:
     resume = resolve_resume(cfg, say=lambda *_: None) if cfg.resume else None
     lcfg, _ = lora_of_run(cfg, resume)
     if lcfg is not None:
-        check_targets(Transformer(model_cfg, dims=ParallelDims.for_rank(), device="meta"), lcfg)
+        check_targets(Transformer(model_cfg, ModelLayout(ParallelDims.for_rank(), device="meta")), lcfg)
 
 
 # -- eval and generate -------------------------------------------------------------------------------------------
