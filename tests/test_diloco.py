@@ -70,7 +70,7 @@ def reference_diloco(cfg, replicas: int) -> dict:
     earlier, cast to the sync dtype per replica and summed in fp32 in replica order; every replica then holds
     the new global values of the fragment."""
     from tpzoo.data import IGNORE_INDEX
-    from tpzoo.models import Transformer
+    from tpzoo.models import Inputs, Transformer
     from tpzoo.train.checkpointing import resolve_model_config
     from tpzoo.train.data import build_datasets, make_loader, resolve_tokenizer
     from tpzoo.train.lr import lr_at
@@ -100,10 +100,10 @@ def reference_diloco(cfg, replicas: int) -> dict:
         for r, (m, opt) in enumerate(zip(models, inner)):
             batches = [next(loaders[r]) for _ in range(n_micro)]
             tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
-            loss = sum(m(b["input_ids"], labels=b["labels"]).sum() for b in batches) / tokens
+            loss = sum(m(Inputs(b["input_ids"], labels=b["labels"])).sum() for b in batches) / tokens
             loss.backward()
             if r == 0:
-                losses.append(float(loss))
+                losses.append(float(loss.detach()))
             for g in opt.param_groups:
                 g["lr"] = lr
             opt.step()
