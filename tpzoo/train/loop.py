@@ -38,11 +38,11 @@ from . import checkpointing as ckpt
 from . import lora_setup
 from . import rundir
 from .config import TrainConfig
-from .data import build_datasets, make_loader, resolve_tokenizer
+from .data import build_datasets, data_metrics, held_out_losses, make_loader, resolve_tokenizer
 from .generate import generate
 from .loss_scale import DynamicLossScaler
 from .lr import lr_at
-from .metrics import MetricsLogger, Throughput, format_line, peak_memory_gb
+from .metrics import MetricsLogger, Throughput, eval_text, format_line, peak_memory_gb
 from .oom import OOM_ERRORS, out_of_memory
 from .expert_optim import ExpertParallelAdamW
 from .optim import DistributedAdamW
@@ -248,13 +248,14 @@ class Trainer:
         return m
 
     @torch.no_grad()
-    def evaluate(self) -> float | None:
-        """Mean loss over the held-out split's first eval_batches micro-batches per dp rank (None without one): the
-        language model's (a mixture of experts' router losses left out, as `tpzoo eval` does)."""
+    def evaluate(self, dataset=None) -> float | None:
+        """Mean loss over the held-out split's (or `dataset`'s) first eval_batches micro-batches per dp rank (None
+        without one): the language model's (a mixture of experts' router losses left out, as `tpzoo eval` does)."""
         cfg = self.cfg
-        if self.eval_ds is None or len(self.eval_ds) < cfg.micro_batch_size * self.dp:
+        dataset = self.eval_ds if dataset is None else dataset
+        if dataset is None or len(dataset) < cfg.micro_batch_size * self.dp:
             return None
-        loader = make_loader(self.eval_ds, cfg, self.dp_rank, self.dp, train=False, pin_memory=self.pin)
+        loader = make_loader(dataset, cfg, self.dp_rank, self.dp, train=False, pin_memory=self.pin)
         batches = [self._to_device(self._local(b)) for _, b in zip(range(cfg.eval_batches), loader)]
         loader.close()
         for c in self.chunks:
@@ -296,9 +297,10 @@ class Trainer:
                 raise out_of_memory(e, step, cfg, self.model_cfg, self.dims) from e
             window.append(m)
             m.update(self.throughput.summary(), peak_mem_gb=peak_memory_gb(self.device),
-                     data_wait=self.loader.wait_fraction)
+                     data_wait=self.loader.wait_fraction, **data_metrics(self.loader, cfg.seq_len))
             if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
-                m["eval_loss"] = eval_loss = self.evaluate()  # None without a held-out split
+                m.update(held_out_losses(self))  # eval_loss (None without a held-out split), a mixture's per source
+                eval_loss = m["eval_loss"]
             history.append(m)
             self.logger.step(m)
             if self.skips >= cfg.max_skips:
@@ -308,8 +310,7 @@ class Trainer:
                 break
             if step % cfg.log_interval == 0 or step == cfg.steps:
                 line = dict(m, loss=sum(w["loss"] for w in window) / len(window))
-                self.logger.print(format_line(line) + (f" | eval {m['eval_loss']:.4f}"
-                                                       if m.get("eval_loss") is not None else ""))
+                self.logger.print(format_line(line) + eval_text(m))
                 window.clear()
                 self.throughput.reset()
                 self.loader.reset_wait_stats()
