@@ -73,5 +73,5 @@ def run(args) -> int:
     seconds = time.perf_counter() - t0
     nbytes = store.num_tokens * store.dtype.itemsize
     print(f"preprocess: {store.num_docs} docs, {store.num_tokens} tokens, {nbytes} bytes ({store.dtype.name}), "
-          f"{seconds:.2f} s -> {store.path}{'.bin/.idx' if args.format == 'megatron' else ''}")
+          f"{seconds:.2f} s -> {store.path}{' (.bin + .idx)' if args.format == 'megatron' else ''}")
     return 0
