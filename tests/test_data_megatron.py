@@ -156,14 +156,10 @@ def megatron_core():
 
 
 def test_megatron_core_reads_what_tpzoo_writes(tmp_path, megatron_core):
-    """`tpzoo preprocess --format megatron` (2 workers) opens with IndexedDataset, every document's tokens equal;
-    a vocabulary past 65500 gives int32 tokens, as Megatron's preprocessing writes them."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    r = subprocess.run([sys.executable, "-m", "tpzoo", "preprocess", "--data", str(FIXTURES / "docs.jsonl"),
-                        "--tokenizer", "byte", "--format", "megatron", "--out", str(tmp_path / "docs_text_document"),
-                        "--workers", "2", "--quiet"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    """What `preprocess --format megatron` writes (2 workers; the command itself: test_data_preprocess.py) opens
+    with IndexedDataset, every document's tokens equal; a vocabulary past 65500 gives int32 tokens, as Megatron's
+    preprocessing writes them."""
+    preprocess(DOCS, "byte", tmp_path / "docs_text_document", format="megatron", workers=2, batch_docs=3)
     ds = megatron_core.IndexedDataset(str(tmp_path / "docs_text_document"))
     assert len(ds) == len(DOCS) and ds.index.dtype == np.uint16
     assert ds.document_indices.tolist() == list(range(len(DOCS) + 1))

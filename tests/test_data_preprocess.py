@@ -44,18 +44,21 @@ def test_workers_write_the_same_bytes_as_one(tmp_path, bpe):
 
 
 def test_the_command_with_two_workers_equals_one_in_process(tmp_path, bpe):
+    """`tpzoo preprocess --format megatron --workers 2` as typed, against one worker in process."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(0, len(TEXTS), 50):
         (corpus / f"part{i:03d}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[i:i + 50]))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     r = subprocess.run([sys.executable, "-m", "tpzoo", "preprocess", "--data", str(corpus), "--tokenizer", bpe,
-                        "--out", str(tmp_path / "two"), "--workers", "2"], capture_output=True, text=True,
-                       env=env, cwd=ROOT, timeout=300)
+                        "--format", "megatron", "--out", str(tmp_path / "two"), "--workers", "2"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "preprocess (2 workers)" in r.stderr and "tok/s" in r.stderr  # the bar counts tokens
-    preprocess(iter_documents(corpus), bpe, tmp_path / "one", workers=1, sources=[str(corpus)])
-    assert files_of(tmp_path / "two") == files_of(tmp_path / "one")
+    assert r.stdout.strip().endswith(f"-> {tmp_path / 'two'} (.bin + .idx)")
+    preprocess(iter_documents(corpus), bpe, tmp_path / "one", workers=1, format="megatron")
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"two{ext}").read_bytes() == (tmp_path / f"one{ext}").read_bytes()
 
 
 class Interrupt(KeyboardInterrupt):

@@ -113,10 +113,11 @@ def bench_loader(args, store_path: Path) -> dict:
     packed = PackedDataset(TokenStore(store_path), args.seq_len, respect_doc_boundaries=True)
     n = len(packed)
     thirds = [Window(packed, i * n // 3, (i + 1) * n // 3) for i in range(3)]
+    rank = dict(dp_rank=0, dp_size=lay.dp, prefetch=0, seed=0)  # rank 0 of the layout's data-parallel group
     loaders = {
-        "one corpus": ResumableLoader(packed, lay.micro_batch_size, prefetch=0, seed=0),
+        "one corpus": ResumableLoader(packed, lay.micro_batch_size, **rank),
         "mixture 0.6/0.3/0.1": MixtureLoader(parse_mixture(["0.6", "a", "0.3", "b", "0.1", "c"]), thirds,
-                                             lay.micro_batch_size, prefetch=0, seed=0),
+                                             lay.micro_batch_size, **rank),
     }
     rates = {}
     for name, loader in loaders.items():

@@ -26,9 +26,8 @@ from .token_store import TokenStore, is_token_store, open_store
 from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
 
 __all__ = ["Blend", "ByteTokenizer", "HFTokenizer", "IGNORE_INDEX", "MegatronStore", "MixtureLoader",
-           "MixtureSource", "PackedDataset", "PackedSFTDataset", "PaddedSFTDataset",
-           "ResumableLoader", "SFTDatasets", "SourceError", "TokenStore", "build_sft_dataset", "build_sft_datasets",
-           "collate_long", "default_corpus", "default_workers", "encode_sft_example", "expand_paths", "is_token_store", "iter_documents",
-           "load_sft_records", "load_tokenizer", "micro_batches_per_step", "open_store", "packed_loader",
-           "parse_mixture", "preprocess",
-           "single_documents_dropped", "split_records", "train_bpe"]
+           "MixtureSource", "PackedDataset", "PackedSFTDataset", "PaddedSFTDataset", "ResumableLoader",
+           "SFTDatasets", "SourceError", "TokenStore", "build_sft_dataset", "build_sft_datasets", "collate_long",
+           "default_corpus", "default_workers", "encode_sft_example", "expand_paths", "is_token_store",
+           "iter_documents", "load_sft_records", "load_tokenizer", "micro_batches_per_step", "open_store",
+           "packed_loader", "parse_mixture", "preprocess", "single_documents_dropped", "split_records", "train_bpe"]

@@ -6,11 +6,12 @@ own packed dataset; `MixtureLoader` draws the global sample sequence from them.
 Blending (`Blend`). Weights are normalized to sum to 1 and kept as exact fractions. Global sample n + 1 goes to a
 source chosen from the counts so far: Megatron-LM's blending (helpers.cpp ``build_blending_indices``) gives it to
 the source most behind its target ``w * n``, which keeps every prefix close to the weights but not within one
-sample for every set of weights (with 0.05 / 0.05 / 0.9 a prefix is 1.2 samples off). We use the refinement that is proven
-to stay within one sample, Tijdeman's solution of the chairman assignment problem (R. Tijdeman, "The chairman
-assignment problem", Discrete Mathematics 32, 1980): among the sources at least ``d = 1 / (2k - 2)`` behind their
-target after this sample (``w_j (n + 1) - c_j >= d``), take the one whose next sample is due first (smallest
-``(c_j + 1 - d) / w_j``; ties to the earlier source). Then for every prefix of every length n and every source,
+sample for every set of weights (with 0.05 / 0.05 / 0.9 a prefix is 1.2 samples off). We use the refinement that
+is proven to stay within one sample, Tijdeman's solution of the chairman assignment problem (R. Tijdeman, "The
+chairman assignment problem", Discrete Mathematics 32, 1980): among the sources at least ``d = 1 / (2k - 2)``
+behind their target after this sample (``w_j (n + 1) - c_j >= d``), take the one whose next sample is due first
+(smallest ``(c_j + 1 - d) / w_j``; ties to the earlier source). Then for every prefix of every length n and every
+source,
 
     | c_j(n) - w_j n |  <=  1 - 1 / (2k - 2)        (k >= 2 sources; 1/2 for two, 3/4 for three)
 

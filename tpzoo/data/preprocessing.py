@@ -18,7 +18,6 @@ not tokenized) and continues. A partial directory of other settings (sources, to
 """
 from __future__ import annotations
 
-import fcntl
 import itertools
 import json
 import multiprocessing
@@ -34,6 +33,11 @@ from typing import Callable, Iterable
 import numpy as np
 
 from tpzoo.errors import ConfigError, DataError
+
+try:
+    import fcntl
+except ImportError:  # not on a POSIX system: no lock against a second writer
+    fcntl = None
 
 from .megatron import megatron_dtype, write_index
 from .token_store import (FORMAT, INDEX_FILE, OFFSETS_FILE, TOKENIZER_DIR, TOKENS_FILE, VERSION, TokenStore,
@@ -132,6 +136,9 @@ def _outputs(out: Path, format: str) -> list[Path]:
 @contextmanager
 def _locked(part: Path):
     """Hold an exclusive lock beside the partial directory for the whole run (released by the OS on a kill)."""
+    if fcntl is None:
+        yield
+        return
     lock_path = part.parent / f"{part.name}.lock"
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -156,11 +163,11 @@ def _resume_point(part: Path, key: dict) -> dict | None:
     start over (no partial run, other settings, or files shorter than recorded)."""
     try:
         done = json.loads((part / PROGRESS_FILE).read_text())
-    except (FileNotFoundError, ValueError):
+        tokens_bytes, offsets_bytes = int(done["tokens_bytes"]), 8 * (int(done["docs"]) + 1)
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
         return None
     if done.get("key") != key:
         return None
-    tokens_bytes, offsets_bytes = done["tokens_bytes"], 8 * (done["docs"] + 1)
     files = [(part / TOKENS_FILE, tokens_bytes), (part / _RAW_OFFSETS, offsets_bytes)]
     if any(not p.is_file() or p.stat().st_size < size for p, size in files):
         return None

@@ -97,7 +97,8 @@ def _mixture_datasets(cfg, tokenizer, mixture):
     stores = [token_store_for([s.path], tokenizer, cfg.data_cache, cfg.text_field) for s in mixture]
     splits = [_packed_split(store, cfg, tokenizer) for store in stores]
     held = {s.name: ev for s, (_, ev) in zip(mixture, splits) if ev is not None}
-    desc = ", ".join(f"{s.name} {float(s.weight):.3g} ({store.num_tokens:,} tokens)" for s, store in zip(mixture, stores))
+    desc = ", ".join(f"{s.name} {float(s.weight):.3g} ({store.num_tokens:,} tokens)"
+                     for s, store in zip(mixture, stores))
     masked = ", document masking" if cfg.document_masking else ""
     return MixtureData(mixture, [tr for tr, _ in splits]), held or None, f"mixture: {desc}{masked}"
 
