@@ -133,13 +133,13 @@ def bench_loader(args, store_path: Path) -> dict:
 
 def section(args, pre, tokens, loader, tok, ndocs, nbytes) -> str:
     cmd = "python scripts/bench/data.py" + (f" --workers {args.workers}" if args.workers != 2 else "")
-    load = os.getloadavg()
+    load, end = args.load_at_start, os.getloadavg()
     out = [f"## Input pipeline: preprocessing and the loader ({platform.processor() or platform.machine()}, "
            f"{os.cpu_count()} cores)", "", f"`{cmd}`", "",
            f"Corpus: {ndocs:,} documents, {nbytes / 1e6:.1f} MB (the stdlib's .py files unless --data), "
            f"{tokens:,} tokens with {tok.spec if args.tokenizer else f'a byte-level BPE of {args.vocab} ids'}. "
-           f"Best of {args.repeat}; load average when it started {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
-           f"(1 / 5 / 15 min; the machine is shared).", "",
+           f"Best of {args.repeat}; load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) "
+           f"when it started, {end[0]:.1f} / {end[1]:.1f} / {end[2]:.1f} when it ended (the machine is shared).", "",
            "| preprocessing | workers | seconds | tokens/s | vs 1 worker | output |", "|---|---|---|---|---|---|"]
     base = {r["what"].split("(")[0].split(" --")[0]: r["seconds"] for r in pre if r["n"] == 1}
     for r in pre:
@@ -173,6 +173,7 @@ def main() -> None:
     p.add_argument("--loader-samples", type=int, default=512)
     p.add_argument("--write", help="markdown file whose data section to (re)write")
     args = p.parse_args()
+    args.load_at_start = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="tpzoo-bench-data-"))
     try:
         docs = corpus_docs(args)
