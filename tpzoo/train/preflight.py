@@ -197,7 +197,9 @@ def _check_corpus(specs: list[str]) -> None:
             continue  # a hub dataset: only the ranks can reach it
         found = expand_paths([spec])  # FileNotFoundError naming a missing path
         if not found:
-            raise DataError(f"{spec}: no data files under it (looked for {', '.join(SUPPORTED_SUFFIXES)})")
+            idx = sorted(Path(spec).glob("*.idx")) if Path(spec).is_dir() else []
+            hint = f"; it holds Megatron datasets: give their prefixes, e.g. {str(idx[0])[:-4]}" if idx else ""
+            raise DataError(f"{spec}: no data files under it (looked for {', '.join(SUPPORTED_SUFFIXES)}){hint}")
         if Path(spec).is_file() and found[0].stat().st_size == 0:
             raise DataError(f"{spec}: empty file")
         files += found
