@@ -39,7 +39,7 @@ try:
 except ImportError:  # not on a POSIX system: no lock against a second writer
     fcntl = None
 
-from .megatron import megatron_dtype, write_index
+from .megatron import MegatronStore, megatron_dtype, write_index
 from .token_store import (FORMAT, INDEX_FILE, OFFSETS_FILE, TOKENIZER_DIR, TOKENS_FILE, VERSION, TokenStore,
                           token_dtype)
 from .tokenizer import load_tokenizer
@@ -113,8 +113,6 @@ def preprocess(documents: Iterable[str], tokenizer, out_dir: str | os.PathLike, 
                 write_index(part / "index.idx", dtype, _offsets(part, num_docs))
                 _replace([(part / TOKENS_FILE, outputs[0]), (part / "index.idx", outputs[1])], force)
                 shutil.rmtree(part, ignore_errors=True)
-                from .megatron import MegatronStore
-
                 return MegatronStore(out_dir)
             _finish_tpzoo(part, tok, dtype, num_docs, num_tokens, append_eos, prepend_bos, sources,
                           save_tokenizer)
