@@ -1,8 +1,8 @@
 """`preprocess`: a corpus tokenized once, on every core, into a token store (tpzoo's or Megatron's format).
 
 Pipeline. This process reads the documents and cuts them into chunks (``batch_docs`` documents or ``batch_chars``
-characters); with ``workers > 1`` a pool of that many processes (forked, so the tokenizer is not loaded again)
-encodes the chunks, at most ``2 * workers`` in flight, and this process writes their tokens strictly in order:
+characters: small, so that the workers finish together); with ``workers > 1`` a pool of that many processes
+(forked, so the tokenizer is not loaded again) encodes the chunks, at most ``4 * workers`` in flight, and this process writes their tokens strictly in order:
 the output is byte for byte the same at any ``workers``, and memory stays bounded by the chunks in flight whatever
 the corpus size. Each worker's tokenizer runs on one thread (a Hugging Face fast tokenizer's own thread pool is
 turned off), so N workers use N cores; ``workers=1`` encodes here, on one core too.
@@ -62,7 +62,7 @@ def default_workers() -> int:
 
 def preprocess(documents: Iterable[str], tokenizer, out_dir: str | os.PathLike, *, append_eos: bool = True,
                prepend_bos: bool = False, force: bool = False, sources: list[str] | None = None,
-               save_tokenizer: bool = True, batch_docs: int = 256, batch_chars: int = 4 << 20,
+               save_tokenizer: bool = True, batch_docs: int = 64, batch_chars: int = 1 << 20,
                on_progress: Callable[[int, int], None] | None = None, workers: int = 1, format: str = "tpzoo",
                resume: bool = False, resume_key: dict | None = None):
     """Tokenize ``documents`` into a new token store at ``out_dir`` and return it opened (a `TokenStore`, or a
@@ -287,7 +287,7 @@ def _encoded(chunks, tok, dtype, affixes, workers: int):
         pending: deque = deque()
         for texts in chunks:
             pending.append(pool.apply_async(_encode_in_worker, (texts,)))
-            if len(pending) >= 2 * workers:
+            if len(pending) >= 4 * workers:
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
