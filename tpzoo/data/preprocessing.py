@@ -62,7 +62,7 @@ def default_workers() -> int:
 
 def preprocess(documents: Iterable[str], tokenizer, out_dir: str | os.PathLike, *, append_eos: bool = True,
                prepend_bos: bool = False, force: bool = False, sources: list[str] | None = None,
-               save_tokenizer: bool = True, batch_docs: int = 64, batch_chars: int = 1 << 20,
+               save_tokenizer: bool = True, batch_docs: int = 64, batch_chars: int = 1 << 17,
                on_progress: Callable[[int, int], None] | None = None, workers: int = 1, format: str = "tpzoo",
                resume: bool = False, resume_key: dict | None = None):
     """Tokenize ``documents`` into a new token store at ``out_dir`` and return it opened (a `TokenStore`, or a
