@@ -1,7 +1,7 @@
 """Model families built from tpzoo parallel layers (installed as tpzoo.models).
 
-    from tpzoo.models import get_config, Transformer
-    model = Transformer(get_config("llama-3-8b"), sequence_parallel=True)
+    from tpzoo.models import ModelLayout, Transformer, get_config
+    model = Transformer(get_config("llama-3-8b"), ModelLayout(sequence_parallel=True))
 """
 if __name__ != "tpzoo.models":
     # Run as the top-level `models` (Python started in the checkout root): become tpzoo.models, or the installed
@@ -11,10 +11,17 @@ if __name__ != "tpzoo.models":
 
     redirect(__name__)
 else:
-    from .config import ModelConfig
+    from .config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig
+    from .inputs import Cache, Context, Inputs, LossOptions
+    from .kinds import register_channel_mixer, register_token_mixer
+    from .kinds.attention import KVCache
+    from .layout import ModelLayout, Stage
+    from .recompute import apply_recompute
     from .registry import (Family, from_hf_config, get_config, get_family, list_configs, register_config,
                            register_family, to_hf_config)
-    from .transformer import KVCache, Transformer, new_kv_caches
+    from .transformer import Transformer
 
-__all__ = ["Family", "KVCache", "ModelConfig", "Transformer", "from_hf_config", "get_config", "get_family",
-           "list_configs", "new_kv_caches", "register_config", "register_family", "to_hf_config"]
+__all__ = ["AttentionConfig", "Cache", "Context", "Family", "Inputs", "KVCache", "LossOptions", "MLPConfig",
+           "ModelConfig", "ModelLayout", "MoEConfig", "Stage", "Transformer", "apply_recompute", "from_hf_config",
+           "get_config", "get_family", "list_configs", "register_channel_mixer", "register_config",
+           "register_family", "register_token_mixer", "to_hf_config"]

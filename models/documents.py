@@ -11,6 +11,10 @@ each row's *whole* sequence in natural order (under context parallelism every cp
 attention picks the ids of each block, Ulysses attends over the whole sequence) and caches the masks it builds,
 one per sliding window, so the layers of a forward and their recomputation (activation checkpointing) share one.
 
+Attention sinks (gpt-oss, `sinks` [heads]) join every row's softmax in both: the exact path through
+models/sinks.py's sink_attention with the document mask, flex through its log-sum-exp (out * sigmoid(lse - sink),
+differentiable on CUDA).
+
 Two implementations of the masked attention, same semantics (tests/test_documents.py checks them against each
 other and against per-document attention):
   exact  a block-diagonal causal mask into SDPA (additive, in the activations' dtype, built once per forward:
@@ -40,7 +44,8 @@ import torch.nn.functional as F
 
 from tpzoo.errors import brief
 
-from .qk_norm import softcapped_attention
+from .kinds.attention_extras import softcapped_attention
+from .sinks import sink_attention
 
 _FLEX: dict = {}  # lazily: compiled (CUDA) -> flex_attention, compiled or eager
 _FLEX_WORKS: dict = {}  # a call's kind (see _flex_works) -> whether the flex path ran for it
@@ -121,36 +126,45 @@ def flex_available(q: torch.Tensor) -> bool:
 
 
 def document_attention(q, k, v, docs: Documents, *, scale: float | None = None, window: int | None = None,
-                       softcap: float | None = None, impl: str | None = None) -> torch.Tensor:
+                       softcap: float | None = None, impl: str | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention within documents: q [b, heads, S, d], k/v [b, kv_heads, S, d] (natural order) ->
-    [b, heads, S, d]. impl: "exact", "flex" or None (flex where flex_available, else exact)."""
+    [b, heads, S, d]. impl: "exact", "flex" or None (flex where flex_available, else exact). sinks [heads]:
+    attention sinks (module docstring)."""
     if q.shape[2] != docs.ids.shape[1] or q.shape[0] != docs.ids.shape[0]:
         raise ValueError(f"doc_ids {tuple(docs.ids.shape)} do not cover the attention's [batch, seq] "
                          f"({q.shape[0]}, {q.shape[2]})")
     gqa = q.shape[1] != k.shape[1]
+    if sinks is not None and softcap is not None:
+        raise ValueError("document attention: attention sinks with soft-capped scores are not supported")
     if impl is None:
-        impl = "flex" if flex_available(q) and _flex_works(q, k, v, docs, scale, window, softcap, gqa) else "exact"
+        impl = ("flex" if flex_available(q) and _flex_works(q, k, v, docs, scale, window, softcap, gqa, sinks)
+                else "exact")
     if impl == "flex":
-        return _flex_attention(q, k, v, docs, scale, window, softcap, gqa)
+        return _flex_attention(q, k, v, docs, scale, window, softcap, gqa, sinks)
     if impl != "exact":
         raise ValueError(f"document attention impl must be 'exact' or 'flex', got {impl!r}")
+    if sinks is not None:
+        return sink_attention(q, k, v, sinks, scale=scale, mask=docs.visible(window))
     if softcap is not None:
         return softcapped_attention(q, k, v, docs.visible(window), scale, softcap)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.additive(window, q.dtype), enable_gqa=gqa,
                                           scale=scale)
 
 
-def _flex_works(q, k, v, docs: Documents, scale, window, softcap, gqa: bool) -> bool:
+def _flex_works(q, k, v, docs: Documents, scale, window, softcap, gqa: bool, sinks=None) -> bool:
     """Whether the flex path runs for calls of this kind: tried once on stand-ins of the call's shapes (module
     docstring), the outcome remembered for the process."""
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    kind = (str(q.device), q.dtype, q.shape[1], k.shape[1], q.shape[-1], window, softcap, grad)
+    kind = (str(q.device), q.dtype, q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], window, softcap, grad,
+            sinks is not None)
     if kind not in _FLEX_WORKS:
         try:
             # identity hooks: activation checkpointing's (if this forward runs under it) must not see the trial
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), torch.set_grad_enabled(grad):
                 trial = [torch.randn_like(t).requires_grad_(grad) for t in (q, k, v)]
-                out = _flex_attention(*trial, docs, scale, window, softcap, gqa)
+                trial_sinks = None if sinks is None else torch.randn_like(sinks).requires_grad_(grad)
+                out = _flex_attention(*trial, docs, scale, window, softcap, gqa, trial_sinks)
                 if grad:
                     torch.autograd.grad(out.float().sum(), trial)
             _FLEX_WORKS[kind] = True
@@ -162,7 +176,7 @@ def _flex_works(q, k, v, docs: Documents, scale, window, softcap, gqa: bool) -> 
     return _FLEX_WORKS[kind]
 
 
-def _flex_attention(q, k, v, docs: Documents, scale, window, softcap, gqa: bool) -> torch.Tensor:
+def _flex_attention(q, k, v, docs: Documents, scale, window, softcap, gqa: bool, sinks=None) -> torch.Tensor:
     # Compiled on CUDA (eager FlexAttention is a slow reference); eager elsewhere (CPU: forward only, for tests).
     compiled = q.device.type == "cuda"
     if compiled not in _FLEX:
@@ -170,8 +184,16 @@ def _flex_attention(q, k, v, docs: Documents, scale, window, softcap, gqa: bool)
 
         _FLEX[compiled] = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
     score_mod = None if softcap is None else _softcap_mod(softcap)
-    return _FLEX[compiled](q, k, v, score_mod=score_mod, block_mask=docs.block_mask(window, compiled),
-                           scale=scale, enable_gqa=gqa)
+    mask = docs.block_mask(window, compiled)
+    if sinks is None:
+        return _FLEX[compiled](q, k, v, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=gqa)
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    # the sink as one more logit of each row: out * exp(lse) / (exp(lse) + exp(sink)) = out * sigmoid(lse - sink)
+    out, aux = _FLEX[compiled](q, k, v, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=gqa,
+                               return_aux=AuxRequest(lse=True))
+    keep = torch.sigmoid(aux.lse.float() - sinks.float().view(1, -1, 1))
+    return (out.float() * keep.unsqueeze(-1)).to(out.dtype)
 
 
 _SOFTCAP_MODS: dict = {}

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from tpzoo.errors import ConfigError
 
-from .config import ModelConfig
-from .hf_common import (check, common_fields, common_to_hf, decoder_tensor_map, read_layer_types, read_rope, refuse,
-                        rope_to_hf)
+from .config import AttentionConfig, MLPConfig, ModelConfig
+from .hf_common import (check, common_attention, common_fields, common_to_hf, decoder_tensor_map, read_layer_types,
+                        read_rope, refuse, rope_to_hf)
 from .registry import Family, register_family
 
 NORMS = {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
@@ -52,24 +52,29 @@ def config_from_hf(family: str, hf: dict) -> ModelConfig:
     bias = hf.get("attention_bias", False)
     fields = common_fields(hf)
     fields["tie_embeddings"] = hf.get("tie_word_embeddings", True)
-    if fields["head_dim"] is None:
+    heads = common_attention(hf)
+    if heads["head_dim"] is None:
         raise ConfigError(f"{family}: HF config field head_dim is missing (Gemma's is not hidden / heads)")
+    attention = AttentionConfig(
+        **heads, rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta, qkv_bias=bias, out_bias=bias,
+        sliding_window=hf.get("sliding_window"), layer_types=_layer_types(family, hf),
+        qk_norm="head" if family == "gemma3" else "none", scale=hf.get("query_pre_attn_scalar", 256),
+        softcap=hf.get("attn_logit_softcapping"))
     return ModelConfig(
-        family=family, **fields, activation="geglu_tanh", rope_theta=theta, rope_scaling=scaling,
-        rope_local_theta=local_theta, qkv_bias=bias, out_bias=bias, sliding_window=hf.get("sliding_window"),
-        layer_types=_layer_types(family, hf), pre_norm=True, post_norm=True, norm_offset=True, embed_scale=True,
-        qk_norm="head" if family == "gemma3" else "none", attn_scale=hf.get("query_pre_attn_scalar", 256),
-        attn_softcap=hf.get("attn_logit_softcapping"), final_softcap=hf.get("final_logit_softcapping"))
+        family=family, **fields, attention=attention, mlp=MLPConfig(hf["intermediate_size"], activation="geglu_tanh"),
+        pre_norm=True, post_norm=True, norm_offset=True, embed_scale=True,
+        final_softcap=hf.get("final_logit_softcapping"))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
     hf = common_to_hf(cfg, MODEL_TYPE[cfg.family], ARCH[cfg.family])
-    hf.update(hidden_activation="gelu_pytorch_tanh", attention_bias=cfg.qkv_bias,
-              query_pre_attn_scalar=cfg.attn_scale, sliding_window=cfg.sliding_window,
-              attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.final_softcap)
+    a = cfg.attention
+    hf.update(hidden_activation="gelu_pytorch_tanh", attention_bias=a.qkv_bias,
+              query_pre_attn_scalar=a.scale, sliding_window=a.sliding_window,
+              attn_logit_softcapping=a.softcap, final_logit_softcapping=cfg.final_softcap)
     rope = rope_to_hf(cfg)
     if cfg.family == "gemma3":
-        local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
+        local = {"rope_type": "default", "rope_theta": a.rope_local_theta or a.rope_theta}
         rope = {"full_attention": rope, "sliding_attention": local}
     hf["rope_parameters"] = rope
     return hf

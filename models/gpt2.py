@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from tpzoo.errors import ConfigError
 
-from .config import ModelConfig
+from .config import AttentionConfig, MLPConfig, ModelConfig
 from .hf_mapping import same, transposed
 from .registry import Family, register_family
 
@@ -15,10 +15,11 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise ConfigError(f"GPT-2 with activation {act!r} is not supported (tpzoo implements the tanh GeLU)")
     return ModelConfig(
         family="gpt2", vocab_size=hf["vocab_size"], hidden_size=h, num_layers=hf["n_layer"],
-        num_heads=hf["n_head"], ffn_hidden_size=hf.get("n_inner") or 4 * h,
+        attention=AttentionConfig(num_heads=hf["n_head"], qkv_bias=True, out_bias=True),
+        mlp=MLPConfig(hf.get("n_inner") or 4 * h, activation="gelu_tanh", bias=True),
         max_position_embeddings=hf.get("n_positions", 1024), norm="layernorm",
-        norm_eps=hf.get("layer_norm_epsilon", 1e-5), activation="gelu_tanh", position="learned",
-        tie_embeddings=hf.get("tie_word_embeddings", True), qkv_bias=True, out_bias=True, mlp_bias=True,
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5), position="learned",
+        tie_embeddings=hf.get("tie_word_embeddings", True),
         initializer_range=hf.get("initializer_range", 0.02), bos_token_id=hf.get("bos_token_id"),
         eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"),
         extra={"hf_config": hf},
@@ -29,8 +30,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     hf = dict(cfg.extra.get("hf_config", {}))
     hf.update({
         "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": cfg.vocab_size,
-        "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "n_head": cfg.num_heads,
-        "n_inner": None if cfg.ffn_hidden_size == 4 * cfg.hidden_size else cfg.ffn_hidden_size,
+        "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "n_head": cfg.attention.num_heads,
+        "n_inner": None if cfg.mlp.ffn_hidden_size == 4 * cfg.hidden_size else cfg.mlp.ffn_hidden_size,
         "n_positions": cfg.max_position_embeddings, "layer_norm_epsilon": cfg.norm_eps,
         "activation_function": hf.get("activation_function", "gelu_new"), "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.initializer_range, "bos_token_id": cfg.bos_token_id,

@@ -7,8 +7,7 @@ from tpzoo.errors import ConfigError
 
 from .config import LAYER_TYPES, ModelConfig
 from .hf_mapping import concatenated, same
-
-ROPE_TYPES = ("default", "linear", "llama3")  # what models.blocks.rope_inv_freq implements
+from .kinds.rotary import ROPE_TYPES  # what the rotary tables implement
 
 
 def refuse(family: str, field: str, value, supported) -> ConfigError:
@@ -59,10 +58,11 @@ def read_layer_types(family: str, hf: dict, num_layers: int) -> list | None:
 def decoder_tensor_map(cfg: ModelConfig, norms: dict[str, str], moe_maps=None) -> list:
     """Map of a decoder whose HF layers are model.layers.{i}.self_attn.{q,k,v,o}_proj (+ q_norm, k_norm) and
     mlp.{gate,up,down}_proj; `norms`: tpzoo norm name -> HF module name within the layer. `moe_maps(cfg, i, p, q)`
-    maps the MLP of a mixture-of-experts layer (models/moe_families.py)."""
-    hd = cfg.head_dim
-    qkv_sizes = (cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd)
-    ffn = cfg.ffn_hidden_size
+    maps the channel mixer of a mixture-of-experts layer (models/moe_families.py)."""
+    a = cfg.attention
+    hd = a.head_dim
+    qkv_sizes = (a.num_heads * hd, a.num_kv_heads * hd, a.num_kv_heads * hd)
+    ffn = cfg.mlp.ffn_hidden_size
     maps = [same("embed.weight", "model.embed_tokens.weight", vocab_dim=0)]
     for i in range(cfg.num_layers):
         p, q = f"layers.{i}.", f"model.layers.{i}."
@@ -71,54 +71,60 @@ def decoder_tensor_map(cfg: ModelConfig, norms: dict[str, str], moe_maps=None) -
             concatenated(p + "attn.qkv.weight", tuple(n + ".weight" for n in proj), qkv_sizes, layer=i),
             same(p + "attn.out.weight", q + "self_attn.o_proj.weight", layer=i),
         ]
-        if cfg.is_moe_layer(i):
+        if cfg.channel_mixer(i) == "moe":
             maps += moe_maps(cfg, i, p, q)
         else:
             maps += [concatenated(p + "mlp.fc_in.weight", (q + "mlp.gate_proj.weight", q + "mlp.up_proj.weight"),
                                   (ffn, ffn), layer=i),
                      same(p + "mlp.fc_out.weight", q + "mlp.down_proj.weight", layer=i)]
         maps += [same(p + ours + ".weight", q + theirs + ".weight", layer=i) for ours, theirs in norms.items()]
-        if cfg.qk_norm != "none":
+        if a.qk_norm != "none":
             maps += [same(p + f"attn.{n}_norm.weight", q + f"self_attn.{n}_norm.weight", layer=i) for n in "qk"]
-        if cfg.qkv_bias:
+        if a.qkv_bias:
             maps.append(concatenated(p + "attn.qkv.bias", tuple(n + ".bias" for n in proj), qkv_sizes, layer=i))
-        if cfg.out_bias:
+        if a.out_bias:
             maps.append(same(p + "attn.out.bias", q + "self_attn.o_proj.bias", layer=i))
     return maps + head_maps(cfg)
 
 
 def common_fields(hf: dict) -> dict:
-    """ModelConfig keyword arguments every Llama-shaped HF config spells the same way."""
+    """ModelConfig keyword arguments (the model-wide ones) every Llama-shaped HF config spells the same way."""
     return dict(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"], num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        head_dim=hf.get("head_dim"), ffn_hidden_size=hf["intermediate_size"],
         max_position_embeddings=hf.get("max_position_embeddings", 2048), norm="rmsnorm",
         norm_eps=hf.get("rms_norm_eps", 1e-6), position="rope", tie_embeddings=hf.get("tie_word_embeddings", False),
         initializer_range=hf.get("initializer_range", 0.02), bos_token_id=hf.get("bos_token_id"),
         eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"), extra={"hf_config": hf})
 
 
+def common_attention(hf: dict) -> dict:
+    """AttentionConfig keyword arguments every Llama-shaped HF config spells the same way: the heads."""
+    return dict(num_heads=hf["num_attention_heads"],
+                num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"], head_dim=hf.get("head_dim"))
+
+
 def common_to_hf(cfg: ModelConfig, model_type: str, architecture: str) -> dict:
     """The original HF dict (kept in extra) with every field the config owns overwritten."""
     hf = dict(cfg.extra.get("hf_config", {}))
+    a = cfg.attention
     hf.update({
         "model_type": model_type, "architectures": [architecture], "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "intermediate_size": cfg.ffn_hidden_size,
+        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers, "num_attention_heads": a.num_heads,
+        "num_key_value_heads": a.num_kv_heads, "intermediate_size": cfg.mlp.ffn_hidden_size,
         "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.initializer_range,
         "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
     })
-    if "head_dim" in hf or cfg.head_dim * cfg.num_heads != cfg.hidden_size:  # OLMo 2 configs have none
-        hf["head_dim"] = cfg.head_dim
-    if cfg.layer_types is not None:
-        hf["layer_types"] = list(cfg.layer_types)
+    if "head_dim" in hf or a.head_dim * a.num_heads != cfg.hidden_size:  # OLMo 2 configs have none
+        hf["head_dim"] = a.head_dim
+    if a.layer_types is not None:
+        hf["layer_types"] = list(a.layer_types)
     return hf
 
 
 def rope_to_hf(cfg: ModelConfig) -> dict:
-    return {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+    a = cfg.attention
+    return {"rope_type": "default", **(a.rope_scaling or {}), "rope_theta": a.rope_theta}
 
 
 def head_maps(cfg) -> list:

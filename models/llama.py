@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tpzoo.errors import ConfigError
 
-from .config import ModelConfig
+from .config import AttentionConfig, MLPConfig, ModelConfig
 from .hf_common import head_maps
 from .hf_mapping import concatenated, same
 from .registry import Family, register_family
@@ -27,16 +27,17 @@ def _config_from_hf(family: str, hf: dict) -> ModelConfig:
         raise ConfigError(f"{family} with hidden_act {act!r} is not supported (tpzoo implements SwiGLU)")
     theta, scaling = _rope(hf)
     window = hf.get("sliding_window") if family == "mistral" or hf.get("use_sliding_window") else None
+    attention = AttentionConfig(
+        num_heads=hf["num_attention_heads"], num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim"), rope_theta=theta, rope_scaling=scaling, sliding_window=window,
+        qkv_bias=True if family == "qwen2" else hf.get("attention_bias", False),
+        out_bias=False if family == "qwen2" else hf.get("attention_bias", False))
     return ModelConfig(
         family=family, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"], head_dim=hf.get("head_dim"),
-        ffn_hidden_size=hf["intermediate_size"], max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), activation="swiglu", position="rope",
-        rope_theta=theta, rope_scaling=scaling, tie_embeddings=hf.get("tie_word_embeddings", False),
-        qkv_bias=True if family == "qwen2" else hf.get("attention_bias", False),
-        out_bias=False if family == "qwen2" else hf.get("attention_bias", False),
-        mlp_bias=hf.get("mlp_bias", False), sliding_window=window,
+        num_layers=hf["num_hidden_layers"], attention=attention,
+        mlp=MLPConfig(hf["intermediate_size"], activation="swiglu", bias=hf.get("mlp_bias", False)),
+        max_position_embeddings=hf.get("max_position_embeddings", 2048), norm="rmsnorm",
+        norm_eps=hf.get("rms_norm_eps", 1e-6), position="rope", tie_embeddings=hf.get("tie_word_embeddings", False),
         initializer_range=hf.get("initializer_range", 0.02), bos_token_id=hf.get("bos_token_id"),
         eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"), extra={"hf_config": hf},
     )
@@ -47,12 +48,13 @@ _ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": 
 
 def _config_to_hf(cfg: ModelConfig) -> dict:
     hf = dict(cfg.extra.get("hf_config", {}))
-    rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+    a = cfg.attention
+    rope = {"rope_type": "default", **(a.rope_scaling or {}), "rope_theta": a.rope_theta}
     hf.update({
         "model_type": cfg.family, "architectures": [_ARCH[cfg.family]], "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.ffn_hidden_size, "max_position_embeddings": cfg.max_position_embeddings,
+        "num_attention_heads": a.num_heads, "num_key_value_heads": a.num_kv_heads, "head_dim": a.head_dim,
+        "intermediate_size": cfg.mlp.ffn_hidden_size, "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu", "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.initializer_range, "bos_token_id": cfg.bos_token_id,
         "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
@@ -60,18 +62,19 @@ def _config_to_hf(cfg: ModelConfig) -> dict:
     if "rope_parameters" in hf or "rope_theta" not in hf:
         hf["rope_parameters"] = rope
     else:  # an older-style config keeps its older keys
-        hf["rope_theta"] = cfg.rope_theta
-        hf["rope_scaling"] = cfg.rope_scaling
+        hf["rope_theta"] = a.rope_theta
+        hf["rope_scaling"] = a.rope_scaling
     if cfg.family == "llama":
-        hf.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
+        hf.update(attention_bias=a.qkv_bias, mlp_bias=cfg.mlp.bias)
     if cfg.family == "mistral":
-        hf["sliding_window"] = cfg.sliding_window
+        hf["sliding_window"] = a.sliding_window
     return hf
 
 
 def _tensor_map(cfg: ModelConfig) -> list:
-    hd = cfg.head_dim
-    qkv_sizes = (cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd)
+    a, ffn = cfg.attention, cfg.mlp.ffn_hidden_size
+    hd = a.head_dim
+    qkv_sizes = (a.num_heads * hd, a.num_kv_heads * hd, a.num_kv_heads * hd)
     maps = [same("embed.weight", "model.embed_tokens.weight", vocab_dim=0)]
     for i in range(cfg.num_layers):
         p, q = f"layers.{i}.", f"model.layers.{i}."
@@ -82,16 +85,16 @@ def _tensor_map(cfg: ModelConfig) -> list:
             same(p + "attn.out.weight", q + "self_attn.o_proj.weight", layer=i),
             same(p + "mlp_norm.weight", q + "post_attention_layernorm.weight", layer=i),
             concatenated(p + "mlp.fc_in.weight", (q + "mlp.gate_proj.weight", q + "mlp.up_proj.weight"),
-                         (cfg.ffn_hidden_size, cfg.ffn_hidden_size), layer=i),
+                         (ffn, ffn), layer=i),
             same(p + "mlp.fc_out.weight", q + "mlp.down_proj.weight", layer=i),
         ]
-        if cfg.qkv_bias:
+        if a.qkv_bias:
             maps.append(concatenated(p + "attn.qkv.bias", tuple(n + ".bias" for n in proj), qkv_sizes, layer=i))
-        if cfg.out_bias:
+        if a.out_bias:
             maps.append(same(p + "attn.out.bias", q + "self_attn.o_proj.bias", layer=i))
-        if cfg.mlp_bias:
+        if cfg.mlp.bias:
             maps += [concatenated(p + "mlp.fc_in.bias", (q + "mlp.gate_proj.bias", q + "mlp.up_proj.bias"),
-                                  (cfg.ffn_hidden_size, cfg.ffn_hidden_size), layer=i),
+                                  (ffn, ffn), layer=i),
                      same(p + "mlp.fc_out.bias", q + "mlp.down_proj.bias", layer=i)]
     return maps + head_maps(cfg)
 

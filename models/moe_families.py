@@ -1,4 +1,4 @@
-"""The mixture-of-experts families: Mixtral, Qwen3-MoE and OLMoE (models/moe.py is their MoE layer).
+"""The mixture-of-experts families: Mixtral, Qwen3-MoE and OLMoE (models/kinds/moe.py is their channel mixer).
 
 All three are Llama-shaped decoders whose MLP is a router plus E SwiGLU experts. HF checkpoints (what
 transformers 5 writes with save_pretrained) store each expert separately:
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import ModelConfig
-from .hf_common import check, common_fields, common_to_hf, decoder_tensor_map, read_rope, rope_to_hf
+from .config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig
+from .hf_common import check, common_attention, common_fields, common_to_hf, decoder_tensor_map, read_rope, rope_to_hf
 from .hf_mapping import TensorMap, same
 from .registry import Family, register_family
 
@@ -43,7 +43,7 @@ def stacked(name: str, hfs: list[str], **kw) -> TensorMap:
 def _expert_maps(block: str, router: str, names: tuple[str, str, str]):
     """moe_maps for decoder_tensor_map: HF module `block` holds `router` and experts.{e}.{gate, up, down}."""
     def maps(cfg: ModelConfig, i: int, p: str, q: str) -> list:
-        experts = [f"{q}{block}.experts.{e}." for e in range(cfg.num_experts)]
+        experts = [f"{q}{block}.experts.{e}." for e in range(cfg.moe.num_experts)]
         gate, up, down = ([x + n + ".weight" for x in experts] for n in names)
         return [same(p + "mlp.router.weight", f"{q}{block}.{router}.weight", layer=i),
                 stacked_gate_up(p + "mlp.gate_up", gate, up, cfg.expert_ffn, layer=i),
@@ -51,21 +51,27 @@ def _expert_maps(block: str, router: str, names: tuple[str, str, str]):
     return maps
 
 
-def _moe_fields(family: str, hf: dict, experts_key: str) -> dict:
+def _moe_config(family: str, hf: dict, experts_key: str, attention: dict, **moe) -> ModelConfig:
+    """A Llama-shaped attention (the family's `attention` settings) and a mixture of experts on every layer the
+    MoE config's rule picks (ModelConfig.channel_mixer)."""
     check(family, hf, "hidden_act", ("silu",), "silu")
     theta, scaling = read_rope(family, hf)
-    return dict(**common_fields(hf), activation="swiglu", rope_theta=theta, rope_scaling=scaling,
-                num_experts=hf.get(experts_key) or hf.get("num_local_experts") or hf["num_experts"],
-                num_experts_per_tok=hf["num_experts_per_tok"],
-                router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
-                output_router_logits=bool(hf.get("output_router_logits", False)))
+    return ModelConfig(
+        family=family, **common_fields(hf),
+        attention=AttentionConfig(**common_attention(hf), rope_theta=theta, rope_scaling=scaling, **attention),
+        mlp=MLPConfig(hf["intermediate_size"], activation="swiglu"),
+        moe=MoEConfig(num_experts=hf.get(experts_key) or hf.get("num_local_experts") or hf["num_experts"],
+                      num_experts_per_tok=hf["num_experts_per_tok"],
+                      router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
+                      output_router_logits=bool(hf.get("output_router_logits", False)), **moe))
 
 
 def _moe_to_hf(cfg: ModelConfig, model_type: str, architecture: str, experts_key: str) -> dict:
     hf = common_to_hf(cfg, model_type, architecture)
-    hf.update(hidden_act="silu", rope_parameters=rope_to_hf(cfg), num_experts_per_tok=cfg.num_experts_per_tok,
-              router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=cfg.output_router_logits)
-    hf[experts_key] = cfg.num_experts
+    moe = cfg.moe
+    hf.update(hidden_act="silu", rope_parameters=rope_to_hf(cfg), num_experts_per_tok=moe.num_experts_per_tok,
+              router_aux_loss_coef=moe.router_aux_loss_coef, output_router_logits=moe.output_router_logits)
+    hf[experts_key] = moe.num_experts
     return hf
 
 
@@ -74,13 +80,13 @@ def _moe_to_hf(cfg: ModelConfig, model_type: str, architecture: str, experts_key
 def mixtral_from_hf(hf: dict) -> ModelConfig:
     if hf.get("router_jitter_noise"):
         check("mixtral", hf, "router_jitter_noise", (0, 0.0))
-    return ModelConfig(family="mixtral", **_moe_fields("mixtral", hf, "num_local_experts"), norm_topk_prob=True,
-                       sliding_window=hf.get("sliding_window"))
+    return _moe_config("mixtral", hf, "num_local_experts", dict(sliding_window=hf.get("sliding_window")),
+                       norm_topk_prob=True)
 
 
 def mixtral_to_hf(cfg: ModelConfig) -> dict:
     hf = _moe_to_hf(cfg, "mixtral", "MixtralForCausalLM", "num_local_experts")
-    hf["sliding_window"] = cfg.sliding_window
+    hf["sliding_window"] = cfg.attention.sliding_window
     return hf
 
 
@@ -97,17 +103,18 @@ def qwen3_moe_from_hf(hf: dict) -> ModelConfig:
     if hf.get("use_sliding_window"):
         check("qwen3_moe", hf, "use_sliding_window", (False,))
     bias = hf.get("attention_bias", False)
-    return ModelConfig(family="qwen3_moe", **_moe_fields("qwen3_moe", hf, "num_experts"), qk_norm="head",
-                       qkv_bias=bias, out_bias=bias, moe_ffn_hidden_size=hf["moe_intermediate_size"],
-                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+    return _moe_config("qwen3_moe", hf, "num_experts", dict(qk_norm="head", qkv_bias=bias, out_bias=bias),
+                       ffn_hidden_size=hf["moe_intermediate_size"], norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                        mlp_only_layers=list(hf.get("mlp_only_layers") or []) or None,
                        decoder_sparse_step=hf.get("decoder_sparse_step", 1))
 
 
 def qwen3_moe_to_hf(cfg: ModelConfig) -> dict:
     hf = _moe_to_hf(cfg, "qwen3_moe", "Qwen3MoeForCausalLM", "num_experts")
-    hf.update(attention_bias=cfg.qkv_bias, moe_intermediate_size=cfg.expert_ffn, norm_topk_prob=cfg.norm_topk_prob,
-              mlp_only_layers=list(cfg.mlp_only_layers or []), decoder_sparse_step=cfg.decoder_sparse_step)
+    moe = cfg.moe
+    hf.update(attention_bias=cfg.attention.qkv_bias, moe_intermediate_size=cfg.expert_ffn,
+              norm_topk_prob=moe.norm_topk_prob, mlp_only_layers=list(moe.mlp_only_layers or []),
+              decoder_sparse_step=moe.decoder_sparse_step)
     return hf
 
 
@@ -123,13 +130,13 @@ register_family(Family(
 def olmoe_from_hf(hf: dict) -> ModelConfig:
     check("olmoe", hf, "clip_qkv", (None,))
     bias = hf.get("attention_bias", False)
-    return ModelConfig(family="olmoe", **_moe_fields("olmoe", hf, "num_experts"), qk_norm="full", qkv_bias=bias,
-                       out_bias=bias, norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+    return _moe_config("olmoe", hf, "num_experts", dict(qk_norm="full", qkv_bias=bias, out_bias=bias),
+                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
 
 
 def olmoe_to_hf(cfg: ModelConfig) -> dict:
     hf = _moe_to_hf(cfg, "olmoe", "OlmoeForCausalLM", "num_experts")
-    hf.update(attention_bias=cfg.qkv_bias, norm_topk_prob=cfg.norm_topk_prob)
+    hf.update(attention_bias=cfg.attention.qkv_bias, norm_topk_prob=cfg.moe.norm_topk_prob)
     return hf
 
 

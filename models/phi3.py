@@ -4,8 +4,8 @@ partial rotary (Phi-4-mini: the first 3/4 of each head). LongRoPE (`rope_type` "
 checkpoints and Phi-4-mini) is not implemented: such configs are refused naming the rope type."""
 from __future__ import annotations
 
-from .config import ModelConfig
-from .hf_common import check, common_fields, common_to_hf, head_maps, read_rope, refuse, rope_to_hf
+from .config import AttentionConfig, MLPConfig, ModelConfig
+from .hf_common import check, common_attention, common_fields, common_to_hf, head_maps, read_rope, refuse, rope_to_hf
 from .hf_mapping import same
 from .registry import Family, register_family
 
@@ -19,14 +19,18 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if scaling is not None:  # "linear" / "llama3" are not what Phi-3's HF code implements either
         raise refuse("phi3", "rope_parameters.rope_type", scaling.get("rope_type", scaling.get("type")),
                      ["default"])
-    return ModelConfig(family="phi3", **common_fields(hf), activation="swiglu", rope_theta=theta,
-                       partial_rotary_factor=partial, sliding_window=hf.get("sliding_window"))
+    return ModelConfig(family="phi3", **common_fields(hf),
+                       attention=AttentionConfig(**common_attention(hf), rope_theta=theta,
+                                                 partial_rotary_factor=partial,
+                                                 sliding_window=hf.get("sliding_window")),
+                       mlp=MLPConfig(hf["intermediate_size"], activation="swiglu"))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
     hf = common_to_hf(cfg, "phi3", "Phi3ForCausalLM")
-    hf.update(hidden_act="silu", sliding_window=cfg.sliding_window,
-              rope_parameters={**rope_to_hf(cfg), "partial_rotary_factor": cfg.partial_rotary_factor})
+    a = cfg.attention
+    hf.update(hidden_act="silu", sliding_window=a.sliding_window,
+              rope_parameters={**rope_to_hf(cfg), "partial_rotary_factor": a.partial_rotary_factor})
     return hf
 
 

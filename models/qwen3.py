@@ -3,8 +3,9 @@ hidden / heads, no q/k/v bias, a tied head on the small models. Sliding-window l
 off in every published config) are read from `layer_types`."""
 from __future__ import annotations
 
-from .config import ModelConfig
-from .hf_common import check, common_fields, common_to_hf, decoder_tensor_map, read_layer_types, read_rope, rope_to_hf
+from .config import AttentionConfig, MLPConfig, ModelConfig
+from .hf_common import (check, common_attention, common_fields, common_to_hf, decoder_tensor_map, read_layer_types,
+                        read_rope, rope_to_hf)
 from .registry import Family, register_family
 
 NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
@@ -20,16 +21,18 @@ def config_from_hf(hf: dict) -> ModelConfig:
         types = ["sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention"
                  for i in range(layers)]
     bias = hf.get("attention_bias", False)
-    return ModelConfig(family="qwen3", **common_fields(hf), activation="swiglu", rope_theta=theta,
-                       rope_scaling=scaling, qkv_bias=bias, out_bias=bias, qk_norm="head",
-                       sliding_window=window, layer_types=types if window else None)
+    return ModelConfig(family="qwen3", **common_fields(hf),
+                       attention=AttentionConfig(**common_attention(hf), rope_theta=theta, rope_scaling=scaling,
+                                                 qkv_bias=bias, out_bias=bias, qk_norm="head", sliding_window=window,
+                                                 layer_types=types if window else None),
+                       mlp=MLPConfig(hf["intermediate_size"], activation="swiglu"))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
     hf = common_to_hf(cfg, "qwen3", "Qwen3ForCausalLM")
-    hf.update(hidden_act="silu", attention_bias=cfg.qkv_bias, rope_parameters=rope_to_hf(cfg))
-    if cfg.sliding_window is not None:
-        hf.update(use_sliding_window=True, sliding_window=cfg.sliding_window)
+    hf.update(hidden_act="silu", attention_bias=cfg.attention.qkv_bias, rope_parameters=rope_to_hf(cfg))
+    if cfg.attention.sliding_window is not None:
+        hf.update(use_sliding_window=True, sliding_window=cfg.attention.sliding_window)
     return hf
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from tpzoo.errors import ConfigError
 
-from .config import ModelConfig
-from .hf_common import check, common_fields, common_to_hf, decoder_tensor_map, read_layer_types, read_rope, rope_to_hf
+from .config import AttentionConfig, MLPConfig, ModelConfig
+from .hf_common import (check, common_attention, common_fields, common_to_hf, decoder_tensor_map, read_layer_types,
+                        read_rope, rope_to_hf)
 from .registry import Family, register_family
 
 NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
@@ -25,17 +26,20 @@ def config_from_hf(hf: dict) -> ModelConfig:
     types = read_layer_types("smollm3", hf, layers)
     window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
     bias = hf.get("attention_bias", False)
-    return ModelConfig(family="smollm3", **common_fields(hf), activation="swiglu", rope_theta=theta,
-                       rope_scaling=scaling, qkv_bias=bias, out_bias=bias, rope_layers=list(rope_layers),
-                       sliding_window=window, layer_types=types if window else None)
+    return ModelConfig(family="smollm3", **common_fields(hf),
+                       attention=AttentionConfig(**common_attention(hf), rope_theta=theta, rope_scaling=scaling,
+                                                 qkv_bias=bias, out_bias=bias, rope_layers=list(rope_layers),
+                                                 sliding_window=window, layer_types=types if window else None),
+                       mlp=MLPConfig(hf["intermediate_size"], activation="swiglu"))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
     hf = common_to_hf(cfg, "smollm3", "SmolLM3ForCausalLM")
-    hf.update(hidden_act="silu", attention_bias=cfg.qkv_bias, rope_parameters=rope_to_hf(cfg),
-              no_rope_layers=list(cfg.rope_layers) if cfg.rope_layers is not None else [1] * cfg.num_layers)
-    if cfg.sliding_window is not None:
-        hf.update(use_sliding_window=True, sliding_window=cfg.sliding_window)
+    a = cfg.attention
+    hf.update(hidden_act="silu", attention_bias=a.qkv_bias, rope_parameters=rope_to_hf(cfg),
+              no_rope_layers=list(a.rope_layers) if a.rope_layers is not None else [1] * cfg.num_layers)
+    if a.sliding_window is not None:
+        hf.update(use_sliding_window=True, sliding_window=a.sliding_window)
     return hf
 
 

@@ -1,13 +1,17 @@
-"""The decoder-only transformer of every family, or one pipeline stage of it.
+"""The decoder-only transformer of every family: one pipeline chunk (or the whole model) on this rank.
+
+    model = Transformer(cfg, ModelLayout(dims, sequence_parallel=True), Stage(layers=range(0, 8), post_process=False))
+    out = model(Inputs(ids, labels=labels), cache=None, loss=LossOptions(label_smoothing=0.1))
 
 Parameter names are global and layout independent (`layers.7.attn.qkv.weight` is layer 7 on whichever stage
 holds it), so checkpoints and HF mappings never depend on tp or pp:
     embed.weight, pos_embed.weight (learned positions), layers.{i}.{attn_norm,attn,mlp_norm,mlp}...,
     final_norm.{weight,bias}, lm_head.weight (absent when tied and the embedding is on the same stage).
 
-forward() returns the hidden states on a stage without the head; on the last stage the logits shard
-[b, s, V'/tp] (padded vocab, split over TP), or with `labels` the per-token loss [b, s] (0 where ignored),
-computed by default without the logits of all the tokens (models/lm_head.py, fused_linear_cross_entropy).
+forward() returns on a chunk without the head the hidden states (with the auxiliary sums beside them when the
+pipeline carries them: (hidden, {key: vector})); on the last stage the logits shard [b, s, V'/tp] (padded vocab,
+split over TP), or with labels the per-token loss [b, s] (0 where ignored), computed by default without the
+logits of all the tokens (models/lm_head.py, fused_linear_cross_entropy).
 """
 from __future__ import annotations
 
@@ -16,21 +20,22 @@ import functools
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from tpzoo.errors import ConfigError
-from tpzoo.parallel import (ParallelDims, VocabParallelEmbedding, gather_tp_tensor, mark_parallel, mark_tied,
-                            padded_vocab_size)
-from tpzoo.parallel.state import get_dims
+from tpzoo.parallel import VocabParallelEmbedding, gather_tp_tensor, mark_parallel, mark_tied, padded_vocab_size
 
-from .blocks import Norm, TransformerBlock, rope_cos_sin, rope_inv_freq
+from .aux import carried_sizes, model_rules
+from .block import TransformerBlock
 from .config import ModelConfig
 from .documents import Documents, document_positions
+from .inputs import Cache, Context, Inputs, LossOptions
+from .kinds.rotary import cos_sin, inv_freq
+from .layout import ModelLayout, Stage
 from .lm_head import LMHead
+from .norm import Norm
 
-RECOMPUTE_MODES = ("none", "selective", "full")
-ROUTER_LOSS_PP = ("a last pipeline stage computing the router loss needs the earlier stages' router statistics: "
-                  "pass router_stats (the pipeline executor carries them beside the activations)")
+CARRY_AUX = ("a last pipeline stage computing the {} losses needs the earlier stages' auxiliary sums: pass "
+             "Inputs.aux (the pipeline executor carries them beside the activations)")
 
 
 @contextlib.contextmanager
@@ -52,71 +57,63 @@ def _reset(module: nn.Module) -> None:
 
 
 class Transformer(nn.Module):
-    """One pipeline chunk (or the whole model) of a zoo family on this rank of `dims`.
+    """One pipeline chunk (or the whole model) of a zoo model on this rank: `stage` says which layers and whether
+    it embeds (pre_process) and holds the head (post_process); `layout` how it is split (ModelLayout, or a
+    ParallelDims; default: the default dims); `seed` its initial weights (the same full weights at any layout).
 
     Built the torchtitan way: every module is created on the meta device (no memory, no random draws), then
     `materialize(device)` allocates it and `init_weights()` fills it (a checkpoint loader fills it instead). With
-    `device="meta"` the model stays unallocated; otherwise (default: dims.device) both steps run here.
+    layout.device "meta" the model stays unallocated; otherwise (default: dims.device) both steps run here.
+    Recomputation is applied afterwards (models/recompute.py apply_recompute).
     """
 
-    def __init__(self, cfg: ModelConfig, *, dims: ParallelDims | None = None, layers: tuple[int, int] | None = None,
-                 pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
-                 recompute: str = "none", seed: int = 0, vocab_padding_multiple: int = 1, dtype=None, device=None,
-                 cp_mode: str = "ring", fused_linear_cross_entropy: bool = True):
+    def __init__(self, cfg: ModelConfig, layout: ModelLayout | None = None, stage: Stage | None = None,
+                 seed: int = 0):
         super().__init__()
-        if recompute not in RECOMPUTE_MODES:
-            raise ConfigError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
-        self.dims = dims = get_dims(dims)
-        self.cfg, self.sequence_parallel, self.recompute = cfg, sequence_parallel, recompute
-        self.pre_process, self.post_process, self.seed = pre_process, post_process, seed
-        start, end = layers if layers is not None else (0, cfg.num_layers)
-        self.layer_range = (start, end)
-        kw = {"dtype": dtype, "device": "meta"}
+        self.layout = layout = ModelLayout.of(layout)
+        self.stage = stage = (stage or Stage()).resolved(cfg.num_layers)
+        self.cfg, self.dims, self.seed = cfg, layout.dims, seed
+        self.pre_process, self.post_process = stage.pre_process, stage.post_process
+        self.recompute = "none"
+        kw = {"dtype": layout.dtype, "device": "meta"}
         # A function of the config, not a bound method: held by the children, a method would tie the model into a
         # reference cycle (freed only by Python's cyclic GC, so a dropped model's GPU memory would linger).
         self._init_method = init = functools.partial(nn.init.normal_, std=cfg.initializer_range)
-        if pre_process:
-            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, vocab_padding_multiple,
-                                                sequence_parallel, init, dims=dims, **kw)
+        if self.pre_process:
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, layout.padding_multiple,
+                                                layout.sequence_parallel, init, dims=layout.dims, **kw)
             if cfg.position == "learned":
                 # _weight given: nn.Embedding draws nothing at construction (init_weights does).
                 self.pos_embed = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
                                               _weight=torch.empty(cfg.max_position_embeddings, cfg.hidden_size,
                                                                   **kw))
                 # Under SP each rank adds positions to its own sequence chunk: a partial gradient.
-                mark_parallel(self.pos_embed.weight, None, sequence_parallel)
-        self.layers = nn.ModuleDict()
-        for i in range(start, end):
-            self.layers[str(i)] = TransformerBlock(cfg, sequence_parallel, dims, layer=i, **kw)
-            self.layers[str(i)].attn.recompute_core = recompute == "selective"
-        self.set_cp_mode(cp_mode)
-        if post_process:
-            self.final_norm = Norm(cfg, sequence_parallel, **kw)
-            vocab_padded = padded_vocab_size(cfg.vocab_size, dims.tp, vocab_padding_multiple)
+                mark_parallel(self.pos_embed.weight, None, layout.sequence_parallel)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i, layout) for i in stage.layers})
+        if self.post_process:
+            self.final_norm = Norm(cfg, layout)
+            vocab_padded = padded_vocab_size(cfg.vocab_size, layout.tp, layout.padding_multiple)
             # Tied: the head is drawn exactly like the embedding, so a separate last-stage copy starts equal.
             head_init = _embedding_init(init, cfg.vocab_size) if cfg.tie_embeddings else init
             self.lm_head = LMHead(cfg.hidden_size, vocab_padded, cfg.vocab_size, softcap=cfg.final_softcap,
-                                  fused=fused_linear_cross_entropy, sequence_parallel=sequence_parallel,
-                                  init_method=head_init, dims=dims, **kw)
-            if cfg.tie_embeddings and pre_process:
+                                  sequence_parallel=layout.sequence_parallel, init_method=head_init,
+                                  dims=layout.dims, **kw)
+            if cfg.tie_embeddings and self.pre_process:
                 self.lm_head.weight = self.embed.weight
         if cfg.tie_embeddings:  # declared here, so no one has to find tied weights by name
-            if pre_process:
+            if self.pre_process:
                 mark_tied(self.embed.weight, "embedding", primary=True)
-            elif post_process:
+            elif self.post_process:
                 mark_tied(self.lm_head.weight, "embedding", primary=False)
-        self.moe_layers = [i for i in range(start, end) if cfg.is_moe_layer(i)]
-        # The router loss couples every MoE layer of the whole model (not only this chunk's): with pipeline
-        # parallelism each stage adds its layers' sums to statistics that travel with the activations.
-        self.num_moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-        self.router_loss_on = bool(self.num_moe_layers) and bool(cfg.output_router_logits) and bool(
-            cfg.router_aux_loss_coef or cfg.router_z_loss_coef)
-        self.aux_loss = self.z_loss = None  # of the last forward (detached; HF's aux_loss output)
-        if cfg.position == "rope":
-            self.register_buffer("inv_freq", torch.empty(cfg.rotary_dim // 2, device="meta"), persistent=False)
-        if cfg.rope_local_theta is not None:  # Gemma 3: sliding layers rotate with their own base
-            self.register_buffer("inv_freq_local", torch.empty(cfg.rotary_dim // 2, device="meta"), persistent=False)
-        device = torch.device(device) if device is not None else dims.device
+        # The rotary tables this chunk's layers use (models/kinds/rotary.py), one buffer each, computed once per
+        # forward; and the auxiliary-output rules of the whole model's kinds (models/aux.py).
+        specs = [getattr(layer.attn, "rotary", None) for layer in self.layers.values()]
+        self.rotary_specs = list(dict.fromkeys(s for s in specs if s is not None))
+        for j, spec in enumerate(self.rotary_specs):
+            self.register_buffer(f"inv_freq_{j}", torch.empty(spec.dim // 2, device="meta"), persistent=False)
+        self.aux_rules = model_rules(cfg)
+        self.aux_reports: dict = {}  # of the last forward that reduced them (detached; HF's aux_loss...)
+        device = layout.device if layout.device is not None else layout.dims.device
         if device.type != "meta":
             self.materialize(device)
             self.init_weights()
@@ -140,11 +137,8 @@ class Transformer(nn.Module):
             param.__dict__.update(attrs)
             for mod, name in places[1:]:
                 mod._parameters[name] = param
-        if self.cfg.position == "rope":
-            self.inv_freq = rope_inv_freq(self.cfg).to(device)
-        if self.cfg.rope_local_theta is not None:
-            local = self.cfg.replace(rope_theta=self.cfg.rope_local_theta, rope_scaling=None)
-            self.inv_freq_local = rope_inv_freq(local).to(device)
+        for j, spec in enumerate(self.rotary_specs):
+            setattr(self, f"inv_freq_{j}", inv_freq(spec).to(device))
         return self
 
     @torch.no_grad()
@@ -172,33 +166,105 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    def set_cp_mode(self, mode: str) -> "Transformer":
-        """How attention spans the context-parallel ranks when dims.cp > 1: "ring" or "a2a" (all-to-all)."""
-        if mode not in ("ring", "a2a"):
-            raise ConfigError(f"cp_mode must be 'ring' or 'a2a', got {mode!r}")
-        for layer in self.layers.values():
-            layer.attn.cp_mode = mode
-        return self
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.layout.sequence_parallel
 
-    # -- helpers --------------------------------------------------------------------------------------------
     @property
     def vocab_padded(self) -> int:
         return (self.lm_head.out_features if self.post_process else self.embed.num_embeddings_padded)
 
-    def _positions(self, input_like: torch.Tensor, seq_len: int, past: int, position_ids):
-        if position_ids is not None:
-            return position_ids
-        if self.dims.cp > 1:  # the tokens of this rank are not 0..s-1 (tpzoo.parallel.context_parallel)
-            raise ConfigError("context parallelism: pass the position_ids of this rank's tokens "
-                              "(tpzoo.parallel.context_parallel.shard_batch gives them)")
-        return torch.arange(past, past + seq_len, device=input_like.device).unsqueeze(0)
+    # -- generation state and step hooks --------------------------------------------------------------------
+    def new_cache(self, batch: int, max_length: int) -> Cache:
+        """Each layer's generation cache, made by its token mixer, for `batch` rows of up to `max_length` tokens."""
+        return Cache({int(i): layer.attn.new_cache(batch, max_length) for i, layer in self.layers.items()},
+                     batch, max_length)
 
-    def _documents(self, doc_ids, seq_len: int, kv_caches) -> Documents | None:
+    def carried_aux(self, loss: LossOptions) -> dict[str, int]:
+        """{key: size} of the auxiliary sums a labelled forward with `loss` passes between pipeline stages (empty:
+        none; the same on every chunk of the model)."""
+        return carried_sizes(self.cfg, loss)
+
+    def after_optimizer_step(self) -> None:
+        """After each optimizer step: every module with non-gradient state to update from the step (models/aux.py)
+        does it, in module order (the same on every rank: it may all-reduce what it gathered)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "after_optimizer_step"):
+                module.after_optimizer_step()
+
+    # -- forward --------------------------------------------------------------------------------------------
+    def forward(self, inputs, cache: Cache | None = None, loss: LossOptions | None = None):
+        """inputs: an Inputs (or a tensor of token ids); cache: from new_cache() (generation); loss: the
+        LossOptions of the last stage. See models/inputs.py."""
+        inputs, loss = Inputs.of(inputs), loss or LossOptions()
+        ctx, h = self._enter(inputs, cache)
+        for i, layer in self.layers.items():
+            h = layer(h, ctx, cache[int(i)] if cache is not None else None)
+        if cache is not None:
+            cache.length += ctx.length
+        carried, reduced = self._auxiliary(ctx, inputs, loss, h.device)
+        if not self.post_process:
+            return h if carried is None else (h, carried)
+        h = self.final_norm(h)
+        if inputs.labels is None:
+            return self.lm_head(h, position=loss.logits_position)
+        labels = inputs.labels
+        per_token = self.lm_head(h, labels, label_smoothing=loss.label_smoothing, z_loss=loss.z_loss,
+                                 fused=loss.fused)
+        if loss.aux_losses:
+            for term in reduced:
+                # HF: loss = mean CE + coef * aux. Added to every trained token, the mean over tokens (the loss
+                # tpzoo backpropagates and reports) gets exactly that; over micro-batches, a token-weighted mean.
+                per_token = per_token + term * (labels.to(per_token.device) != -100)
+        return per_token
+
+    def _enter(self, inputs: Inputs, cache: Cache | None) -> tuple[Context, torch.Tensor]:
+        """The forward's Context and the activation entering the first layer (the embedding, or `hidden`)."""
+        tp, sp = self.dims.tp, self.layout.sequence_parallel
+        ids, hidden = inputs.ids, inputs.hidden
+        if self.pre_process and ids is None:
+            raise ConfigError("the first pipeline stage embeds token ids: pass Inputs(ids=...)")
+        if not self.pre_process and hidden is None:
+            raise ConfigError("a pipeline stage after the first takes the previous one's activation: "
+                              "pass Inputs(hidden=...)")
+        ref = ids if self.pre_process else hidden
+        seq_len = ids.shape[1] if self.pre_process else hidden.shape[1] * (tp if sp else 1)
+        if sp and seq_len % tp:
+            raise ConfigError(f"sequence parallelism: sequence length {seq_len} is not divisible by "
+                              f"tp={tp}; pad the sequence or turn sequence parallelism off")
+        past = cache.length if cache is not None else 0
+        ctx = Context(seq_len, self._documents(inputs.doc_ids, seq_len, cache), past=past)
+        if inputs.token_mask is not None:
+            ctx.token_mask = self._seq_chunk(inputs.token_mask.unsqueeze(-1)).reshape(-1)
+        positions = self._positions(inputs, ref, seq_len, past)
+        for j, spec in enumerate(self.rotary_specs):
+            ctx.rotary[spec] = cos_sin(getattr(self, f"inv_freq_{j}"), positions)
+        if not self.pre_process:
+            return ctx, hidden
+        h = self.embed(ids)
+        if self.cfg.embed_scale:  # Gemma: sqrt(hidden), rounded to the activations' dtype as HF does
+            h = h * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype, device=h.device)
+        if self.cfg.position == "learned":
+            positions = positions.expand(ids.shape[0], -1).unsqueeze(-1)
+            h = h + self.pos_embed(self._seq_chunk(positions).squeeze(-1))
+        return ctx, h
+
+    def _positions(self, inputs: Inputs, ref: torch.Tensor, seq_len: int, past: int) -> torch.Tensor:
+        if inputs.positions is not None:
+            return inputs.positions
+        if self.dims.cp > 1:  # the tokens of this rank are not 0..s-1 (tpzoo.parallel.context_parallel)
+            raise ConfigError("context parallelism: pass the positions of this rank's tokens "
+                              "(tpzoo.parallel.context_parallel.shard_batch gives them)")
+        if inputs.doc_ids is not None:  # a packed batch: positions restart at every document
+            return document_positions(inputs.doc_ids)
+        return torch.arange(past, past + seq_len, device=ref.device).unsqueeze(0)
+
+    def _documents(self, doc_ids, seq_len: int, cache) -> Documents | None:
         if doc_ids is None:
             return None
-        if kv_caches:
-            raise ConfigError("doc_ids (document masking of packed batches) do not decode with a KV cache: "
-                              "generation runs one document per row")
+        if cache is not None:
+            raise ConfigError("doc_ids (document masking of packed batches) do not decode with a KV cache (nor any "
+                              "layer's generation cache): generation runs one document per row")
         if doc_ids.shape[1] != seq_len * self.dims.cp:  # cp: the whole (padded) sequence, not this rank's chunks
             raise ConfigError(f"doc_ids cover {doc_ids.shape[1]} tokens per row, but the sequence has "
                               f"{seq_len * self.dims.cp} (at cp > 1 pass the whole padded sequence's: shard_batch)")
@@ -206,117 +272,43 @@ class Transformer(nn.Module):
 
     def _seq_chunk(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of the sequence dim (-2) under sequence parallelism."""
-        if not self.sequence_parallel or self.dims.tp == 1:
+        if not self.layout.split_sequence:
             return t
         return t.chunk(self.dims.tp, dim=-2)[self.dims.tp_rank]
 
-    # -- forward --------------------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                kv_caches: list | None = None, label_smoothing: float = 0.0,
-                router_stats: torch.Tensor | None = None, token_mask: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None, router_loss: bool = True, z_loss: float = 0.0,
-                logits_position: int | None = None):
-        """input_ids [b, s] on the first stage, else `hidden` from the previous stage (seq-sharded under SP).
-        label_smoothing, z_loss: of the loss (with labels; tpzoo.parallel.vocab_parallel_cross_entropy).
-        logits_position (without labels): only that position's logits, [b, 1, V'/tp] (generation).
+    def _auxiliary(self, ctx: Context, inputs: Inputs, loss: LossOptions, device) -> tuple:
+        """(the auxiliary sums to pass to the next stage, or None; the loss terms of the totals reduced here).
 
-        router_stats (pipeline training with the router loss): the router statistics of the earlier stages
-        (models.moe.stage_stats; zeros on the first stage). This chunk adds its layers' sums; a chunk without the
-        head then returns (hidden, statistics) for the next stage, the last one computes the router loss from the
-        totals. Without it, a chunk that is the whole model computes the loss from its own layers.
-        token_mask [b, s] (this rank's tokens, before SP's split): the tokens the router statistics count (0: an
-        SFT sample's padding, as transformers' attention mask; context parallelism's padding, which HF's sequence
-        does not have); None: all.
-        doc_ids [b, S] (a packed batch; models/documents.py): each token's document in its row's whole sequence
-        (every cp rank passes all of it, padded as tpzoo.parallel.context_parallel.shard_batch does); attention
-        then stays within documents, and without position_ids (cp=1) positions restart at each document.
-        router_loss=False: the per-token loss is the language model's alone, even for a model that trains with the
-        router losses (evaluation: they are still computed into aux_loss / z_loss from the statistics at hand)."""
-        tp = self.dims.tp
-        seq_len = input_ids.shape[1] if input_ids is not None else hidden.shape[1] * (
-            tp if self.sequence_parallel else 1)
-        ref = input_ids if input_ids is not None else hidden
-        past = kv_caches[0].length if kv_caches else 0
-        if self.sequence_parallel and seq_len % tp:
-            raise ConfigError(f"sequence parallelism: sequence length {seq_len} is not divisible by "
-                             f"tp={tp}; pad the sequence or turn sequence parallelism off")
-        docs = self._documents(doc_ids, seq_len, kv_caches)
-        if docs is not None and position_ids is None and self.dims.cp == 1:
-            position_ids = document_positions(doc_ids)
-        positions = self._positions(ref, seq_len, past, position_ids)
-        if self.pre_process:
-            h = self.embed(input_ids)
-            if self.cfg.embed_scale:  # Gemma: sqrt(hidden), rounded to the activations' dtype as HF does
-                h = h * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype, device=h.device)
-            if self.cfg.position == "learned":
-                h = h + self.pos_embed(self._seq_chunk(positions.expand(input_ids.shape[0], -1).unsqueeze(-1))
-                                       .squeeze(-1))
-        else:
-            h = hidden
-        if self.moe_layers:
-            mask = None if token_mask is None else self._seq_chunk(token_mask.unsqueeze(-1)).reshape(-1)
-            for i in self.moe_layers:
-                self.layers[str(i)].mlp.token_mask = mask
-        rotary = {None: (None, None)}  # each layer's table: "global", "local" (Gemma 3) or None (no rope)
-        if self.cfg.position == "rope":
-            rotary["global"] = rope_cos_sin(self.inv_freq, positions)
-        if self.cfg.rope_local_theta is not None:
-            rotary["local"] = rope_cos_sin(self.inv_freq_local, positions)
-        for j, layer in enumerate(self.layers.values()):
-            cache = kv_caches[j] if kv_caches else None
-            cos, sin = rotary[layer.rope]
-            if self.recompute == "full" and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, cache, docs, use_reentrant=False)
-            else:
-                h = layer(h, cos, sin, cache, docs)
-        if router_stats is not None:
-            from .moe import stage_stats
-
-            stats = [self.layers[str(i)].mlp.last_stats for i in self.moe_layers]
-            E = self.cfg.num_experts
-            # the incoming counts carry no gradient (assignments): only the probability and z sums send one back
-            incoming = torch.cat([router_stats[:E].detach(), router_stats[E:]])
-            router_stats = incoming + stage_stats(stats, E, h.device)
+        Each rule's sum over this chunk's layers (models/aux.py) is added to the earlier stages' (inputs.aux, when
+        the pipeline carries them); a chunk without the head passes the totals on, the last one reduces them into
+        Transformer.aux_reports and the terms its loss adds. A chunk that is the whole model reduces its own."""
+        cfg, rules = self.cfg, self.aux_rules
+        whole = self.pre_process and self.post_process
+        if inputs.aux is not None:
+            totals = {}
+            for key, rule in rules.items():
+                if rule.carried(cfg, loss):
+                    own = rule.combine(cfg, ctx.recorded(key), device)
+                    totals[key] = inputs.aux[key] + own if key in inputs.aux else own
             if not self.post_process:
-                return h, router_stats
-            aux = self._router_losses(router_stats)
+                return totals, []
+        elif whole:
+            recorded = {key: ctx.recorded(key) for key in rules}
+            totals = {key: rules[key].combine(cfg, records, device) for key, records in recorded.items() if records}
         else:
-            if self.router_loss_on and router_loss and labels is not None and not (
-                    self.pre_process and self.post_process):
-                # HF's load-balancing loss couples every layer's routing (one product of global sums), so a
+            training = [k for k, rule in rules.items() if rule.trains(cfg)]
+            if training and loss.aux_losses and inputs.labels is not None:
+                # e.g. HF's load-balancing loss couples every layer's routing (one product of global sums), so a
                 # pipeline stage cannot add its share alone.
-                raise ConfigError(ROUTER_LOSS_PP)
-            if self.moe_layers and self.pre_process and self.post_process:
-                from .moe import stage_stats
-
-                stats = [self.layers[str(i)].mlp.last_stats for i in self.moe_layers]
-                aux = self._router_losses(stage_stats(stats, self.cfg.num_experts, h.device))
-        if not self.post_process:
-            return h
-        h = self.final_norm(h)
-        if labels is None:
-            return self.lm_head(h, position=logits_position)
-        per_token = self.lm_head(h, labels, label_smoothing=label_smoothing, z_loss=z_loss)
-        if self.router_loss_on and router_loss:
-            # HF: loss = mean CE + coef * aux. Added to every trained token, the mean over tokens (the loss tpzoo
-            # backpropagates and reports) gets exactly that; over micro-batches, a token-weighted mean of each's.
-            per_token = per_token + aux * (labels.to(per_token.device) != -100)
-        return per_token
-
-    def router_logits(self) -> list[torch.Tensor]:
-        """Each MoE layer's router logits of the last forward ([tokens, E]; this rank's sequence shard under SP)."""
-        return [self.layers[str(i)].mlp.last_stats["logits"] for i in self.moe_layers]
-
-    def _router_losses(self, totals: torch.Tensor) -> torch.Tensor:
-        """HF's load-balancing loss and the z-loss of the last forward (stored detached), and their weighted sum,
-        from the statistics of every MoE layer of the model on this rank's tokens (`totals`)."""
-        from .moe import router_losses
-
-        aux, z = router_losses(totals, self.num_moe_layers, self.cfg.num_experts, self.dims.tp_group,
-                               self.sequence_parallel, self.dims.cp_group if self.dims.cp > 1 else None)
-        self.aux_loss, self.z_loss = aux.detach(), z.detach()
-        return self.cfg.router_aux_loss_coef * aux + self.cfg.router_z_loss_coef * z
+                raise ConfigError(CARRY_AUX.format(", ".join(training)))
+            return None, []
+        terms = []
+        for key, total in totals.items():
+            term, reports = rules[key].reduce(cfg, self.layout, total)
+            self.aux_reports.update(reports)
+            if term is not None:
+                terms.append(term)
+        return None, terms
 
     @torch.no_grad()
     def full_logits(self, logits_shard: torch.Tensor) -> torch.Tensor:
@@ -329,24 +321,3 @@ def _embedding_init(init, vocab_size: int):
         init(master[:vocab_size])
         master[vocab_size:].zero_()
     return fill
-
-
-class KVCache:
-    """Keys and values of the tokens seen so far, for one layer on this rank ([b, kv_heads/tp, s, hd])."""
-
-    def __init__(self):
-        self.k = self.v = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
-
-    def update(self, k: torch.Tensor, v: torch.Tensor):
-        past = self.length
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        return self.k, self.v, past
-
-
-def new_kv_caches(model: Transformer) -> list[KVCache]:
-    return [KVCache() for _ in model.layers]

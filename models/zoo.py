@@ -1,16 +1,18 @@
 """Named configs: published shapes (with the HF repository each comes from) and tiny ones for tests/demos."""
 from __future__ import annotations
 
-from .config import ModelConfig
+from .config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig
 from .registry import CONFIGS, register_config
+
+GPT2_MLP = dict(activation="gelu_tanh", bias=True)
 
 
 def _gpt2(name, h, layers, heads, src):
     register_config(name, ModelConfig(
-        family="gpt2", vocab_size=50257, hidden_size=h, num_layers=layers, num_heads=heads, ffn_hidden_size=4 * h,
-        max_position_embeddings=1024, norm="layernorm", norm_eps=1e-5, activation="gelu_tanh", position="learned",
-        tie_embeddings=True, qkv_bias=True, out_bias=True, mlp_bias=True, bos_token_id=50256, eos_token_id=50256,
-        hf_source=src))
+        family="gpt2", vocab_size=50257, hidden_size=h, num_layers=layers,
+        attention=AttentionConfig(num_heads=heads, qkv_bias=True, out_bias=True),
+        mlp=MLPConfig(4 * h, **GPT2_MLP), max_position_embeddings=1024, norm="layernorm", norm_eps=1e-5,
+        position="learned", tie_embeddings=True, bos_token_id=50256, eos_token_id=50256, hf_source=src))
 
 
 _gpt2("gpt2", 768, 12, 12, "openai-community/gpt2")
@@ -26,10 +28,11 @@ LLAMA32_SCALING = {**LLAMA31_SCALING, "factor": 32.0}
 def _llama(name, family="llama", *, vocab, h, layers, heads, kv, ffn, pos, theta=10000.0, eps=1e-5, tied=False,
            scaling=None, head_dim=None, qkv_bias=False, window=None, src=""):
     register_config(name, ModelConfig(
-        family=family, vocab_size=vocab, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=kv,
-        head_dim=head_dim, ffn_hidden_size=ffn, max_position_embeddings=pos, norm="rmsnorm", norm_eps=eps,
-        activation="swiglu", position="rope", rope_theta=theta, rope_scaling=scaling, tie_embeddings=tied,
-        qkv_bias=qkv_bias, sliding_window=window, hf_source=src))
+        family=family, vocab_size=vocab, hidden_size=h, num_layers=layers,
+        attention=AttentionConfig(num_heads=heads, num_kv_heads=kv, head_dim=head_dim, rope_theta=theta,
+                                  rope_scaling=scaling, qkv_bias=qkv_bias, sliding_window=window),
+        mlp=MLPConfig(ffn), max_position_embeddings=pos, norm="rmsnorm", norm_eps=eps, position="rope",
+        tie_embeddings=tied, hf_source=src))
 
 
 _llama("llama-2-7b", vocab=32000, h=4096, layers=32, heads=32, kv=32, ffn=11008, pos=4096,
@@ -66,10 +69,11 @@ for _n, _v, _h, _l, _heads, _kv, _ffn, _tied in (
 
 def _qwen3(size, *, h, layers, heads, ffn, tied):
     register_config(f"qwen3-{size}", ModelConfig(
-        family="qwen3", vocab_size=151936, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=8,
-        head_dim=128, ffn_hidden_size=ffn, max_position_embeddings=40960, norm_eps=1e-6, rope_theta=1000000.0,
-        tie_embeddings=tied, qk_norm="head", bos_token_id=151643, eos_token_id=151645,
-        hf_source=f"Qwen/Qwen3-{size.upper()}"))
+        family="qwen3", vocab_size=151936, hidden_size=h, num_layers=layers,
+        attention=AttentionConfig(num_heads=heads, num_kv_heads=8, head_dim=128, rope_theta=1000000.0,
+                                  qk_norm="head"),
+        mlp=MLPConfig(ffn), max_position_embeddings=40960, norm_eps=1e-6, tie_embeddings=tied,
+        bos_token_id=151643, eos_token_id=151645, hf_source=f"Qwen/Qwen3-{size.upper()}"))
 
 
 _qwen3("0.6b", h=1024, layers=28, heads=16, ffn=3072, tied=True)
@@ -82,9 +86,10 @@ _qwen3("32b", h=5120, layers=64, heads=64, ffn=25600, tied=False)
 
 def _olmo2(name, *, h, layers, heads, kv, ffn, src):
     register_config(name, ModelConfig(
-        family="olmo2", vocab_size=100352, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=kv,
-        ffn_hidden_size=ffn, max_position_embeddings=4096, norm_eps=1e-6, rope_theta=500000.0, qk_norm="full",
-        pre_norm=False, post_norm=True, eos_token_id=100257, pad_token_id=100277, hf_source=src))
+        family="olmo2", vocab_size=100352, hidden_size=h, num_layers=layers,
+        attention=AttentionConfig(num_heads=heads, num_kv_heads=kv, rope_theta=500000.0, qk_norm="full"),
+        mlp=MLPConfig(ffn), max_position_embeddings=4096, norm_eps=1e-6, pre_norm=False, post_norm=True,
+        eos_token_id=100257, pad_token_id=100277, hf_source=src))
 
 
 _olmo2("olmo-2-1b", h=2048, layers=16, heads=16, kv=16, ffn=8192, src="allenai/OLMo-2-0425-1B")
@@ -93,16 +98,20 @@ _olmo2("olmo-2-13b", h=5120, layers=40, heads=40, kv=40, ffn=13824, src="allenai
 _olmo2("olmo-2-32b", h=5120, layers=64, heads=40, kv=8, ffn=27648, src="allenai/OLMo-2-0325-32B")
 
 
-def _gemma(name, family, *, vocab, h, layers, heads, kv, head_dim, ffn, scalar, window, pos, every, src, **kw):
+def _gemma(name, family, *, vocab, h, layers, heads, kv, head_dim, ffn, scalar, window, pos, every, src,
+           final_softcap=None, **attention):
     register_config(name, ModelConfig(
-        family=family, vocab_size=vocab, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=kv,
-        head_dim=head_dim, ffn_hidden_size=ffn, max_position_embeddings=pos, norm_eps=1e-6, activation="geglu_tanh",
-        tie_embeddings=True, sliding_window=window, attn_scale=scalar, pre_norm=True, post_norm=True,
-        norm_offset=True, embed_scale=True, bos_token_id=2, eos_token_id=1, pad_token_id=0, hf_source=src,
-        layer_types=["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)], **kw))
+        family=family, vocab_size=vocab, hidden_size=h, num_layers=layers,
+        attention=AttentionConfig(
+            num_heads=heads, num_kv_heads=kv, head_dim=head_dim, sliding_window=window, scale=scalar,
+            layer_types=["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)],
+            **attention),
+        mlp=MLPConfig(ffn, activation="geglu_tanh"), max_position_embeddings=pos, norm_eps=1e-6,
+        tie_embeddings=True, pre_norm=True, post_norm=True, norm_offset=True, embed_scale=True,
+        final_softcap=final_softcap, bos_token_id=2, eos_token_id=1, pad_token_id=0, hf_source=src))
 
 
-_GEMMA2 = dict(vocab=256000, window=4096, pos=8192, every=2, attn_softcap=50.0, final_softcap=30.0)
+_GEMMA2 = dict(vocab=256000, window=4096, pos=8192, every=2, softcap=50.0, final_softcap=30.0)
 _gemma("gemma-2-2b", "gemma2", h=2304, layers=26, heads=8, kv=4, head_dim=256, ffn=9216, scalar=256,
        src="google/gemma-2-2b", **_GEMMA2)
 _gemma("gemma-2-9b", "gemma2", h=3584, layers=42, heads=16, kv=8, head_dim=256, ffn=14336, scalar=256,
@@ -129,15 +138,18 @@ _llama("smollm2-360m", vocab=49152, h=960, layers=32, heads=15, kv=5, ffn=2560, 
 _llama("smollm2-1.7b", vocab=49152, h=2048, layers=24, heads=32, kv=32, ffn=8192, pos=8192, theta=130000.0,
        tied=True, src="HuggingFaceTB/SmolLM2-1.7B")
 register_config("smollm3-3b", ModelConfig(
-    family="smollm3", vocab_size=128256, hidden_size=2048, num_layers=36, num_heads=16, num_kv_heads=4,
-    ffn_hidden_size=11008, max_position_embeddings=65536, norm_eps=1e-6, rope_theta=5000000.0, tie_embeddings=True,
-    rope_layers=[int((i + 1) % 4 != 0) for i in range(36)], hf_source="HuggingFaceTB/SmolLM3-3B-Base"))
+    family="smollm3", vocab_size=128256, hidden_size=2048, num_layers=36,
+    attention=AttentionConfig(num_heads=16, num_kv_heads=4, rope_theta=5000000.0,
+                              rope_layers=[int((i + 1) % 4 != 0) for i in range(36)]),
+    mlp=MLPConfig(11008), max_position_embeddings=65536, norm_eps=1e-6, tie_embeddings=True,
+    hf_source="HuggingFaceTB/SmolLM3-3B-Base"))
 
 def _phi(name, *, vocab, h, layers, heads, kv, ffn, pos, theta=10000.0, window=None, tied=False, partial=1.0, src):
     register_config(name, ModelConfig(
-        family="phi3", vocab_size=vocab, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=kv,
-        ffn_hidden_size=ffn, max_position_embeddings=pos, norm_eps=1e-5, rope_theta=theta, sliding_window=window,
-        tie_embeddings=tied, partial_rotary_factor=partial, hf_source=src))
+        family="phi3", vocab_size=vocab, hidden_size=h, num_layers=layers,
+        attention=AttentionConfig(num_heads=heads, num_kv_heads=kv, rope_theta=theta, sliding_window=window,
+                                  partial_rotary_factor=partial),
+        mlp=MLPConfig(ffn), max_position_embeddings=pos, norm_eps=1e-5, tie_embeddings=tied, hf_source=src))
 
 
 # Phi-3 (4K context checkpoints: their 128K siblings use LongRoPE, which tpzoo refuses) and Phi-4. Phi-4-mini's
@@ -152,27 +164,29 @@ _phi("phi-4", vocab=100352, h=5120, layers=40, heads=40, kv=10, ffn=17920, pos=1
      src="microsoft/phi-4")
 
 # Tiny configs for tests and demos (no HF source): small enough to train on a laptop CPU.
+GPT2_ATTENTION = dict(qkv_bias=True, out_bias=True)
 register_config("tiny-gpt", ModelConfig(
-    family="gpt2", vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, ffn_hidden_size=512,
-    max_position_embeddings=256, norm="layernorm", activation="gelu_tanh", position="learned", tie_embeddings=True,
-    qkv_bias=True, out_bias=True, mlp_bias=True))
+    family="gpt2", vocab_size=512, hidden_size=128, num_layers=4, attention=AttentionConfig(4, **GPT2_ATTENTION),
+    mlp=MLPConfig(512, **GPT2_MLP), max_position_embeddings=256, norm="layernorm", position="learned",
+    tie_embeddings=True))
 register_config("tiny-llama", ModelConfig(
-    family="llama", vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden_size=352,
-    max_position_embeddings=512))
+    family="llama", vocab_size=512, hidden_size=128, num_layers=4, attention=AttentionConfig(4, num_kv_heads=2),
+    mlp=MLPConfig(352), max_position_embeddings=512))
 register_config("nano-gpt", ModelConfig(
-    family="gpt2", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=128,
-    max_position_embeddings=64, norm="layernorm", activation="gelu_tanh", position="learned", tie_embeddings=True,
-    qkv_bias=True, out_bias=True, mlp_bias=True))
+    family="gpt2", vocab_size=97, hidden_size=32, num_layers=2, attention=AttentionConfig(4, **GPT2_ATTENTION),
+    mlp=MLPConfig(128, **GPT2_MLP), max_position_embeddings=64, norm="layernorm", position="learned",
+    tie_embeddings=True))
 register_config("nano-llama", ModelConfig(
-    family="llama", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=64,
-    max_position_embeddings=64))
+    family="llama", vocab_size=97, hidden_size=32, num_layers=2, attention=AttentionConfig(4, num_kv_heads=2),
+    mlp=MLPConfig(64), max_position_embeddings=64))
 
-# Mixtures of experts (models/moe.py). `tpzoo models` shows total and active (per token) parameters.
+# Mixtures of experts (models/kinds/moe.py). `tpzoo models` shows total and active (per token) parameters.
 def _mixtral(name, *, vocab, h, layers, heads, ffn, pos, src):
     register_config(name, ModelConfig(
-        family="mixtral", vocab_size=vocab, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=8,
-        ffn_hidden_size=ffn, max_position_embeddings=pos, norm_eps=1e-5, rope_theta=1000000.0, num_experts=8,
-        num_experts_per_tok=2, router_aux_loss_coef=0.02, bos_token_id=1, eos_token_id=2, hf_source=src))
+        family="mixtral", vocab_size=vocab, hidden_size=h, num_layers=layers,
+        attention=AttentionConfig(num_heads=heads, num_kv_heads=8, rope_theta=1000000.0), mlp=MLPConfig(ffn),
+        moe=MoEConfig(num_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.02),
+        max_position_embeddings=pos, norm_eps=1e-5, bos_token_id=1, eos_token_id=2, hf_source=src))
 
 
 _mixtral("mixtral-8x7b", vocab=32000, h=4096, layers=32, heads=32, ffn=14336, pos=32768,
@@ -183,10 +197,12 @@ _mixtral("mixtral-8x22b", vocab=32768, h=6144, layers=56, heads=48, ffn=16384, p
 
 def _qwen3_moe(size, *, h, layers, heads, ffn, moe_ffn):
     register_config(f"qwen3-{size}", ModelConfig(
-        family="qwen3_moe", vocab_size=151936, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=4,
-        head_dim=128, ffn_hidden_size=ffn, moe_ffn_hidden_size=moe_ffn, max_position_embeddings=40960,
-        norm_eps=1e-6, rope_theta=1000000.0, qk_norm="head", num_experts=128, num_experts_per_tok=8,
-        norm_topk_prob=True, router_aux_loss_coef=0.001, bos_token_id=151643, eos_token_id=151645,
+        family="qwen3_moe", vocab_size=151936, hidden_size=h, num_layers=layers,
+        attention=AttentionConfig(num_heads=heads, num_kv_heads=4, head_dim=128, rope_theta=1000000.0,
+                                  qk_norm="head"),
+        mlp=MLPConfig(ffn), moe=MoEConfig(num_experts=128, num_experts_per_tok=8, ffn_hidden_size=moe_ffn,
+                                          norm_topk_prob=True, router_aux_loss_coef=0.001),
+        max_position_embeddings=40960, norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645,
         hf_source=f"Qwen/Qwen3-{size.upper()}"))
 
 
@@ -196,15 +212,15 @@ _qwen3_moe("235b-a22b", h=4096, layers=94, heads=64, ffn=12288, moe_ffn=1536)
 # (scripts/bench/moe.py --device cuda).
 register_config("qwen3-30b-a3b-8l", CONFIGS["qwen3-30b-a3b"].replace(num_layers=8, hf_source=None))
 register_config("olmoe-1b-7b", ModelConfig(
-    family="olmoe", vocab_size=50304, hidden_size=2048, num_layers=16, num_heads=16, ffn_hidden_size=1024,
-    max_position_embeddings=4096, norm_eps=1e-5, qk_norm="full", num_experts=64, num_experts_per_tok=8,
-    norm_topk_prob=False, router_aux_loss_coef=0.01, eos_token_id=50279, pad_token_id=1,
+    family="olmoe", vocab_size=50304, hidden_size=2048, num_layers=16, attention=AttentionConfig(16, qk_norm="full"),
+    mlp=MLPConfig(1024), moe=MoEConfig(num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+                                       router_aux_loss_coef=0.01),
+    max_position_embeddings=4096, norm_eps=1e-5, eos_token_id=50279, pad_token_id=1,
     hf_source="allenai/OLMoE-1B-7B-0924"))
+TINY_MOE = MoEConfig(num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02, output_router_logits=True)
 register_config("tiny-mixtral", ModelConfig(
-    family="mixtral", vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden_size=256,
-    max_position_embeddings=512, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
-    output_router_logits=True))
+    family="mixtral", vocab_size=512, hidden_size=128, num_layers=4, attention=AttentionConfig(4, num_kv_heads=2),
+    mlp=MLPConfig(256), moe=TINY_MOE, max_position_embeddings=512))
 register_config("nano-mixtral", ModelConfig(
-    family="mixtral", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=32,
-    max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
-    output_router_logits=True))
+    family="mixtral", vocab_size=97, hidden_size=32, num_layers=2, attention=AttentionConfig(4, num_kv_heads=2),
+    mlp=MLPConfig(32), moe=TINY_MOE, max_position_embeddings=64))

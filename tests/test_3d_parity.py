@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tpzoo
-from tpzoo.models import Transformer, get_config
+from tpzoo.models import Inputs, Transformer, apply_recompute, get_config
 from tpzoo.parallel import (GradBuffer, get_dp_rank, get_dp_size, get_pp_rank, get_tp_rank, gather_tp_tensor,
                             grad_of, param_spec)
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward
@@ -51,14 +51,14 @@ def reference_step(model, cfg, step: int, opt) -> float:
     loss over its trained tokens); returns the summed loss. The caller reads the gradients and steps `opt`."""
     ids, labels = global_batch(cfg, step)
     opt.zero_grad(set_to_none=True)
-    per_token = model(ids, labels=labels)
+    per_token = model(Inputs(ids, labels=labels))
     (per_token.sum() / (labels != -100).sum()).backward()
     return per_token.sum().item()
 
 
 def reference(cfg, steps: int = STEPS, recompute: str = "none") -> dict:
     """The same model in one process, no pipeline machinery: one forward over the whole global batch."""
-    model = Transformer(cfg, seed=SEED, recompute=recompute)
+    model = apply_recompute(Transformer(cfg, seed=SEED), recompute)
     opt = make_optimizer(model.parameters())
     losses, grads, params = [], {}, []
     for step in range(steps):

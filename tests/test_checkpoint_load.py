@@ -5,6 +5,7 @@ import torch
 
 import tpzoo
 from tpzoo.checkpoint import atomic_dir, convert_from_hf, convert_to_hf, load_model, read_manifest, save_model_shards
+from tpzoo.models import Inputs
 from tpzoo.pipeline import pipeline_forward
 from tpzoo.testing import run_on_ranks
 
@@ -56,7 +57,7 @@ def _pipeline_parity(x, path, ref_logits, ref_loss):
     if model.post_process:
         torch.testing.assert_close(model.full_logits(logits), ref_logits, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(per_token.sum() / (labels != -100).sum(), ref_loss, rtol=1e-5, atol=1e-5)
-    return model.layer_range
+    return model.stage.layers.start, model.stage.layers.stop
 
 
 @pytest.mark.parametrize("kind", ["llama31-tied", "gpt2"])
@@ -90,12 +91,12 @@ def test_virtual_stages_load_as_chunks(stores, tmp_path):
     hf, _, _, logits, _ = out["mistral"]
     convert_from_hf(hf, tmp_path / "v2", tp=1, pp=1, virtual_stages=2, progress=False)
     first, last = load_model(tmp_path / "v2", device="cpu")
-    assert (first.layer_range, last.layer_range) == ((0, 1), (1, 2))
+    assert [(c.stage.layers.start, c.stage.layers.stop) for c in (first, last)] == [(0, 1), (1, 2)]
     with torch.no_grad():
-        got = last.full_logits(last(hidden=first(x)))
+        got = last.full_logits(last(Inputs(hidden=first(x))))
     torch.testing.assert_close(got, logits, rtol=1e-4, atol=1e-4)
     single = load_model(tmp_path / "v2", device="cpu", virtual_stages=1, dtype=torch.bfloat16, sequence_parallel=True)
-    assert single.layer_range == (0, 2) and single.embed.weight.dtype == torch.bfloat16
+    assert single.stage.layers == range(0, 2) and single.embed.weight.dtype == torch.bfloat16
     # the parallel layers' parameter attributes survive loading (trainers rely on them)
     assert all(hasattr(p, "tp_spec") for p in single.parameters())
     assert single.layers["1"].mlp_norm.weight.sequence_parallel and not single.embed.weight.sequence_parallel

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tpzoo
-from tpzoo.models import Transformer, get_config
+from tpzoo.models import Inputs, Transformer, get_config
 from tpzoo.parallel import GradBuffer, comm
 from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward
@@ -49,7 +49,7 @@ def packed_batch(cfg, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
 def reference(cfg, seq: int) -> dict:
     model = Transformer(cfg, seed=SEED)
     ids, labels = packed_batch(cfg, seq)
-    per_token = model(ids, labels=labels)
+    per_token = model(Inputs(ids, labels=labels))
     (per_token.sum() / (labels != -100).sum()).backward()
     grads = {n: _full(n, p.grad, cfg) for n, p in model.named_parameters()}
     return {"loss_sum": per_token.sum().item(), "grads": grads}
@@ -136,12 +136,13 @@ def live_activation_bytes_at(cp: int, seq: int) -> int:
 
     dims = tpzoo.init_parallel(cp=cp)
     try:
-        model = Transformer(MODELS["llama"], dims=dims, seed=SEED)
+        model = Transformer(MODELS["llama"], dims, seed=SEED)
         ids, labels = packed_batch(model.cfg, seq)
         batch = shard_batch({"input_ids": ids[:MICRO], "labels": labels[:MICRO]}, dims)
         with K.use_backend("torch"):
             with live_activation_bytes(list(model.parameters()) + list(batch.values())) as live:
-                loss = model(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"]).sum()
+                loss = model(Inputs(batch["input_ids"], labels=batch["labels"],
+                                    positions=batch["position_ids"])).sum()
         del loss
         return live.total
     finally:

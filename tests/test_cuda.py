@@ -111,13 +111,13 @@ def test_grouped_expert_gemms_equal_the_loop_on_hopper():
         pytest.skip("torch._grouped_mm needs compute capability 9.0+")
     from test_moe_experts import CFG, _batch, _loss_and_grads, _uneven
 
-    from tpzoo.models import Transformer
-    from tpzoo.models.experts import use_grouped
+    from tpzoo.models import ModelLayout, Transformer
+    from tpzoo.models.kinds.experts import use_grouped
 
     dims = tpzoo.init_parallel(device="cuda")
     try:
         cfg = CFG.replace(hidden_size=64, ffn_hidden_size=64)  # GEMM dims multiples of 8
-        model = _uneven(Transformer(cfg, dims=dims, seed=3, dtype=torch.bfloat16))
+        model = _uneven(Transformer(cfg, ModelLayout(dims, dtype=torch.bfloat16), seed=3))
         mlp = model.layers["0"].mlp
         assert use_grouped("auto", torch.zeros(1, 64, dtype=torch.bfloat16, device="cuda"), mlp.gate_up, mlp.down)
         ids, labels = (t.cuda() for t in _batch())

@@ -14,8 +14,9 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = Path(__file__).resolve().parents[1]
 OWN = {"tpzoo", "models", "kernels"}
-# Modules that need a distribution of their own though they live inside another one's package.
-SUBMODULE_DISTS = {"torch.utils.tensorboard": "tensorboard"}
+# Modules that need a distribution of their own though they live inside another one's package, and import names
+# whose distribution is named otherwise and may not be installed here (an optional extra).
+SUBMODULE_DISTS = {"torch.utils.tensorboard": "tensorboard", "fla": "flash-linear-attention"}
 
 
 def canonical(dist: str) -> str:

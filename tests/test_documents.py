@@ -27,9 +27,9 @@ import torch.nn.functional as F
 
 import tpzoo
 from tpzoo.data import PackedSFTDataset, PaddedSFTDataset, collate_long, preprocess
-from tpzoo.models import Transformer, get_config
+from tpzoo.models import Inputs, Transformer, get_config
 from tpzoo.models.documents import Documents, document_attention, document_positions
-from tpzoo.models.qk_norm import softcapped_attention
+from tpzoo.models.kinds.attention_extras import softcapped_attention
 from tpzoo.parallel import GradBuffer, comm
 from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.parallel.ring_attention import local_positions, ring_attention
@@ -87,7 +87,7 @@ def reference(model: str) -> dict:
     for step in range(STEPS):
         _, batch = step_batches(cfg, step)
         opt.zero_grad(set_to_none=True)
-        per_token = net(batch["input_ids"], labels=batch["labels"])
+        per_token = net(Inputs(batch["input_ids"], labels=batch["labels"]))
         (per_token.sum() / (batch["labels"] != -100).sum()).backward()
         losses.append(per_token.sum().item())
         if step == 0:
@@ -200,7 +200,7 @@ def _per_document_reference(cfg, steps: int) -> tuple[list, list]:
         pieces += len(ids) - batch["input_ids"].shape[0]
         labels = torch.stack(labels)
         net.zero_grad(set_to_none=True)
-        per_token = net(torch.stack(ids), labels=labels)
+        per_token = net(Inputs(torch.stack(ids), labels=labels))
         loss = per_token.sum() / (labels != -100).sum()
         loss.backward()
         losses.append(loss.item())
@@ -365,17 +365,17 @@ def test_batches_without_documents_keep_the_causal_path(monkeypatch):
     """Training, eval and generation batches without doc_ids never reach the document path; a batch of one
     document per row gives what the plain path gives; decoding with a KV cache refuses doc_ids."""
     from tpzoo.generation import generate
-    from tpzoo.models import blocks, new_kv_caches
+    from tpzoo.models.kinds import attention_core
 
     net = Transformer(MODELS["llama"], seed=SEED)
     ids = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(0))
-    with_docs = net(ids, doc_ids=torch.zeros_like(ids))
-    monkeypatch.setattr(blocks, "document_attention", lambda *a, **k: pytest.fail("document path taken"))
+    with_docs = net(Inputs(ids, doc_ids=torch.zeros_like(ids)))
+    monkeypatch.setattr(attention_core, "document_attention", lambda *a, **k: pytest.fail("document path taken"))
     torch.testing.assert_close(net(ids), with_docs, rtol=1e-5, atol=1e-6)
-    net(ids, labels=ids).sum().backward()
+    net(Inputs(ids, labels=ids)).sum().backward()
     generate(net, ids[:1, :4], 3)
     with pytest.raises(ValueError, match="KV cache"):
-        net(ids, doc_ids=torch.zeros_like(ids), kv_caches=new_kv_caches(net))
+        net(Inputs(ids, doc_ids=torch.zeros_like(ids)), net.new_cache(2, SEQ))
 
 
 def test_one_mask_per_micro_batch_is_all_the_memory_masking_adds():
@@ -392,8 +392,8 @@ def test_one_mask_per_micro_batch_is_all_the_memory_masking_adds():
     with K.use_backend("torch"):
         for name, kw in (("plain", {}), ("docs", {"doc_ids": docs})):
             with live_activation_bytes(list(net.parameters()) + [ids, docs]) as live[name]:
-                loss = net(ids, labels=ids, **kw).sum()
+                loss = net(Inputs(ids, labels=ids, **kw)).sum()
             del loss
     mask = 2 * SEQ * SEQ * 4  # one fp32 [b, 1, S, S] mask for every layer
-    rotary = 2 * (2 - 1) * SEQ * net.cfg.rotary_dim // 2 * 4  # cos, sin per row ([b, S, .]) instead of one row
+    rotary = 2 * (2 - 1) * SEQ * net.cfg.attention.rotary_dim // 2 * 4  # cos, sin per row ([b, S, .]) instead of one row
     assert live["docs"].total - live["plain"].total == mask + rotary

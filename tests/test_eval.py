@@ -43,7 +43,7 @@ def _eval_layouts(path, tokens):
     for tp, pp, cp, mode, sp in ((2, 2, 1, "ring", False), (4, 1, 1, "ring", False), (1, 1, 1, "ring", False),
                                  (2, 1, 2, "ring", True), (1, 1, 4, "a2a", False)):
         tpzoo.init_parallel(tp=tp, pp=pp, cp=cp)
-        model = load_model(path, device="cpu", sequence_parallel=sp).eval().set_cp_mode(mode)
+        model = load_model(path, device="cpu", sequence_parallel=sp, cp_mode=mode).eval()
         out.append(evaluate(model, tokens, SEQ, batch_size=2))
         tpzoo.destroy_parallel()
     return out

@@ -162,10 +162,10 @@ def test_the_world_size_under_torchrun_is_checked_before_the_process_groups(monk
     from tpzoo.cli import main
 
     rc = main(["pretrain", "--tp", "2"])  # the rank's own preflight: a ConfigError before init_parallel
-    one_error_line(rc, capsys.readouterr().err, "pretrain", "world size 3 is not divisible by tp*cp*pp = 2*1*1 = 2")
+    one_error_line(rc, capsys.readouterr().err, "pretrain", "world size 3 is not divisible by tp*pp*cp = 2*1*1 = 2")
     monkeypatch.setenv("WORLD_SIZE", "6")
     rc = main(["pretrain", "--tp", "2", "--cp", "2"])
-    one_error_line(rc, capsys.readouterr().err, "pretrain", "world size 6 is not divisible by tp*cp*pp = 2*2*1 = 4")
+    one_error_line(rc, capsys.readouterr().err, "pretrain", "world size 6 is not divisible by tp*pp*cp = 2*1*2 = 4")
 
 
 def test_a_valid_config_passes_preflight_and_reaches_the_ranks(monkeypatch, tmp_path):
@@ -226,7 +226,7 @@ def test_a_corrupt_train_state_json_on_resume_names_the_file(tmp_path, monkeypat
 def test_a_tokenizer_larger_than_the_base_vocabulary_fails_before_spawning(tmp_path, monkeypatch, capsys):
     base = hf_config_dir(tmp_path / "base", vocab_size=200)  # no tokenizer files: the byte tokenizer (259)
     one_error_line(*cli(monkeypatch, capsys, "finetune", "--base", base, "--data", "x.jsonl"), "finetune",
-                   f"tokenizer byte has 259 tokens but --base {base} has a vocabulary of 200")
+                   f"tokenizer byte has 259 tokens but model llama from --base {base} has a vocabulary of 200")
 
 
 # -- eval and generate: the checkpoint against the layout, before spawning ---------------------------------------

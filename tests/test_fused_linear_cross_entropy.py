@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import tpzoo
 from tpzoo import kernels as K
 from tpzoo.kernels import fused_linear_cross_entropy as fused_module
-from tpzoo.models import get_config
+from tpzoo.models import LossOptions, get_config
 from tpzoo.parallel import GradBuffer, comm, padded_vocab_size
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward
 from tpzoo.plan.measure import peak_live_bytes
@@ -208,8 +208,7 @@ def _one_step(model: str, layout: dict, dims, fused: bool) -> dict:
     from tpzoo.models.lora import add_lora, init_lora
 
     cfg = MODELS[model]
-    chunks = build_model_chunks(cfg, dims, sequence_parallel=layout.get("sp", False), seed=3,
-                                fused_linear_cross_entropy=fused)
+    chunks = build_model_chunks(cfg, dims, sequence_parallel=layout.get("sp", False), seed=3)
     if layout.get("lora"):
         add_lora(chunks, LORA["all"])
         init_lora(chunks, 3)
@@ -222,9 +221,9 @@ def _one_step(model: str, layout: dict, dims, fused: bool) -> dict:
     batches = _batches(cfg, dims.dp_rank)
     tokens = sum(int((b["labels"] != -100).sum()) for b in batches)
     out = forward_backward(chunks, batches, dims, schedule=layout.get("schedule", "1f1b"), loss_scale=1.0 / tokens,
-                           **LOSS)
+                           loss=LossOptions(**LOSS, fused=fused))
     finalize_grads(chunks, dims)
-    evaluated = forward_backward(chunks, batches, dims, forward_only=True)["loss_sum"]
+    evaluated = forward_backward(chunks, batches, dims, forward_only=True, loss=LossOptions(fused=fused))["loss_sum"]
     grads = {n: p.main_grad.clone() for c in chunks for n, p in c.named_parameters() if p.requires_grad}
     return {"loss": out["loss_sum"], "eval": evaluated, "grads": grads}
 

@@ -9,7 +9,7 @@ import torch
 
 import tpzoo
 from test_3d_parity import assert_close, global_batch, layout_step, local_microbatches, reference_step
-from tpzoo.models import Transformer, get_config
+from tpzoo.models import Inputs, ModelLayout, Transformer, get_config
 from tpzoo.models.lora import LoRAConfig, add_lora, init_lora, sites, valid_targets
 from tpzoo.models.transformer import _seeded
 from tpzoo.parallel import (GradBuffer, count_collectives, gather_tp_tensor, get_dp_rank, get_pp_rank, get_tp_rank,
@@ -165,9 +165,9 @@ def test_adapters_add_no_collective_per_micro_batch():
 
 
 def test_targets_come_from_the_families_hf_names():
-    llama = Transformer(MODELS["llama"], device="meta")
+    llama = Transformer(MODELS["llama"], ModelLayout(device="meta"))
     assert valid_targets(llama) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
-    assert valid_targets(Transformer(MODELS["gpt"], device="meta")) == ["c_attn", "c_fc", "c_proj"]
+    assert valid_targets(Transformer(MODELS["gpt"], ModelLayout(device="meta"))) == ["c_attn", "c_fc", "c_proj"]
     assert [s.module_name for s in sites(llama)][:4] == ["layers.0.attn.qkv", "layers.0.attn.out",
                                                           "layers.0.mlp.fc_in", "layers.0.mlp.fc_out"]
     with pytest.raises(Exception, match=r"unknown lora target qq_proj for llama; valid: down_proj, .*v_proj"):
@@ -181,8 +181,8 @@ def test_fresh_adapters_leave_the_model_unchanged():
     cfg = MODELS["llama"]
     ids, labels = global_batch(cfg, 0)
     net = Transformer(cfg, seed=SEED)
-    before = net(ids, labels=labels)
+    before = net(Inputs(ids, labels=labels))
     add_lora([net], LORA["all"])
     init_lora([net], SEED)
-    assert torch.equal(net(ids, labels=labels), before)
+    assert torch.equal(net(Inputs(ids, labels=labels)), before)
     assert all(float(p.abs().sum()) > 0 for n, p in net.named_parameters() if ".lora.A." in n)

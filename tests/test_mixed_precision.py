@@ -2,7 +2,7 @@
 gradients (the trainer's optimizer and executor), 18 bytes per parameter in bf16 without ZeRO-1."""
 import torch
 
-from tpzoo.models import Transformer, get_config
+from tpzoo.models import Inputs, Transformer, get_config
 from tpzoo.parallel import local_dims
 from tpzoo.pipeline import forward_backward
 from tpzoo.train.optim import DistributedAdamW
@@ -25,7 +25,7 @@ def _sum_of_microbatch_grads(model, mbs, scale, accumulate_dtype):
     params = list(model.parameters())
     total = [torch.zeros_like(p, dtype=accumulate_dtype) for p in params]
     for mb in mbs:
-        grads = torch.autograd.grad(model(mb["input_ids"], labels=mb["labels"]).sum() * scale, params)
+        grads = torch.autograd.grad(model(Inputs(mb["input_ids"], labels=mb["labels"])).sum() * scale, params)
         for t, g in zip(total, grads):
             t.add_(g.to(accumulate_dtype))
     return {n: t.double() for (n, _), t in zip(model.named_parameters(), total)}
@@ -35,7 +35,7 @@ def test_64_bf16_microbatches_accumulate_like_the_fp32_sum():
     dims = local_dims()
     mbs = _microbatches()
     scale = 1.0 / (MICRO * B * S)
-    model = Transformer(CFG, dims=dims, seed=5)
+    model = Transformer(CFG, dims, seed=5)
     opt = DistributedAdamW(list(model.parameters()), dims, model_dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     opt.zero_grad()
@@ -43,7 +43,7 @@ def test_64_bf16_microbatches_accumulate_like_the_fp32_sum():
     assert all(p.grad is None for p in model.parameters())  # no 16-bit gradient kept between micro-batches
     got = {n: p.main_grad.double() for n, p in model.named_parameters()}
 
-    reference = Transformer(CFG, dims=dims, seed=5)
+    reference = Transformer(CFG, dims, seed=5)
     for p in reference.parameters():  # bf16 weights; the rotary frequencies stay fp32, as in the trainer
         p.data = p.data.to(torch.bfloat16)
     want = _sum_of_microbatch_grads(reference, mbs, scale, torch.float64)
@@ -58,8 +58,8 @@ def test_64_bf16_microbatches_accumulate_like_the_fp32_sum():
 
 def test_bf16_training_state_is_18_bytes_per_parameter():
     dims = local_dims()
-    model = Transformer(CFG, dims=dims)
+    model = Transformer(CFG, dims)
     n = sum(p.numel() for p in model.parameters())
     for dtype, per_param in ((torch.bfloat16, 18), (torch.float32, 16)):
-        opt = DistributedAdamW(list(Transformer(CFG, dims=dims).parameters()), dims, model_dtype=dtype)
+        opt = DistributedAdamW(list(Transformer(CFG, dims).parameters()), dims, model_dtype=dtype)
         assert sum(opt.buffer_bytes().values()) == per_param * n

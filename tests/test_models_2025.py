@@ -16,7 +16,7 @@ from tpzoo.checkpoint import convert_from_hf, convert_to_hf, load_model, reshard
 from tpzoo.errors import ConfigError
 from tpzoo.evaluation import evaluate
 from tpzoo.generation import generate
-from tpzoo.models import Transformer, from_hf_config
+from tpzoo.models import ModelLayout, Transformer, from_hf_config
 from tpzoo.parallel import count_collectives
 from tpzoo.pipeline import pipeline_forward
 from tpzoo.testing import run_on_ranks
@@ -135,10 +135,10 @@ def test_built_under_a_meta_default_device(cases):
     root, x, *_ = cases
     for kind in NEW:
         cfg = from_hf_config(root / kind)
-        expected = Transformer(cfg, seed=3, device="cpu")(x)
+        expected = Transformer(cfg, ModelLayout(device="cpu"), seed=3)(x)
         torch.set_default_device("meta")
         try:
-            got = Transformer(cfg, seed=3, device="cpu")(x)
+            got = Transformer(cfg, ModelLayout(device="cpu"), seed=3)(x)
         finally:
             torch.set_default_device(None)
         assert torch.equal(got, expected), kind

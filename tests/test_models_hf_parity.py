@@ -6,7 +6,7 @@ from safetensors.torch import load_file
 
 import tpzoo
 from tpzoo.checkpoint.tensors import hf_to_full, load_full_tensors
-from tpzoo.models import Transformer, from_hf_config
+from tpzoo.models import Inputs, ModelLayout, Transformer, from_hf_config
 from tpzoo.parallel import get_tp_rank, get_tp_size
 from tpzoo.testing import run_on_ranks
 
@@ -33,7 +33,7 @@ def _load_tpzoo(path, tp, sp):
     cfg = from_hf_config(path)
     hf = load_file(f"{path}/model.safetensors")
     full = dict(hf_to_full(cfg, hf))
-    model = Transformer(cfg, sequence_parallel=sp)
+    model = Transformer(cfg, ModelLayout(sequence_parallel=sp))
     load_full_tensors(model, full.__getitem__, get_tp_rank(), get_tp_size())
     return model.eval()
 
@@ -45,7 +45,7 @@ def _check_logits(path, ids, ref_logits, ref_loss, tp, sp):
         torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
         # HF's loss: mean next-token cross-entropy
         labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
-        per_token = model(ids, labels=labels)
+        per_token = model(Inputs(ids, labels=labels))
         loss = per_token.sum() / (labels != -100).sum()
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     return model.cfg.num_kv_heads

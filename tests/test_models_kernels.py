@@ -7,15 +7,15 @@ import torch
 
 import tpzoo
 from tpzoo import kernels as K
-from tpzoo.models import Transformer, get_config
+from tpzoo.models import Inputs, ModelLayout, Transformer, get_config
 from tpzoo.testing import run_on_ranks
 
 
 def _loss_and_grads(cfg, backend, ids, labels):
     torch.manual_seed(0)
-    model = Transformer(cfg, sequence_parallel=True, seed=3)
+    model = Transformer(cfg, ModelLayout(sequence_parallel=True), seed=3)
     with K.use_backend(backend):
-        per_token = model(ids, labels=labels)
+        per_token = model(Inputs(ids, labels=labels))
         loss = per_token.sum() / (labels != -100).sum()
         loss.backward()
     tpzoo.parallel.finish_tp_grads(model)

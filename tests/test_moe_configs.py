@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from tpzoo.checkpoint.tensors import hf_to_full, load_full_tensors
 from tpzoo.errors import ConfigError
-from tpzoo.models import Transformer, from_hf_config, get_config
+from tpzoo.models import Inputs, ModelLayout, Transformer, from_hf_config, get_config
 from tpzoo.parallel import ParallelDims, ParallelLayoutError, check_layout
 
 # (total, active) parameters in billions, as the model cards state them
@@ -44,8 +44,8 @@ def test_olmoe_matches_transformers(tmp_path):
     labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
     with torch.no_grad():
         torch.testing.assert_close(model.full_logits(model(ids)), ref.logits, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(model.aux_loss, ref.aux_loss, rtol=1e-5, atol=1e-6)
-        loss = model(ids, labels=labels).sum() / (labels != -100).sum()
+        torch.testing.assert_close(model.aux_reports["router_aux_loss"], ref.aux_loss, rtol=1e-5, atol=1e-6)
+        loss = model(Inputs(ids, labels=labels)).sum() / (labels != -100).sum()
         torch.testing.assert_close(loss, ref.loss, rtol=1e-5, atol=1e-5)
 
 
@@ -55,7 +55,7 @@ def test_bad_expert_layouts_fail_clearly():
     with pytest.raises(ParallelLayoutError, match=r"ep=4 does not divide dp\*cp = 2\*1 = 2"):
         check_layout(4, tp=2, ep=4)
     with pytest.raises(ParallelLayoutError, match="ep=8 does not divide num_experts=4"):
-        Transformer(get_config("tiny-mixtral"), dims=ParallelDims.for_rank(dp=8, ep=8), device="meta")
+        Transformer(get_config("tiny-mixtral"), ModelLayout(ParallelDims.for_rank(dp=8, ep=8), device="meta"))
 
 
 def test_benchmark_config_is_qwen3_30b_a3b_cut_to_8_layers():

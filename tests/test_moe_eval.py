@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import tpzoo
 from tpzoo.checkpoint import load_model
+from tpzoo.models import LossOptions
 from tpzoo.evaluation import batches, evaluate, token_windows
 from tpzoo.pipeline import forward_backward
 from tpzoo.testing import run_on_ranks
@@ -52,13 +53,14 @@ def _eval_layouts(path, stream, layouts):
             model = load_model(path, sequence_parallel=layout.get("sp", False)).eval()
             result = evaluate(model, stream, SEQ, batch_size=BATCH)
             if dims.pp == dims.cp == 1:
-                # The executor's training loss (router_loss, the default) still includes the router loss; the
-                # held-out loss (router_loss=False) does not. Every rank runs the first batch.
+                # The executor's training loss (aux_losses, the default) still includes the router loss; the
+                # held-out loss (aux_losses=False) does not. Every rank runs the first batch.
                 first = batches(token_windows(stream, SEQ), BATCH)[0]
                 batch = {"input_ids": first[:, :-1], "labels": first[:, 1:]}
                 with torch.no_grad():
                     result["train_loss"], result["lm_loss"] = (
-                        forward_backward([model], [batch], forward_only=True, router_loss=flag)["loss_sum"]
+                        forward_backward([model], [batch], forward_only=True,
+                                         loss=LossOptions(aux_losses=flag))["loss_sum"]
                         / first[:, 1:].numel() for flag in (True, False))
             out.append(result)
         finally:

@@ -1,4 +1,4 @@
-"""The experts as grouped GEMMs (models/experts.py) against the loop of matmuls, on CPU where the grouped op is
+"""The experts as grouped GEMMs (models/kinds/experts.py) against the loop of matmuls, on CPU where the grouped op is
 grouped_mm_reference (torch._grouped_mm's function, in plain torch): the reference equals per-group matmuls in
 both of its layouts (empty groups included); GroupedLinear's input and weight gradients equal the loop's; a tiny
 Mixtral (SwiGLU) and a GeGLU (geglu_tanh) variant give the same loss and every gradient (fp32, 1e-5) through the
@@ -10,14 +10,16 @@ import pytest
 import torch
 
 import tpzoo
-from tpzoo.models import ModelConfig, Transformer
-from tpzoo.models.experts import GroupedLinear, expert_mlp, grouped_mm_reference
+from tpzoo.models import (AttentionConfig, Context, Inputs, MLPConfig, ModelConfig, ModelLayout, MoEConfig,
+                          Transformer)
+from tpzoo.models.kinds.experts import GroupedLinear, expert_mlp, grouped_mm_reference
 from tpzoo.parallel import grad_of
 from tpzoo.testing import run_on_ranks
 
-CFG = ModelConfig(family="mixtral", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                  ffn_hidden_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-                  router_aux_loss_coef=0.05, output_router_logits=True)
+CFG = ModelConfig(family="mixtral", vocab_size=64, hidden_size=32, num_layers=2,
+                  attention=AttentionConfig(num_heads=4, num_kv_heads=2), mlp=MLPConfig(32),
+                  moe=MoEConfig(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.05,
+                                output_router_logits=True))
 SIZES = [3, 0, 5, 1, 0, 7]  # rows per group: uneven, two empty groups
 
 
@@ -65,17 +67,22 @@ def _loss_and_grads(model, ids, labels, gemm: str):
         if hasattr(layer.mlp, "router"):
             layer.mlp.expert_gemm = gemm
     model.zero_grad(set_to_none=True)
-    per_token = model(ids, labels=labels)
+    per_token = model(Inputs(ids, labels=labels))
     per_token.sum().backward()
-    empty = max(int((model.layers[str(i)].mlp.last_stats["counts"] == 0).sum()) for i in model.moe_layers)
+    empty = max(int((mlp.last_stats["counts"] == 0).sum()) for mlp in _moe(model))
     return per_token.detach(), {n: grad_of(p).clone() for n, p in model.named_parameters()}, empty
+
+
+def _moe(model) -> list:
+    """The model's mixture-of-experts channel mixers, in layer order."""
+    return [layer.mlp for layer in model.layers.values() if layer.mlp.kind == "moe"]
 
 
 def _uneven(model):
     g = torch.Generator(device=model.device).manual_seed(5)  # the same routers on every rank and run
     with torch.no_grad():
-        for i in model.moe_layers:
-            model.layers[str(i)].mlp.router.weight.normal_(std=4.0, generator=g)  # confident, uneven routing
+        for mlp in _moe(model):
+            mlp.router.weight.normal_(std=4.0, generator=g)  # confident, uneven routing
     return model
 
 
@@ -110,7 +117,7 @@ def _compare_layouts(layouts):
     for layout in layouts:
         dims = tpzoo.init_parallel(tp=layout["tp"], ep=layout["ep"])
         try:
-            model = _uneven(Transformer(CFG, dims=dims, seed=3, sequence_parallel=layout.get("sp", False)))
+            model = _uneven(Transformer(CFG, ModelLayout(dims, sequence_parallel=layout.get("sp", False)), seed=3))
             ids, labels = _batch(seed=10 + dims.dp_rank)  # each data-parallel rank its own tokens
             loop = _loss_and_grads(model, ids, labels, "loop")
             grouped = _loss_and_grads(model, ids, labels, "grouped")
@@ -128,14 +135,15 @@ def test_grouped_experts_equal_the_loop_with_expert_parallelism():
 
 def test_grouped_experts_need_no_host_sync_at_ep1():
     """On meta no value can reach the host: the grouped layer's forward and backward run there, the loop's not."""
-    layer = Transformer(CFG, device="meta").layers["0"].mlp
+    layer = Transformer(CFG, ModelLayout(device="meta")).layers["0"].mlp
     x = torch.randn(2, 8, CFG.hidden_size, device="meta", requires_grad=True)
+    ctx = Context(length=8)
     layer.expert_gemm = "grouped"
-    layer(x).sum().backward()
+    layer(x, ctx).sum().backward()
     assert layer.gate_up.grad.shape == layer.gate_up.shape and x.grad.device.type == "meta"
     layer.expert_gemm = "loop"
     with pytest.raises(NotImplementedError):
-        layer(x)
+        layer(x, ctx)
 
 
 def test_expert_gemm_choice_is_checked():

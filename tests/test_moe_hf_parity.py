@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 import tpzoo
 from tpzoo.checkpoint import load_model
 from tpzoo.checkpoint.tensors import hf_to_full, load_full_tensors
-from tpzoo.models import Transformer, from_hf_config
+from tpzoo.models import Inputs, ModelLayout, Transformer, from_hf_config
+from tpzoo.models.kinds.moe import router_logits
 from tpzoo.parallel import comm, count_collectives
 from tpzoo.pipeline import pipeline_forward
 from tpzoo.testing import run_on_ranks
@@ -75,12 +76,13 @@ def _check_pipeline(path, ids, labels, refs, dims):
         per_token = pipeline_forward(model, ids[rows], labels[rows])
     if dims.is_last_stage:
         torch.testing.assert_close(model.full_logits(logits), ref_logits, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(model.aux_loss, ref_aux, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(model.aux_reports["router_aux_loss"], ref_aux, rtol=1e-5, atol=1e-6)
         loss = per_token.sum() / (labels[rows] != -100).sum()
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     hf_index = {layer: j for j, layer in enumerate(i for i in range(model.cfg.num_layers)
                                                    if model.cfg.is_moe_layer(i))}
-    for layer, ours in zip(model.moe_layers, model.router_logits()):
+    moe_layers = [int(i) for i, layer in model.layers.items() if layer.mlp.kind == "moe"]
+    for layer, ours in zip(moe_layers, router_logits(model)):
         torch.testing.assert_close(ours.view(per, SEQ, -1), ref_router[hf_index[layer]], rtol=1e-4, atol=1e-4)
     return {"empty": 0, "a2a_bytes": 0, "moe": 0, "per": per}
 
@@ -99,7 +101,7 @@ def _check_layouts(path, ids, labels, refs, layouts):
         try:
             cfg = from_hf_config(path)
             full = dict(hf_to_full(cfg, load_file(f"{path}/model.safetensors")))
-            model = Transformer(cfg, sequence_parallel=sp)
+            model = Transformer(cfg, ModelLayout(sequence_parallel=sp))
             load_full_tensors(model, full.__getitem__, dims.tp_rank, tp)
             model.eval()
             per = BATCH // dims.dp
@@ -107,7 +109,7 @@ def _check_layouts(path, ids, labels, refs, layouts):
             ref_logits, ref_router, ref_aux, ref_loss = refs[(dims.dp_rank * per, per)]
             with torch.no_grad(), count_collectives() as counted:
                 logits_shard = model(ids[rows])
-            moe = len(model.moe_layers)
+            moe = sum(layer.mlp.kind == "moe" for layer in model.layers.values())
             if ep > 1:  # per MoE layer: one all-to-all of E counts, then the rows there and back
                 assert counted.get("all_to_all", "ep").calls == moe
                 assert counted.get("all_to_all", "ep").payload_bytes == moe * cfg.num_experts * 8
@@ -115,13 +117,13 @@ def _check_layouts(path, ids, labels, refs, layouts):
             with torch.no_grad():
                 logits = model.full_logits(logits_shard)
                 torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4, msg=lambda m: f"{layout}: {m}")
-                for ours, theirs in zip(model.router_logits(), ref_router):
+                for ours, theirs in zip(router_logits(model), ref_router):
                     ours = ours.view(per, -1, cfg.num_experts)
                     if sp and tp > 1:
                         ours = comm.all_gather(ours, dims.tp_group, dim=1)
                     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
-                torch.testing.assert_close(model.aux_loss, ref_aux, rtol=1e-5, atol=1e-6)
-                per_token = model(ids[rows], labels=labels[rows])
+                torch.testing.assert_close(model.aux_reports["router_aux_loss"], ref_aux, rtol=1e-5, atol=1e-6)
+                per_token = model(Inputs(ids[rows], labels=labels[rows]))
                 loss = per_token.sum() / (labels[rows] != -100).sum()
                 torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
                 empty = max(int((layer.mlp.last_stats["counts"] == 0).sum()) for layer in model.layers.values()

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from tpzoo.checkpoint.tensors import hf_to_full, load_full_tensors
 from tpzoo.data import PackedSFTDataset, PaddedSFTDataset, collate_long
-from tpzoo.models import Transformer, from_hf_config, get_config
+from tpzoo.models import Inputs, Transformer, from_hf_config, get_config
 from tpzoo.parallel.context_parallel import padded_length, shard_batch
 from tpzoo.parallel.ring_attention import local_positions
 
@@ -63,10 +63,10 @@ def test_padded_aux_loss_equals_transformers_with_the_attention_mask(tmp_path, k
     with torch.no_grad():
         theirs_masked = hf(input_ids=ids, attention_mask=mask).aux_loss
         theirs_unmasked = hf(input_ids=ids).aux_loss
-        ours(ids, token_mask=mask)
-        masked = ours.aux_loss.clone()
+        ours(Inputs(ids, token_mask=mask))
+        masked = ours.aux_reports["router_aux_loss"].clone()
         ours(ids)
-        unmasked = ours.aux_loss.clone()
+        unmasked = ours.aux_reports["router_aux_loss"].clone()
     torch.testing.assert_close(masked, theirs_masked, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(unmasked, theirs_unmasked, rtol=1e-6, atol=1e-6)
     assert abs(float(theirs_masked - theirs_unmasked)) > 1e-3  # padding would change it
@@ -84,9 +84,9 @@ def test_packed_router_losses_equal_the_same_examples_padded():
 
     def losses(batch, masked=True):
         with torch.no_grad():
-            model(batch["input_ids"], labels=batch["labels"], position_ids=batch.get("position_ids"),
-                  doc_ids=batch.get("doc_ids"), token_mask=batch["token_mask"] if masked else None)
-        return torch.stack([model.aux_loss, model.z_loss])
+            model(Inputs(batch["input_ids"], labels=batch["labels"], positions=batch.get("position_ids"),
+                         doc_ids=batch.get("doc_ids"), token_mask=batch["token_mask"] if masked else None))
+        return torch.stack([model.aux_reports["router_aux_loss"], model.aux_reports["router_z_loss"]])
 
     torch.testing.assert_close(losses(p), losses(q), rtol=1e-6, atol=1e-7)
     assert not torch.allclose(losses(p, masked=False), losses(q, masked=False), rtol=1e-4)

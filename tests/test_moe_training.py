@@ -15,7 +15,7 @@ expert of some rank receives no token in some micro-batch."""
 import torch
 
 import tpzoo
-from tpzoo.models import ModelConfig, Transformer
+from tpzoo.models import AttentionConfig, Inputs, MLPConfig, ModelConfig, MoEConfig, Transformer
 from tpzoo.parallel import GradBuffer, comm, gather_tp_tensor, grad_of, param_spec
 from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward
@@ -24,9 +24,10 @@ from tpzoo.testing import run_on_ranks
 from test_3d_parity import assert_close, make_optimizer
 
 GLOBAL_BATCH, SEQ, MICRO, STEPS, SEED = 4, 8, 1, 2, 11
-CFG = ModelConfig(family="mixtral", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                  ffn_hidden_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-                  router_aux_loss_coef=0.05, router_z_loss_coef=0.01, output_router_logits=True)
+CFG = ModelConfig(family="mixtral", vocab_size=64, hidden_size=32, num_layers=2,
+                  attention=AttentionConfig(num_heads=4, num_kv_heads=2), mlp=MLPConfig(32),
+                  moe=MoEConfig(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.05,
+                                router_z_loss_coef=0.01, output_router_logits=True))
 DENSE_FIRST = CFG.replace(mlp_only_layers=(0,))  # at pp = 2 stage 0 has no MoE layer (passes zeros on)
 CP_SEQ = 7  # cp = 2 cuts each sequence into 4 chunks: padded to 8, the padding must not count in the router loss
 LAYOUTS = {2: [dict(tp=1, ep=2, dp=2), dict(tp=1, ep=2, dp=2, recompute="full")],
@@ -54,7 +55,7 @@ def reference(cfg, seq: int = SEQ) -> dict:
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for i in range(0, GLOBAL_BATCH, MICRO):
-            per_token = model(ids[i:i + MICRO], labels=labels[i:i + MICRO])
+            per_token = model(Inputs(ids[i:i + MICRO], labels=labels[i:i + MICRO]))
             (per_token.sum() / tokens).backward()
             total += per_token.sum().item()
         losses.append(total)
@@ -103,8 +104,8 @@ def train(layout: dict) -> dict:
                 grads = {n: _full(p, grad_of(p), dims) for c in chunks for n, p in c.named_parameters()}
             opt.step()
             for c in chunks:  # an expert with no token in the last micro-batch, on this rank's ep peers
-                empty = max([empty] + [int((c.layers[str(i)].mlp.last_stats["counts"] == 0).sum())
-                                       for i in c.moe_layers])
+                empty = max([empty] + [int((layer.mlp.last_stats["counts"] == 0).sum())
+                                       for layer in c.layers.values() if layer.mlp.kind == "moe"])
         return {"coords": (dims.tp_rank, dims.pp_rank, dims.dp_rank), "loss_sum": losses, "grads": grads,
                 "params": {n: _full(p, p.detach(), dims) for c in chunks for n, p in c.named_parameters()},
                 "empty": empty}

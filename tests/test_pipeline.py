@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tpzoo
-from tpzoo.models import Transformer, get_config
+from tpzoo.models import Inputs, ModelLayout, Stage, Transformer, get_config
 from tpzoo.parallel import ParallelDims, count_collectives, gather_tp_param, get_pp_rank
 from tpzoo.pipeline import (PartitionError, ScheduleError, SCHEDULES, build_model_chunks, bubble_fractions,
                             forward_backward, partition_layers, peak_inflight, plan, simulate, validate)
@@ -43,7 +43,8 @@ def test_model_chunks_follow_megatrons_interleaved_order():
     for rank in range(2):
         chunks = build_model_chunks(LLAMA8, ParallelDims.for_rank(pp=2, pp_rank=rank), virtual_stages=2)
         assert all(p.device.type == "meta" for c in chunks for p in c.parameters())  # virtual dims: meta
-        assert [c.layer_range for c in chunks] == ([(0, 2), (4, 6)] if rank == 0 else [(2, 4), (6, 8)])
+        assert [(c.stage.layers.start, c.stage.layers.stop) for c in chunks] == (
+            [(0, 2), (4, 6)] if rank == 0 else [(2, 4), (6, 8)])
         assert [c.pre_process for c in chunks] == [rank == 0, False]
         assert [c.post_process for c in chunks] == [False, rank == 1]
         assert sorted(chunks[0].state_dict())[0].startswith("embed" if rank == 0 else "layers")
@@ -148,13 +149,13 @@ def _split_backward_matches_full(tp: int):
     tpzoo.init_parallel(tp=tp)
     try:
         cfg = get_config("nano-gpt").replace(num_layers=2)  # biases, LayerNorm, learned positions, tied head
-        stage = Transformer(cfg, pre_process=False, post_process=True, sequence_parallel=tp > 1)
+        stage = Transformer(cfg, ModelLayout(sequence_parallel=tp > 1), Stage(pre_process=False))
         params = [p for p in stage.parameters()]
         x0 = torch.randn(2, 8 // tp, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
         labels = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(2))
 
         def loss_of(x):
-            return stage(hidden=x, labels=labels).sum()
+            return stage(Inputs(hidden=x, labels=labels)).sum()
 
         x = x0.clone().requires_grad_()
         out = loss_of(x)

@@ -15,7 +15,7 @@ import torch
 
 import tpzoo
 from tpzoo.errors import ConfigError
-from tpzoo.models import Transformer, get_config
+from tpzoo.models import Inputs, ModelLayout, Stage, Transformer, apply_recompute, get_config
 from tpzoo.parallel import count_collectives
 from tpzoo.plan import ClusterSpec, Layout, TrainingSpec, estimate, search, stage_params
 from tpzoo.plan.estimate import GIB
@@ -32,6 +32,7 @@ MIXTRAL = get_config("nano-mixtral")
 # Qwen3-MoE's switches: a dense layer among MoE ones, experts narrower than the dense FFN, no top-k renormalization
 QWEN = MIXTRAL.replace(family="qwen3_moe", name="tiny-qwen3-moe", num_layers=3, num_experts=8, num_experts_per_tok=2,
                        moe_ffn_hidden_size=16, mlp_only_layers=[0], norm_topk_prob=False)
+MIDDLE = Stage(pre_process=False, post_process=False)  # a chunk without the embedding and the head
 # Per rank at ep > 1 the expert rows are what this rank received: T*k only on average. At these shapes a rank's
 # experts may receive up to about half as many rows again (k = 2 of 4 experts, 32 tokens); the rows are ~55% of a
 # layer's bytes, so a rank is within 30% of the estimate, and the ep group's sum is exact.
@@ -85,7 +86,7 @@ def test_activation_bytes_ep1_exact():
         moe = sum(map(cfg.is_moe_layer, range(cfg.num_layers)))
         for mode in ("none", "selective", "full"):
             torch.manual_seed(0)
-            model = Transformer(cfg, pre_process=False, post_process=False, recompute=mode, dtype=torch.bfloat16)
+            model = apply_recompute(Transformer(cfg, ModelLayout(dtype=torch.bfloat16), MIDDLE), mode)
             got = forward_activation_bytes(model, 2, 16)
             est = sum(chunk_activation_bytes(cfg, 1, False, mode, cfg.num_layers, 2, 16, 2, False, False,
                                              "reference", moe_layers=moe).values())
@@ -98,18 +99,18 @@ def _real_step_at_ep2(zeros):
     dims = tpzoo.init_parallel(tp=1, dp=2, ep=2)
     try:
         torch.manual_seed(0)
-        middle = Transformer(MIXTRAL, dims=dims, pre_process=False, post_process=False, dtype=torch.bfloat16)
+        middle = Transformer(MIXTRAL, ModelLayout(dims, dtype=torch.bfloat16), MIDDLE)
         acts = forward_activation_bytes(middle, 2, 16, seed=1 + dims.dp_rank)  # different tokens per rank
         out = {"acts": acts, "state": {}}
         g = torch.Generator().manual_seed(7 + dims.dp_rank)
         ids = torch.randint(0, MIXTRAL.vocab_size, (2, 16), generator=g).to(dims.device)
         for zero in zeros:
             torch.manual_seed(0)
-            model = Transformer(MIXTRAL, dims=dims)
+            model = Transformer(MIXTRAL, dims)
             opt = ExpertParallelAdamW(list(model.parameters()), dims, model_dtype=torch.bfloat16, zero=zero)
             opt.zero_grad()
             with count_collectives() as counted:
-                model(ids, labels=ids).sum().backward()
+                model(Inputs(ids, labels=ids)).sum().backward()
             opt.reduce_grads()
             opt.step(lr=1e-3)
             out["state"][zero] = [sum(o.buffer_bytes()[k] for o in opt.parts)

@@ -5,7 +5,7 @@ import torch
 
 import tpzoo
 from tpzoo import kernels as K
-from tpzoo.models import Transformer, get_config
+from tpzoo.models import ModelLayout, Stage, Transformer, apply_recompute, get_config
 from tpzoo.models.lora import LoRAConfig, add_lora, init_lora
 from tpzoo.plan import ClusterSpec, Layout, TrainingSpec, chunk_activation_bytes, search, stage_memory
 from tpzoo.plan.measure import forward_activation_bytes
@@ -17,8 +17,8 @@ RANK, B, S = 4, 2, 16
 
 
 def _lora_model(cfg, *, pre=True, post=True, recompute="none", sp=False, dtype=torch.bfloat16):
-    model = Transformer(cfg, pre_process=pre, post_process=post, recompute=recompute, sequence_parallel=sp,
-                        dtype=dtype)
+    model = apply_recompute(Transformer(cfg, ModelLayout(sequence_parallel=sp, dtype=dtype), Stage(None, pre, post)),
+                            recompute)
     add_lora([model], LoRAConfig(rank=RANK, alpha=8))
     init_lora([model], 0)
     return model

@@ -9,7 +9,7 @@ the torch reference kernels here and the Triton kernels in test_plan_parallel.py
 import pytest
 import torch
 
-from tpzoo.models import Transformer, get_config
+from tpzoo.models import Inputs, LossOptions, ModelLayout, Stage, Transformer, apply_recompute, get_config
 from tpzoo.models.config import ModelConfig
 from tpzoo.parallel import ParallelDims
 from tpzoo.plan import (Layout, TrainingSpec, chunk_activation_bytes, chunk_layer_ranges, stage_chunks,
@@ -18,20 +18,23 @@ from tpzoo.plan.measure import forward_activation_bytes
 from tpzoo.train.optim import DistributedAdamW
 
 # kv_heads (1) < tp: every tp rank keeps a replica of the one kv head; qkv bias and tied embeddings too.
-GQA = ModelConfig(family="qwen2", vocab_size=101, hidden_size=64, num_layers=3, num_heads=8, num_kv_heads=1,
-                  ffn_hidden_size=96, max_position_embeddings=64, qkv_bias=True, tie_embeddings=True, name="gqa-kv1")
+GQA = ModelConfig.from_dict(dict(family="qwen2", vocab_size=101, hidden_size=64, num_layers=3, num_heads=8,
+                                 num_kv_heads=1, ffn_hidden_size=96, max_position_embeddings=64, qkv_bias=True,
+                                 tie_embeddings=True, name="gqa-kv1"))
 SMALL = ["nano-gpt", "nano-llama", "tiny-llama", GQA]
 # The 2024-25 switches: OLMo 2 (post-norms only, full-width q/k norms whose k part holds the replicated kv head) and
 # Gemma 3 (pre+post norms, per-head q/k norms, GeGLU, head_dim independent of hidden / heads).
 NEW_FAMILIES = [
-    ModelConfig(family="olmo2", vocab_size=101, hidden_size=64, num_layers=3, num_heads=8, num_kv_heads=1,
-                ffn_hidden_size=96, max_position_embeddings=64, qk_norm="full", pre_norm=False, post_norm=True,
-                name="olmo2-kv1"),
-    ModelConfig(family="gemma3", vocab_size=101, hidden_size=64, num_layers=3, num_heads=8, num_kv_heads=2,
-                head_dim=16, ffn_hidden_size=96, max_position_embeddings=64, activation="geglu_tanh",
-                qk_norm="head", post_norm=True, norm_offset=True, embed_scale=True, tie_embeddings=True,
-                sliding_window=4, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                rope_local_theta=10000.0, rope_theta=1e6, attn_scale=24, name="gemma3-tiny"),
+    ModelConfig.from_dict(dict(
+        family="olmo2", vocab_size=101, hidden_size=64, num_layers=3, num_heads=8, num_kv_heads=1,
+        ffn_hidden_size=96, max_position_embeddings=64, qk_norm="full", pre_norm=False, post_norm=True,
+        name="olmo2-kv1")),
+    ModelConfig.from_dict(dict(
+        family="gemma3", vocab_size=101, hidden_size=64, num_layers=3, num_heads=8, num_kv_heads=2,
+        head_dim=16, ffn_hidden_size=96, max_position_embeddings=64, activation="geglu_tanh",
+        qk_norm="head", post_norm=True, norm_offset=True, embed_scale=True, tie_embeddings=True,
+        sliding_window=4, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_local_theta=10000.0, rope_theta=1e6, attn_scale=24, name="gemma3-tiny")),
 ]
 TOL = 0.02  # activations: relative; the model is exact except CPU layer_norm's bf16 statistics (docs/plan.md)
 
@@ -46,9 +49,9 @@ def build_stage(cfg, tp, rank, pp, stage, v=1, device="meta", dtype=torch.bfloat
     ranges = chunk_layer_ranges(cfg, pp, v)
     dims = ParallelDims.for_rank(tp=tp, pp=pp, dp=dp, tp_rank=rank, pp_rank=stage, dp_rank=dp - 1, device=device,
                                  ep=ep)
-    chunks = [Transformer(cfg, dims=dims, layers=ranges[c * pp + stage], pre_process=c * pp + stage == 0,
-                          post_process=c * pp + stage == pp * v - 1, sequence_parallel=sp,
-                          vocab_padding_multiple=pad, dtype=dtype) for c in range(v)]
+    layout = ModelLayout(dims, sequence_parallel=sp, vocab_padding_multiple=pad, dtype=dtype)
+    chunks = [Transformer(cfg, layout, Stage(ranges[c * pp + stage], c * pp + stage == 0, c * pp + stage == pp * v - 1))
+              for c in range(v)]
     if cfg.tie_embeddings and v > 1 and chunks[0].pre_process and chunks[-1].post_process:
         chunks[-1].lm_head.weight = chunks[0].embed.weight
     return chunks
@@ -122,7 +125,7 @@ def test_one_real_step_allocates_what_is_estimated():
     opt = DistributedAdamW(list(model.parameters()), model.dims, model_dtype=torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (2, 16))
     opt.zero_grad()
-    model(ids, labels=ids).sum().backward()
+    model(Inputs(ids, labels=ids)).sum().backward()
     opt.reduce_grads()
     opt.step(lr=1e-3)
     est = state_bytes(stage_params(cfg, 1, 1, 0), TrainingSpec(seq_len=16, global_batch_size=2))
@@ -145,7 +148,7 @@ def test_weight_gradients_autograd_holds_are_the_plans():
     for name, fused_head in (("nano-gpt", True), ("nano-llama", True), ("nano-llama", False)):
         cfg = get_config(name)  # tied GeLU with biases; untied SwiGLU
         for fused in (True, False):
-            model = Transformer(cfg, fused_linear_cross_entropy=fused_head)
+            model = Transformer(cfg)
             opt = DistributedAdamW(list(model.parameters()), model.dims, model_dtype=torch.bfloat16,
                                    grad_accumulation_fusion=fused)
             seen = {"layer": 0, "head": 0, "embedding": 0}
@@ -157,7 +160,7 @@ def test_weight_gradients_autograd_holds_are_the_plans():
                                                                               g.numel() * g.element_size())))
             opt.zero_grad()
             ids = torch.randint(0, cfg.vocab_size, (2, 16))
-            model(ids, labels=ids).sum().backward()
+            model(Inputs(ids, labels=ids), loss=LossOptions(fused=fused_head)).sum().backward()
             layer, head, embedding = weight_grad_bytes(cfg, 1, 2, TrainingSpec(16, 2, grad_accumulation_fusion=fused))
             if cfg.tie_embeddings:  # the head's gradient joins the embedding's (one tensor, counted there)
                 assert head == (0 if fused else embedding)
@@ -168,9 +171,8 @@ def test_weight_gradients_autograd_holds_are_the_plans():
 
 def measure_chunk(cfg, mode, *, layers=None, pre=True, post=True, b=2, s=16, hooks=False, fused=True):
     torch.manual_seed(0)
-    model = Transformer(cfg, layers=layers, pre_process=pre, post_process=post, recompute=mode,
-                        dtype=torch.bfloat16, fused_linear_cross_entropy=fused)
-    return forward_activation_bytes(model, b, s, hooks=hooks)
+    model = apply_recompute(Transformer(cfg, ModelLayout(dtype=torch.bfloat16), Stage(layers, pre, post)), mode)
+    return forward_activation_bytes(model, b, s, hooks=hooks, loss=LossOptions(fused=fused))
 
 
 @pytest.mark.parametrize("name", SMALL, ids=lambda c: c if isinstance(c, str) else c.name)

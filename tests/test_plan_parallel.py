@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tpzoo
-from tpzoo.models import Transformer, get_config
+from tpzoo.models import Inputs, ModelLayout, Stage, Transformer, apply_recompute, get_config
 from tpzoo.models.config import ModelConfig
 from tpzoo.parallel import count_collectives, finish_tp_grads
 from tpzoo.plan import Layout, chunk_activation_bytes, chunk_layer_ranges, tp_step_volume
@@ -17,8 +17,9 @@ from tpzoo.testing import RankPool, run_on_ranks
 
 from test_plan_memory import NEW_FAMILIES
 
-GQA = ModelConfig(family="qwen2", vocab_size=101, hidden_size=64, num_layers=3, num_heads=8, num_kv_heads=1,
-                  ffn_hidden_size=96, max_position_embeddings=64, qkv_bias=True, tie_embeddings=True, name="gqa-kv1")
+GQA = ModelConfig.from_dict(dict(family="qwen2", vocab_size=101, hidden_size=64, num_layers=3, num_heads=8,
+                                 num_kv_heads=1, ffn_hidden_size=96, max_position_embeddings=64, qkv_bias=True,
+                                 tie_embeddings=True, name="gqa-kv1"))
 CONFIGS = [get_config("nano-gpt"), get_config("nano-llama"), GQA]
 MODES = ("none", "selective", "full")
 B, S, TOL = 2, 16, 0.02
@@ -36,8 +37,8 @@ def _measure(tp: int, kernels: str, cases: list) -> list[int]:
             if stage is not None:
                 layers, pre, post = chunk_layer_ranges(cfg, 2)[stage], stage == 0, stage == 1
             torch.manual_seed(0)
-            model = Transformer(cfg, layers=layers, pre_process=pre, post_process=post, recompute=mode,
-                                sequence_parallel=sp, dtype=torch.bfloat16)
+            layout = ModelLayout(sequence_parallel=sp, dtype=torch.bfloat16)
+            model = apply_recompute(Transformer(cfg, layout, Stage(layers, pre, post)), mode)
             out.append(forward_activation_bytes(model, B, S))
     return out
 
@@ -93,12 +94,12 @@ def _step_collectives(cfg, sp, mode, micro_batches):
     """One training step on 2 tp ranks: forward + backward of each micro-batch, then finish_tp_grads."""
     tpzoo.init_parallel(tp=2)
     torch.manual_seed(0)
-    model = Transformer(cfg, recompute=mode, sequence_parallel=sp)
+    model = apply_recompute(Transformer(cfg, ModelLayout(sequence_parallel=sp)), mode)
     g = torch.Generator().manual_seed(1)
     with count_collectives() as counter:
         for _ in range(micro_batches):
             ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
-            model(ids, labels=ids.roll(-1, 1)).sum().backward()
+            model(Inputs(ids, labels=ids.roll(-1, 1))).sum().backward()
         finish_tp_grads(model)
     return {k: {f: v[f] for f in ("calls", "payload_bytes", "sent_bytes")} for k, v in counter.summary().items()}
 
@@ -121,11 +122,11 @@ def _zero1_step(cfg, zero1):
 
     dims = tpzoo.init_parallel(tp=1)  # 2 ranks: dp=2
     torch.manual_seed(0)
-    model = Transformer(cfg, dims=dims)
+    model = Transformer(cfg, dims)
     opt = DistributedAdamW(list(model.parameters()), dims, model_dtype=torch.bfloat16, zero1=zero1)
     ids = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(dims.dp_rank))
     opt.zero_grad()
-    model(ids, labels=ids).sum().backward()
+    model(Inputs(ids, labels=ids)).sum().backward()
     opt.reduce_grads()
     opt.global_grad_norm()
     opt.step(lr=1e-3)

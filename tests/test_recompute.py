@@ -4,7 +4,7 @@ extra communication of full recomputation (part of the forward's TP collectives 
 import pytest
 import torch
 
-from tpzoo.models import Transformer, get_config
+from tpzoo.models import Inputs, Transformer, apply_recompute, get_config
 from tpzoo.testing import run_on_ranks
 
 from test_3d_parity import MODELS, check_layout, reference, run_layouts
@@ -13,7 +13,7 @@ from test_sequence_parallel import layer_collectives
 
 def _saved_bytes(cfg, recompute: str) -> int:
     """Bytes autograd keeps for the backward outside recomputed regions (what recomputation saves)."""
-    model = Transformer(cfg, recompute=recompute)
+    model = apply_recompute(Transformer(cfg), recompute)
     ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     total = 0
 
@@ -23,7 +23,7 @@ def _saved_bytes(cfg, recompute: str) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(ids, labels=ids).sum()
+        loss = model(Inputs(ids, labels=ids)).sum()
     loss.backward()
     return total
 

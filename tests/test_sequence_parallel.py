@@ -84,14 +84,15 @@ def _saved_bytes_per_layer(cfg, tp: int, keep_gathered: bool) -> int:
     """Unique storages autograd saves for one more layer (a 2-layer minus a 1-layer stack, no embedding or head),
     bf16, one micro-batch of B x 4S tokens, SP on (at tp=1: nothing to shard)."""
     from tpzoo import kernels as K
-    from tpzoo.models import Transformer
+    from tpzoo.models import ModelLayout, Stage, Transformer
 
     tpzoo.init_parallel(tp=tp)
     try:
         sizes = []
         for layers in (1, 2):
-            model = Transformer(cfg.replace(num_layers=layers), pre_process=False, post_process=False,
-                                sequence_parallel=tp > 1, dtype=torch.bfloat16)
+            model = Transformer(cfg.replace(num_layers=layers),
+                                ModelLayout(sequence_parallel=tp > 1, dtype=torch.bfloat16),
+                                Stage(pre_process=False, post_process=False))
             with K.use_backend("torch"), keep_gathered_inputs() if keep_gathered else contextlib.nullcontext():
                 sizes.append(forward_activation_bytes(model, B, 4 * S, hooks=True))
         return sizes[1] - sizes[0]
@@ -158,7 +159,7 @@ def _indivisible_sequence():
             errors.append(str(e))
         if chunks[0].pre_process:
             try:
-                chunks[0](input_ids=torch.zeros(1, 7, dtype=torch.long))
+                chunks[0](torch.zeros(1, 7, dtype=torch.long))
             except ValueError as e:
                 errors.append(str(e))
         return errors

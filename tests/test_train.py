@@ -122,7 +122,7 @@ def test_same_losses_at_every_layout(store):
 def _dense_first_grad_norm(cfg) -> float:
     """The reference: one process, a plain Transformer, the first global batch, torch's norm of every gradient."""
     from tpzoo.data import ResumableLoader
-    from tpzoo.models import Transformer
+    from tpzoo.models import Inputs, Transformer
     from tpzoo.train.checkpointing import resolve_model_config
     from tpzoo.train.data import build_datasets, resolve_tokenizer
 
@@ -130,7 +130,7 @@ def _dense_first_grad_norm(cfg) -> float:
     model = Transformer(resolve_model_config(cfg, tok), seed=cfg.seed)
     train_ds, _, _ = build_datasets(cfg, tok)
     batch = next(ResumableLoader(train_ds, cfg.global_batch_size, seed=cfg.seed, prefetch=0))
-    loss = model(batch["input_ids"], labels=batch["labels"])
+    loss = model(Inputs(batch["input_ids"], labels=batch["labels"]))
     (loss.sum() / (batch["labels"] != -100).sum()).backward()
     return float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tpzoo
-from tpzoo.models import Transformer
+from tpzoo.models import Inputs, Transformer
 from tpzoo.parallel import gather_tp_tensor, param_spec
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward
 from tpzoo.testing import run_on_ranks
@@ -208,13 +208,13 @@ def _state_after_a_step(zeros: list[int]) -> list[tuple[int, int, dict]]:
     try:
         out = []
         for zero in zeros:
-            model = Transformer(SMALL, dims=dims, seed=SEED)
+            model = Transformer(SMALL, dims, seed=SEED)
             ids = torch.randint(0, 97, (2, 8), generator=torch.Generator().manual_seed(dims.dp_rank))
             with live_activation_bytes() as live:
                 opt = DistributedAdamW(list(model.parameters()), dims, model_dtype=torch.bfloat16, zero=zero,
                                        bucket_elems=BUCKET, modules=[model])
                 opt.zero_grad()
-                model(ids, labels=ids).sum().backward()
+                model(Inputs(ids, labels=ids)).sum().backward()
                 opt.reduce_grads()
                 opt.global_grad_norm()
                 opt.step(LR)
@@ -261,7 +261,7 @@ def test_both_update_paths_follow_torch_adamw(monkeypatch):
     for fused in (True, False):
         if not fused:
             monkeypatch.setattr(optim, "_FUSED", None)
-        model, ref = Transformer(SMALL, dims=dims, seed=SEED), Transformer(SMALL, dims=dims, seed=SEED)
+        model, ref = Transformer(SMALL, dims, seed=SEED), Transformer(SMALL, dims, seed=SEED)
         opt = optim.DistributedAdamW(list(model.parameters()), dims, bucket_elems=BUCKET, **ADAM)
         decayed = [p for p in ref.parameters() if p.dim() >= 2]
         torch_opt = torch.optim.AdamW([{"params": decayed}, {"params": [p for p in ref.parameters() if p.dim() < 2],
@@ -269,12 +269,12 @@ def test_both_update_paths_follow_torch_adamw(monkeypatch):
         for step, scale in enumerate(scales):
             ids = torch.randint(0, SMALL.vocab_size, (2, 8), generator=torch.Generator().manual_seed(step))
             opt.zero_grad()
-            model(ids, labels=ids).sum().backward()
+            model(Inputs(ids, labels=ids)).sum().backward()
             opt.reduce_grads()
             norm, _ = opt.global_grad_norm()
             opt.step(LR, scale)
             torch_opt.zero_grad()
-            ref(ids, labels=ids).sum().backward()
+            ref(Inputs(ids, labels=ids)).sum().backward()
             assert norm == pytest.approx(float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])),
                                          rel=1e-6), (fused, step)
             for p in ref.parameters():

@@ -8,12 +8,13 @@ right to a multiple of tp with ignored labels (causal attention: the padding cha
 Under context parallelism every cp rank of a replica takes the same batches and keeps its load-balanced chunks
 (tpzoo.parallel.context_parallel.shard_batch, which pads to whole chunks); the sums are reduced over dp x cp.
 
-A mixture of experts: `loss` and `perplexity` are the language model's alone (transformers' causal-LM loss from
-the logits), whether or not the model trains with the router losses; `router_aux_loss` (HF's load-balancing loss)
-and `router_z_loss` (ST-MoE's) are reported beside them, without their coefficients, each a mean over forwards
-weighted by the forward's predicted tokens (the router losses are per forward, as in training, whose loss is then
-loss + router_aux_loss_coef * router_aux_loss + router_z_loss_coef * router_z_loss). Padding, whether sequence
-parallelism's or context parallelism's, is masked out of the router statistics.
+`loss` and `perplexity` are the language model's alone (transformers' causal-LM loss from the logits), whether or
+not the model trains with auxiliary losses. The auxiliary losses its layer kinds report (models/aux.py; a mixture
+of experts: `router_aux_loss`, HF's load-balancing loss, and `router_z_loss`, ST-MoE's) come beside them, without
+their coefficients, each a mean over forwards weighted by the forward's predicted tokens (they are per forward, as
+in training, whose loss is then loss + router_aux_loss_coef * router_aux_loss + router_z_loss_coef *
+router_z_loss). Padding, whether sequence parallelism's or context parallelism's, is masked out of the
+statistics (token_mask).
 """
 from __future__ import annotations
 
@@ -21,10 +22,13 @@ import math
 
 import torch
 
+from tpzoo.models import LossOptions
 from tpzoo.parallel import comm, strict
 from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.parallel.dims import ParallelDims
-from tpzoo.pipeline import StepFunctions, as_chunks, execute, lm_forward
+from tpzoo.pipeline import as_chunks, execute, lm_step
+
+HELD_OUT = LossOptions(aux_losses=False)  # the language model's loss; the auxiliary ones reported beside it
 
 IGNORE = -100
 
@@ -48,8 +52,8 @@ def batches(windows: list[torch.Tensor], batch_size: int) -> list[torch.Tensor]:
 @torch.no_grad()
 def evaluate(model_or_chunks, tokens, seq_len: int, batch_size: int = 1, dims: ParallelDims | None = None) -> dict:
     """{"tokens", "loss", "perplexity"} of `tokens` (a list or 1-d tensor) under this rank's model chunk(s), and
-    for a mixture of experts {"router_aux_loss", "router_z_loss"}; collective over every rank of `dims` (default:
-    the chunks' dims)."""
+    the auxiliary losses the model reports (a mixture of experts: "router_aux_loss", "router_z_loss"); collective
+    over every rank of `dims` (default: the chunks' dims)."""
     chunks = as_chunks(model_or_chunks)
     dims = dims or chunks[0].dims
     multiple = dims.tp if any(c.sequence_parallel for c in chunks) else 1
@@ -58,7 +62,7 @@ def evaluate(model_or_chunks, tokens, seq_len: int, batch_size: int = 1, dims: P
     # Every cp rank of a replica takes the same windows (and keeps its own chunks of them).
     every = batches(token_windows(tokens, seq_len), batch_size)
     mine = [b for i, b in enumerate(every) if i % dims.dp == dims.dp_rank]
-    sums = _Sums(chunks, device)
+    sums = _Sums(chunks, device, reported_losses(chunks[0].cfg))
     # Micro-batches of one shape share one executor call (the pipeline streams them); a short tail runs alone.
     for shape in sorted({tuple(b.shape) for b in (every if dims.ep > 1 else mine)}, reverse=True):
         group = [_padded(shard_batch({"input_ids": b[:, :-1], "labels": b[:, 1:]}, dims, sp), multiple, device)
@@ -71,36 +75,43 @@ def evaluate(model_or_chunks, tokens, seq_len: int, batch_size: int = 1, dims: P
                                           "labels": torch.full_like(same[0][:, 1:], IGNORE)}, dims, sp),
                              multiple, device)
             group += [filler] * (-(-len(same) // dims.dp) - len(group))
-        execute(chunks, group, dims, StepFunctions(lm_forward(router_loss=False), sums), forward_only=True,
-                router_loss=False)
+        execute(chunks, group, dims, lm_step(HELD_OUT, sums), forward_only=True)
     totals = sums.totals
     if dims.pp > 1:  # only the last stage computed them
         totals = comm.broadcast(totals, src=dims.pp_peer(dims.pp - 1), group=dims.pp_group)
     comm.all_reduce(totals, dims.grad_group)
-    loss_sum, n, aux_sum, z_sum = totals.tolist()
+    loss_sum, n, *reported = totals.tolist()
     n = int(n)
     loss = loss_sum / max(n, 1)
     out = {"tokens": n, "loss": loss, "perplexity": math.exp(loss) if n else float("nan")}
-    if chunks[0].num_moe_layers:
-        out.update(router_aux_loss=aux_sum / max(n, 1), router_z_loss=z_sum / max(n, 1))
+    out.update({name: value / max(n, 1) for name, value in zip(sums.names, reported)})
     strict.check_all_waited("the end of eval")  # strict collective mode; else a no-op
     return out
 
 
+def reported_losses(cfg) -> list[str]:
+    """The auxiliary losses a held-out forward of this model reports (models/aux.py rules), in a fixed order."""
+    from tpzoo.models.aux import model_rules
+
+    return [name for _, rule in sorted(model_rules(cfg).items()) if rule.carried(cfg, HELD_OUT)
+            for name in rule.reports]
+
+
 class _Sums:
     """Last stage: sums, on the device (no host sync per forward), of the language-model loss over the predicted
-    tokens, their number, and each router loss of the forward times its predicted tokens (a mixture of experts:
-    the model's aux_loss / z_loss, which the forward just computed from the statistics of every MoE layer)."""
+    tokens, their number, and each reported auxiliary loss of the forward times its predicted tokens (the
+    head's aux_reports, which the forward just computed from the statistics of every layer)."""
 
-    def __init__(self, chunks, device):
-        self.head = next((c for c in chunks if c.post_process), None)
-        self.totals = torch.zeros(4, dtype=torch.float64, device=device)
+    def __init__(self, chunks, device, names: list[str]):
+        self.head, self.names = next((c for c in chunks if c.post_process), None), names
+        self.totals = torch.zeros(2 + len(names), dtype=torch.float64, device=device)
 
     def __call__(self, mb, per_token, batch) -> None:
         n = (batch["labels"] != IGNORE).sum().double()
         self.totals[:2] += torch.stack([per_token.detach().double().sum(), n])
-        if self.head.num_moe_layers:
-            self.totals[2:] += torch.stack([self.head.aux_loss.double(), self.head.z_loss.double()]) * n
+        if self.names:
+            reports = self.head.aux_reports
+            self.totals[2:] += torch.stack([reports[name].double() for name in self.names]) * n
 
 
 def _padded(batch: dict, multiple: int, device) -> dict:

@@ -1,7 +1,8 @@
 """Autoregressive generation under tensor and pipeline parallelism, through the pipeline executor.
 
 Every new token is one forward-only pass of the executor over this rank's chunks (tpzoo.pipeline.execute):
-  - with a KV cache per chunk (the default): the prompt once, then one token per step;
+  - with a cache per chunk (the default; Transformer.new_cache: each layer's own, a KV cache for attention):
+    the prompt once, then one token per step;
   - without one (`use_cache=False`, and always under sequence parallelism, which cannot split a single-token
     step over TP ranks): the whole context every step, padded on the right to a multiple of tp (causal
     attention: the padding cannot change the logits of the real positions), in a window of `max_context`.
@@ -47,22 +48,23 @@ def sample_next(logits: torch.Tensor, *, greedy: bool = True, temperature: float
 
 
 class _Decoder:
-    """One forward-only executor pass per token; the next token on every rank of the pipeline."""
+    """One forward-only executor pass per token; the next token on every rank of the pipeline. max_length: of
+    the caches (None: no cache)."""
 
-    def __init__(self, chunks, dims: ParallelDims, use_cache: bool, pick):
-        from tpzoo.models.transformer import new_kv_caches
-
+    def __init__(self, chunks, dims: ParallelDims, batch: int, max_length: int | None, pick):
         self.chunks, self.dims, self.pick = chunks, dims, pick
-        self.caches = [new_kv_caches(c) for c in chunks] if use_cache else None
+        self.caches = [c.new_cache(batch, max_length) for c in chunks] if max_length is not None else None
         self.device = chunks[0].device
 
     def next_tokens(self, ids: torch.Tensor, position: int) -> torch.Tensor:
         """Run `ids` [b, s] through the pipeline; the token picked from the logits at `position`, [b]."""
-        picked = {}
+        from tpzoo.models import Inputs, LossOptions
+
+        picked, loss = {}, LossOptions(logits_position=position)
 
         def forward(index, chunk, batch, hidden):
-            return chunk(input_ids=batch["input_ids"] if chunk.pre_process else None, hidden=hidden,
-                         kv_caches=self.caches[index] if self.caches else None, logits_position=position)
+            inputs = Inputs(ids=batch["input_ids"] if chunk.pre_process else None, hidden=hidden)
+            return chunk(inputs, self.caches[index] if self.caches else None, loss)
 
         def last(mb, logits_shard, batch):  # [b, 1, V'/tp]: the head ran on that position only
             picked["token"] = self.pick(self.chunks[-1].full_logits(logits_shard[:, 0])).contiguous()
@@ -95,15 +97,18 @@ def generate(model_or_chunks, input_ids: torch.Tensor, max_new_tokens: int, *, d
     sp = any(c.sequence_parallel for c in chunks)
     use_cache = not sp if use_cache is None else use_cache
     if use_cache and sp:
-        raise ConfigError("generate: a KV cache cannot run under sequence parallelism (a one-token step cannot be "
+        raise ConfigError("generate: a cache cannot run under sequence parallelism (a one-token step cannot be "
                          "split over TP ranks); use use_cache=False or load the model without it")
     max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
     device = chunks[0].device
     eos = _eos_set(eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
     generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
-    decoder = _Decoder(chunks, dims, use_cache, lambda logits: sample_next(
-        logits, greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator))
+    if use_cache:
+        max_new_tokens = max(0, min(max_new_tokens, max_context - input_ids.shape[1]))
+    decoder = _Decoder(chunks, dims, input_ids.shape[0], input_ids.shape[1] + max_new_tokens if use_cache else None,
+                       lambda logits: sample_next(logits, greedy=greedy, temperature=temperature, top_p=top_p,
+                                                  top_k=top_k, generator=generator))
     was_training = [c.training for c in chunks]
     for c in chunks:
         c.eval()
@@ -111,8 +116,6 @@ def generate(model_or_chunks, input_ids: torch.Tensor, max_new_tokens: int, *, d
     finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
     eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)
     out = [ids]
-    if use_cache:
-        max_new_tokens = max(0, min(max_new_tokens, max_context - ids.shape[1]))
     try:
         for step in range(max_new_tokens):
             if use_cache:

@@ -7,7 +7,7 @@ with --device, the block schedule of cp ranks in one process against one fused S
     python scripts/bench/cp_ring.py --device cpu --write docs/benchmarks.md   # the same at a CPU size
 
 --device (cp_ring_blocks.py): attention alone, forward + backward, the kernels ring attention picks on that
-device (tpzoo.parallel.attention_kernels) and the SDPA that cp = 1 runs (models/blocks.py), time and peak memory.
+device (tpzoo.parallel.attention_kernels) and the SDPA that cp = 1 runs (models/kinds/attention_core.py), time and peak memory.
 
 One long sequence through a LLaMA-style model (embedding, layers, head and loss), fp32, torch kernels, on cp gloo
 ranks (cp = 1, 2, 4), each rank holding its two load-balanced chunks. Per rank: the bytes the forward leaves for
@@ -42,7 +42,7 @@ def measure(cp: int) -> dict:
 
     import tpzoo
     from tpzoo import kernels as K
-    from tpzoo.models import Transformer
+    from tpzoo.models import Inputs, Transformer
     from tpzoo.parallel import count_collectives
     from tpzoo.parallel.context_parallel import shard_batch
     from tpzoo.plan.measure import live_activation_bytes
@@ -53,10 +53,10 @@ def measure(cp: int) -> dict:
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, cfg.vocab_size, (1, S), generator=g)
         batch = shard_batch({"input_ids": ids, "labels": torch.roll(ids, -1, 1)}, dims)
-        model = Transformer(cfg, dims=dims, seed=0)
+        model = Transformer(cfg, dims, seed=0)
         with K.use_backend("torch"):
-            run = lambda: model(batch["input_ids"], labels=batch["labels"],  # noqa: E731
-                                position_ids=batch.get("position_ids")).sum()
+            run = lambda: model(Inputs(batch["input_ids"], labels=batch["labels"],  # noqa: E731
+                                       positions=batch.get("position_ids"))).sum()
             with live_activation_bytes(list(model.parameters()) + list(batch.values())) as live:
                 loss = run()
             del loss

@@ -91,8 +91,8 @@ def plan_bytes(tokens: int, hidden: int, vocab: int, e: int, fused: bool, kernel
     from tpzoo.models.config import ModelConfig
     from tpzoo.plan.head import head_activation_bytes, head_transient_bytes
 
-    cfg = ModelConfig(family="llama", vocab_size=vocab, hidden_size=hidden, num_layers=1, num_heads=1,
-                      ffn_hidden_size=hidden)
+    cfg = ModelConfig.from_dict(dict(family="llama", vocab_size=vocab, hidden_size=hidden, num_layers=1,
+                                     num_heads=1, ffn_hidden_size=hidden))
     kept = head_activation_bytes(cfg, 1, False, tokens, e, kernels, 1, fused, 0) - e * hidden * tokens - 4
     return kept + head_transient_bytes(cfg, 1, False, tokens, e, kernels, 1, fused) + 4 * tokens
 

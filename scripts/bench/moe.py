@@ -9,7 +9,7 @@ traffic of one forward at ep = 2, measured by tpzoo's collective counter, agains
 
 Both implementations get the same weights (tpzoo loads transformers' save_pretrained) and the same batches;
 transformers runs MixtralForCausalLM(input_ids, labels, output_router_logits=True).loss.backward(), tpzoo
-Transformer(ids, labels) (per-token loss with the router loss added) .sum() / tokens .backward(). Single thread.
+Transformer(Inputs(ids, labels=labels)) (per-token loss with the router loss added) .sum() / tokens .backward(). Single thread.
 """
 from __future__ import annotations
 
@@ -53,6 +53,8 @@ def tpzoo_model(path):
 
 
 def step_fns(hf, tz):
+    from tpzoo.models import Inputs
+
     def hf_step(ids):
         hf.zero_grad(set_to_none=True)
         hf(input_ids=ids, labels=ids).loss.backward()
@@ -62,7 +64,7 @@ def step_fns(hf, tz):
     def tz_step(ids):
         tz.zero_grad(set_to_none=True)
         labels = labels_of(ids)
-        (tz(ids, labels=labels).sum() / (labels != -100).sum()).backward()
+        (tz(Inputs(ids, labels=labels)).sum() / (labels != -100).sum()).backward()
     return hf_step, tz_step
 
 

@@ -35,7 +35,7 @@ def build(cfg, dtype, device, path: str, hf_experts: str | None):
     from safetensors.torch import load_file
 
     from tpzoo.checkpoint.tensors import hf_to_full, load_full_tensors
-    from tpzoo.models import Transformer, to_hf_config
+    from tpzoo.models import Inputs, ModelLayout, Transformer, to_hf_config
 
     torch.manual_seed(0)
     default = torch.get_default_dtype()
@@ -48,7 +48,7 @@ def build(cfg, dtype, device, path: str, hf_experts: str | None):
     if hf_experts:
         hf.set_experts_implementation(hf_experts)
     hf.save_pretrained(path)
-    tz = Transformer(cfg, dtype=dtype, device=device)
+    tz = Transformer(cfg, ModelLayout(dtype=dtype, device=device))
     load_full_tensors(tz, dict(hf_to_full(cfg, load_file(f"{path}/model.safetensors"))).__getitem__, 0, 1)
     return hf.train(), tz.train()
 
@@ -63,7 +63,7 @@ def steps(hf, tz, device):
 
     def tz_loss(ids):
         labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
-        return tz(ids, labels=labels).sum() / (labels != -100).sum()
+        return tz(Inputs(ids, labels=labels)).sum() / (labels != -100).sum()
 
     def step(name, loss_fn, ids):
         opts[name].zero_grad(set_to_none=True)
@@ -77,7 +77,7 @@ def steps(hf, tz, device):
 
 def grouped_vs_loop(tz, loss_fn, ids) -> str:
     """One forward + backward with the experts as grouped GEMMs and as the loop: loss and expert gradients."""
-    layers = [tz.layers[str(i)].mlp for i in tz.moe_layers]
+    layers = [layer.mlp for layer in tz.layers.values() if layer.mlp.kind == "moe"]
     out = {}
     for gemm in ("grouped", "loop"):
         for layer in layers:
@@ -95,7 +95,7 @@ def grouped_vs_loop(tz, loss_fn, ids) -> str:
 
 
 def run_device(device: str, n_steps: int, hf_experts: str | None) -> str:
-    from tpzoo.models.experts import use_grouped
+    from tpzoo.models.kinds.experts import use_grouped
     from tpzoo.train.metrics import device_name, peak_tflops
 
     device = torch.device(device)
@@ -108,7 +108,7 @@ def run_device(device: str, n_steps: int, hf_experts: str | None) -> str:
     fns, tz_loss = steps(hf, tz, device)
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device) for _ in range(n_steps + 1)]
-    first = tz.layers[str(tz.moe_layers[0])].mlp
+    first = next(layer.mlp for layer in tz.layers.values() if layer.mlp.kind == "moe")
     rows = torch.zeros(1, cfg.hidden_size, dtype=dtype, device=device)
     gemm = "grouped" if use_grouped(first.expert_gemm, rows, first.gate_up, first.down) else "loop"
     check = grouped_vs_loop(tz, tz_loss, batches[0])

@@ -78,14 +78,14 @@ def measure(args, mode: str) -> dict:
 
     from tpzoo import kernels as K
     from tpzoo.data import PackedSFTDataset, PaddedSFTDataset
-    from tpzoo.models import Transformer
+    from tpzoo.models import Inputs, ModelLayout, Transformer
 
     device = torch.device(args.device)
     cfg = bench_config(args)
     exs = examples(args.examples, args.seq_len, cfg.vocab_size)
     data = (PaddedSFTDataset if mode == "padded" else PackedSFTDataset)(exs, args.seq_len, 0)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model = Transformer(cfg, seed=0, dtype=dtype, device=device)
+    model = Transformer(cfg, ModelLayout(dtype=dtype, device=device), seed=0)
     b = args.micro_batch_size
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times, tokens = [], 0
@@ -95,8 +95,8 @@ def measure(args, mode: str) -> dict:
             batch = {k: v.to(device) for k, v in batch.items()}
             sync()
             t0 = time.perf_counter()
-            per_token = model(batch["input_ids"], labels=batch["labels"], doc_ids=batch.get("doc_ids"),
-                              position_ids=batch.get("position_ids"))
+            per_token = model(Inputs(batch["input_ids"], labels=batch["labels"], doc_ids=batch.get("doc_ids"),
+                                     positions=batch.get("position_ids")))
             (per_token.sum() / (batch["labels"] != -100).sum()).backward()
             sync()
             if step:

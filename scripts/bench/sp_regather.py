@@ -40,10 +40,10 @@ def _variant(keep: bool):
 
 
 def _model(tp: int, layers: int, dtype):
-    from tpzoo.models import Transformer
+    from tpzoo.models import ModelLayout, Stage, Transformer
 
-    return Transformer(bench_config(layers), pre_process=False, post_process=False, sequence_parallel=tp > 1,
-                       dtype=dtype)
+    return Transformer(bench_config(layers), ModelLayout(sequence_parallel=tp > 1, dtype=dtype),
+                       Stage(pre_process=False, post_process=False))
 
 
 def measure(tp: int) -> dict:
@@ -66,7 +66,7 @@ def measure(tp: int) -> dict:
                     model = _model(tp, LAYERS, torch.float32)
                     x = torch.randn(B, S // tp, model.cfg.hidden_size, requires_grad=True)
                     with count_collectives() as fwd:
-                        y = model(hidden=x)
+                        y = model(Inputs(hidden=x))
                     with count_collectives() as bwd:
                         y.square().sum().backward()
                 comm = {phase: {k: (s.calls / LAYERS, s.sent_bytes / LAYERS) for (k, g), s in c.stats.items()
@@ -79,7 +79,7 @@ def measure(tp: int) -> dict:
                     with _variant(keep):
                         torch.distributed.barrier()
                         t0 = time.perf_counter()
-                        model(hidden=x).square().sum().backward()
+                        model(Inputs(hidden=x)).square().sum().backward()
                         torch.distributed.barrier()
                         if rep:  # the first is warm-up
                             out[keep]["times"].append(time.perf_counter() - t0)

@@ -24,54 +24,30 @@ import inspect
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
-VIEWS = {"aten::slice", "aten::select", "aten::view", "aten::as_strided", "aten::detach", "aten::detach_",
-         "aten::alias", "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg", "aten::_unsafe_view",
-         "aten::reshape", "aten::t", "aten::transpose", "aten::expand", "aten::unsqueeze", "aten::squeeze",
-         "aten::permute", "aten::split", "aten::split_with_sizes", "aten::chunk", "aten::narrow", "aten::unbind",
-         "aten::_reshape_alias", "aten::view_as", "aten::empty", "aten::empty_like", "aten::empty_strided"}
-
 
 def count(fn) -> collections.Counter:
-    """Top-level aten ops (not nested in another aten op) that fn() runs, views and allocations counted together
-    as "views" (host work, no kernel), and the Triton kernels it launches (as triton::<name>; the interpreter's
-    work is no aten op)."""
+    """Launches of fn() by kind (tpzoo.kernels.launch.count_launches: top-level aten ops, Triton launches, views
+    and allocations apart as "views")."""
     from tpzoo.kernels import launch
 
-    out = collections.Counter()
-    run = launch.run
-
-    def counted(kernel, grid, *a, **kw):
-        out[f"triton::{getattr(kernel, '__name__', kernel)}"] += 1
-        return run(kernel, grid, *a, **kw)
-
-    launch.run = counted
-    try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            fn()
-    finally:
-        launch.run = run
-    for e in prof.events():
-        parent = e.cpu_parent
-        if e.name.startswith("aten::") and not (parent and parent.name.startswith("aten::")):
-            out["views" if e.name in VIEWS else e.name] += 1
-    return out
+    return launch.count_launches(fn)
 
 
 def kernels(c: collections.Counter) -> int:
-    return sum(v for k, v in c.items() if k != "views")
+    from tpzoo.kernels import launch
+
+    return launch.launches(c)
 
 
 def measure(args, fusion: bool) -> dict:
     import tpzoo
-    from tpzoo.models import Transformer, get_config
+    from tpzoo.models import Inputs, Transformer, get_config
     from tpzoo.train.optim import DistributedAdamW
 
     cfg = get_config(args.model)
     dims = tpzoo.init_parallel(tp=1)
     try:
-        model = Transformer(cfg, dims=dims, seed=1)
+        model = Transformer(cfg, dims, seed=1)
         kw = dict(model_dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype], zero=args.zero,
                   weight_decay=0.1, bucket_elems=args.bucket_elems)
         if "grad_accumulation_fusion" in inspect.signature(DistributedAdamW).parameters:
@@ -82,12 +58,12 @@ def measure(args, fusion: bool) -> dict:
         ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
         for _ in range(2):  # warm: the optimizer's first step builds what it keeps
             opt.zero_grad()
-            model(ids, labels=ids).sum().backward()
+            model(Inputs(ids, labels=ids)).sum().backward()
             opt.reduce_grads()
             opt.global_grad_norm()
             opt.step(1e-3, 0.5)
         opt.zero_grad()
-        loss = model(ids, labels=ids).sum()
+        loss = model(Inputs(ids, labels=ids)).sum()
         backward = count(loss.backward)
         opt.reduce_grads()
         return {"backward": backward, "norm": count(opt.global_grad_norm),

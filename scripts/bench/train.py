@@ -33,8 +33,9 @@ def bench_config(args):
     if args.model != "bench-llama":
         return get_config(args.model)
     # ~17M parameters: big enough that matmuls dominate, small enough for a few steps on 2 CPU cores.
-    return ModelConfig(family="llama", vocab_size=8192, hidden_size=384, num_layers=6, num_heads=6, num_kv_heads=2,
-                       ffn_hidden_size=1024, max_position_embeddings=1024, name="bench-llama")
+    return ModelConfig.from_dict(dict(family="llama", vocab_size=8192, hidden_size=384, num_layers=6, num_heads=6,
+                                      num_kv_heads=2, ffn_hidden_size=1024, max_position_embeddings=1024,
+                                      name="bench-llama"))
 
 
 def _rss_mb() -> float:

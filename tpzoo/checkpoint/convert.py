@@ -48,10 +48,10 @@ def _out_dtype(src_dtype: torch.dtype, dtype: torch.dtype | None) -> torch.dtype
 
 
 def _progress(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
+    from tpzoo.progress import progress_bar
 
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled,
-                dynamic_ncols=True)
+    return progress_bar(enabled, total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                        dynamic_ncols=True)
 
 
 def write_checkpoint(source, out_dir, *, tp: int, pp: int, virtual_stages: int = 1, stages: list | None = None,

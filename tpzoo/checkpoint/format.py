@@ -20,7 +20,7 @@ from .safetensors_io import CHECKSUMS, DTYPES, SafetensorsError, file_checksum, 
 from .schema import SchemaError, check_schema
 
 FORMAT_NAME = "tpzoo-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: model_config nests each layer kind's settings (1, flat, still reads)
 MANIFEST_NAME = "manifest.json"
 
 # Files that travel with a model: tokenizer files (every kind transformers writes) and generation defaults.

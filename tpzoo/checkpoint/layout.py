@@ -121,12 +121,13 @@ class ChunkPlan:
     params: list[ParamInfo] = field(default_factory=list)
 
 
-def build_chunk(cfg, stage: dict, dims: ParallelDims | None = None, *, vocab_padding_multiple: int = 1, **kw):
-    """The Transformer of one manifest `stages` entry for the rank `dims` describes (default: the default dims)."""
-    from tpzoo.models.transformer import Transformer
+def build_chunk(cfg, stage: dict, dims: ParallelDims | None = None, *, vocab_padding_multiple: int = 1):
+    """The Transformer of one manifest `stages` entry for the rank `dims` describes (default: the default dims),
+    on meta: its parameters' names, shards and specs."""
+    from tpzoo.models import ModelLayout, Stage, Transformer
 
-    return Transformer(cfg, dims=dims, layers=tuple(stage["layers"]), pre_process=stage["pre_process"],
-                       post_process=stage["post_process"], vocab_padding_multiple=vocab_padding_multiple, **kw)
+    layout = ModelLayout(dims, vocab_padding_multiple=vocab_padding_multiple, device="meta")
+    return Transformer(cfg, layout, Stage.from_manifest(stage))
 
 
 def param_infos(model, cfg, tp: int, select=None) -> list[ParamInfo]:
@@ -161,7 +162,7 @@ def layout_plan(cfg, tp: int, stages: list[dict], vocab_padding_multiple: int = 
     pp = max(s["pp_rank"] for s in stages) + 1
     for st in stages:
         dims = ParallelDims.for_rank(tp=tp, pp=pp, pp_rank=st["pp_rank"])
-        model = build_chunk(cfg, st, dims, vocab_padding_multiple=vocab_padding_multiple, device="meta")
+        model = build_chunk(cfg, st, dims, vocab_padding_multiple=vocab_padding_multiple)
         select = None
         if lora is not None:
             from tpzoo.models.lora import add_lora

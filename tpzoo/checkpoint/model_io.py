@@ -4,7 +4,7 @@ checkpoint written at any layout (or of a Hugging Face checkpoint) at the curren
     with atomic_dir("ckpt/step-1000", force=True) as tmp:     # every rank enters; renamed when all succeeded
         save_model_shards(model, tmp, tokenizer="data/tok")  # rank 0 writes manifest.json
         ...  # optimizer state next to it (tmp / f"optim-rank{rank:05d}.safetensors", say)
-    model = load_model("ckpt/step-1000")                      # this rank's Transformer (or list of chunks)
+    model = load_model("ckpt/step-1000", ModelLayout(dims, sequence_parallel=True))   # this rank's Transformer
 """
 from __future__ import annotations
 
@@ -14,14 +14,12 @@ from pathlib import Path
 
 import torch
 
-from tpzoo.parallel.dims import ParallelDims
 from tpzoo.parallel.layers import padded_vocab_size
-from tpzoo.parallel.state import get_dims
-from tpzoo.pipeline.partition import as_chunks, tie_chunks
+from tpzoo.pipeline.partition import as_chunks, build_model_chunks, tie_chunks
 
 from .format import CheckpointError, aux_files_in, copy_aux_files, make_manifest, shard_file_name, write_manifest
 from .lora_io import is_base_param, is_lora_param, lora_config_of, lora_of_manifest, resolve_base
-from .layout import build_chunk, infer_padding_multiple, param_infos, partition, spec_to_json, stages_from_ranges
+from .layout import infer_padding_multiple, param_infos, partition, spec_to_json, stages_from_ranges
 from .safetensors_io import dtype_name
 from .st_writer import SafetensorsWriter
 from .sources import check_source, fill_params, open_source
@@ -38,15 +36,19 @@ def _stages_for(source, cfg, pp: int, virtual_stages: int | None) -> list[dict]:
     return stages_from_ranges(partition(cfg, pp, virtual_stages or 1), pp)
 
 
-def load_model(ckpt, dims: ParallelDims | None = None, *, sequence_parallel: bool = False, recompute: str = "none",
-               dtype=None, device=None, virtual_stages: int | None = None, stages: list[dict] | None = None,
-               vocab_padding_multiple: int | None = None, verify: bool = True):
-    """This rank's part of the model in `ckpt` at the layout `dims` (default: the default dims): a Transformer,
-    or a list of chunks when this pipeline rank holds several (virtual stages). `ckpt` is a tpzoo checkpoint at
-    any (tp, pp) (only the slices this rank needs are read) or a Hugging Face checkpoint (converted on the fly).
-    Each chunk is built on meta and filled straight into its device shards (no random init, no CPU copy of the
-    model). dtype: default the checkpoint's; device: default dims.device."""
-    dims = get_dims(dims)
+def load_model(ckpt, layout=None, *, recompute: str = "none", virtual_stages: int | None = None,
+               stages: list[dict] | None = None, verify: bool = True, **layout_fields):
+    """This rank's part of the model in `ckpt` at `layout` (a tpzoo.models.ModelLayout, or a ParallelDims;
+    default: the default dims; `layout_fields`, ModelLayout's fields such as sequence_parallel=True or
+    device="cpu", set on it): a Transformer, or a list of chunks when this pipeline rank holds several (virtual
+    stages). `ckpt` is a tpzoo checkpoint at any (tp, pp) (only the slices this rank needs are read) or a Hugging
+    Face checkpoint (converted on the fly). The chunks are built by build_model_chunks (the path training takes)
+    on meta and filled straight into their device shards (no random init, no CPU copy of the model). The
+    layout's dtype and vocab_padding_multiple default to the checkpoint's, its device to dims.device."""
+    from tpzoo.models import ModelLayout, Stage
+
+    layout = ModelLayout.of(layout).replace(**layout_fields)
+    dims = layout.dims
     source, base = open_source(ckpt, verify=verify), None
     try:
         # A LoRA checkpoint: the base's weights, then these adapters.
@@ -54,13 +56,13 @@ def load_model(ckpt, dims: ParallelDims | None = None, *, sequence_parallel: boo
         base = open_source(resolve_base(lora, ckpt), verify=verify) if lora else None
         cfg = source.cfg
         stages = stages or _stages_for(source, cfg, dims.pp, virtual_stages)
-        multiple = vocab_padding_multiple or (base or source).padding_multiple
-        dtype = dtype or (base or source).dtype("embed.weight")
-        device = torch.device(device) if device is not None else dims.device
-        chunks = []
-        for st in (s for s in stages if s["pp_rank"] == dims.pp_rank):
-            model = build_chunk(cfg, st, dims, vocab_padding_multiple=multiple, sequence_parallel=sequence_parallel,
-                                recompute=recompute, dtype=dtype, device="meta")
+        device = layout.device if layout.device is not None else dims.device
+        layout = layout.replace(
+            vocab_padding_multiple=layout.vocab_padding_multiple or (base or source).padding_multiple,
+            dtype=layout.dtype or (base or source).dtype("embed.weight"), device="meta")
+        mine = [Stage.from_manifest(s) for s in stages if s["pp_rank"] == dims.pp_rank]
+        chunks = build_model_chunks(cfg, layout, stages=mine, recompute=recompute)
+        for model in chunks:
             parts = [(source, None)]
             if lora:
                 from tpzoo.models.lora import add_lora
@@ -74,7 +76,6 @@ def load_model(ckpt, dims: ParallelDims | None = None, *, sequence_parallel: boo
             for src, infos in filled:
                 fill_params(model, src, infos, dims.tp_rank, dims.tp)
             model.checkpoint_stages = stages  # how the layers were split, for the caller's pipeline schedule
-            chunks.append(model)
     finally:
         source.close()
         if base is not None:
@@ -138,8 +139,8 @@ def _write_own_shard(chunks, cfg, out_dir: Path, dtype, tp: int, tp_rank: int, p
     mine = {"file": {"path": path.name, "tp_rank": tp_rank, "pp_rank": pp_rank, "bytes": size, "checksum": digest,
                      "tensors": {n: {"shape": list(s), "dtype": dtype_name(dt)} for n, dt, s in entries}}}
     if tp_rank == 0:  # the layout-independent facts, once per pipeline rank
-        mine["stages"] = [{"pp_rank": pp_rank, "layers": list(c.layer_range), "pre_process": c.pre_process,
-                           "post_process": c.post_process} for c in chunks]
+        mine["stages"] = [{"pp_rank": pp_rank, "layers": [c.stage.layers.start, c.stage.layers.stop],
+                           "pre_process": c.pre_process, "post_process": c.post_process} for c in chunks]
         mine["tensors"] = {info.name: {"shape": list(info.full_shape), "dtype": dtype_name(dt),
                                        "split": spec_to_json(info.spec), "vocab_dim": info.vocab_dim,
                                        "pp_rank": pp_rank} for info, _, dt in items}

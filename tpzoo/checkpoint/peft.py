@@ -105,7 +105,7 @@ def export_peft(ckpt, dst, force: bool = False) -> Path:
     """Write the adapters of the LoRA checkpoint `ckpt` as a PEFT adapter directory `dst` (atomically)."""
     from safetensors.torch import save_file
 
-    from tpzoo.models import Transformer
+    from tpzoo.models import ModelLayout, Transformer
     from tpzoo.models.lora import add_lora, peft_key_map
     from tpzoo.parallel.dims import ParallelDims
 
@@ -119,7 +119,7 @@ def export_peft(ckpt, dst, force: bool = False) -> Path:
     lcfg = lora_config_of(info)
     source = open_source(ckpt)
     try:
-        full = Transformer(source.cfg, dims=ParallelDims.for_rank(tp=1), device="meta")
+        full = Transformer(source.cfg, ModelLayout(ParallelDims.for_rank(tp=1), device="meta"))
         add_lora([full], lcfg)
         keys = peft_key_map(full)
         tensors = {key: source.read_box(ours, [(0, n) for n in source.full_shape(ours)]).contiguous()

@@ -82,10 +82,20 @@ def _model_config(value, where: str):
 
     _type(value, dict, where, "an object")
     _type(_get(value, "family", where), str, f"{where}.family", "a string")
-    for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size"):
+    for key in ("vocab_size", "hidden_size", "num_layers"):
         _int(_get(value, key, where), f"{where}.{key}", lo=1)
-    for key in ("num_kv_heads", "head_dim", "max_position_embeddings"):
-        _opt_int(value.get(key), f"{where}.{key}", lo=1)
+    _opt_int(value.get("max_position_embeddings"), f"{where}.max_position_embeddings", lo=1)
+    # A kind's settings sit in its sub-object (format 2: ModelConfig.to_dict()), or flat (format 1)
+    for group, keys, optional in (("attention", ("num_heads",), ("num_kv_heads", "head_dim")),
+                                  ("mlp", ("ffn_hidden_size",), ())):
+        flat = any(k in value for k in keys)
+        sub, at = (value, where) if flat else (value.get(group), f"{where}.{group}")
+        if not flat:
+            _type(_get(value, group, where), dict, at, "an object")
+        for key in keys:
+            _int(_get(sub, key, at), f"{at}.{key}", lo=1)
+        for key in optional:
+            _opt_int(sub.get(key), f"{at}.{key}", lo=1)
     try:
         return ModelConfig.from_dict(value)
     except (UserError, TypeError, ValueError, KeyError, ZeroDivisionError) as e:

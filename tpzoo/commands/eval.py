@@ -43,14 +43,16 @@ def _worker(args) -> None:
     import tpzoo
     from tpzoo.checkpoint import load_model, parse_dtype
     from tpzoo.evaluation import evaluate
+    from tpzoo.models import ModelLayout
 
     from ._common import encode, load_tokenizer
 
     dims = tpzoo.init_parallel(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, device=args.device,
                                timeout=datetime.timedelta(seconds=args.dist_timeout))
     try:
-        model = load_model(args.ckpt, dims, sequence_parallel=args.sequence_parallel, virtual_stages=1,
-                           dtype=parse_dtype(args.dtype)).eval().set_cp_mode(args.cp_mode)
+        layout = ModelLayout(dims, sequence_parallel=args.sequence_parallel, cp_mode=args.cp_mode,
+                             dtype=parse_dtype(args.dtype))
+        model = load_model(args.ckpt, layout, virtual_stages=1).eval()
         tokenizer = load_tokenizer(args.tokenizer or args.ckpt)
         with open(args.text_file, encoding="utf-8") as f:
             ids = encode(tokenizer, f.read(), special_tokens=args.bos)

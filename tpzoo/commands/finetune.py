@@ -11,7 +11,7 @@ import argparse
 
 from . import pretrain
 
-DEFAULTS = {"task": "sft", "steps": 100, "lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 10, "weight_decay": 0.0,
+DEFAULTS = {"task": "sft", "steps": 100, "lr": 1e-4, "warmup_steps": 10, "weight_decay": 0.0,
             "save": "runs/finetune", "eval_fraction": 0.1, "sample_prompt": ""}
 
 

@@ -60,14 +60,15 @@ def _worker(args) -> None:
     import tpzoo
     from tpzoo.checkpoint import load_model, parse_dtype
     from tpzoo.generation import generate
+    from tpzoo.models import ModelLayout
 
     from ._common import decode, encode, load_tokenizer
 
     dims = tpzoo.init_parallel(tp=args.tp, pp=args.pp, ep=args.ep, device=args.device,
                                timeout=datetime.timedelta(seconds=args.dist_timeout))
     try:
-        model = load_model(args.ckpt, dims, sequence_parallel=args.sequence_parallel, virtual_stages=1,
-                           dtype=parse_dtype(args.dtype)).eval()
+        layout = ModelLayout(dims, sequence_parallel=args.sequence_parallel, dtype=parse_dtype(args.dtype))
+        model = load_model(args.ckpt, layout, virtual_stages=1).eval()
         cfg = model.cfg
         tokenizer = load_tokenizer(args.tokenizer or args.ckpt)
         prompt_ids = encode(tokenizer, args.prompt, special_tokens=True)

@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8", default="none", choices=["none", "tensorwise", "rowwise"],
                    help="the attention and MLP projections' GEMMs in FP8 (twice the FLOP rate; the casts' working "
                         "set in memory), as `tpzoo pretrain --fp8` runs them")
+    p.add_argument("--compile", action="store_true", help="the blocks compiled (regional torch.compile, as "
+                        "`tpzoo pretrain --compile`): their saved tensors counted as the fused kernels'")
     p.add_argument("--vocab-padding-multiple", type=int, default=1)
     p.add_argument("--max-micro-batch", type=int, default=64)
     p.add_argument("--tp", type=int, help="only layouts with this tp")
@@ -93,7 +95,7 @@ def run(args) -> int:
                                 lora_rank=args.lora_rank,
                                 vocab_padding_multiple=args.vocab_padding_multiple,
                                 kernels=args.kernels, fused_linear_cross_entropy=args.fused_linear_cross_entropy,
-                                fp8=args.fp8)
+                                fp8=args.fp8, compile=args.compile)
     except ValueError as exc:  # the specs check their own fields
         raise ConfigError(str(exc)) from None
     estimates = search(cfg, cluster, training, args.max_micro_batch, tp=args.tp, pp=args.pp,

@@ -35,10 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from tqdm import tqdm
-
     from tpzoo.data import default_corpus, default_workers, iter_documents, load_tokenizer, preprocess
     from tpzoo.errors import ConfigError
+    from tpzoo.progress import progress_bar
 
     outputs = [args.out] if args.format == "tpzoo" else [f"{args.out}.bin", f"{args.out}.idx"]
     for out in outputs:
@@ -54,8 +53,9 @@ def run(args) -> int:
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(args.tokenizer)
     # The bar counts tokens (its rate is tokens/s); documents go in the postfix.
-    bar = tqdm(unit="tok", unit_scale=True, desc=f"preprocess ({workers} worker{'s' * (workers > 1)})",
-               disable=args.quiet, file=sys.stderr, dynamic_ncols=True)
+    bar = progress_bar(not args.quiet, unit="tok", unit_scale=True,
+                       desc=f"preprocess ({workers} worker{'s' * (workers > 1)})", file=sys.stderr,
+                       dynamic_ncols=True)
     totals = {"docs": 0}
 
     def on_progress(docs: int, tokens: int) -> None:

@@ -47,7 +47,7 @@ def run_config(cfg, command: str = "pretrain") -> int:
         fn, nproc = in_rank(check_train, _rank_main), 1
     else:
         check_train(cfg)
-        fn, nproc = _rank_main, cfg.tp * cfg.cp * cfg.pp * (cfg.dp or 1)
+        fn, nproc = _rank_main, cfg.spawn_world_size()
     try:
         return run_multirank(fn, cfg, nproc, command)
     except SystemExit as e:  # one rank in this process: its exit status (1: diverged, 2: a user error)

@@ -19,6 +19,9 @@ Asynchronous by contract: a `*_start` call or `batch_send_recv(wait=False)` retu
 run (on NCCL's own stream) until `wait()`; the caller reads no output and writes no input before then, and the
 handle holds every tensor involved until then (docs/design.md, "Collectives on CUDA"). Strict collective mode
 (tpzoo.parallel.strict, TPZOO_STRICT_COLLECTIVES=1) enforces this on CPU.
+
+torch.compile (tpzoo.train.compile) does not trace these functions (tpzoo.parallel.eager): each collective is a
+graph break and runs as written, handles and strict mode included.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import torch.distributed as dist
 
 from . import strict
 from .dims import SELF_GROUP
+from .eager import eager as _eager
 from .state import group_name
 
 
@@ -108,6 +112,7 @@ def _via_host(t: torch.Tensor, group) -> bool:
     return _BACKENDS[key] == "gloo"
 
 
+@_eager
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce; returns t."""
     p = group_size(group)
@@ -134,6 +139,7 @@ class Pending:
         self.work, self.result, self.copy_back, self.finish, self.keep = work, result, copy_back, finish, keep
         self.guard = guard
 
+    @_eager
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
@@ -147,6 +153,7 @@ class Pending:
         return self.finish(self.result) if self.finish is not None else self.result
 
 
+@_eager
 def all_gather_start(t: torch.Tensor, group, dim: int = 0) -> Pending:
     """Start concatenating every rank's `t` along `dim` (rank order); `.wait()` returns the result."""
     p = group_size(group)
@@ -160,11 +167,13 @@ def all_gather_start(t: torch.Tensor, group, dim: int = 0) -> Pending:
     return pending
 
 
+@_eager
 def all_gather(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """Concatenate every rank's `t` along `dim` (rank order)."""
     return all_gather_start(t, group, dim).wait()
 
 
+@_eager
 def reduce_scatter_start(t: torch.Tensor, group, dim: int = 0) -> Pending:
     """Start summing over ranks and keeping this rank's chunk of `dim`; `.wait()` returns the result."""
     p = group_size(group)
@@ -180,11 +189,13 @@ def reduce_scatter_start(t: torch.Tensor, group, dim: int = 0) -> Pending:
     return pending
 
 
+@_eager
 def reduce_scatter(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """Sum over ranks, then keep this rank's chunk of `dim`."""
     return reduce_scatter_start(t, group, dim).wait()
 
 
+@_eager
 def broadcast(t: torch.Tensor, src: int, group=None) -> torch.Tensor:
     if group_size(group) == 1:
         return t
@@ -198,6 +209,7 @@ def broadcast(t: torch.Tensor, src: int, group=None) -> torch.Tensor:
     return t
 
 
+@_eager
 def all_to_all(t: torch.Tensor, group) -> torch.Tensor:
     """Split dim 0 into p chunks, send chunk i to rank i, concatenate what arrives along dim 0."""
     p = group_size(group)
@@ -207,6 +219,7 @@ def all_to_all(t: torch.Tensor, group) -> torch.Tensor:
     return _all_to_all_single(t, t.shape[0], group)
 
 
+@_eager
 def all_to_all_v(t: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
     """Uneven all-to-all along dim 0: rows [sum(send[:i]), sum(send[:i+1])) go to rank i, recv[i] rows arrive
     from rank i. Split sizes are host ints (the caller learned them with a small all_to_all of counts)."""
@@ -231,6 +244,7 @@ def _all_to_all_single(t: torch.Tensor, out_rows: int, group, **splits) -> torch
     return out.to(t.device) if host else out
 
 
+@_eager
 def batch_send_recv(sends: list[tuple], recvs: list[tuple], group=None, wait: bool = True) -> list:
     """Post point-to-point sends and receives at once (global peer ranks) and wait for them.
 
@@ -343,6 +357,7 @@ def split_along(t: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tenso
 # -- asynchronous flat collectives (the data-parallel gradient buckets; the sequence-dim ones above use them too) ----
 # Counted when started. The caller leaves the tensors untouched until wait() (the Pending holds the input).
 
+@_eager
 def all_reduce_start(t: torch.Tensor, group) -> Pending:
     """Start an in-place sum of `t` over `group`; wait() returns t."""
     p = group_size(group)
@@ -378,11 +393,13 @@ def _into_start(kind: str, collective, out: torch.Tensor, t: torch.Tensor, group
                    guard=guard)
 
 
+@_eager
 def reduce_scatter_into_start(out: torch.Tensor, t: torch.Tensor, group) -> Pending:
     """Start the sum of flat `t` over `group` whose rank-th 1/p lands in flat `out`; wait() returns out."""
     return _into_start("reduce_scatter", _reduce_scatter_flat, out, t, group, "reduce_scatter_into")
 
 
+@_eager
 def all_gather_into_start(out: torch.Tensor, t: torch.Tensor, group) -> Pending:
     """Start concatenating every rank's flat `t` (rank order) into flat `out`; wait() returns out."""
     return _into_start("all_gather", _all_gather_flat, out, t, group, "all_gather_into")

@@ -21,7 +21,7 @@ Analytical volume per layer and rank (counted by tpzoo.parallel.comm under "send
     backward N-1 sends of K|V and N sends of dK|dV (same elements, fp32 or wider).
 
 Grouped-query attention: K/V travel with their kv heads only and are expanded to the query heads per block; the
-gradients of the expanded heads are summed back. (Under TP, ParallelAttention already holds the kv heads its query
+gradients of the expanded heads are summed back. (Under TP, the attention token mixer already holds the kv heads its query
 heads use, replicated or split.) Sliding windows mask by global position. Packed documents (`doc_ids` [b, S] of the
 whole padded sequence, natural order, held by every rank): each block also masks the query/key pairs of different
 documents (every rank picks its queries' and the block owner's ids from the whole sequence's: nothing more
@@ -38,11 +38,24 @@ classified from its positions alone (`block_visibility`, host integers, no devic
 kernel without a mask), causal by local index (the diagonal block; the kernel's own causal mask), no pair visible
 (a sliding window that ends before the block: skipped, its K/V passed on), or cut by a sliding window (torch math
 with the explicit mask: a window that binds inside a block is the one case without a fused kernel). Soft-capped
-scores (Gemma 2) are refused by the caller (models/blocks.py: --cp-mode a2a).
+scores (Gemma 2) are refused by the caller (models/kinds/attention_core.py: --cp-mode a2a).
+
+Attention sinks (gpt-oss: one learned logit per head that joins every row's softmax with no value): once the
+ring has merged every block, the sink merges as one more block whose output is zero and whose log-sum-exp is the
+sink (`merge_sinks`: out * sigmoid(lse - sink), lse = logaddexp(lse, sink)). The backward's blocks already take
+the merged output and log-sum-exp, so q, k and v need nothing more; the sink's gradient is
+-sum over rows of exp(sink - lse) * rowsum(dO * O) (`sink_grad`), this rank's rows only: the sinks are
+replicated over cp, and their gradients are summed with the other replicated weights' over dp x cp. Under TP
+each rank passes the sinks of its own heads.
+
+Values may be narrower than queries and keys (multi-head latent attention: v_head_dim != qk_head_dim): the torch
+math takes them as they are; for a fused block kernel (which needs one head dim) V travels zero-padded to the
+query width, and the padded columns of the output (zero) and of dV are dropped.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import comm
 from .attention_kernels import FUSED, choose_kernel
@@ -121,17 +134,19 @@ def block_forward(q, k, v, scale: float, causal: bool, mask, kernel: str):
     kernel's backward needs beyond the merged output and log-sum-exp (attention_kernels.py)."""
     if kernel == "torch":
         return (*block_attention(q, k, v, scale, mask), None)
-    out, lse, state = FUSED[kernel].forward(q, k, v, scale, causal)
-    return out.to(_acc(q)), lse.to(_acc(q)), state
+    dv = v.shape[-1]
+    out, lse, state = FUSED[kernel].forward(q, k, _widen(v, q.shape[-1]), scale, causal)
+    return out[..., :dv].to(_acc(q)), lse.to(_acc(q)), state
 
 
 def block_backward(d_out, q, k, v, out, lse, delta, scale: float, causal: bool, mask, kernel: str, state=None):
     """(dq, dk, dv) of one block given the merged output and log-sum-exp of its query rows: the block's share of
     the gradients of the whole attention (P = exp(S - lse) with the global lse)."""
     if kernel != "torch":
-        dt = q.dtype
-        grads = FUSED[kernel].backward(d_out.to(dt), q, k, v, out.to(dt), lse.contiguous(), scale, causal, state)
-        return tuple(g.to(_acc(q)) for g in grads)
+        dt, d, dv = q.dtype, q.shape[-1], v.shape[-1]
+        grads = FUSED[kernel].backward(_widen(d_out.to(dt), d), q, k, _widen(v, d), _widen(out.to(dt), d),
+                                       lse.contiguous(), scale, causal, state)
+        return grads[0].to(_acc(q)), grads[1].to(_acc(q)), grads[2][..., :dv].to(_acc(q))
     qb, kb, vb = (t.to(_acc(q)) for t in (q, k, v))
     scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale
     if mask is not None:
@@ -152,6 +167,33 @@ def block_attention(q, k, v, scale: float, mask) -> tuple[torch.Tensor, torch.Te
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - _finite(lse).unsqueeze(-1))
     return torch.matmul(probs, v.to(_acc(q))), lse
+
+
+def _widen(t: torch.Tensor, d: int) -> torch.Tensor:
+    """t zero-padded on the last dim to d (a fused kernel's one head dim; narrower values only)."""
+    return t if t.shape[-1] == d else F.pad(t, (0, d - t.shape[-1]))
+
+
+def merge_sinks(out, lse, sinks):
+    """Fold per-head sink logits [heads] into a finished attention (in place on out [b, h, s, dv]; returns the
+    new lse): a block with output 0 and log-sum-exp `sink`."""
+    sink = sinks.to(lse.dtype).view(1, -1, 1)
+    new_lse = torch.logaddexp(lse, sink)
+    out.mul_(torch.exp(lse - new_lse).unsqueeze(-1))
+    return new_lse
+
+
+def sink_grad(d_out, out, lse, sinks) -> torch.Tensor:
+    """d loss / d sinks [heads] from this rank's rows: -sum_(b, rows) exp(sink - lse) * rowsum(dO * O), with the
+    output and lse that include the sinks."""
+    delta = (d_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    prob = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
+    return -(prob * delta).sum(dim=(0, 2)).to(sinks.dtype)
+
+
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K|V in one tensor [b, kv_heads, s, dk + dv] (one transfer per ring step; dv may differ from dk)."""
+    return torch.cat([k, v], dim=-1)
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
@@ -191,19 +233,22 @@ class _Ring:
         return out
 
 
-def ring_forward(q, k, v, exchange, cp_rank: int, cp: int, scale: float, window, kernel: str, doc_ids=None):
+def ring_forward(q, k, v, exchange, cp_rank: int, cp: int, scale: float, window, kernel: str, doc_ids=None,
+                 sinks=None):
     """One rank's forward over the ring: (out in q's dtype, lse, each step's kernel state). `exchange` passes
     K/V on (start(t, tag) -> pending, wait(pending) -> the tensor from the previous rank): the cp ring, or the
-    one-process stand-in of ring_local.py. doc_ids: packed documents (the module docstring)."""
+    one-process stand-in of ring_local.py. doc_ids: packed documents; sinks [heads]: attention sinks (the
+    module docstring); the lse returned then includes them."""
     chunk, groups = q.shape[2] // 2, q.shape[1] // k.shape[1]
     states = []  # per step: the fused kernel's state for the backward
     pos = local_positions(chunk, cp, cp_rank, q.device)
     # [b, s, h, d] in memory (seen as [b, h, s, d]): the layout SDPA returns, so that the caller's
     # "b h s d -> b s (h d)" for the output projection is a view, not a copy
-    b, h, s, d = q.shape
-    out = torch.empty(b, s, h, d, dtype=_acc(q), device=q.device).transpose(1, 2)
+    b, h, s, _ = q.shape
+    out = torch.empty(b, s, h, v.shape[-1], dtype=_acc(q), device=q.device).transpose(1, 2)
     lse = None
-    kv = torch.stack([k, v])
+    dk = k.shape[-1]
+    kv = _pack(k, v)
     for step in range(cp):
         pending = exchange.start(kv, KV_TAG) if step < cp - 1 else None  # overlapped with this block
         owner = (cp_rank - step) % cp
@@ -212,7 +257,7 @@ def ring_forward(q, k, v, exchange, cp_rank: int, cp: int, scale: float, window,
         states.append(None)
         if seen != "none":
             b_out, b_lse, states[-1] = block_forward(
-                q[:, :, rows], _expand(kv[0][:, :, cols], groups), _expand(kv[1][:, :, cols], groups), scale,
+                q[:, :, rows], _expand(kv[:, :, cols, :dk], groups), _expand(kv[:, :, cols, dk:], groups), scale,
                 seen == "causal", mask, how)
             if step == 0:  # the diagonal block covers every row (each sees at least itself): it starts the sums
                 out.copy_(b_out)
@@ -221,6 +266,8 @@ def ring_forward(q, k, v, exchange, cp_rank: int, cp: int, scale: float, window,
                 lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], b_out, b_lse)
         if pending is not None:
             kv = exchange.wait(pending)
+    if sinks is not None:
+        lse = merge_sinks(out, lse, sinks)
     return out.to(q.dtype), lse, states  # (the same tensor in fp32)
 
 
@@ -234,7 +281,8 @@ def ring_backward(grad_out, q, k, v, out, lse, states, exchange, cp_rank: int, c
     d_out = grad_out
     delta = None  # rowsum(dO * O), the softmax backward term of the torch math (made once, if a block needs it)
     dq = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
-    kv = torch.stack([k, v])
+    dk = k.shape[-1]
+    kv = _pack(k, v)
     dkv = torch.zeros(kv.shape, dtype=_acc(q), device=q.device)
     dkv_pending = None
     for step in range(cp):
@@ -246,41 +294,44 @@ def ring_backward(grad_out, q, k, v, out, lse, states, exchange, cp_rank: int, c
             if how == "torch" and delta is None:
                 delta = (d_out.to(_acc(q)) * out.to(_acc(q))).sum(-1)
             dq_b, dk_b, dv_b = block_backward(
-                d_out[:, :, rows], q[:, :, rows], _expand(kv[0][:, :, cols], groups),
-                _expand(kv[1][:, :, cols], groups), out[:, :, rows], lse[:, :, rows],
+                d_out[:, :, rows], q[:, :, rows], _expand(kv[:, :, cols, :dk], groups),
+                _expand(kv[:, :, cols, dk:], groups), out[:, :, rows], lse[:, :, rows],
                 None if delta is None else delta[:, :, rows], scale, seen == "causal", mask, how, states[step])
             dq[:, :, rows] += dq_b
         if dkv_pending is not None:  # the dK/dV the previous ranks accumulated for this block
             dkv = exchange.wait(dkv_pending)
         if seen != "none":
-            dkv[0][:, :, cols] += _fold(dk_b, groups)
-            dkv[1][:, :, cols] += _fold(dv_b, groups)
+            dkv[:, :, cols, :dk] += _fold(dk_b, groups)
+            dkv[:, :, cols, dk:] += _fold(dv_b, groups)
         dkv_pending = exchange.start(dkv, DKV_TAG)  # to the next rank; after cp sends, back at its owner
         if kv_pending is not None:
             kv = exchange.wait(kv_pending)
     dkv = exchange.wait(dkv_pending)
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype)
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, ranks, cp_rank, scale, window, fused, doc_ids):
+    def forward(ctx, q, k, v, group, ranks, cp_rank, scale, window, fused, doc_ids, sinks):
         kernel = choose_kernel(q, fused)
+        if v.shape[-1] > q.shape[-1]:  # values wider than queries: the kernels' one head dim cannot hold them
+            kernel = "torch"
         result, lse, states = ring_forward(q, k, v, _Ring(group, ranks, cp_rank), cp_rank, len(ranks), scale,
-                                           window, kernel, doc_ids)
+                                           window, kernel, doc_ids, sinks)
         # The output in the activations' dtype is what the backward needs (as flash attention keeps it): the one
         # the output projection keeps anyway, so ring attention saves nothing beyond what SDPA saves.
-        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.save_for_backward(q, k, v, result, lse, sinks)
         ctx.group, ctx.ranks, ctx.cp_rank, ctx.scale, ctx.window = group, ranks, cp_rank, scale, window
         ctx.kernel, ctx.states, ctx.doc_ids = kernel, states, doc_ids
         return result
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         grads = ring_backward(grad_out, q, k, v, out, lse, ctx.states, _Ring(ctx.group, ctx.ranks, ctx.cp_rank),
                               ctx.cp_rank, len(ctx.ranks), ctx.scale, ctx.window, ctx.kernel, ctx.doc_ids)
-        return (*grads, None, None, None, None, None, None, None)
+        d_sinks = sink_grad(grad_out, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[10] else None
+        return (*grads, None, None, None, None, None, None, None, d_sinks)
 
 
 def _block_plan(pos, rows, cols, owner: int, cp_rank: int, cp: int, chunk: int, window, kernel: str, doc_ids=None):
@@ -295,12 +346,12 @@ def _block_plan(pos, rows, cols, owner: int, cp_rank: int, cp: int, chunk: int, 
 
 def ring_attention(q, k, v, group, ranks: list[int], cp_rank: int, *, scale: float | None = None,
                    window: int | None = None, fused: bool | str | None = None,
-                   doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                   doc_ids: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries q [b, h, 2c, d] over every cp rank's keys/values ([b, kv_heads,
-    2c, d] here), the tokens in the load-balanced order; `ranks` are the cp group's global ranks. fused: None, the
-    fastest block kernel this device has (attention_kernels.choose_kernel); False, the torch math; a kernel name
-    (attention_kernels.FUSED) to force one. doc_ids [b, 2c * cp]: the whole sequence's documents (natural order),
-    attention within each."""
+    2c, d] here, v's head dim may differ), the tokens in the load-balanced order; `ranks` are the cp group's global
+    ranks. fused: None, the fastest block kernel this device has (attention_kernels.choose_kernel); False, the
+    torch math; a kernel name (attention_kernels.FUSED) to force one. doc_ids [b, 2c * cp]: the whole sequence's
+    documents (natural order), attention within each. sinks [heads]: this rank's heads' attention sinks."""
     if q.shape[2] % 2:
         raise ValueError(f"ring attention: the local sequence ({q.shape[2]}) must hold two equal chunks")
     if q.shape[1] % k.shape[1]:
@@ -309,4 +360,6 @@ def ring_attention(q, k, v, group, ranks: list[int], cp_rank: int, *, scale: flo
     if doc_ids is not None and tuple(doc_ids.shape) != (q.shape[0], q.shape[2] * len(ranks)):
         raise ValueError(f"ring attention: doc_ids {tuple(doc_ids.shape)} are not the whole sequence's "
                          f"({q.shape[0]}, {q.shape[2] * len(ranks)})")
-    return RingAttention.apply(q, k, v, group, list(ranks), cp_rank, scale, window, fused, doc_ids)
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"ring attention: sinks {tuple(sinks.shape)} are not one per query head ({q.shape[1]})")
+    return RingAttention.apply(q, k, v, group, list(ranks), cp_rank, scale, window, fused, doc_ids, sinks)

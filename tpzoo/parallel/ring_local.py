@@ -38,11 +38,14 @@ class LocalExchange:
 
 def ring_schedule(q: list, kv: list, d_out: list, scale: float, kernel: str, window: int | None = None):
     """out, dq, dk, dv of every rank ([cp] lists of the load-balanced shards) from the cp ranks' blocks: q[r],
-    d_out[r] [b, h, 2c, d], kv[r] [2, b, kv_heads, 2c, d] (K|V stacked, as the ring passes them on)."""
-    cp = len(q)
-    totals = [torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device) for t in kv]
-    saved = [ring_forward(q[r], kv[r][0], kv[r][1], LocalExchange(kv, None, r), r, cp, scale, window, kernel)
+    d_out[r] [b, h, 2c, d], kv[r] [2, b, kv_heads, 2c, d] (K and V stacked)."""
+    cp, dk = len(q), kv[0].shape[-1]
+    packed = [torch.cat([t[0], t[1]], dim=-1) for t in kv]  # K|V as the ring passes them on (ring_attention._pack)
+    totals = [torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device)
+              for t in packed]
+    saved = [ring_forward(q[r], kv[r][0], kv[r][1], LocalExchange(packed, None, r), r, cp, scale, window, kernel)
              for r in range(cp)]
-    dq = [ring_backward(d_out[r], q[r], kv[r][0], kv[r][1], out, lse, states, LocalExchange(kv, totals, r), r, cp,
-                        scale, window, kernel)[0] for r, (out, lse, states) in enumerate(saved)]
-    return [s[0] for s in saved], dq, [t[0].to(q[0].dtype) for t in totals], [t[1].to(q[0].dtype) for t in totals]
+    dq = [ring_backward(d_out[r], q[r], kv[r][0], kv[r][1], out, lse, states, LocalExchange(packed, totals, r), r,
+                        cp, scale, window, kernel)[0] for r, (out, lse, states) in enumerate(saved)]
+    return ([s[0] for s in saved], dq, [t[..., :dk].to(q[0].dtype) for t in totals],
+            [t[..., dk:].to(q[0].dtype) for t in totals])

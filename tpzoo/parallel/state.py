@@ -33,6 +33,16 @@ _LOCAL: ParallelDims | None = None    # the default before init_parallel: one CP
 _GROUP_NAMES: dict = {}  # ProcessGroup -> short name, for the collective counter
 
 
+def job_world_size() -> int:
+    """How many ranks init_parallel joins from this process: the default group's size once torch.distributed is
+    initialized, else WORLD_SIZE (set by torchrun, and by tpzoo for the ranks it spawns), else 1. Every check that
+    depends on the world size before the groups exist (the preflight under torchrun, TrainConfig.validate inside
+    train()) asks this, so it cannot disagree with the groups init_parallel builds."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, ep: int = 1, *, device=None,
                   backend: str | None = None, timeout: datetime.timedelta | None = None,
                   watchdog: bool | None = None) -> ParallelDims:
@@ -52,13 +62,12 @@ def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, 
     timeout = timeout or default_timeout()
     device = resolve_device(device)
     owns = False
+    world_size = job_world_size()
+    dp = check_layout(world_size, tp, pp, cp, dp, ep)
     if dist.is_initialized():
-        world_size, rank = dist.get_world_size(), dist.get_rank()
-        dp = check_layout(world_size, tp, pp, cp, dp, ep)
+        rank = dist.get_rank()
     else:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
-        dp = check_layout(world_size, tp, pp, cp, dp, ep)
         backend = backend or default_backend(device)
         if backend == "nccl" and device.type != "cuda":
             raise ConfigError(f"backend nccl needs a CUDA device, got {device}")
@@ -152,4 +161,4 @@ __all__ = ["ParallelDims", "ParallelLayoutError", "SELF_GROUP", "check_layout", 
            "divide", "get_cp_group", "get_cp_rank", "get_cp_size", "get_device", "get_dims", "get_dp_group",
            "get_dp_rank", "get_dp_size", "get_group_ranks", "get_pp_group", "get_pp_rank", "get_pp_size",
            "get_tp_group", "get_tp_rank", "get_tp_size", "group_name", "init_parallel", "is_initialized",
-           "local_rank"]
+           "job_world_size", "local_rank"]

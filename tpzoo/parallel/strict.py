@@ -104,7 +104,8 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.numel() == 0 or torch.equal(_bits(a), _bits(b))
 
 
-_HERE = (os.path.join("tpzoo", "parallel", "comm.py"), os.path.join("tpzoo", "parallel", "strict.py"))
+_HERE = (os.path.join("tpzoo", "parallel", "comm.py"), os.path.join("tpzoo", "parallel", "strict.py"),
+         os.path.join("tpzoo", "parallel", "eager.py"))  # eager.py: the collectives' mark for torch.compile
 
 
 def _started_at(depth: int = 3) -> str:

@@ -1,6 +1,7 @@
 """All-to-all context parallelism (DeepSpeed-Ulysses), `--cp-mode a2a`: before attention an all-to-all over the cp
 group trades the sequence split for a head split (each rank then holds every token of heads/cp of its heads), the
-attention runs locally on whole sequences, and a second all-to-all trades back. Needs the query heads on a rank
+attention runs locally on whole sequences, and a second all-to-all trades back. Per-head parameters of the attention
+itself (sinks) follow the heads: `local_heads` names the ones `attend` sees. Needs the query heads on a rank
 (after TP) divisible by cp; kv heads that do not divide are expanded to the query heads first.
 
 Volume per layer and rank: forward 4 all-to-alls (q, k, v in; the output back), backward the same 4.
@@ -37,6 +38,21 @@ class _Exchange(torch.autograd.Function):
         return _all_to_all(grad.contiguous(), group, p, scatter_dim=scatter, gather_dim=gather), None, None, None, None
 
 
+def exchange(x: torch.Tensor, group, p: int, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """The all-to-all that splits `scatter_dim` into p parts (part i to rank i) and concatenates the parts that
+    arrive along `gather_dim`; its backward is the inverse exchange. Other mixers that trade a sequence split for a
+    head split use it too (models/gated_deltanet.py)."""
+    return _Exchange.apply(x, group, p, scatter_dim, gather_dim)
+
+
+def gathered_order(chunk: int, cp: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, natural) for a sequence gathered from the cp ranks' load-balanced chunks of `chunk` tokens, in rank
+    order: order[j] is the position of gathered token j, `index_select(natural)` puts the gathered sequence in
+    natural order and `index_select(order)` puts a natural-order one back in rank order."""
+    order = torch.cat([local_positions(chunk, cp, r, "cpu") for r in range(cp)])
+    return order.to(device), torch.argsort(order).to(device)
+
+
 def ulysses_attention(q, k, v, group, cp: int, attend) -> torch.Tensor:
     """q [b, h, 2c, d], k/v [b, kv_heads, 2c, d] of this rank's load-balanced tokens; attend(q, k, v) is causal
     attention over a whole sequence in natural order. Returns this rank's output rows [b, h, 2c, d]."""
@@ -45,9 +61,16 @@ def ulysses_attention(q, k, v, group, cp: int, attend) -> torch.Tensor:
         raise ValueError(f"cp-mode a2a: {h} query heads per rank are not divisible by cp={cp}")
     if hkv % cp:  # expand kv to the query heads (as SDPA's enable_gqa pairs them), then split those
         k, v = (t.repeat_interleave(h // hkv, dim=1) for t in (k, v))
-    chunk = q.shape[2] // 2
-    order = torch.cat([local_positions(chunk, cp, r, "cpu") for r in range(cp)])  # position of gathered token j
-    natural = torch.argsort(order).to(q.device)
-    q, k, v = (_Exchange.apply(t, group, cp, 1, 2).index_select(2, natural) for t in (q, k, v))
+    order, natural = gathered_order(q.shape[2] // 2, cp, q.device)
+    q, k, v = (exchange(t, group, cp, 1, 2).index_select(2, natural) for t in (q, k, v))
     out = attend(q, k, v)
-    return _Exchange.apply(out.index_select(2, order.to(q.device)).contiguous(), group, cp, 2, 1)
+    return exchange(out.index_select(2, order).contiguous(), group, cp, 2, 1)
+
+
+def local_heads(heads: int, cp: int, cp_rank: int) -> slice:
+    """The query heads (of this rank's `heads`) that `attend` sees on cp rank cp_rank: per-head parameters of the
+    attention itself (gpt-oss's sinks) are sliced with it."""
+    if heads % cp:
+        raise ValueError(f"cp-mode a2a: {heads} query heads per rank are not divisible by cp={cp}")
+    n = heads // cp
+    return slice(cp_rank * n, (cp_rank + 1) * n)

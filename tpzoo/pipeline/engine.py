@@ -5,8 +5,9 @@
 `step` (a StepFunctions) says what one micro-batch computes on one chunk; the executor decides the order (the
 schedule's actions for this rank), moves activations and gradients between stages (tagged point-to-point, no
 shape handshake), runs the backward passes and records a timeline. Training (`forward_backward` below: the
-language-model loss), eval (tpzoo.evaluation) and generation (tpzoo.generation, with KV caches per chunk) are
-three StepFunctions over this one loop.
+language-model loss), eval (tpzoo.evaluation) and generation (tpzoo.generation, with a cache per chunk) are
+three StepFunctions over this one loop. What a step's chunks pass on beside the activation (auxiliary sums of
+some layer kinds, `StepFunctions.carry`) travels with it, opaque to the executor.
 """
 from __future__ import annotations
 
@@ -79,9 +80,8 @@ def activation_shape(chunks, microbatches, dims: ParallelDims) -> tuple:
 
 
 def execute(chunks, microbatches: list[dict], dims: ParallelDims | None, step: StepFunctions, *,
-            schedule: str = "1f1b", forward_only: bool = False, router_loss: bool = True) -> dict:
+            schedule: str = "1f1b", forward_only: bool = False) -> dict:
     """Run every micro-batch through this rank's chunks in the schedule's order (collective over the pipeline).
-    router_loss: as lm_forward's (which router statistics travel between stages; the same on every stage).
     Returns timeline [(kind, micro-batch, t_start, t_end)] of this rank's compute (perf_counter seconds; kind F,
     B (the whole backward, or only the input gradient for "zb") and W) and peak_inflight."""
     if not microbatches:
@@ -90,8 +90,9 @@ def execute(chunks, microbatches: list[dict], dims: ParallelDims | None, step: S
     p, rank, v, m = dims.pp, dims.pp_rank, len(chunks), len(microbatches)
     actions = plan(schedule, rank, p, m, v, forward_only)
     param = next(q for q in chunks[0].parameters() if q.is_floating_point())
+    carry = step.carry(chunks[0], microbatches[0]) if step.carry is not None else {}
     stage_comm = StageComm(dims, v, m, activation_shape(chunks, microbatches, dims), param.dtype, param.device,
-                           extra=router_stats_size(chunks[0], microbatches[0], router_loss))
+                           carry=carry)
     runners = [StageRunner(c, i, stage_comm, microbatches, step, forward_only=forward_only)
                for i, c in enumerate(chunks)]
     split = any(a.kind == "W" for a in actions)
@@ -141,52 +142,38 @@ def pipeline_forward(model_or_chunks, input_ids: torch.Tensor, labels: torch.Ten
     def last(mb, output, batch):
         result["out"] = output
 
-    execute(chunks, [batch], dims, StepFunctions(lm_forward(), last), forward_only=True)
+    execute(chunks, [batch], dims, lm_step(None, last), forward_only=True)
     return result.get("out")
 
 
 # -- the language-model loss: training and eval ------------------------------------------------------------------
 
-def lm_forward(label_smoothing: float = 0.0, router_loss: bool = True, z_loss: float = 0.0):
-    """The forward of one chunk for an {"input_ids"[, "labels"][, "position_ids"][, "doc_ids"]} batch: on the last
-    model stage the per-token loss (with label_smoothing and z_loss), or the logits shard for a batch without
-    labels. Positions and document ids go to every stage: each one's attention (and the first stage's learned
-    positions) needs them.
+def lm_step(loss, last) -> StepFunctions:
+    """The StepFunctions of the language-model loss for {"input_ids"[, "labels"][, "position_ids"][, "doc_ids"]
+    [, "token_mask"]} micro-batches: each chunk's forward on tpzoo.models.Inputs of its part of the batch (ids on
+    the first model stage, labels on the last; positions, documents and the token mask on every stage: each one's
+    layers need them), with `loss` (tpzoo.models.LossOptions; None: the defaults) on the last stage, whose output
+    `last(microbatch, output, batch)` consumes. A labelled batch through a model split into chunks carries the
+    auxiliary sums the chunks ask for (Transformer.carried_aux, models/aux.py)."""
+    from tpzoo.models import Inputs, LossOptions
 
-    router_loss (a mixture of experts): True, the per-token loss includes the router losses when the model trains
-    with them (training); False, it is the language model's alone and the last stage computes the router losses
-    beside it (the model's aux_loss / z_loss: what evaluation reports)."""
-    def forward(index, chunk, batch, hidden):
-        device, stats = chunk.device, None
+    loss = loss or LossOptions()
 
-        def get(key, wanted=True):
-            t = batch.get(key)
-            return None if t is None or not wanted else t.to(device, non_blocking=True)
+    def carry(chunk, batch) -> dict:
+        if "labels" not in batch or (chunk.pre_process and chunk.post_process):
+            return {}
+        return chunk.carried_aux(loss)
 
-        size = router_stats_size(chunk, batch, router_loss)
-        if size:  # the router statistics ride beside the activation (engine docs)
-            hidden, stats = hidden if hidden is not None else (None, torch.zeros(
-                size, dtype=torch.float32, device=device))
-        return chunk(input_ids=get("input_ids", chunk.pre_process), hidden=hidden,
-                     labels=get("labels", chunk.post_process), label_smoothing=label_smoothing, z_loss=z_loss,
-                     position_ids=get("position_ids"), router_stats=stats, token_mask=get("token_mask"),
-                     doc_ids=get("doc_ids"), router_loss=router_loss)
-    return forward
+    def forward(index, chunk, batch, received):
+        hidden, sums = received if isinstance(received, tuple) else (received, None)
+        if sums is None and chunk.pre_process and carry(chunk, batch):
+            sums = {}  # the first stage starts the sums
+        skip = {"input_ids": not chunk.pre_process, "labels": not chunk.post_process}
+        inputs = Inputs.from_batch({k: v for k, v in batch.items() if not skip.get(k)}, chunk.device,
+                                   hidden=hidden, aux=sums)
+        return chunk(inputs, loss=loss)
 
-
-def router_stats_size(chunk, batch: dict, router_loss: bool = True) -> int:
-    """Length of the router statistics a pipeline stage passes on beside its activation (models.moe.stage_stats:
-    the load-balancing and z-losses couple every MoE layer of the model), 0 when none travel: only for a batch
-    with labels, a model split into several chunks that trains with the router loss (router_loss) or has MoE
-    layers whose router losses are reported (not router_loss: evaluation)."""
-    wanted = getattr(chunk, "router_loss_on", False) if router_loss else getattr(chunk, "num_moe_layers", 0)
-    if not wanted or "labels" not in batch:
-        return 0
-    if chunk.pre_process and chunk.post_process:
-        return 0
-    from tpzoo.models.moe import stats_size
-
-    return stats_size(chunk.cfg.num_experts)
+    return StepFunctions(forward, last, carry)
 
 
 class LossSum:
@@ -213,18 +200,17 @@ class LossSum:
 
 def forward_backward(chunks, microbatches: list[dict], dims: ParallelDims | None = None, *,
                      schedule: str = "1f1b", forward_only: bool = False, loss_scale: float = 1.0,
-                     label_smoothing: float = 0.0, router_loss: bool = True, z_loss: float = 0.0) -> dict:
+                     loss=None) -> dict:
     """Forward (and backward, unless forward_only) of every micro-batch through this rank's chunks: the
     language-model loss through `execute`.
 
     Gradients accumulate (scaled by loss_scale) into each parameter's gradient (main_grad when a GradBuffer is
     attached); call finalize_grads afterwards. Returns loss_sum (per-token losses summed over the micro-batches,
     unscaled, the same on every pipeline rank), tokens (non-ignored labels), timeline and peak_inflight.
-    router_loss=False (forward only: a held-out loss): the language-model loss without the router losses."""
+    loss: the tpzoo.models.LossOptions of the last stage (label smoothing, z-loss, the fused head; aux_losses=False
+    for a held-out loss: the language model's alone)."""
     dims = get_dims(dims)
     losses = LossSum(chunks[0].device, None if forward_only else loss_scale)
-    out = execute(chunks, microbatches, dims, StepFunctions(lm_forward(label_smoothing, router_loss, z_loss),
-                                                            losses),
-                  schedule=schedule, forward_only=forward_only, router_loss=router_loss)
+    out = execute(chunks, microbatches, dims, lm_step(loss, losses), schedule=schedule, forward_only=forward_only)
     tokens = int(sum((b["labels"] != -100).sum() for b in microbatches))
     return {"loss_sum": losses.shared(dims), "tokens": tokens, **out}

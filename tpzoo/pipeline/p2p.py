@@ -16,6 +16,11 @@ it).
 Sends are non-blocking (waited at the end of the call, or when they are known done) and receives are posted
 ahead of need, so a rank only ever blocks on data it really needs: if the schedule's order is acyclic (checked
 by `actions.simulate`), the pipeline cannot deadlock, and transfers overlap with compute.
+
+Auxiliary sums (models/aux.py: what a layer kind needs summed over every stage, opaque here): with `carry`, a
+dict {key: size}, every message is a pair (activation, {key: fp32 vector of that size}) in both directions (the
+sums forward, their gradients backward), sent as 1 + len(carry) tensors of one batched send (tags: _tag, then
+the same plus k * _tags for the k-th key in sorted order).
 """
 from __future__ import annotations
 
@@ -31,15 +36,13 @@ _WARMED_UP: set = set()  # NCCL: p2p channels whose communicator a collective of
 
 class StageComm:
     def __init__(self, dims: ParallelDims, num_chunks: int, num_microbatches: int, shape: tuple,
-                 dtype: torch.dtype, device, extra: int = 0):
+                 dtype: torch.dtype, device, carry: dict | None = None):
         self.p, self.rank = dims.pp, dims.pp_rank
         self.v, self.m = num_chunks, num_microbatches
         self.last_stage = self.p * self.v - 1
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
-        # extra > 0: every message is a pair (activation, fp32 vector of `extra` values: the router statistics
-        # of the stages so far, or their gradient), sent as two tensors of one batched send (tags: _tag, and that + _tags)
-        self.extra = extra
-        self._tags = 2 * (self.last_stage + 1) * self.m  # the activations' tags; the statistics' come after them
+        self.carry = dict(sorted((carry or {}).items()))  # key -> size of each auxiliary vector (module docstring)
+        self._tags = 2 * (self.last_stage + 1) * self.m  # the activations' tags; the auxiliary ones come after
         self.dims = dims
         self.ranks = dims.ranks("pp") if self.p > 1 else None
         self._posted: dict = {}  # (direction, stage, mb) -> (buffer, request or None)
@@ -82,11 +85,16 @@ class StageComm:
         src = stage - 1 if direction == FORWARD else stage + 1
         peer, tag = self._peer(src), self._tag(direction, stage, mb)
         bufs = [torch.empty(self.shape, dtype=self.dtype, device=self.device)]
-        if self.extra:
-            bufs.append(torch.empty(self.extra, dtype=torch.float32, device=self.device))
+        bufs += [torch.empty(size, dtype=torch.float32, device=self.device) for size in self.carry.values()]
         reqs = comm.batch_send_recv([], [(b, peer, tag + i * self._tags) for i, b in enumerate(bufs)],
                                     self.dims.p2p_group(peer, self.dims.rank), wait=False)
-        self._posted[key] = (bufs[0] if not self.extra else tuple(bufs), reqs)
+        self._posted[key] = (self._message(bufs), reqs)
+
+    def _message(self, tensors: list):
+        """The activation, or (activation, {key: vector}) when auxiliary sums travel."""
+        if not self.carry:
+            return tensors[0]
+        return tensors[0], dict(zip(self.carry, tensors[1:]))
 
     def recv(self, direction: int, chunk: int, mb: int) -> torch.Tensor:
         """The activation (FORWARD) or gradient (BACKWARD) that chunk needs for mb; blocks until it arrives."""
@@ -105,20 +113,25 @@ class StageComm:
         previous stage) for mb, without waiting."""
         stage = self.stage_of(chunk)
         dst = stage + 1 if direction == FORWARD else stage - 1
-        if self.extra:  # (activation, statistics): the statistics stay fp32 whatever the activations' dtype
-            t, stats = t
-            stats = stats.detach().float().contiguous()
-            if stats.shape != (self.extra,):
-                raise RuntimeError(f"pipeline stage {stage}: router statistics of shape {tuple(stats.shape)}, "
-                                   f"expected ({self.extra},)")
+        aux = []
+        if self.carry:  # (activation, {key: vector}): the vectors stay fp32 whatever the activations' dtype
+            t, sums = t
+            if sorted(sums) != list(self.carry):
+                raise RuntimeError(f"pipeline stage {stage}: auxiliary sums {sorted(sums)}, expected "
+                                   f"{list(self.carry)}")
+            aux = [sums[k].detach().float().contiguous() for k in self.carry]
+            for k, vec in zip(self.carry, aux):
+                if vec.shape != (self.carry[k],):
+                    raise RuntimeError(f"pipeline stage {stage}: auxiliary sum {k!r} of shape {tuple(vec.shape)}, "
+                                       f"expected ({self.carry[k]},)")
         t = t.detach().to(self.dtype).contiguous()
         if tuple(t.shape) != self.shape:
             raise RuntimeError(f"pipeline stage {stage} produced shape {tuple(t.shape)}, expected {self.shape}")
         if self.p == 1:
-            self._local[(direction, dst, mb)] = (t, stats) if self.extra else t
+            self._local[(direction, dst, mb)] = self._message([t, *aux])
             return
         peer, tag = self._peer(dst), self._tag(direction, dst, mb)
-        sends = [(t, peer, tag)] + ([(stats, peer, tag + self._tags)] if self.extra else [])
+        sends = [(x, peer, tag + i * self._tags) for i, x in enumerate([t, *aux])]
         for req in comm.batch_send_recv(sends, [], self.dims.p2p_group(self.dims.rank, peer), wait=False):
             self._sends.append((req, sends))
         self._sends = [(r, x) for r, x in self._sends if not r.is_completed()]

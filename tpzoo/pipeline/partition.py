@@ -9,8 +9,6 @@ from __future__ import annotations
 import torch
 
 from tpzoo.errors import UserError
-from tpzoo.parallel.dims import ParallelDims
-from tpzoo.parallel.state import get_dims
 
 
 class PartitionError(UserError, ValueError):
@@ -73,31 +71,36 @@ def partition_layers(cfg, pp: int, boundaries: list[int] | None = None,
     return out
 
 
-def build_model_chunks(cfg, dims: ParallelDims | None = None, *, sequence_parallel: bool = False,
-                       recompute: str = "none", seed: int = 0, virtual_stages: int = 1,
-                       boundaries: list[int] | None = None, vocab_padding_multiple: int = 1, dtype=None,
-                       device=None, cp_mode: str = "ring", fused_linear_cross_entropy: bool = True) -> list:
-    """This rank's model chunks (len == virtual_stages) at `dims` (default: the default dims).
+def model_stages(cfg, pp: int, boundaries: list[int] | None = None, virtual_stages: int = 1) -> list:
+    """Every model stage (index vstage*pp + pp_rank) as a tpzoo.models.Stage: its layers, whether it embeds
+    (the first) and whether it holds the head (the last)."""
+    from tpzoo.models import Stage
 
-    Chunk c is model stage c*pp + pp_rank; the first model stage embeds, the last one has the final norm and head.
+    ranges = partition_layers(cfg, pp, boundaries, virtual_stages)
+    return [Stage(range(*r), i == 0, i == len(ranges) - 1) for i, r in enumerate(ranges)]
+
+
+def build_model_chunks(cfg, layout=None, *, stages: list | None = None, virtual_stages: int = 1,
+                       boundaries: list[int] | None = None, recompute: str = "none", seed: int = 0,
+                       **layout_fields) -> list:
+    """This rank's model chunks at `layout` (a tpzoo.models.ModelLayout, or a ParallelDims; default: the default
+    dims; `layout_fields`, ModelLayout's fields such as sequence_parallel=True or device="meta", set on it): the one
+    path that builds models, for training, tpzoo.checkpoint.load_model, eval and generation.
+
+    `stages`: this rank's chunks' Stages (a checkpoint's); default: the model stages c*pp + pp_rank for c < virtual
+    stages of `partition_layers` (boundaries), the first embedding, the last with the final norm and head.
     Weights are layout independent (per-module seeds in Transformer), so any (tp, pp, v) starts from the same
     full model. A tied head on another stage starts equal to the embedding; finalize_grads keeps them equal.
-    `device="meta"` builds them unallocated (then Transformer.materialize + init_weights, or a checkpoint)."""
-    from tpzoo.models import Transformer  # models depend on tpzoo.parallel, not the reverse: import late
+    layout.device "meta" builds them unallocated (then materialize_chunks, or a checkpoint loader). `recompute`
+    is applied to each chunk once built (tpzoo.models.apply_recompute)."""
+    from tpzoo.models import ModelLayout, Transformer, apply_recompute  # models depend on tpzoo.parallel: import late
 
-    dims = get_dims(dims)
-    pp, rank = dims.pp, dims.pp_rank
-    ranges = partition_layers(cfg, pp, boundaries, virtual_stages)
-    last = len(ranges) - 1
-    chunks = []
-    for c in range(virtual_stages):
-        stage = c * pp + rank
-        chunks.append(Transformer(cfg, dims=dims, layers=ranges[stage], pre_process=stage == 0,
-                                  post_process=stage == last,
-                                  sequence_parallel=sequence_parallel, recompute=recompute, seed=seed,
-                                  vocab_padding_multiple=vocab_padding_multiple, dtype=dtype, device=device,
-                                  cp_mode=cp_mode, fused_linear_cross_entropy=fused_linear_cross_entropy))
-    return tie_chunks(chunks)
+    layout = ModelLayout.of(layout).replace(**layout_fields)
+    dims = layout.dims
+    if stages is None:
+        every = model_stages(cfg, dims.pp, boundaries, virtual_stages)
+        stages = [every[c * dims.pp + dims.pp_rank] for c in range(virtual_stages)]
+    return tie_chunks([apply_recompute(Transformer(cfg, layout, stage, seed), recompute) for stage in stages])
 
 
 def as_chunks(model_or_chunks) -> list:

@@ -8,7 +8,7 @@ zero-bubble's B and W, the W still owed (see weight_grad.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -25,9 +25,13 @@ class StepFunctions:
         batch's input_ids enter); the output goes to the next stage, or to `last` on the last model stage.
     last(microbatch, output, batch) -> scalar tensor or None
         on the last model stage: consume the output (accumulate a loss, keep logits...) and return the scalar the
-        backward starts from (None when running forward only)."""
+        backward starts from (None when running forward only).
+    carry(chunk, batch) -> {key: size}, optional
+        the auxiliary fp32 vectors that travel beside the activation between stages (the same answer on every
+        stage; then `forward` receives and returns (activation, {key: vector}) pairs)."""
     forward: Callable
     last: Callable
+    carry: Optional[Callable] = None
 
 
 class StageRunner:
@@ -50,7 +54,7 @@ class StageRunner:
 
     def forward(self, mb: int, x) -> None:
         batch = self.microbatches[mb]
-        if x is not None and not self.forward_only:  # a tensor, or (activation, router statistics)
+        if x is not None and not self.forward_only:  # a tensor, or (activation, auxiliary sums)
             for t in _tensors(x):
                 t.requires_grad_()
         out = self.step.forward(self.index, self.chunk, batch, x)
@@ -92,13 +96,17 @@ class StageRunner:
 
 
 def _tensors(x) -> list:
-    """A stage's message as a list: [activation] or [activation, router statistics] (the pair of p2p.StageComm)."""
-    return list(x) if isinstance(x, (tuple, list)) else [x]
+    """A stage's message as a list: [activation] or [activation, *auxiliary sums in key order] (the pair
+    (activation, {key: vector}) of p2p.StageComm)."""
+    if isinstance(x, tuple):
+        t, sums = x
+        return [t, *(sums[k] for k in sorted(sums))]
+    return [x]
 
 
 def _differentiable(out, grad) -> tuple:
-    """The outputs that carry a gradient, with theirs: a stage without a router before it passes on statistics
-    that do not depend on any parameter (the first stage of a model whose first layers are dense)."""
+    """The outputs that carry a gradient, with theirs: an auxiliary sum may depend on no parameter before it
+    (the first stage of a model whose first layers have no such kind passes on zeros)."""
     if grad is None:  # the last stage: the scalar to backpropagate
         return _tensors(out), None
     pairs = [(o, g) for o, g in zip(_tensors(out), _tensors(grad)) if o.requires_grad]
@@ -106,7 +114,9 @@ def _differentiable(out, grad) -> tuple:
 
 
 def _like(x, grads: list):
-    """The gradients of `x`'s tensors in x's form (one tensor or the pair). A statistics input through which no
+    """The gradients of `x`'s tensors in x's form (one tensor or the pair). An auxiliary input through which no
     gradient flowed gets zeros."""
     grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, _tensors(x))]
-    return tuple(grads) if isinstance(x, (tuple, list)) else grads[0]
+    if isinstance(x, tuple):
+        return grads[0], dict(zip(sorted(x[1]), grads[1:]))
+    return grads[0]

@@ -14,8 +14,7 @@ each walk asks for: the linear layers accumulate the weight gradients into the f
 tpzoo.parallel.wgrad).
 
 A parameter reached from several frontier nodes (one weight used twice) restarts from all of them at once when
-none of them passes gradient to another (the experts of an MoE layer: slices of one weight, each in its own
-matmul); otherwise a branch could be counted twice that way, and it takes the safe path instead: W re-walks from
+none of them passes gradient to another (a grouped weight: slices of one tensor, each in its own matmul); otherwise a branch could be counted twice that way, and it takes the safe path instead: W re-walks from
 the stage output for it.
 """
 from __future__ import annotations
@@ -72,8 +71,8 @@ def _frontier(accumulator, parents: dict, input_path: set) -> set:
 
 def _independent(frontier: set, parents: dict, input_path: set) -> bool:
     """Whether no frontier node passes gradient to another along the input path: then W may restart from all of
-    them at once without counting a branch twice (a weight used by several independent matmuls: the experts of
-    a mixture-of-experts layer, one row group each)."""
+    them at once without counting a branch twice (a weight used by several independent matmuls: a grouped
+    weight, one row group each)."""
     for node in frontier:
         found, stack = {node}, [node]  # the input-path nodes that reach `node`
         while stack:
@@ -121,8 +120,8 @@ def _accumulate(params, grads) -> None:
 
 
 def backward_input(out: list, grad, x: list, params: list) -> tuple[list, WeightGrad]:
-    """B: the gradients of the stage inputs x (returned; a list, as x: the activation and, with the router loss
-    under pipelining, the router statistics), and the W pass still owed. out, grad: the stage outputs and their
+    """B: the gradients of the stage inputs x (returned; a list, as x: the activation and the auxiliary sums that
+    travel beside it), and the W pass still owed. out, grad: the stage outputs and their
     gradients (lists); a single tensor for each is taken too (and the gradient of x returned as one)."""
     if isinstance(x, torch.Tensor):
         (gx,), owed = backward_input([out], None if grad is None else [grad], [x], params)

@@ -114,7 +114,7 @@ def stage_flops(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage:
     mlp_out = (layers - moe) * d.ffn * h + moe * cfg.num_experts_per_tok * (cfg.expert_ffn // t) * h
     def mean_keys(w):  # mean keys per query, causal, within a window of w
         return (s + 1) / 2 if (w is None or w >= s) else (w * s - w * (w - 1) / 2) / s
-    keys = sum(mean_keys(cfg.layer_window(i)) for i in range(cfg.num_layers)) / cfg.num_layers  # mixed layers
+    keys = sum(mean_keys(cfg.attention.window(i)) for i in range(cfg.num_layers)) / cfg.num_layers  # mixed layers
     attn = layers * 4 * b * s * keys * d.heads * cfg.head_dim / layout.cp  # load-balanced: 1/cp of the causal work
     matmul = 2 * tokens * count.matmul + (2 * tokens * h * d.vocab if stage == layout.pp - 1 else 0)
     if layout.recompute == "full":

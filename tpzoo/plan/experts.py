@@ -1,4 +1,4 @@
-"""Mixtures of experts in the plan's memory model: what an MoE MLP (models/moe.py) keeps for the backward. The
+"""Mixtures of experts in the plan's memory model: what an MoE MLP (models/kinds/moe.py) keeps for the backward. The
 parameters (plan/memory.py layer_params, stage_params) and the expert optimizer's state (expert_state_bytes) sit
 with the dense ones they extend; the all-to-all volume is plan/volume.py moe_layer_volume (docs/plan.md)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from tpzoo.models.config import ModelConfig
 
 def moe_mlp_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, e: int, kernels: str, ep: int = 1) -> tuple:
     """(per token of the full sequence, per token of this rank's shard, per layer) bytes an MoE MLP
-    (models/moe.py) keeps beyond its input, in place of the dense MLP's. Every token is dispatched as k rows, and
+    (models/kinds/moe.py) keeps beyond its input, in place of the dense MLP's. Every token is dispatched as k rows, and
     over the ep group this rank computes T * k rows in expectation (balanced routing; exactly at ep = 1): per row the
     dispatched input (e*h), its expert's gate|up output and activation (the dense MLP's 3 e*f, 4 with the torch
     references, over f = expert ffn / tp), the returned output the combine multiplies (e*h), the top-k weight

@@ -29,14 +29,14 @@ def _layer(cfg: ModelConfig, tp: int, rank: int) -> tuple[int, int, int]:
     partial gradients of column A's and row B's, replicated kv heads' B) goes last in the gradient buffer."""
     key = (cfg.to_json(), tp, rank)
     if key not in _LAYER_CACHE:
-        from tpzoo.models import Transformer
+        from tpzoo.models import ModelLayout, Stage, Transformer
         from tpzoo.models.lora import LoRAConfig, add_lora
         from tpzoo.parallel.data_parallel import is_late
         from tpzoo.parallel.dims import ParallelDims
         from tpzoo.parallel.lora import LoRA
 
-        one = Transformer(cfg.replace(num_layers=1), dims=ParallelDims.for_rank(tp=tp), pre_process=False,
-                          post_process=False, device="meta")
+        one = Transformer(cfg.replace(num_layers=1), ModelLayout(ParallelDims.for_rank(tp=tp), device="meta"),
+                          Stage(pre_process=False, post_process=False))
         add_lora([one], LoRAConfig(rank, 1.0))
         mods = [m for m in one.modules() if isinstance(m, LoRA)]
         params = [p for m in mods for p in m.parameters()]

@@ -157,10 +157,14 @@ def saved_tensor_bytes(exclude=()):
     result.by_op = {}
 
 
-def forward_activation_bytes(model, micro_batch: int, seq_len: int, *, hooks: bool = False, seed: int = 1) -> int:
+def forward_activation_bytes(model, micro_batch: int, seq_len: int, *, hooks: bool = False, seed: int = 1,
+                             loss=None) -> int:
     """Bytes one micro-batch's forward through `model` (a tpzoo Transformer chunk) leaves for its backward,
     held the way tpzoo.pipeline's engine holds them: the received input (non-first chunks, seq-sharded under
-    sequence parallelism), the output (a middle chunk), or the summed loss (the last chunk)."""
+    sequence parallelism), the output (a middle chunk), or the summed loss (the last chunk, with `loss`: its
+    tpzoo.models.LossOptions, e.g. fused=False)."""
+    from tpzoo.models import Inputs
+
     g = torch.Generator(device="cpu").manual_seed(seed)
     cfg = model.cfg
     param = next(model.parameters())
@@ -175,8 +179,8 @@ def forward_activation_bytes(model, micro_batch: int, seq_len: int, *, hooks: bo
             hidden = torch.randn(micro_batch, s_local, cfg.hidden_size, generator=g, device="cpu").to(
                 param.device, param.dtype)
             hidden.requires_grad_()
-        out = model(ids if model.pre_process else None, hidden=hidden,
-                    labels=labels if model.post_process else None)
+        out = model(Inputs(ids if model.pre_process else None, hidden,
+                           labels=labels if model.post_process else None), loss=loss)
         out = out.sum() if model.post_process else out
     return r.total
 
@@ -186,13 +190,13 @@ def tp_layer_collectives(cfg, micro_batch: int, seq_len: int, *, sequence_parall
     """Collectives over the TP group of one forward + backward through cfg.num_layers layers (no embedding, no
     head) at `dims` (default: the default dims): {kind: (calls, elements, sent_bytes)}, the ground truth for
     the per-layer communication analysis."""
-    from tpzoo.models import Transformer
+    from tpzoo.models import Inputs, ModelLayout, Stage, Transformer, apply_recompute
     from tpzoo.parallel import count_collectives
 
-    model = Transformer(cfg, dims=dims, pre_process=False, post_process=False, sequence_parallel=sequence_parallel,
-                        recompute=recompute)
+    model = apply_recompute(Transformer(cfg, ModelLayout(dims, sequence_parallel=sequence_parallel),
+                                        Stage(pre_process=False, post_process=False)), recompute)
     local_seq = seq_len // model.dims.tp if sequence_parallel else seq_len
     x = torch.randn(micro_batch, local_seq, cfg.hidden_size, device=model.device, requires_grad=True)
     with count_collectives() as c:
-        model(hidden=x).square().sum().backward()
+        model(Inputs(hidden=x)).square().sum().backward()
     return {k: (s.calls, s.elements, s.sent_bytes) for (k, g), s in sorted(c.stats.items()) if g == "tp"}

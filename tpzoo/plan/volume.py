@@ -1,7 +1,7 @@
 """The collectives one tensor-parallel rank issues in a training step, in tpzoo.parallel.comm's units
 (calls, payload bytes, bytes a ring sends), per (kind, group): tested equal to count_collectives().
 
-Per layer and micro-batch of T tokens (e = activation bytes, t = tp), from tpzoo.models.blocks:
+Per layer and micro-batch of T tokens (e = activation bytes, t = tp), from tpzoo.models.kinds (attention.py, mlp.py):
   without SP: forward  2 all-reduce of T*h*e (attention out, MLP out: row-parallel)
               backward 2 all-reduce of T*h*e (qkv and fc_in inputs: column-parallel copy_to_tp)
   with SP:    forward  2 all-gather + 2 reduce-scatter, backward the same, of T*h*e (full tensor)
@@ -104,7 +104,7 @@ def tp_step_volume(cfg: ModelConfig, layout: Layout, stage: int, micro_batches: 
     if moe and sp and stage == p - 1 and cfg.output_router_logits and (cfg.router_aux_loss_coef
                                                                      or cfg.router_z_loss_coef):
         # the router loss: every MoE layer's statistics summed over the tp shards (fp32 counts, probability sums
-        # per expert, one z sum per layer), once per forward (models/moe.py router_losses)
+        # per expert, one z sum per layer), once per forward (models/kinds/moe.py router_losses)
         vt.add("all_reduce", "tp", t, (2 * cfg.num_experts + moe) * 4, m)
     if stage == 0:  # vocab-parallel embedding
         if sp:
@@ -146,7 +146,7 @@ def ring_layer_volume(cfg: ModelConfig, layout: Layout, seq_len: int, act_bytes:
 
 
 def moe_layer_volume(cfg: ModelConfig, layout: Layout, seq_len: int, act_bytes: int) -> VolumeTable:
-    """Expert-parallel all-to-alls of one MoE layer and micro-batch on one rank (models/moe.py), T = b * seq_len
+    """Expert-parallel all-to-alls of one MoE layer and micro-batch on one rank (models/kinds/moe.py), T = b * seq_len
     tokens on the tp rank (the full sequence under SP too: tokens enter the TP region first), k experts each.
     Forward: 1 all_to_all of the E per-expert counts (int64), the T*k rows of h elements dispatched, and the
     rows this rank's experts computed sent back; backward: the two row exchanges again, reversed. A call's

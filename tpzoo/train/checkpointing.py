@@ -39,6 +39,7 @@ import torch.distributed as dist
 from tpzoo.checkpoint.atomic import temp_dirs, writer_gone
 from tpzoo.checkpoint.format import CheckpointError, atomic_dir, is_checkpoint, read_manifest
 from tpzoo.checkpoint.lora_io import is_lora_param, lora_info
+from tpzoo.errors import ConfigError
 
 from . import rundir
 
@@ -184,6 +185,41 @@ def remove_stale_temp_dirs(save_dir) -> list[Path]:
     return removed
 
 
+# -- what a resumed run must keep -----------------------------------------------------------------------------------
+
+# The settings that define a run's stream of training sequences: the loader position a checkpoint keeps counts
+# sequences of this data, cut this way, in this order, this many per step. Everything else may change on resume:
+# the layout (tp, cp, pp, dp, ep, ZeRO, schedule), the micro-batch size, --steps, the optimizer, logging and saving.
+RESUME_KEEPS = ("task", "data", "text_field", "seq_len", "eval_fraction", "seed", "global_batch_size")
+RESUME_KEEPS_SFT = ("packing", "template")  # fine-tuning: how the records become sequences
+
+
+def _same_data(a: list, b: list) -> bool:
+    def norm(specs):
+        return [os.path.abspath(s) if os.path.exists(s) else s for s in specs]
+    return norm(a) == norm(b)
+
+
+def check_resumable(cfg, state: dict, path) -> None:
+    """The run being resumed from `path` (its train_state.json `state`) keeps every RESUME_KEEPS setting of
+    `cfg`; else one line naming each one that changed with both values, and what may change instead."""
+    saved = {k: v for section in (state.get("config") or {}).values() if isinstance(section, dict)
+             for k, v in section.items()}
+    keys = RESUME_KEEPS + (RESUME_KEEPS_SFT if cfg.task == "sft" else ())
+    changed = []
+    for key in keys:
+        if key not in saved:
+            continue  # a checkpoint from before the field existed
+        then, now = saved[key], getattr(cfg, key)
+        if then != now and not (key == "data" and _same_data(then, now)):
+            changed.append(f"{key} {now!r} (the checkpoint's run: {then!r})")
+    if changed:
+        raise ConfigError(f"cannot resume from {path} with {'; '.join(changed)}: a resumed run keeps "
+                          f"{', '.join(keys)} (its data position counts those sequences); the layout, micro-batch "
+                          f"size, steps, optimizer and logging settings may change. To change them, start a new run "
+                          f"from its weights (--base {path}) in another --save directory")
+
+
 # -- model config, tokenizer, weights -------------------------------------------------------------------------------
 
 def read_train_state(path) -> dict:
@@ -206,6 +242,17 @@ def model_config_of(path):
     if is_checkpoint(path):
         return ModelConfig.from_dict(read_manifest(path)["model_config"])
     return from_hf_config(path)
+
+
+def model_label(cfg, model_cfg, resume=None) -> str:
+    """What a run's messages call its model (the header, the preflight's errors): the named config, else the model
+    of --base or of the checkpoint resumed, by its name or family, with the path it comes from."""
+    kind = model_cfg.name or model_cfg.family
+    if resume is not None:
+        return f"model {kind} from checkpoint {resume}"
+    if cfg.base:
+        return f"model {kind} from --base {cfg.base}"
+    return f"model {cfg.model}"
 
 
 def resolve_model_config(cfg, tokenizer):

@@ -107,6 +107,9 @@ class ParallelSection:
     grad_accumulation_fusion: bool = _f(True, "the linear layers accumulate their weight gradients straight into "
                                               "the fp32 main gradients in the backward matmul (no 16-bit .grad, no "
                                               "separate add; Megatron's gradient_accumulation_fusion)")
+    compile: bool = _f(False, "regional torch.compile: each transformer block compiled on its own (graph breaks "
+                              "only at the TP collectives and FP8 projections; the first step compiles, reported "
+                              "once; not with --zero 3; docs/training.md)")
     device: str = _f("auto", "where each rank computes: auto (cuda:LOCAL_RANK when CUDA is available, else cpu), "
                              "cpu, cuda or cuda:N", nonempty=True)
     dist_timeout: float = _f(600.0, "seconds a rank may wait on another (a collective, a stalled or dead rank) before "
@@ -159,7 +162,8 @@ class LoraSection:
 class OptimSection:
     lr: float = _f(3e-3, "peak learning rate (0 = the weights never change, e.g. to measure a starting loss)",
                    ge=0)
-    min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay (at most lr)", ge=0)
+    min_lr: float = _f(None, "learning rate at the end of the cosine decay (at most lr; unset, it is lr / 10 and "
+                             "follows --lr, so --lr 0 runs at 0 throughout)", ge=0)
     warmup_steps: int = _f(15, "linear warmup steps", ge=0)
     weight_decay: float = _f(0.1, "AdamW decoupled weight decay (matrices and embeddings; not norms or biases)",
                              ge=0)
@@ -189,13 +193,19 @@ class LogSection:
     log_dir: str = _f("", "write metrics.jsonl (and TensorBoard events if installed) here; '' = --save")
     log_interval: int = _f(10, "print a metrics line every N steps", ge=1)
     eval_every: int = _f(0, "evaluate on the held-out split every N steps (0 = only at the end)", ge=0)
-    eval_batches: int = _f(4, "micro-batches per data-parallel rank in one evaluation", ge=1)
+    eval_batches: int = _f(4, "one evaluation takes the held-out split's first eval_batches x micro_batch_size "
+                              "sequences, the same at every layout (split over the dp ranks)", ge=1)
     progress: bool = _f(True, "progress bar on rank 0 (when stderr is a terminal)")
     quiet: bool = _f(False, "print nothing (metrics.jsonl is still written)")
     sample_prompt: str = _f("def ", "prompt of the sample printed at the end ('' = no sample)")
     sample_tokens: int = _f(160, "tokens to generate for the sample", ge=0)
     temperature: float = _f(0.8, "sampling temperature of the sample (0 = greedy)", ge=0)
 
+
+# Fields whose unset default (None) is computed from other fields, so that it follows them: the value a run uses
+# (cfg.min_lr, to_dict, --print-config) is always a number. lr / 10 is rounded to 15 significant digits, so that
+# 3e-3 gives 3e-4 (the number written in a config), not 3.0000000000000003e-4.
+FOLLOWS: dict[str, Callable[["TrainConfig"], Any]] = {"min_lr": lambda cfg: float(f"{cfg.lr / 10:.15g}")}
 
 SECTIONS = {"run": RunSection, "model": ModelSection, "parallel": ParallelSection, "data": DataSection,
             "lora": LoraSection, "optim": OptimSection, "checkpoint": CheckpointSection, "log": LogSection}
@@ -214,7 +224,8 @@ class TrainConfig:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_") or name not in _FIELD_SECTION:  # also keeps pickle's probes away
             raise AttributeError(f"TrainConfig has no field {name!r}")
-        return getattr(self._sections[_FIELD_SECTION[name]], name)
+        value = getattr(self._sections[_FIELD_SECTION[name]], name)
+        return FOLLOWS[name](self) if value is None and name in FOLLOWS else value
 
     def __setattr__(self, name: str, value: Any) -> None:
         self.set(name, value)
@@ -254,23 +265,12 @@ class TrainConfig:
 
     def validate(self, world_size: int | None = None) -> "TrainConfig":
         """Check the combinations of fields that need no model or file (each field alone was checked when set).
-        world_size: the job's number of ranks under torchrun (None: the command spawns tp*pp*max(dp, 1))."""
+        world_size: the job's number of ranks (tpzoo.parallel.state.job_world_size; None: the ranks the command
+        will spawn)."""
         if self.min_lr > self.lr:
             raise ConfigError(f"min_lr {self.min_lr:g} is above lr {self.lr:g}: the cosine decay would raise the "
                               f"learning rate (set --min-lr at most --lr)")
-        dp = self.dp or 1
-        if world_size is not None:
-            mp = self.tp * self.cp * self.pp
-            if world_size % mp:
-                raise ConfigError(f"world size {world_size} is not divisible by tp*cp*pp = {self.tp}*{self.cp}*"
-                                  f"{self.pp} = {mp}")
-            if self.dp and self.dp * mp != world_size:
-                raise ConfigError(f"tp*cp*pp*dp = {self.tp}*{self.cp}*{self.pp}*{self.dp} = {mp * self.dp} does not "
-                                  f"equal the world size {world_size} (dp = 0 infers it)")
-            dp = world_size // mp
-        if dp % self.ep:
-            raise ConfigError(f"ep={self.ep} does not divide dp={dp} (expert parallelism is carved out of the "
-                              f"data-parallel ranks)")
+        dp = self.data_parallel_size(world_size)
         per_step = self.micro_batch_size * dp
         if self.global_batch_size % per_step:
             raise ConfigError(f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
@@ -298,6 +298,9 @@ class TrainConfig:
         if self.zero_level == 3 and self.ep > 1:
             raise ConfigError(f"--zero 3 with ep={self.ep}: sharding the expert weights over their own group is not "
                               f"implemented; use --zero 2 (or ep=1)")
+        if self.compile and self.zero_level == 3:
+            raise ConfigError("--compile with --zero 3: the per-layer gathers (hooks on the compiled blocks) are not "
+                              "composed with compilation; use --zero 2")
         if self.zero3_gather_per_step and self.zero_level != 3:
             raise ConfigError(f"zero3_gather_per_step needs --zero 3 (zero = {self.zero_level})")
         if self.task == "sft" and self.document_masking:
@@ -314,13 +317,31 @@ class TrainConfig:
                               f"{len(self.data)}: {self.data}")
         return self
 
+    def data_parallel_size(self, world_size: int | None = None) -> int:
+        """dp of this config on `world_size` ranks (None: the ranks the command spawns itself, spawn_world_size),
+        decided by the function init_parallel applies to the same numbers (tpzoo.parallel.dims.check_layout: the
+        world size divisible by tp*cp*pp, an explicit dp matching it, ep dividing dp*cp), so the preflight and the
+        ranks cannot disagree on it."""
+        from tpzoo.parallel.dims import check_layout
+
+        world = self.spawn_world_size() if world_size is None else world_size
+        return check_layout(world, tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp or None, ep=self.ep)
+
+    def spawn_world_size(self) -> int:
+        """The ranks a command started without torchrun spawns: tp*cp*pp*dp (dp 0: one replica)."""
+        return self.tp * self.cp * self.pp * (self.dp or 1)
+
     @property
     def zero_level(self) -> int:
         """The ZeRO level asked for, by --zero or its alias --zero1."""
         return max(self.zero, 1 if self.zero1 else 0)
 
     def to_dict(self) -> dict:
-        return {name: dataclasses.asdict(sec) for name, sec in self._sections.items()}
+        """Every field's value, the ones that follow others (FOLLOWS) included as the numbers they are now."""
+        out = {name: dataclasses.asdict(sec) for name, sec in self._sections.items()}
+        for name in FOLLOWS:
+            out[_FIELD_SECTION[name]][name] = getattr(self, name)
+        return out
 
     def to_toml(self) -> str:
         lines = []

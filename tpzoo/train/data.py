@@ -121,18 +121,14 @@ def build_datasets(cfg, tokenizer):
     return train, held, f"{store.path} ({store.num_tokens:,} tokens, {store.num_docs} docs{masked})"
 
 
-def make_loader(dataset, cfg, dp_rank: int, dp_size: int, *, train: bool = True,
-                pin_memory: bool = False) -> ResumableLoader:
-    """Training: shuffled (seeded), endless, prefetched. Evaluation: the same fixed batches every time.
+def make_loader(dataset, cfg, dp_rank: int, dp_size: int, *, pin_memory: bool = False) -> ResumableLoader:
+    """Training batches: shuffled (seeded), endless, prefetched (the held-out ones: tpzoo.train.heldout).
     pin_memory: host batches in page-locked memory (when the run computes on a GPU)."""
     if isinstance(dataset, MixtureData):
         return MixtureLoader(dataset.sources, dataset.datasets, cfg.micro_batch_size, dp_rank=dp_rank,
                              dp_size=dp_size, seed=cfg.seed, prefetch=cfg.prefetch, pin_memory=pin_memory)
-    if train:
-        return ResumableLoader(dataset, cfg.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed,
-                               shuffle=True, prefetch=cfg.prefetch, pin_memory=pin_memory)
     return ResumableLoader(dataset, cfg.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=cfg.seed,
-                           shuffle=False, num_epochs=1, prefetch=0, pin_memory=pin_memory)
+                           shuffle=True, prefetch=cfg.prefetch, pin_memory=pin_memory)
 
 
 def data_metrics(loader, seq_len: int) -> dict:

@@ -15,6 +15,7 @@ global values); `max_skips` in a row stop the run without saving, so the last go
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import random
@@ -27,19 +28,23 @@ import tpzoo
 from tpzoo.checkpoint.lora_io import lora_metadata
 from tpzoo.data import IGNORE_INDEX, micro_batches_per_step, single_documents_dropped
 from tpzoo.errors import ConfigError
+from tpzoo.models import LossOptions, ModelLayout
 from tpzoo.parallel import ParallelDims, comm, resolve_device, strict, watchdog
 from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.parallel.fp8 import enable_fp8
 from tpzoo.parallel.fp8 import hardware_problem as fp8_hardware_problem
-from tpzoo.parallel.state import get_dims, is_initialized
+from tpzoo.parallel.state import get_dims, is_initialized, job_world_size
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward, materialize_chunks
 
 from . import checkpointing as ckpt
 from . import lora_setup
 from . import rundir
+from .compile import compile_blocks, compile_report, graph_breaks
+from .compile import eager as compile_eager
 from .config import TrainConfig
 from .data import build_datasets, data_metrics, held_out_losses, make_loader, resolve_tokenizer
 from .generate import generate
+from .heldout import heldout_batches
 from .loss_scale import DynamicLossScaler
 from .lr import lr_at
 from .metrics import MetricsLogger, Throughput, eval_text, format_line, peak_memory_gb
@@ -53,7 +58,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) a training run on this rank. Creates the tpzoo process groups unless they exist (then
     their layout must match cfg); returns the same result dict on every rank."""
-    cfg.validate(get_dims().world_size if is_initialized() else None)  # the Python API checks what the CLI does
+    cfg.validate(get_dims().world_size if is_initialized() else job_world_size())  # the world init_parallel joins
     owns = not is_initialized()
     if owns:
         tpzoo.init_parallel(tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, dp=cfg.dp or None, ep=cfg.ep, device=cfg.device,
@@ -107,6 +112,7 @@ class Trainer:
         self.resume_dir = self.run_dir.resume_from
         if self.resume_dir is not None:
             self.train_state = ckpt.read_train_state(self.resume_dir)
+            ckpt.check_resumable(cfg, self.train_state, self.resume_dir)
             self.tokenizer = ckpt.load_tokenizer_of(self.resume_dir)
             model_cfg = ckpt.model_config_of(self.resume_dir)
         else:
@@ -129,17 +135,22 @@ class Trainer:
         # What every LoRA checkpoint of the run records: the adapter config and the base as it was at the start
         # (fingerprinted once here, not at every save).
         self.lora_meta = lora_metadata(self.lora, self.lora_base) if self.lora else None
-        self.chunks = build_model_chunks(model_cfg, dims, sequence_parallel=cfg.sequence_parallel,
-                                         recompute=cfg.recompute, seed=cfg.seed, virtual_stages=cfg.virtual_stages,
-                                         dtype=DTYPES[cfg.dtype] if self.lora else None, device="meta",
-                                         cp_mode=cfg.cp_mode,
-                                         fused_linear_cross_entropy=cfg.fused_linear_cross_entropy)
+        layout = ModelLayout(dims, sequence_parallel=cfg.sequence_parallel, cp_mode=cfg.cp_mode,
+                             dtype=DTYPES[cfg.dtype] if self.lora else None, device="meta")
+        self.chunks = build_model_chunks(model_cfg, layout, recompute=cfg.recompute, seed=cfg.seed,
+                                         virtual_stages=cfg.virtual_stages)
+        # What the last stage computes: the training loss, and the held-out one (the language model's alone).
+        self.loss = LossOptions(label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss,
+                                fused=cfg.fused_linear_cross_entropy)
+        self.held_out = LossOptions(aux_losses=False, fused=cfg.fused_linear_cross_entropy)
         # FP8 matmuls (tpzoo.parallel.fp8): a switch on the layers, nothing stored changes (checkpoints, resharding
         # and HF export never see it); layers whose dims _scaled_mm cannot take stay in the model dtype.
         problem = fp8_hardware_problem(cfg.fp8, self.device)
         if problem:
             raise ConfigError(problem)
-        self.fp8_report = enable_fp8(self.chunks, cfg.fp8)
+        # the weights' fp8 copies are kept for the step, except under ZeRO-3 gathering each layer per use
+        self.fp8_report = enable_fp8(self.chunks, cfg.fp8,
+                                     cache_weights=cfg.zero_level < 3 or cfg.zero3_gather_per_step)
         if self.lora:
             lora_setup.build(self.chunks, self.device, cfg, self.lora, self.lora_base, self.resume_dir)
         else:
@@ -147,6 +158,8 @@ class Trainer:
             materialize_chunks(self.chunks, self.device, init=not weights_from)
             if weights_from:
                 ckpt.load_weights(self.chunks, weights_from)
+        # Regional torch.compile (tpzoo.train.compile): each block, in place, once its weights are in place
+        self.compiled_blocks = compile_blocks(self.chunks) if cfg.compile else 0
         # Expert weights under ep > 1 reduce over their own group: a second AdamW (tpzoo.train.expert_optim).
         trainable = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
         experts = dims.ep > 1 and any(getattr(p, "expert_parallel", False) for p in trainable)
@@ -212,7 +225,7 @@ class Trainer:
             scale = float("nan")
         self.optimizer.zero_grad()
         out = forward_backward(self.chunks, batches, self.dims, schedule=cfg.schedule, loss_scale=scale,
-                               label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss)
+                               loss=self.loss)
         finalize_grads(self.chunks, self.dims)
         self.optimizer.reduce_grads()
         (loss_sum,) = self._global_sum([out["loss_sum"]], self.grad_group)
@@ -236,6 +249,8 @@ class Trainer:
             self.skips = 0
             clip = cfg.clip_grad / (grad_norm + 1e-6) if cfg.clip_grad > 0 and grad_norm > cfg.clip_grad else 1.0
             self.optimizer.step(lr, clip / loss_scale)  # unscale and clip in the update's one pass
+            for chunk in self.chunks:  # non-gradient state updated from the step (tpzoo.models.aux)
+                chunk.after_optimizer_step()
             if self.scaler:
                 self.scaler.update(False)
         strict.check_all_waited(f"the end of training step {step}")  # strict collective mode; else a no-op
@@ -249,19 +264,19 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, dataset=None) -> float | None:
-        """Mean loss over the held-out split's (or `dataset`'s) first eval_batches micro-batches per dp rank (None
-        without one): the language model's (a mixture of experts' router losses left out, as `tpzoo eval` does)."""
+        """Mean loss over the held-out split's (or `dataset`'s, a mixture's source) first eval_batches x
+        micro_batch_size sequences, the same at every layout (tpzoo.train.heldout; None without a held-out split):
+        the language model's (a mixture of experts' router losses left out, as `tpzoo eval` does)."""
         cfg = self.cfg
         dataset = self.eval_ds if dataset is None else dataset
-        if dataset is None or len(dataset) < cfg.micro_batch_size * self.dp:
+        if dataset is None or len(dataset) == 0:
             return None
-        loader = make_loader(dataset, cfg, self.dp_rank, self.dp, train=False, pin_memory=self.pin)
-        batches = [self._to_device(self._local(b)) for _, b in zip(range(cfg.eval_batches), loader)]
-        loader.close()
+        batches = [self._to_device(self._local(b)) for b in
+                   heldout_batches(dataset, cfg.eval_batches, cfg.micro_batch_size, self.dp_rank, self.dp)]
         for c in self.chunks:
             c.eval()
         out = forward_backward(self.chunks, batches, self.dims, schedule=cfg.schedule, forward_only=True,
-                               router_loss=False)
+                               loss=self.held_out)
         for c in self.chunks:
             c.train()
         loss_sum, tokens = self._global_sum([out["loss_sum"], out["tokens"]], self.grad_group)
@@ -273,7 +288,7 @@ class Trainer:
         cfg = self.cfg
         s = self.dims
         self.logger.print(
-            f"tpzoo {cfg.task}: model {self.model_cfg.name or cfg.model} "
+            f"tpzoo {cfg.task}: {ckpt.model_label(cfg, self.model_cfg, self.resume_dir)} "
             f"({self.model_cfg.num_parameters() / 1e6:.2f}M params, vocab {self.model_cfg.vocab_size}) | "
             f"tp={s.tp} cp={s.cp}{'/' + cfg.cp_mode if s.cp > 1 else ''} pp={s.pp} dp={s.dp}"
             f"{f' ep={s.ep}' if s.ep > 1 else ''} sp={cfg.sequence_parallel} zero={cfg.zero_level} {cfg.dtype} on "
@@ -295,6 +310,8 @@ class Trainer:
                 m = self.train_step(step)
             except OOM_ERRORS as e:  # one line: the step, the peak, the plan's estimate, the flags that lower it
                 raise out_of_memory(e, step, cfg, self.model_cfg, self.dims) from e
+            if self.compiled_blocks and step == self.start_step + 1:  # the step that compiled: said once
+                self.logger.print(compile_report(self.compiled_blocks, m["step_time"]))
             window.append(m)
             m.update(self.throughput.summary(), peak_mem_gb=peak_memory_gb(self.device),
                      data_wait=self.loader.wait_fraction, **data_metrics(self.loader, cfg.seq_len))
@@ -324,7 +341,9 @@ class Trainer:
                   "lrs": [m["lr"] for m in history], "eval_loss": eval_loss, "checkpoint": saved,
                   "tokens_per_s": history[-1]["tokens_per_s"] if history else None, "sample": None,
                   "fp8": {"recipe": self.fp8_report.recipe, "layers": len(self.fp8_report.fp8_layers),
-                          "fallbacks": [name for name, _, _ in self.fp8_report.fallbacks]}}
+                          "fallbacks": [name for name, _, _ in self.fp8_report.fallbacks]},
+                  "compile": {"blocks": self.compiled_blocks,
+                              "graph_breaks": dict(graph_breaks()) if self.compiled_blocks else {}}}
         if history:
             self.logger.print(f"loss: first {history[0]['loss']:.4f} (step {history[0]['step']}) -> last "
                               f"{history[-1]['loss']:.4f} (step {history[-1]['step']})")
@@ -333,8 +352,9 @@ class Trainer:
         if status == "ok" and cfg.sample_prompt and cfg.sample_tokens > 0 and self.dims.cp > 1:
             self.logger.print("sample skipped: generation runs at cp=1 (tpzoo generate on the checkpoint)")
         elif status == "ok" and cfg.sample_prompt and cfg.sample_tokens > 0:
-            text = generate(self.chunks, self.dims, self.tokenizer, cfg.sample_prompt, cfg.sample_tokens,
-                            temperature=cfg.temperature, seed=cfg.seed, max_context=cfg.seq_len)
+            with compile_eager() if self.compiled_blocks else contextlib.nullcontext():  # a growing KV cache
+                text = generate(self.chunks, self.dims, self.tokenizer, cfg.sample_prompt, cfg.sample_tokens,
+                                temperature=cfg.temperature, seed=cfg.seed, max_context=cfg.seq_len)
             result["sample"] = cfg.sample_prompt + text
             self.logger.print(f"sample ({'greedy' if cfg.temperature <= 0 else f'T={cfg.temperature}'}):\n"
                               f"{'-' * 60}\n{cfg.sample_prompt}{text}\n{'-' * 60}")

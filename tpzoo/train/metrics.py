@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from tpzoo.progress import bars_disabled, progress_bar
+
 # Dense peak TFLOP/s per device (no sparsity), by a substring of torch.cuda.get_device_name(); first match wins,
 # so more specific names come first. bf16 = tensor-core bf16; fp32 = what fp32 matmuls get by default (TF32
 # tensor cores are off by default in PyTorch, so plain fp32 FMA throughput).
@@ -135,11 +137,9 @@ class MetricsLogger:
                 self.tb = SummaryWriter(log_dir=log_dir, purge_step=start_step + 1 if resume else None)
             except ImportError:  # tensorboard is optional
                 self.tb = None
-        if progress and sys.stderr.isatty():  # a bar redrawn with \r only makes sense on a terminal
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
-                            file=sys.stderr, mininterval=0.5)
+        if progress and sys.stderr.isatty() and not bars_disabled():  # \r redraws need a terminal
+            self.bar = progress_bar(total=total_steps, initial=start_step, desc="train", unit="step",
+                                    dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
         self._t0 = time.perf_counter()
 
     def step(self, m: dict) -> None:

@@ -32,7 +32,7 @@ from collections import Counter
 
 import torch
 
-from tpzoo.parallel import GradBuffer, ParallelDims, comm
+from tpzoo.parallel import GradBuffer, ParallelDims, comm, fp8
 from tpzoo.parallel.data_parallel import DEFAULT_BUCKET_ELEMS, bucket_ranges, flat_layout, is_late, shard_segments
 from tpzoo.parallel.dims import SELF_GROUP
 from tpzoo.parallel.grad_shards import ShardedGradBuffer
@@ -320,7 +320,8 @@ class DistributedAdamW:
     def publish(self) -> None:
         """Make every parameter (on every dp rank) hold the master weights: under ZeRO each bucket is all-gathered
         from the ranks' segments (all buckets in flight at once); under ZeRO-3 only the late buckets, the layers
-        are gathered when next used."""
+        are gathered when next used. The layers' cached fp8 weights are stale from here (tpzoo.parallel.fp8)."""
+        fp8.weights_changed()
         if self.shards is not None:
             if self.master is not None:
                 self.shards.shard.copy_(self.master)
@@ -357,6 +358,7 @@ class DistributedAdamW:
 
     def sync_master_from_params(self) -> None:
         """After weights were loaded into the parameters (views of `flat`): refresh a separate fp32 master."""
+        fp8.weights_changed()
         if self.master is not None:
             self.master.copy_(self.shards.shard if self.shards is not None else self._owned_of(self.flat))
 

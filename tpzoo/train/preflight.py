@@ -21,7 +21,6 @@ second for a tiny config (docs/reliability.md).
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from tpzoo.errors import ConfigError, DataError
@@ -31,11 +30,11 @@ __all__ = ["check_train", "check_eval", "check_generate", "check_layout"]
 
 # -- shared checks -----------------------------------------------------------------------------------------------
 
-def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str = "the model", ep: int = 1,
-                 world_size: int | None = None) -> None:
-    """The model splits over tp (heads, kv heads, FFN), pp * virtual_stages stages and ep (experts; ep divides
-    the data x context parallel ranks); errors name `what` and are the types the ranks would raise
-    (ParallelLayoutError, PartitionError)."""
+def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str = "the model",
+                 ep: int = 1) -> None:
+    """The model splits over tp (heads, kv heads, FFN), pp * virtual_stages stages and ep (experts); errors name
+    `what` and are the types the ranks would raise (ParallelLayoutError, PartitionError). The layout against the
+    world size is tpzoo.parallel.dims.check_layout's (TrainConfig.data_parallel_size, _check_checkpoint)."""
     from tpzoo.parallel.dims import ParallelLayoutError
     from tpzoo.pipeline import partition_layers
     from tpzoo.pipeline.partition import PartitionError
@@ -47,7 +46,7 @@ def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str
         raise ParallelLayoutError(f"{what}: tp={tp} neither divides nor is a multiple of num_kv_heads={nkv}")
     if ffn % tp:
         raise ParallelLayoutError(f"{what}: tp={tp} does not divide ffn_hidden_size={ffn}")
-    check_experts(model_cfg, tp, ep, what, world_size // (tp * pp) if world_size else None)
+    check_experts(model_cfg, tp, ep, what)
     try:
         partition_layers(model_cfg, pp, virtual_stages=virtual_stages)
     except PartitionError as e:
@@ -69,9 +68,9 @@ def check_context(model_cfg, tp: int, cp: int, mode: str, what: str = "the model
         raise ParallelLayoutError(f"{what}: attention softcapping runs with --cp-mode a2a, not ring")
 
 
-def check_experts(model_cfg, tp: int, ep: int, what: str, dp: int | None = None) -> None:
-    """Expert parallelism against the model (ep divides the experts, tp each expert's FFN) and the layout (ep
-    divides dp; dp None: the command spawns dp = ep ranks itself)."""
+def check_experts(model_cfg, tp: int, ep: int, what: str) -> None:
+    """Expert parallelism against the model: ep divides the experts, tp each expert's FFN (ep against the
+    data x context parallel ranks is the world size's check, tpzoo.parallel.dims.check_layout)."""
     from tpzoo.parallel.dims import ParallelLayoutError
 
     if not isinstance(ep, int) or ep < 1:
@@ -84,9 +83,6 @@ def check_experts(model_cfg, tp: int, ep: int, what: str, dp: int | None = None)
         if model_cfg.expert_ffn % tp:
             raise ParallelLayoutError(f"{what}: tp={tp} does not divide the expert hidden size "
                                       f"{model_cfg.expert_ffn}")
-    if dp is not None and dp % ep:
-        raise ParallelLayoutError(f"ep={ep} does not divide dp={dp} (expert parallelism is carved out of the "
-                                  f"data-parallel ranks)")
 
 
 def check_device(name: str) -> None:
@@ -142,17 +138,21 @@ def check_text_file(path: str, what: str = "text file") -> None:
 # -- training ----------------------------------------------------------------------------------------------------
 
 def _model_of_run(cfg):
-    """(model config, tokenizer spec, what to call the model in messages) of a run, from files only."""
+    """(model config, tokenizer spec, what to call the model in messages, whether the tokenizer must fit its
+    vocabulary) of a run, from files only."""
     from tpzoo.models import get_config
 
     from . import checkpointing as ckpt
 
     resume = ckpt.resolve_resume(cfg, say=lambda _msg: None) if cfg.resume else None
     if resume is not None:
-        step = ckpt.read_train_state(resume).get("step")
+        state = ckpt.read_train_state(resume)
+        step = state.get("step")
         if isinstance(step, int) and step > cfg.steps:
             raise ConfigError(f"checkpoint {resume} is at step {step}, past --steps {cfg.steps}")
-        return ckpt.model_config_of(resume), str(resume), f"checkpoint {resume}"
+        ckpt.check_resumable(cfg, state, resume)
+        model_cfg = ckpt.model_config_of(resume)
+        return model_cfg, str(resume), ckpt.model_label(cfg, model_cfg, resume), True
     if cfg.base:
         from tpzoo.data.tokenizer import has_tokenizer
 
@@ -160,13 +160,13 @@ def _model_of_run(cfg):
         if not base.exists():
             raise FileNotFoundError(f"--base {cfg.base}: no such checkpoint or Hugging Face model directory")
         tokenizer = cfg.tokenizer or (cfg.base if base.is_dir() and has_tokenizer(base) else "byte")
-        return ckpt.model_config_of(base), tokenizer, f"--base {cfg.base}"
+        model_cfg = ckpt.model_config_of(base)
+        return model_cfg, tokenizer, ckpt.model_label(cfg, model_cfg), True
     model_cfg = get_config(cfg.model)
-    tokenizer = cfg.tokenizer or "byte"
     if cfg.vocab_size:
         model_cfg = model_cfg.replace(vocab_size=cfg.vocab_size)
-        return model_cfg, tokenizer, f"model {cfg.model}"
-    return model_cfg, tokenizer, None  # the vocabulary will be the tokenizer's: nothing to compare
+    # without --vocab-size the vocabulary will be the tokenizer's: nothing to compare
+    return model_cfg, cfg.tokenizer or "byte", ckpt.model_label(cfg, model_cfg), bool(cfg.vocab_size)
 
 
 def _check_pretrain_data(cfg) -> None:
@@ -225,12 +225,11 @@ def check_train(cfg, world_size: int | None = None):
     world_size: the job's size under torchrun (None when this process will spawn the ranks)."""
     cfg.validate(world_size)
     check_device(cfg.device)
-    model_cfg, tokenizer, what = _model_of_run(cfg)
-    label = what or f"model {cfg.model}"
+    model_cfg, tokenizer, label, fixed_vocab = _model_of_run(cfg)
     check_layout(model_cfg, cfg.tp, cfg.pp, cfg.virtual_stages, label, ep=cfg.ep)
     check_context(model_cfg, cfg.tp, cfg.cp, cfg.cp_mode, label)
     check_positions(model_cfg, cfg.seq_len, label)
-    check_tokenizer(tokenizer, model_cfg.vocab_size if what else None, label)
+    check_tokenizer(tokenizer, model_cfg.vocab_size if fixed_vocab else None, label)
     check_lora(cfg, model_cfg)
     if cfg.task == "sft":
         _check_sft_data(cfg)
@@ -242,7 +241,7 @@ def check_train(cfg, world_size: int | None = None):
 def check_lora(cfg, model_cfg) -> None:
     """LoRA settings against the model: the adapter config (--lora-from's or the flags'), its targets, its base
     (a resumed LoRA run's must be there, unchanged)."""
-    from tpzoo.models import Transformer
+    from tpzoo.models import ModelLayout, Transformer
     from tpzoo.models.lora import check_targets
     from tpzoo.parallel import ParallelDims
 
@@ -252,7 +251,7 @@ def check_lora(cfg, model_cfg) -> None:
     resume = resolve_resume(cfg, say=lambda *_: None) if cfg.resume else None
     lcfg, _ = lora_of_run(cfg, resume)
     if lcfg is not None:
-        check_targets(Transformer(model_cfg, dims=ParallelDims.for_rank(), device="meta"), lcfg)
+        check_targets(Transformer(model_cfg, ModelLayout(ParallelDims.for_rank(), device="meta")), lcfg)
 
 
 # -- eval and generate -------------------------------------------------------------------------------------------
@@ -268,13 +267,14 @@ def _positive(args, *names: str, allow_zero: tuple = ()) -> None:
 def _check_checkpoint(args, world_size: int | None):
     """The parts eval and generate share: sizes, device, the checkpoint's config and the layout against it."""
     from tpzoo.checkpoint import open_source
+    from tpzoo.parallel.dims import check_layout as check_world
 
     _positive(args, "tp", "pp", "cp", "ep")
     cp = getattr(args, "cp", 1)  # eval has --cp; generate runs at cp=1
     if not args.dist_timeout > 0:
         raise ConfigError(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
-    if world_size is not None and world_size % (args.tp * cp * args.pp):
-        raise ConfigError(f"world size {world_size} is not divisible by tp*cp*pp = {args.tp}*{cp}*{args.pp}")
+    if world_size is not None:  # (self-spawned: tp*cp*pp*ep ranks, dp = ep, which always fits)
+        check_world(world_size, tp=args.tp, pp=args.pp, cp=cp, ep=args.ep)  # what init_parallel will check
     check_device(args.device)
     source = open_source(args.ckpt, verify=False)  # the manifest or config.json, and the weight headers
     try:
@@ -282,7 +282,7 @@ def _check_checkpoint(args, world_size: int | None):
     finally:
         source.close()
     what = f"checkpoint {args.ckpt}"
-    check_layout(model_cfg, args.tp, args.pp, 1, what, ep=args.ep, world_size=world_size)
+    check_layout(model_cfg, args.tp, args.pp, 1, what, ep=args.ep)
     check_context(model_cfg, args.tp, cp, getattr(args, "cp_mode", "ring"), what)
     if args.tokenizer:
         check_tokenizer(args.tokenizer, model_cfg.vocab_size, what)
@@ -310,7 +310,9 @@ def in_rank(check, fn):
     """fn preceded by check(args, world_size), for a rank under torchrun: the check runs before the process
     groups exist, and its error is reported once for the job like any rank's."""
     def checked(args):
-        check(args, int(os.environ["WORLD_SIZE"]))  # torchrun's, set in every rank it starts
+        from tpzoo.parallel.state import job_world_size
+
+        check(args, job_world_size())  # torchrun's WORLD_SIZE: the world init_parallel will join
         return fn(args)
 
     return checked

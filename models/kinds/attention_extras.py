@@ -1,5 +1,5 @@
-"""Attention extras of the 2024-25 families: q/k norms (Qwen3 and Gemma 3 per head, OLMo 2 over the whole
-projection width) and soft-capped attention scores (Gemma 2).
+"""Extras of softmax attention (models/kinds/attention.py) in the 2024-25 families: q/k norms (Qwen3 and Gemma 3
+per head, OLMo 2 over the whole projection width) and soft-capped attention scores (Gemma 2).
 
 OLMo 2's q and k norms normalize over all heads at once, but under tensor parallelism each rank holds only its
 heads: the sum of squares is a partial sum that needs one all-reduce over the TP group per layer (q's and k's
@@ -12,30 +12,31 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpzoo.parallel import ParallelDims, ShardSpec, mark_parallel
+from tpzoo.parallel import ShardSpec, mark_parallel
 from tpzoo.parallel.mappings import copy_to_tp, reduce_from_tp
 
-from .config import ModelConfig
+from ..config import ModelConfig
+from ..layout import ModelLayout
+from ..norm import Norm
 
 
-def make_qk_norms(cfg: ModelConfig, kv_replicas: int, dims: ParallelDims, dtype=None, device=None):
-    """(q_norm, k_norm) modules for cfg.qk_norm "head" (weight [head_dim], replicated) or "full" (weights over
-    the q and k widths, split over TP like the q and k heads)."""
-    from .blocks import Norm  # blocks imports this module
-
-    hd = cfg.head_dim
-    if cfg.qk_norm == "head":
+def make_qk_norms(cfg: ModelConfig, kv_replicas: int, layout: ModelLayout):
+    """(q_norm, k_norm) modules for attention.qk_norm "head" (weight [head_dim], replicated) or "full" (weights
+    over the q and k widths, split over TP like the q and k heads)."""
+    a = cfg.attention
+    hd = a.head_dim
+    if a.qk_norm == "head":
         # Replicated, but each rank's gradient only covers its own heads: a partial gradient summed over TP
         # (the same reduction as sequence-parallel norms: finish_tp_grads), with or without SP.
-        return Norm(cfg, True, dtype, device, size=hd), Norm(cfg, True, dtype, device, size=hd)
-    tp = dims.tp
+        return (Norm(cfg, layout, size=hd, partial_grad=True), Norm(cfg, layout, size=hd, partial_grad=True))
+    tp = layout.tp
     q_spec = ShardSpec(0)
-    k_spec = ShardSpec(0, parts=(cfg.num_kv_heads * hd,), replicas=(kv_replicas,), block=hd)
-    q_norm = Norm(cfg, False, dtype, device, size=q_spec.local_size(cfg.num_heads * hd, tp))
-    k_norm = Norm(cfg, False, dtype, device, size=k_spec.local_size(cfg.num_kv_heads * hd, tp))
+    k_spec = ShardSpec(0, parts=(a.num_kv_heads * hd,), replicas=(kv_replicas,), block=hd)
+    q_norm = Norm(cfg, layout, size=q_spec.local_size(a.num_heads * hd, tp), partial_grad=False)
+    k_norm = Norm(cfg, layout, size=k_spec.local_size(a.num_kv_heads * hd, tp), partial_grad=False)
     mark_parallel(q_norm.weight, q_spec)
     mark_parallel(k_norm.weight, k_spec)
-    q_norm.full_width, k_norm.full_width = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    q_norm.full_width, k_norm.full_width = a.num_heads * hd, a.num_kv_heads * hd
     return q_norm, k_norm
 
 

@@ -1,27 +1,26 @@
-"""Mixture of experts (Mixtral, Qwen3-MoE, OLMoE): a top-k router, dropless token dispatch over the
-expert-parallel group, the local experts as a grouped matmul, and the combine weighted by the router.
+"""Channel mixer "moe": a mixture of experts (Mixtral, Qwen3-MoE, OLMoE): a top-k router, dropless token dispatch
+over the expert-parallel group, the local experts as a grouped matmul, and the combine weighted by the router.
 
-Layout (Megatron-Core's classic default; rank order in tpzoo/parallel/dims.py):
-  - experts are split over ep: ep rank r holds experts [r * E/ep, (r + 1) * E/ep) (`gate_up` [E/ep, 2 ffn/tp, h],
-    `down` [E/ep, h, ffn/tp]); expert tensor parallelism etp = tp: every expert's gate|up is split column-wise
-    over the tp group and its down projection row-wise, exactly like the dense MLP.
-  - tokens enter the TP region as the dense MLP's do: under sequence parallelism the sequence shards are
-    all-gathered (every tp rank then holds the same full sequence), else they are already full. The router runs
-    on the tokens *before* that entry (this rank's sequence shard under SP), and its top-k weights enter the
-    region through the same collective, so each router gradient is counted once.
-  - each tp rank dispatches its tokens over the ep group (the ep peers share its tp coordinate) with
-    all_to_all_single and per-rank split sizes (one small all-to-all of per-expert counts first: those sizes are
-    host ints, the one host sync of the layer), computes its slice of every local expert, sends the partial
-    outputs back, and the weighted combine is followed by the MLP's usual TP all-reduce (reduce-scatter under SP).
-    At ep = 1 nothing leaves the device: the permutation and its inverse are gathers, the per-expert counts a
-    scatter-add, and the experts grouped GEMMs whose offsets are the counts' cumulative sums (models/experts.py;
-    the loop fallback reads the counts on the host).
+TP split (Megatron-Core's classic default; rank order in tpzoo/parallel/dims.py): experts over ep (ep rank r holds
+experts [r * E/ep, (r + 1) * E/ep): `gate_up` [E/ep, 2 ffn/tp, h], `down` [E/ep, h, ffn/tp]), each expert split
+over tp like the dense MLP (expert tensor parallelism etp = tp: gate|up column-wise, down row-wise). The router
+weight is replicated (its gradient partial under SP, like a norm's).
+What crosses ranks: tokens enter the TP region as the dense MLP's do (all-gather of the sequence under SP); the
+router runs on the tokens *before* that entry (this rank's shard under SP) and its top-k weights enter through the
+same collective, so each router gradient is counted once. Each tp rank dispatches its tokens over the ep group
+(its peers share its tp coordinate) with all_to_all_single and per-rank split sizes (one small all-to-all of
+per-expert counts first: those sizes are host ints, the one host sync of the layer), computes its slice of every
+local expert, sends the partial outputs back, and the weighted combine is followed by the MLP's usual TP
+all-reduce (reduce-scatter under SP). At ep = 1 nothing leaves the device: the permutation and its inverse are
+gathers, the per-expert counts a scatter-add, and the experts grouped GEMMs whose offsets are the counts'
+cumulative sums (experts.py; the loop fallback reads the counts on the host). Expert gradients (`expert_parallel`
+parameters) are summed over the expert-data-parallel group (dims.expert_grad_group) instead of dp x cp.
+Cache: none.
 
-Gradients: `gate_up` and `down` are marked `expert_parallel`; they are summed over the expert-data-parallel
-group (dims.expert_grad_group) instead of dp x cp. The router weight is replicated (partial under SP, like a norm).
-
-Router statistics for the load-balancing loss are left in `last_stats` (overwritten at each call, so a
-recomputation during backward does not add a second copy); Transformer.forward turns them into HF's loss.
+Auxiliary output: each forward records its router statistics (ctx.record, key "router"); the RouterStatistics
+rule sums them over the model's layers (carried between pipeline stages) and turns the total into HF's
+load-balancing loss and the z-loss on the last stage (`router_losses`). The layer also keeps its last statistics
+and logits (`last_stats`, overwritten per call) for inspection (`router_logits`).
 """
 from __future__ import annotations
 
@@ -31,11 +30,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tpzoo.parallel import (ParallelDims, ParallelLayoutError, ShardSpec, copy_to_tp, gather_from_sequence,
-                            mark_parallel, reduce_from_tp, reduce_scatter_to_sequence, shard)
+from tpzoo.parallel import (ParallelLayoutError, ShardSpec, copy_to_tp, gather_from_sequence, mark_parallel,
+                            reduce_from_tp, reduce_scatter_to_sequence, shard)
 from tpzoo.parallel import comm
 
-from .config import ModelConfig
+from ..aux import AuxRule
+from ..config import ModelConfig
+from ..inputs import Context
+from ..layout import ModelLayout
+from . import register_channel_mixer
 from .experts import expert_mlp
 
 
@@ -56,12 +59,12 @@ class Router(nn.Module):
     """Linear gate h -> E, softmax in fp32, top-k, optionally renormalized (Mixtral's top-k softmax is exactly
     this with renormalization). Replicated over tp; its gradient is partial under sequence parallelism."""
 
-    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, dtype=None, device=None):
+    def __init__(self, cfg: ModelConfig, layout: ModelLayout):
         super().__init__()
-        self.top_k, self.normalize, self.std = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.initializer_range
-        self.weight = mark_parallel(nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype,
-                                                             device=device)), None, sequence_parallel)
-        self.reset_parameters()
+        moe = cfg.moe
+        self.top_k, self.normalize, self.std = moe.num_experts_per_tok, moe.norm_topk_prob, cfg.initializer_range
+        self.weight = mark_parallel(nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size, dtype=layout.dtype,
+                                                             device="meta")), None, layout.sequence_parallel)
 
     def reset_parameters(self) -> None:
         if self.weight.device.type != "meta":
@@ -76,32 +79,63 @@ class Router(nn.Module):
         return logits, probs, top.to(logits.dtype), index
 
 
-class MoELayer(nn.Module):
-    """Drop-in for ParallelMLP on the MoE layers ([b, s(/tp under SP), h] in and out)."""
+class RouterStatistics(AuxRule):
+    """The "router" auxiliary output: per layer, models.kinds.moe._router_stats; per chunk, stage_stats' vector;
+    reduced into HF's load-balancing loss and the z-loss by router_losses."""
+    key = "router"
+    reports = ("router_aux_loss", "router_z_loss")
 
-    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, dims: ParallelDims, dtype=None, device=None):
+    def size(self, cfg: ModelConfig) -> int:
+        return stats_size(cfg.moe.num_experts)
+
+    def combine(self, cfg: ModelConfig, records: list, device) -> torch.Tensor:
+        return stage_stats(records, cfg.moe.num_experts, device)
+
+    def trains(self, cfg: ModelConfig) -> bool:
+        moe = cfg.moe
+        return bool(moe_layer_count(cfg)) and moe.output_router_logits and bool(
+            moe.router_aux_loss_coef or moe.router_z_loss_coef)
+
+    def carried(self, cfg: ModelConfig, loss) -> bool:
+        # training: when the loss includes them; evaluation (aux_losses off): whenever they are reported
+        return self.trains(cfg) if loss.aux_losses else bool(moe_layer_count(cfg))
+
+    def reduce(self, cfg: ModelConfig, layout: ModelLayout, total: torch.Tensor) -> tuple:
+        aux, z = router_losses(total, moe_layer_count(cfg), cfg.moe.num_experts, layout)
+        term = cfg.moe.router_aux_loss_coef * aux + cfg.moe.router_z_loss_coef * z if self.trains(cfg) else None
+        return term, {"router_aux_loss": aux.detach(), "router_z_loss": z.detach()}
+
+
+def moe_layer_count(cfg: ModelConfig) -> int:
+    """MoE layers in the whole model (the router loss couples all of them)."""
+    return sum(cfg.channel_mixer(i) == "moe" for i in range(cfg.num_layers))
+
+
+@register_channel_mixer("moe")
+class MoE(nn.Module):
+    """A mixture of experts in place of the dense MLP of layer `layer` ([b, s(/tp under SP), h] in and out)."""
+    aux_rules = (RouterStatistics(),)
+
+    def __init__(self, cfg: ModelConfig, layer: int, layout: ModelLayout):
         super().__init__()
-        E, ffn, h, tp, ep = cfg.num_experts, cfg.expert_ffn, cfg.hidden_size, dims.tp, dims.ep
+        dims = layout.dims
+        E, ffn, h, tp, ep = cfg.moe.num_experts, cfg.expert_ffn, cfg.hidden_size, dims.tp, dims.ep
         if E % ep:
             raise ParallelLayoutError(f"ep={ep} does not divide num_experts={E}")
         if ffn % tp:
             raise ParallelLayoutError(f"tp={tp} does not divide the expert hidden size {ffn}")
-        self.cfg, self.dims, self.sequence_parallel = cfg, dims, sequence_parallel
-        self.num_experts, self.top_k, self.local = E, cfg.num_experts_per_tok, E // ep
-        self.router = Router(cfg, sequence_parallel, dtype, device)
-        kw = {"dtype": dtype, "device": device}
+        self.cfg, self.layer, self.dims, self.sequence_parallel = cfg, layer, dims, layout.sequence_parallel
+        self.num_experts, self.top_k, self.local = E, cfg.moe.num_experts_per_tok, E // ep
+        self.router = Router(cfg, layout)
+        kw = {"dtype": layout.dtype, "device": "meta"}
         self.gate_up = _expert_param(torch.empty(self.local, 2 * ffn // tp, h, **kw), ShardSpec(1, parts=(ffn, ffn)))
         self.down = _expert_param(torch.empty(self.local, h, ffn // tp, **kw), ShardSpec(2))
         self.std, self.out_std = cfg.initializer_range, cfg.initializer_range / math.sqrt(2 * cfg.num_layers)
-        self.activation = cfg.activation
-        # "auto": grouped GEMMs where torch._grouped_mm runs (CUDA bf16, Hopper+), else the loop (models/experts.py);
+        self.activation = cfg.mlp.activation
+        # "auto": grouped GEMMs where torch._grouped_mm runs (CUDA bf16, Hopper+), else the loop (experts.py);
         # "grouped" / "loop" force one (tests compare them)
         self.expert_gemm = "auto"
         self.last_stats: dict | None = None
-        # [tokens], 1 for the tokens the router statistics count (0: an SFT sample's or context parallelism's
-        # padding; set by Transformer.forward for each call, None: every token counts)
-        self.token_mask: torch.Tensor | None = None
-        self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -115,11 +149,12 @@ class MoELayer(nn.Module):
             full = torch.empty(shape, dtype=torch.float32, device=param.device).normal_(std=std)
             param.copy_(shard(full[mine], param.tp_spec, dims.tp_rank, dims.tp))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         b, h = x.shape[0], x.shape[-1]
         group = self.dims.tp_group
         logits, probs, weights, index = self.router(x.reshape(-1, h))
-        self.last_stats = _router_stats(logits, probs, index, self.num_experts, self.token_mask)
+        self.last_stats = _router_stats(logits, probs, index, self.num_experts, ctx.token_mask)
+        ctx.record(self.layer, RouterStatistics.key, self.last_stats)
         k = self.top_k
         # Enter the TP region: x (and the router's output, computed on the same tokens) as the dense MLP does.
         if self.sequence_parallel and self.dims.tp > 1:
@@ -135,6 +170,12 @@ class MoELayer(nn.Module):
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(out, -2, group)
         return reduce_from_tp(out, group)
+
+    @staticmethod
+    def num_parameters(cfg: ModelConfig, layer: int, active: bool = False) -> int:
+        moe, h = cfg.moe, cfg.hidden_size
+        expert = 3 * h * cfg.expert_ffn  # gate, up, down
+        return h * moe.num_experts + expert * (moe.num_experts_per_tok if active else moe.num_experts)
 
     def _dispatch_compute_return(self, tokens: torch.Tensor, expert_of: torch.Tensor) -> torch.Tensor:
         """Rows of `tokens` repeated for each of their k experts (assignment a = token * k + j), sent to the rank
@@ -193,7 +234,8 @@ def _source_major_to_expert_major(recv: list[int], ep: int, local: int, device):
 
 
 def _router_stats(logits, probs, index, num_experts: int, mask=None) -> dict:
-    """This call's sums over its tokens (this rank's sequence shard under SP; only those of `mask` when given):
+    """This call's sums over its tokens (this rank's sequence shard under SP; only those of `mask`, [tokens], when
+    given):
     the top-k assignments per expert (no gradient), the routing probabilities per expert and logsumexp(logits)^2
     (both with gradient), and the number of tokens counted."""
     counts = torch.zeros(num_experts, dtype=torch.float32, device=probs.device)
@@ -208,6 +250,12 @@ def _router_stats(logits, probs, index, num_experts: int, mask=None) -> dict:
         prob_sum, z_sum, tokens = (probs * mask[:, None]).sum(dim=0), (lse2 * mask).sum(), mask.sum()
     counts.index_add_(0, index.reshape(-1), ones)
     return {"logits": logits, "counts": counts, "prob_sum": prob_sum, "z_sum": z_sum, "tokens": tokens}
+
+
+def router_logits(model) -> list[torch.Tensor]:
+    """Each MoE layer's router logits of the model chunk's last forward ([tokens, E]; this rank's sequence shard
+    under SP), in layer order."""
+    return [layer.mlp.last_stats["logits"] for layer in model.layers.values() if isinstance(layer.mlp, MoE)]
 
 
 def stage_stats(stats: list[dict], num_experts: int, device) -> torch.Tensor:
@@ -240,8 +288,7 @@ class _AllReduceSum(torch.autograd.Function):
         return comm.all_reduce(grad.contiguous().clone(), ctx.group), None
 
 
-def router_losses(totals: torch.Tensor, num_layers: int, num_experts: int, tp_group, sequence_parallel: bool,
-                  cp_group=None) -> tuple:
+def router_losses(totals: torch.Tensor, num_layers: int, num_experts: int, layout: ModelLayout) -> tuple:
     """(load-balancing loss, z-loss) of one forward from `totals` (stage_stats summed over every MoE layer of the
     model, all pipeline stages included; this rank's tokens), `num_layers` MoE layers in the model.
 
@@ -250,12 +297,13 @@ def router_losses(totals: torch.Tensor, num_layers: int, num_experts: int, tp_gr
     tokens rows), P_e the mean routing probability of e over all (layer, token) rows. The z-loss is the mean over
     tokens of logsumexp(logits)^2, summed over layers. Under SP each rank holds its shard's sums; one all-reduce
     over tp (identity backward: every tp rank computes the same loss, on the same tokens) makes them total. Under
-    context parallelism (cp_group) each cp rank holds its chunks of the sequence: the sums are added over cp too,
+    context parallelism (cp > 1) each cp rank holds its chunks of the sequence: the sums are added over cp too,
     and since each cp rank adds the loss to its own tokens, the gradient of the totals is summed over cp."""
-    if sequence_parallel:
-        totals = reduce_from_tp(totals, tp_group)
-    if cp_group is not None:
-        totals = _AllReduceSum.apply(totals, cp_group)
+    dims = layout.dims
+    if layout.sequence_parallel:
+        totals = reduce_from_tp(totals, dims.tp_group)
+    if dims.cp > 1:
+        totals = _AllReduceSum.apply(totals, dims.cp_group)
     counts, probs, z, rows = totals.split([num_experts, num_experts, 1, 1])
     aux = num_experts * torch.sum((counts / rows) * (probs / rows))
     return aux, z.sum() / (rows.sum() / num_layers)

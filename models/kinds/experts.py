@@ -2,7 +2,8 @@
 (`torch._grouped_mm`, CUDA bf16, Hopper+), or a loop of two matmuls per expert (the fallback: CPU, fp32/fp16,
 older GPUs).
 
-    expert_mlp(rows, counts, gate_up [E, 2f, h], down [E, h, f], activation, gemm) -> [rows, h]
+    expert_mlp(rows, counts, gate_up [E, 2f, h], down [E, h, f], activation, gemm,
+               gate_up_bias [E, 2f] = None, down_bias [E, h] = None) -> [rows, h]
 
 rows [T, h] are grouped by local expert (counts[e] consecutive rows for expert e, an expert may have none).
 The grouped path never reads the counts on the host: their cumulative sums are the GEMM's group offsets (int32, on
@@ -12,7 +13,14 @@ the device), so at ep = 1 the layer runs with no host synchronization. The loop 
 The grouped GEMM is one autograd function over an op with _grouped_mm's signature, op(a, b, offs):
     a [T, K] (2-d), b [G, K, N] (3-d)  -> [T, N]: rows offs[g-1]:offs[g] of a times b[g]
     a [K, T] (2-d), b [T, N] (2-d)     -> [G, K, N]: a[:, offs[g-1]:offs[g]] times b[offs[g-1]:offs[g]]
-(the forward, the input gradient, and the weight gradient, each group's own). On CUDA the op is torch._grouped_mm;
+(the forward, the input gradient, and the weight gradient, each group's own).
+
+Expert biases (gpt-oss) are added per row from its expert's bias (a gather by the rows' expert ids, built on the
+device from the counts: no host read on the grouped path). Under expert tensor parallelism gate_up_bias is split
+with gate_up (the same fused gate|up parts), while down_bias belongs after the tp reduction: pass it on one tp
+rank only (the others None), whose gradient is then the whole one (sum the bias gradient over tp, as for a
+replicated parameter under SP). `activation` is "swiglu", "geglu_tanh" or a function (gate, up) -> h, such as
+gpt-oss's `clamped_swiglu`. On CUDA the op is torch._grouped_mm;
 elsewhere `grouped_mm_reference`, a plain implementation of the same function (masks, no host reads), so CPU tests
 run the grouped path's exact code against the loop.
 """
@@ -24,6 +32,14 @@ import torch.nn.functional as F
 from tpzoo import kernels
 
 GEMMS = ("auto", "grouped", "loop")
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """gpt-oss's gated unit: the gate clamped from above, up clamped both ways, gate * sigmoid(alpha * gate) times
+    (up + 1) (transformers' GptOssExperts._apply_gate on de-interleaved halves)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def grouped_mm_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -84,23 +100,44 @@ def use_grouped(gemm: str, rows: torch.Tensor, gate_up: torch.Tensor, down: torc
     return gemm == "auto" and cuda_ok and torch.cuda.get_device_capability(rows.device) >= (9, 0)
 
 
-def expert_mlp(rows: torch.Tensor, counts, gate_up: torch.Tensor, down: torch.Tensor, activation: str,
-               gemm: str = "auto") -> torch.Tensor:
+def expert_mlp(rows: torch.Tensor, counts, gate_up: torch.Tensor, down: torch.Tensor, activation,
+               gemm: str = "auto", gate_up_bias: torch.Tensor | None = None,
+               down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """The local experts over their contiguous row groups; counts: rows per expert (a device tensor or host
     ints). Every expert runs, an empty one on zero rows, so each expert weight gets a (possibly zero) gradient."""
-    act = kernels.swiglu if activation == "swiglu" else kernels.geglu
+    act = _activation(activation)
     if use_grouped(gemm, rows, gate_up, down):
         counts = torch.as_tensor(counts, device=rows.device)  # host ints: one copy to the device, no sync
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        gate, up = GroupedLinear.apply(rows, gate_up, offs).chunk(2, dim=-1)
-        return GroupedLinear.apply(act(gate, up), down, offs)
+        expert_of = None
+        if gate_up_bias is not None or down_bias is not None:  # each row's expert, on the device (no sync)
+            expert_of = torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts,
+                                                output_size=rows.shape[0])
+        h = GroupedLinear.apply(rows, gate_up, offs)
+        if gate_up_bias is not None:
+            h = h + gate_up_bias.index_select(0, expert_of)
+        gate, up = h.chunk(2, dim=-1)
+        out = GroupedLinear.apply(act(gate, up), down, offs)
+        return out + down_bias.index_select(0, expert_of) if down_bias is not None else out
     counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts  # the loop's host sync
     outs, start = [], 0
     # unbind: one backward that stacks the experts' gradients (indexing each expert would zero-fill a whole-tensor
     # gradient per expert)
     gate_ups, downs = gate_up.unbind(0), down.unbind(0)
+    gate_up_biases = gate_up_bias.unbind(0) if gate_up_bias is not None else [None] * len(gate_ups)
+    down_biases = down_bias.unbind(0) if down_bias is not None else [None] * len(downs)
     for e, n in enumerate(counts):
-        gate, up = F.linear(rows[start:start + n], gate_ups[e]).chunk(2, dim=-1)
-        outs.append(F.linear(act(gate, up), downs[e]))
+        gate, up = F.linear(rows[start:start + n], gate_ups[e], gate_up_biases[e]).chunk(2, dim=-1)
+        outs.append(F.linear(act(gate, up), downs[e], down_biases[e]))
         start += n
     return torch.cat(outs, dim=0)
+
+
+def _activation(activation):
+    if callable(activation):
+        return activation
+    if activation == "swiglu":
+        return kernels.swiglu
+    if activation == "geglu_tanh":
+        return kernels.geglu
+    raise ValueError(f"expert activation {activation!r}: choose swiglu, geglu_tanh or a function (gate, up) -> h")

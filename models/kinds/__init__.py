@@ -1,0 +1,85 @@
+"""Layer kinds: a block is a token mixer (mixes across positions) plus a channel mixer (per position), each chosen
+per layer from the config (ModelConfig.token_mixer(i) / channel_mixer(i)) through these registries.
+
+    token mixers    "attention"  softmax attention: MHA/GQA, windows, soft-capping, q/k norms (attention.py)
+    channel mixers  "mlp"        the dense MLP (mlp.py)
+                    "moe"        a mixture of experts (moe.py)
+
+Each kind lives in its own file whose opening comment states its TP split, what crosses ranks and what its cache
+holds. Adding a kind is one registration (a test file can do it):
+
+    @register_token_mixer("my_mixer")
+    class MyMixer(nn.Module): ...
+
+A token mixer class:
+    __init__(cfg: ModelConfig, layer: int, layout: ModelLayout)
+        builds its parameters on meta (layout.build / layout.linear keywords for the parallel layers), each with
+        its TP split (tpzoo.parallel.mark_parallel, ShardSpec); `reset_parameters()` of its modules draws them
+        (the model seeds each layer: the same full weights at any layout).
+    forward(x, ctx: Context, cache=None) -> y
+        x, y [b, s, h] (s: this rank's sequence shard under sequence parallelism, layout.split_sequence);
+        ctx: what the forward's layers share (models/inputs.py: positions, documents, rotary tables, past length).
+    new_cache(batch: int, max_length: int) -> a cache object or None (keeps nothing between steps)
+        its generation state for one layer (KV, a latent, a recurrent state...): the model holds one per layer
+        (models/inputs.py Cache) and passes it back to forward; the model counts the decoded tokens (ctx.past).
+    rotary: RotarySpec | None       the rotary table it needs (rotary.py); the Transformer computes it once.
+    core: nn.Module (optional)      its parameterless inner computation: what selective recomputation wraps.
+    num_parameters(cfg, layer, active) -> int   (static: the model's count without building it)
+    sequence_flops(cfg, layer, seq_len) -> int   (static: forward FLOPs per token beyond its matmuls)
+A channel mixer class: the same __init__, forward(x, ctx) -> y, and num_parameters.
+Either may have `aux_rules` (models/aux.py: auxiliary outputs the model gathers, e.g. a router's statistics) and
+`after_optimizer_step()` (non-gradient state updated after each optimizer step).
+"""
+from __future__ import annotations
+
+from tpzoo.errors import ConfigError
+
+TOKEN_MIXERS: dict[str, type] = {}
+CHANNEL_MIXERS: dict[str, type] = {}
+
+
+def _register(table: dict, what: str, name: str, cls):
+    def add(cls):
+        if name in table and table[name] is not cls:
+            raise ConfigError(f"{what} kind {name!r} is already registered ({table[name].__qualname__})")
+        table[name] = cls
+        cls.kind = name
+        return cls
+    return add(cls) if cls is not None else add
+
+
+def register_token_mixer(name: str, cls=None):
+    """Register a token-mixer class under `name` (usable as a decorator)."""
+    return _register(TOKEN_MIXERS, "token mixer", name, cls)
+
+
+def register_channel_mixer(name: str, cls=None):
+    """Register a channel-mixer class under `name` (usable as a decorator)."""
+    return _register(CHANNEL_MIXERS, "channel mixer", name, cls)
+
+
+def token_mixer_kind(name: str) -> type:
+    return _lookup(TOKEN_MIXERS, "token mixer", name)
+
+
+def channel_mixer_kind(name: str) -> type:
+    return _lookup(CHANNEL_MIXERS, "channel mixer", name)
+
+
+def _lookup(table: dict, what: str, name: str) -> type:
+    _load_builtin()
+    if name not in table:
+        raise ConfigError(f"unknown {what} kind {name!r}; registered: {sorted(table)}")
+    return table[name]
+
+
+_LOADED = False
+
+
+def _load_builtin() -> None:
+    """Import the built-in kinds (they register themselves), on first lookup: importing this package stays light,
+    so the modules the kinds use may import it."""
+    global _LOADED
+    if not _LOADED:
+        _LOADED = True
+        from . import attention, mlp, moe  # noqa: F401

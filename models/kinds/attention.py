@@ -1,0 +1,134 @@
+"""Token mixer "attention": causal softmax attention (MHA / GQA), with per-layer sliding windows, Gemma 2's
+soft-capped scores, q/k norms and rotary positions (full, partial, per-layer tables, NoPE layers).
+
+TP split: heads. q|k|v is one column-parallel matmul (each rank its query heads and the kv heads they read: kv
+heads split when tp divides them, replicated, each rank keeping the one its query heads use, when kv_heads < tp);
+the output projection is row-parallel.
+What crosses ranks: entering the TP region (all-gather of the sequence under SP, else identity / all-reduce of
+the input gradient), leaving it (all-reduce, or reduce-scatter under SP); OLMo 2's whole-width q/k norm adds one
+all-reduce of 2 fp32 per token (attention_extras.py); under context parallelism the core exchanges K/V (ring) or
+heads (a2a) over the cp group (attention_core.py).
+Cache: KVCache, this rank's keys and values of every token seen [b, kv_heads/tp, length, head_dim], in a buffer
+of the generation's max length (no copy of the past per step).
+
+Three parts: the projections (qkv, out, q/k norms: parameters, in the registration order checkpoints and the
+optimizer's flat layout depend on), the positions (a RotarySpec whose table the Transformer computes once per
+forward: rotary.py), and the core (attention_core.py: the local backends, wrapped for context parallelism).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from einops import rearrange
+
+from tpzoo.errors import ConfigError
+from tpzoo.parallel import ColumnParallelLinear, ParallelLayoutError, RowParallelLinear, ShardSpec
+
+from ..config import ModelConfig
+from ..inputs import Context
+from ..layout import ModelLayout
+from . import register_token_mixer
+from .attention_core import attention_core
+from .attention_extras import full_width_qk_norm, make_qk_norms
+from .rotary import RotarySpec, rotate
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, for one layer on this rank ([b, kv_heads/tp, length, hd]), in
+    buffers of `max_length` tokens allocated at the first update (dtype and device of the keys)."""
+
+    def __init__(self, max_length: int):
+        self.max_length, self.length = max_length, 0
+        self.k = self.v = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v [b, kv_heads, s, hd]; return the keys and values of every token so far."""
+        end = self.length + k.shape[2]
+        if end > self.max_length:
+            raise ConfigError(f"KV cache of {self.max_length} tokens cannot take {end} (new_cache(max_length=...))")
+        if self.k is None:
+            shape = (*k.shape[:2], self.max_length, k.shape[3])
+            self.k, self.v = k.new_empty(shape), v.new_empty(shape)
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+@register_token_mixer("attention")
+class Attention(nn.Module):
+    """Causal self-attention of layer `layer`, heads split over TP (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, layout: ModelLayout):
+        super().__init__()
+        a, tp = cfg.attention, layout.tp
+        nh, nkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
+        if nh % tp:
+            raise ParallelLayoutError(f"tp={tp} does not divide num_heads={nh}")
+        if nkv % tp and tp % nkv:
+            raise ParallelLayoutError(f"tp={tp} neither divides nor is a multiple of num_kv_heads={nkv}")
+        self.layout = layout
+        self.kv_replicas = max(1, tp // nkv)
+        self.heads, self.kv_heads, self.head_dim = nh // tp, max(1, nkv // tp), hd
+        self.qk_norm = a.qk_norm
+        init = lambda t: nn.init.normal_(t, std=cfg.initializer_range)  # noqa: E731
+        # q|k|v fused in one column-parallel matmul; the k and v parts may be replicated head-wise.
+        spec = ShardSpec(0, parts=(nh * hd, nkv * hd, nkv * hd), replicas=(1, self.kv_replicas, self.kv_replicas),
+                         block=hd)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, (nh + 2 * nkv) * hd, bias=a.qkv_bias, shard_spec=spec,
+                                        init_method=init, **layout.linear)
+        out_std = cfg.initializer_range / math.sqrt(2 * cfg.num_layers)  # GPT-2's scaled residual init
+        self.out = RowParallelLinear(nh * hd, cfg.hidden_size, bias=a.out_bias,
+                                     init_method=lambda t: nn.init.normal_(t, std=out_std), **layout.linear)
+        if a.qk_norm != "none":  # q_norm, k_norm (registered after out: the parameter order of other families stays)
+            self.q_norm, self.k_norm = make_qk_norms(cfg, self.kv_replicas, layout)
+        self.rotary = self.rotary_of(cfg, layer)
+        self.core = attention_core(layout, a.scale ** -0.5 if a.scale else None, a.window(layer), a.softcap,
+                                   self.heads != self.kv_heads)
+
+    @staticmethod
+    def rotary_of(cfg: ModelConfig, layer: int) -> RotarySpec | None:
+        """The rotary table of `layer`: none with learned positions or on a NoPE layer (SmolLM3), Gemma 3's local
+        base on its sliding layers, else the global one."""
+        a = cfg.attention
+        if cfg.position != "rope" or (a.rope_layers is not None and not a.rope_layers[layer]):
+            return None
+        if a.rope_local_theta is not None and a.window(layer) is not None:
+            return RotarySpec.of(a.rotary_dim, a.rope_local_theta)
+        return RotarySpec.of(a.rotary_dim, a.rope_theta, a.rope_scaling)
+
+    def new_cache(self, batch: int, max_length: int) -> KVCache:
+        return KVCache(max_length)
+
+    def forward(self, x, ctx: Context, cache: KVCache | None = None):
+        # One matmul enters the TP region for q, k and v (under SP: gathers the sequence, keeps only the shard).
+        q, k, v = self.qkv(x).split(
+            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
+        if self.qk_norm == "full":  # OLMo 2: over all heads' width, spanning the TP ranks
+            q, k = full_width_qk_norm(q, k, self.q_norm, self.k_norm, self.kv_replicas, self.layout.dims.tp_group)
+        q, k, v = (rearrange(t, "b s (heads d) -> b s heads d", d=self.head_dim) for t in (q, k, v))
+        if self.qk_norm == "head":  # Qwen3, Gemma 3: per head, before the rotary
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:  # the rotary kernel takes [b, s, heads, d]; attention wants the heads first
+            cos, sin = ctx.rotary[self.rotary]
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k, v = (rearrange(t, "b s heads d -> b heads s d") for t in (q, k, v))
+        if cache is not None:
+            k, v = cache.update(k, v)
+        out = self.core(q, k, v, ctx.past, ctx.docs)
+        return self.out(rearrange(out, "b heads s d -> b s (heads d)"))
+
+    # -- sizes, without building (ModelConfig.num_parameters, flops_per_token) ----------------------------------
+    @staticmethod
+    def num_parameters(cfg: ModelConfig, layer: int, active: bool = False) -> int:
+        a, h = cfg.attention, cfg.hidden_size
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        n = h * (q + 2 * kv) + q * h + (q + 2 * kv if a.qkv_bias else 0) + (h if a.out_bias else 0)
+        return n + {"none": 0, "head": 2 * a.head_dim, "full": q + kv}[a.qk_norm]
+
+    @staticmethod
+    def sequence_flops(cfg: ModelConfig, layer: int, seq_len: int) -> int:
+        """QK^T and AV per token (2 FLOPs per multiply-add each), causal not discounted."""
+        return 2 * 2 * seq_len * cfg.attention.num_heads * cfg.attention.head_dim

@@ -1,0 +1,72 @@
+"""Rotary position embeddings: the tables (inverse frequencies, with their scaling variants) and their application.
+
+A token mixer that rotates q and k declares the table it uses as a RotarySpec (its `rotary` attribute, per layer:
+Gemma 3's sliding layers use their own base, SmolLM3's NoPE layers none). The Transformer keeps one
+inverse-frequency buffer per distinct spec among its layers and computes each table's cos/sin once per forward
+(Context.rotary[spec]), shared by every layer that uses it, outside any recomputed region.
+
+Scaling variants (HF's `rope_type`): default, linear (positions divided by `factor`), llama3 (Llama 3.1: long
+wavelengths slowed by `factor`, short ones kept, the band between interpolated). A new variant (YaRN, with its
+attention-scale factor) is one more branch of `inv_freq`.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tpzoo import kernels
+from tpzoo.errors import ConfigError
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RotarySpec:
+    """One rotary table: `dim` leading dims of each head rotate (dim/2 frequencies), base `theta`, HF's
+    rope_scaling dict as sorted JSON (hashable: specs are dict keys)."""
+    dim: int
+    theta: float
+    scaling: str = "null"
+
+    @classmethod
+    def of(cls, dim: int, theta: float, scaling: dict | None = None) -> "RotarySpec":
+        return cls(dim, float(theta), json.dumps(scaling or None, sort_keys=True))
+
+
+def inv_freq(spec: RotarySpec) -> torch.Tensor:
+    """Inverse frequencies [dim / 2] (fp32, on the host)."""
+    dim = spec.dim
+    freqs = 1.0 / (spec.theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
+    scaling = json.loads(spec.scaling) or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return freqs.float()
+    if kind == "linear":
+        return (freqs / scaling["factor"]).float()
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / freqs
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, freqs / factor, freqs)
+        between = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(between, (1 - smooth) * freqs / factor + smooth * freqs, scaled).float()
+    raise ConfigError(f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
+
+
+def cos_sin(freqs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [..., s, dim // 2] (fp32) for integer positions [..., s]."""
+    angles = positions.to(torch.float32).unsqueeze(-1) * freqs.to(positions.device)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary on the first 2 * cos.shape[-1] dims of each head of x [b, s, heads, d]; partial rotary (Phi-4-mini)
+    passes the rest through."""
+    rot = 2 * cos.shape[-1]
+    if rot == x.shape[-1]:
+        return kernels.apply_rotary(x, cos, sin)
+    return torch.cat([kernels.apply_rotary(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
