@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from tpzoo.errors import ConfigError
 
-from .config_values import check_value, parse_link, range_text, read_toml, suggest
+from .config_values import check_table, check_value, parse_link, range_text, read_toml, suggest
 
 # tpzoo.pipeline.SCHEDULES' names, spelled out so that reading a config does not import the pipeline (a test
 # keeps the two equal).
@@ -30,8 +30,8 @@ SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb")
 
 
 def _f(default, help: str, **kw):
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -142,8 +142,12 @@ class ReplicaSection:
 
 @dataclass
 class DataSection:
-    data: list = _f([], "pretrain: text/.jsonl/.parquet files, directories or a token store (default: the "
-                        "Python standard library's .py files); sft: one JSONL file", type=str, nonempty=True)
+    data: list = _f([], "pretrain: text/.jsonl/.parquet files, directories, a token store or a Megatron dataset "
+                        "prefix (PREFIX.bin + PREFIX.idx), concatenated; or a weighted mixture of them as WEIGHT PATH "
+                        "pairs (Megatron's syntax: 0.7 web/ 0.3 code/; docs/data.md); default: the Python standard "
+                        "library's .py files; sft: one JSONL file", type=str, nonempty=True)
+    mix: dict = _f({}, "pretrain: a weighted mixture as a table PATH = WEIGHT ([data.mix] in a config file; on the "
+                       "command line PATH=WEIGHT ...); the same as --data WEIGHT PATH pairs, not given with --data")
     tokenizer: str = _f("", "'byte', or a Hugging Face tokenizer / checkpoint directory; '' = the base's "
                             "tokenizer, else 'byte'")
     seq_len: int = _f(256, "tokens per training sequence", ge=1)
@@ -328,6 +332,12 @@ class TrainConfig:
         if self.task == "sft" and self.document_masking:
             raise ConfigError("document_masking is for pretraining: SFT packing always keeps attention within "
                               "each example (--no-packing pads one per sequence)")
+        if self.task == "pretrain":
+            from tpzoo.data.mixture import parse_mixture
+
+            parse_mixture(self.data, self.mix)  # weights and paths pair, weights are positive numbers
+        elif self.mix:
+            raise ConfigError("a [data] mix table is for pretraining; fine-tuning takes one JSONL file (--data)")
         if self.task == "sft" and len(self.data) != 1:
             raise ConfigError(f"task 'sft' needs exactly one SFT JSONL file (--data PATH.jsonl), got "
                               f"{len(self.data)}: {self.data}")
@@ -400,7 +410,7 @@ for _section, _cls in SECTIONS.items():
 
 def _field_type(f: dataclasses.Field) -> type:
     t = f.type if isinstance(f.type, type) else {"int": int, "float": float, "bool": bool, "str": str,
-                                                  "list": list}[str(f.type)]
+                                                  "list": list, "dict": dict}[str(f.type)]
     return t
 
 
@@ -419,6 +429,8 @@ def _coerce(name: str, value: Any) -> Any:
     if t is list:
         items = value if isinstance(value, (list, tuple)) else [value]
         return [check_value(name, v, f.metadata.get("type", str), f.metadata) for v in items]
+    if t is dict:
+        return check_table(name, value)
     return check_value(name, value, t, f.metadata)
 
 
@@ -456,6 +468,8 @@ def _toml_value(v: Any) -> str:
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return repr(v)
 
 
@@ -498,6 +512,8 @@ def add_config_arguments(p: argparse.ArgumentParser, defaults: dict | None = Non
                 kw["action"] = argparse.BooleanOptionalAction
             elif t is list:
                 kw.update(nargs="+", type=f.metadata.get("type", str), metavar="V")
+            elif t is dict:
+                kw.update(nargs="+", type=str, metavar="KEY=VALUE")
             else:
                 kw["type"] = t
                 if "nargs" in f.metadata:

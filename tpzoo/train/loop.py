@@ -42,12 +42,12 @@ from . import rundir
 from .compile import compile_blocks, compile_report, graph_breaks
 from .compile import eager as compile_eager
 from .config import TrainConfig
-from .data import build_datasets, make_loader, resolve_tokenizer
+from .data import build_datasets, data_metrics, held_out_losses, make_loader, resolve_tokenizer
 from .generate import generate
 from .heldout import heldout_batches
 from .loss_scale import DynamicLossScaler
 from .lr import lr_at
-from .metrics import MetricsLogger, Throughput, format_line, peak_memory_gb, window_means
+from .metrics import MetricsLogger, Throughput, eval_text, format_line, peak_memory_gb, window_means
 from .oom import OOM_ERRORS, out_of_memory
 from .expert_optim import ExpertParallelAdamW
 from .optim import DistributedAdamW
@@ -277,16 +277,17 @@ class Trainer:
         return m
 
     @torch.no_grad()
-    def evaluate(self) -> float | None:
-        """Mean loss over the held-out split's first eval_batches x micro_batch_size sequences, the same at every
-        layout (tpzoo.train.heldout; None without a held-out split): the language model's (a mixture of experts'
-        router losses left out, as `tpzoo eval` does)."""
+    def evaluate(self, dataset=None) -> float | None:
+        """Mean loss over the held-out split's (or `dataset`'s, a mixture's source) first eval_batches x
+        micro_batch_size sequences, the same at every layout (tpzoo.train.heldout; None without a held-out split):
+        the language model's (a mixture of experts' router losses left out, as `tpzoo eval` does)."""
         cfg = self.cfg
-        if self.eval_ds is None or len(self.eval_ds) == 0:
+        dataset = self.eval_ds if dataset is None else dataset
+        if dataset is None or len(dataset) == 0:
             return None
         rank, ranks = diloco.eval_share(cfg, self.dims)  # a DiLoCo replica evaluates the whole set on its own
         batches = [self._to_device(self._local(b)) for b in
-                   heldout_batches(self.eval_ds, cfg.eval_batches, cfg.micro_batch_size, rank, ranks)]
+                   heldout_batches(dataset, cfg.eval_batches, cfg.micro_batch_size, rank, ranks)]
         for c in self.chunks:
             c.eval()
         out = forward_backward(self.chunks, batches, self.dims, schedule=cfg.schedule, forward_only=True,
@@ -330,9 +331,10 @@ class Trainer:
                 self.logger.print(compile_report(self.compiled_blocks, m["step_time"]))
             window.append(m)
             m.update(self.throughput.summary(), peak_mem_gb=peak_memory_gb(self.device),
-                     data_wait=self.loader.wait_fraction)
+                     data_wait=self.loader.wait_fraction, **data_metrics(self.loader, cfg.seq_len))
             if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
-                m["eval_loss"] = eval_loss = self.evaluate()  # None without a held-out split
+                m.update(held_out_losses(self))  # eval_loss (None without a held-out split), a mixture's per source
+                eval_loss = m["eval_loss"]
             history.append(m)
             self.logger.step(m)
             if self.skips >= cfg.max_skips:
@@ -342,8 +344,7 @@ class Trainer:
                 break
             if step % cfg.log_interval == 0 or step == cfg.steps:
                 line = dict(m, **window_means(window))
-                self.logger.print(format_line(line) + (f" | eval {m['eval_loss']:.4f}"
-                                                       if m.get("eval_loss") is not None else ""))
+                self.logger.print(format_line(line) + eval_text(m))
                 window.clear()
                 self.throughput.reset()
                 self.loader.reset_wait_stats()
