@@ -543,3 +543,25 @@ def test_strict_mode_lets_a_carried_handle_cross_steps_but_not_the_call():
         strict.Guard("all_reduce", "dp")
         with pytest.raises(CollectiveMisuse, match="never waited by the end of training step 2"):
             strict.check_all_waited("the end of training step 2")
+
+
+def test_low_precision_exchange_round_trips_within_its_format():
+    """encode/decode of the outer gradient: bf16 to bf16's rounding, fp8 to e4m3's per block of 128 values (a tiny
+    block keeps its own precision beside a large one), the byte count as encoded_bytes says; zeros stay zeros."""
+    from tpzoo.parallel import replica_exchange as rx
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, generator=g)
+    x[:128] *= 1e-4  # one block of small changes beside blocks of large ones
+    x[250:] = 0.0
+    for dtype, rel in (("bf16", 2 ** -8), ("fp8", 2 ** -3)):
+        raw = rx.encode(x, dtype)
+        assert raw.dtype == torch.uint8 and raw.numel() == rx.encoded_bytes(x.numel(), dtype)
+        y = rx.decode(raw, x.numel(), dtype)
+        assert y.dtype == torch.float32 and y.shape == x.shape
+        err = (y - x).abs()
+        assert bool((err <= rel * x.abs() + 1e-12).all()), (dtype, float((err / x.abs().clamp_min(1e-30)).max()))
+        assert bool((y[250:] == 0).all())
+    # the per-block scale is what keeps the small block: one scale for everything would flush it to zero
+    small = rx.decode(rx.encode(x, "fp8"), x.numel(), "fp8")[:128]
+    assert bool((small != 0).all())
