@@ -118,7 +118,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: float | None = None, init
                            chunk_size: int = CHUNK):
     """q, k [b, s, key heads, d_k]; v [b, s, value heads, d_v]; g, beta [b, s, value heads]; initial_state
     [b, value heads, d_k, d_v] (continues each row's first document); starts [b, s] bool (document_starts).
-    Returns (o [b, s, value heads, d_v] in v's dtype, final state fp32 or None)."""
+    Returns (o [b, s, value heads, d_v] in v's dtype, final state fp32 (fp64 for fp64 inputs) or None)."""
     b, s = v.shape[:2]
     dtype = v.dtype
     q, k, v, g, beta = _heads_first(q, k, v, g, beta, scale, qk_l2norm)
