@@ -112,7 +112,7 @@ def test_layer_activations_divide_by_tp_with_sequence_parallelism():
             # CPU's layer_norm keeps bf16 row statistics, 4 bytes per row less than CUDA's fp32 (docs/plan.md)
             cpu_stats = 2 * 4 * tokens // tp if cfg.norm == "layernorm" else 0
             at = RankLayout(tp=tp, sequence_parallel=True, kernels="reference")
-            assert got[tp] == layer_activation_bytes(cfg, 0, at, tokens) - cpu_stats
+            assert got[tp] == layer_activation_bytes(cfg, 0, at, B, 4 * S) - cpu_stats
             # before: the qkv and fc_in inputs were kept whole, (1 - 1/tp) of 2 full-sequence activations more
             assert before[tp] - got[tp] == 2 * 2 * cfg.hidden_size * tokens * (tp - 1) // tp
 

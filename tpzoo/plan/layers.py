@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from tpzoo.models.config import ModelConfig
 
-from .kinds import COSTS, Acts, Collective, Matmul, Weights, cost_of
+from .kinds import COSTS, Collective, Weights, cost_of
 from .spec import RankLayout
 
 
@@ -49,7 +49,6 @@ class LayerCost:
     """One layer on one rank at `at` (plan/kinds for the units)."""
     weights: Weights
     matmuls: tuple            # (Matmul, replayed by full recomputation)
-    acts: Acts                # kept for the backward at at.recompute
     context_features: int     # K|V features per token ring attention sends (0: none)
 
     def matmul_elements(self) -> int:
@@ -105,13 +104,7 @@ def _layer_cost(cfg: ModelConfig, layer: int, at: RankLayout) -> LayerCost:
                + token.weights(cfg, layer, at) + channel.weights(cfg, layer, at))
     matmuls = tuple((m, replayed(cfg, m, False)) for m in token.matmuls(cfg, layer, at)) + tuple(
         (m, replayed(cfg, m, True)) for m in channel.matmuls(cfg, layer, at))
-    e = at.act_bytes
-    if at.recompute == "full":  # the checkpoint's input, and what the kinds keep beyond it
-        acts = Acts(shard=e * h)
-    else:
-        acts = Acts(shard=n * norm_saved(cfg, e, at.kernels))
-    acts = acts + token.activations(cfg, layer, at) + channel.activations(cfg, layer, at)
-    return LayerCost(weights, matmuls, acts, token.context_features(cfg, layer, at) + channel.context_features(cfg, layer, at))
+    return LayerCost(weights, matmuls, token.context_features(cfg, layer, at) + channel.context_features(cfg, layer, at))
 
 
 def layer_collectives(cfg: ModelConfig, layer: int, at: RankLayout, tokens: int) -> list[tuple[Collective, bool]]:
@@ -120,6 +113,23 @@ def layer_collectives(cfg: ModelConfig, layer: int, at: RankLayout, tokens: int)
     token, channel = (cost_of(k) for k in kinds_of(cfg, layer))
     return ([(c, replayed(cfg, c, False)) for c in token.collectives(cfg, layer, at, tokens)]
             + [(c, replayed(cfg, c, True)) for c in channel.collectives(cfg, layer, at, tokens)])
+
+
+def layer_activation_bytes(cfg: ModelConfig, layer: int, at: RankLayout, micro_batch: int, seq_len: int) -> int:
+    """Bytes layer `layer` keeps for the backward of one micro-batch of micro_batch x seq_len tokens (this cp rank's)
+    at at.recompute: its norms' and its kinds', or under full recomputation the checkpoint's input and what the
+    kinds keep beyond it."""
+    def compute() -> int:
+        token, channel = (cost_of(k) for k in kinds_of(cfg, layer))
+        tokens, e = micro_batch * seq_len, at.act_bytes
+        if at.recompute == "full":
+            block = e * cfg.hidden_size * tokens // at.sp_div
+        else:
+            block = block_norms(cfg) * norm_saved(cfg, e, at.kernels) * tokens // at.sp_div
+        return (block + token.activations(cfg, layer, at, micro_batch, seq_len)
+                + channel.activations(cfg, layer, at, micro_batch, seq_len))
+
+    return memo(cfg, ("acts", signature(cfg, layer), at, micro_batch, seq_len), compute)
 
 
 def layer_flops(cfg: ModelConfig, layer: int, at: RankLayout, seq_len: int) -> float:

@@ -36,8 +36,7 @@ from dataclasses import dataclass
 from tpzoo.models.config import ModelConfig
 
 from .head import head_activation_bytes, head_output_grad_bytes, head_transient_bytes, local_vocab
-from .kinds import Acts
-from .layers import layer_cost, norm_saved
+from .layers import layer_activation_bytes, layer_cost, norm_saved
 from .lora import lora_chunk_activation_delta, lora_layer_late, lora_layer_params
 from .schedule import held_states, peak_bytes
 from .spec import DTYPE_BYTES, Layout, RankLayout, TrainingSpec, local_seq_len, num_micro_batches, stage_chunks
@@ -207,13 +206,6 @@ def state_bytes_per_param(training: TrainingSpec) -> str:
 
 
 # -- activations --------------------------------------------------------------------------------------------
-def layer_activation_bytes(cfg: ModelConfig, layer: int, at: RankLayout, tokens: int) -> int:
-    """Bytes layer `layer` keeps for the backward of one micro-batch of `tokens` tokens (b * s of this rank) at
-    at.recompute: its norms' and its kinds' (plan/layers.py), or under full recomputation the checkpoint's input
-    and what the kinds keep beyond it."""
-    return layer_cost(cfg, layer, at).acts.bytes(tokens, at.sp_div)
-
-
 def chunk_activation_bytes(cfg: ModelConfig, at: RankLayout, layers, micro_batch: int, seq_len: int, first: bool,
                            last: bool, lora_rank: int = 0, fused_loss: bool = True) -> dict:
     """Bytes a model chunk (one tpzoo Transformer) holding `layers` (layer ids, e.g. a range) keeps for one
@@ -222,7 +214,7 @@ def chunk_activation_bytes(cfg: ModelConfig, at: RankLayout, layers, micro_batch
     or not: plan/head.py; elsewhere the output the pipeline engine keeps for the backward)."""
     layers = list(layers)
     h, tokens, e, sp_div = cfg.hidden_size, micro_batch * seq_len, at.act_bytes, at.sp_div
-    parts = {"layers": sum(layer_activation_bytes(cfg, i, at, tokens) for i in layers)}
+    parts = {"layers": sum(layer_activation_bytes(cfg, i, at, micro_batch, seq_len) for i in layers)}
     parts["rope"] = 4 * seq_len * cfg.head_dim if (cfg.position == "rope" and layers) else 0
     embed = 9 * tokens if (first and at.tp > 1) else 0  # local ids (int64) + out-of-shard mask of the vocab split
     if first and cfg.position == "learned":
@@ -313,7 +305,7 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
         grads.append(output_grad_bytes(cfg, at, b, s, last, fused))
     held = peak_bytes(held_states(layout.schedule, stage, p, m, v), acts, grads)
     plain = at.replace(recompute="none")
-    one_layer = max([layer_activation_bytes(cfg, i, plain, b * s) for i in ids] + [0])
+    one_layer = max([layer_activation_bytes(cfg, i, plain, b, s) for i in ids] + [0])
     # 16-bit weight gradients on their way to the main grads; an unfused tied head's waits for the embedding's
     layer_w, head_w, embed_w = weight_grad_bytes(cfg, at, training, ids)
     tied_head = head_w if cfg.tie_embeddings and p == 1 else 0

@@ -3,7 +3,7 @@
 The advisor never reads a family's name nor a kind's fields itself: for each layer it asks the layer's token mixer
 and channel mixer kinds (ModelConfig.token_mixer(i) / channel_mixer(i)) for their costs at a RankLayout (spec.py:
 tp, sequence_parallel, cp, ep, recompute, activation bytes, kernels), and adds the block's norms (plan/layers.py).
-Six static methods, each optional (units: elements, bytes, FLOPs; "per token" = per token of this rank's part of the
+Eight static methods, each optional (units: elements, bytes, FLOPs; "per token" = per token of this rank's part of the
 sequence, b * s / cp, the whole sequence under SP unless it says shard):
 
     plan_check(cfg, layer, at) -> None           raise ParallelLayoutError where the kind cannot split at `at`
@@ -16,8 +16,10 @@ sequence, b * s / cp, the whole sequence under SP unless it says shard):
                                                  scores and values, a recurrence), causal and windows counted,
                                                  1/tp of the heads; the backward is twice that; selective
                                                  recomputation replays it
-    plan_activations(cfg, layer, at) -> Acts     bytes kept for the backward at at.recompute ("full": what it
-                                                 keeps beyond the block's checkpointed input)
+    plan_activations(cfg, layer, at, micro_batch, seq_len) -> int
+                                                 bytes kept for the backward of one micro-batch of micro_batch
+                                                 sequences of seq_len tokens (this cp rank's) at at.recompute
+                                                 ("full": what it keeps beyond the block's checkpointed input)
     plan_collectives(cfg, layer, at, tokens) -> [Collective]
                                                  its tp / cp / ep collectives for one micro-batch of `tokens`
     plan_context_features(cfg, layer, at) -> int K|V features per token ring attention sends under cp (0: none)
@@ -80,8 +82,8 @@ class Matmul:
 
 @dataclass(frozen=True)
 class Acts:
-    """Bytes a layer kind keeps for the backward of one micro-batch: per token of the rank's full sequence, per
-    token of its sequence shard (the whole sequence without SP), and per layer."""
+    """A helper for plan_activations: bytes per token of the rank's full sequence, per token of its sequence shard
+    (the whole sequence without SP), and per layer."""
     full: int = 0
     shard: int = 0
     fixed: int = 0
@@ -177,11 +179,12 @@ class Derived:
         flops = getattr(self.kind, "sequence_flops", None)
         return flops(cfg, layer, seq_len) / 2 / at.tp if flops else 0.0
 
-    def plan_activations(self, cfg, layer, at) -> Acts:
+    def plan_activations(self, cfg, layer, at, micro_batch: int, seq_len: int) -> int:
         if at.recompute == "full":
-            return Acts()
+            return 0
         width = max(1, self._half(cfg, layer, at, True) // cfg.hidden_size)
-        return Acts(full=2 * at.act_bytes * width, shard=at.act_bytes * cfg.hidden_size)
+        acts = Acts(full=2 * at.act_bytes * width, shard=at.act_bytes * cfg.hidden_size)
+        return acts.bytes(micro_batch * seq_len, at.sp_div)
 
     def plan_collectives(self, cfg, layer, at, tokens: int) -> list:
         return entry_exit(cfg, at, tokens, tail=False)

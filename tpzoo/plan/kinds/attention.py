@@ -78,14 +78,14 @@ class AttentionCost:
         return 4 * mean_keys(seq_len, a.window(layer)) * heads(cfg, at.tp).heads * a.head_dim
 
     @staticmethod
-    def plan_activations(cfg, layer, at) -> Acts:
+    def plan_activations(cfg, layer, at, micro_batch: int, seq_len: int) -> int:
         if at.recompute == "full":
-            return Acts()
+            return 0
         e, d = at.act_bytes, heads(cfg, at.tp)
         full = e * (d.q + 2 * d.kv) + e * d.q + (e * (d.q + d.kv) if rotates(cfg, layer) else 0)
         if at.recompute != "selective":
             full += 4 * d.heads  # the log-sum-exp (selective recomputation recomputes it)
-        return Acts(full=full, shard=e * cfg.hidden_size)
+        return Acts(full=full, shard=e * cfg.hidden_size).bytes(micro_batch * seq_len, at.sp_div)
 
     @staticmethod
     def plan_collectives(cfg, layer, at, tokens: int) -> list:

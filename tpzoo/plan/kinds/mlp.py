@@ -45,12 +45,12 @@ class MLPCost:
         return 0.0
 
     @staticmethod
-    def plan_activations(cfg, layer, at) -> Acts:
+    def plan_activations(cfg, layer, at, micro_batch: int, seq_len: int) -> int:
         if at.recompute == "full":
-            return Acts()
+            return 0
         f = cfg.mlp.ffn_hidden_size // at.tp
         return Acts(full=gated_mlp_acts(at.act_bytes, f, at.kernels, cfg.mlp.gated),
-                    shard=at.act_bytes * cfg.hidden_size)
+                    shard=at.act_bytes * cfg.hidden_size).bytes(micro_batch * seq_len, at.sp_div)
 
     @staticmethod
     def plan_collectives(cfg, layer, at, tokens: int) -> list:

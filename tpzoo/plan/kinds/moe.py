@@ -95,15 +95,15 @@ class MoECost:
         return 0.0
 
     @staticmethod
-    def plan_activations(cfg, layer, at) -> Acts:
+    def plan_activations(cfg, layer, at, micro_batch: int, seq_len: int) -> int:
         e, E = at.act_bytes, cfg.moe.num_experts
         if at.recompute == "full":  # the router's last_stats outlive the checkpoint: logits and sums
-            return Acts(shard=e * E, fixed=8 * E + 8)
+            return Acts(shard=e * E, fixed=8 * E + 8).bytes(micro_batch * seq_len, at.sp_div)
         full, router, fixed = moe_mlp_bytes(cfg, at)
         shared = shared_expert_ffn(cfg) // at.tp
         if shared:  # a dense MLP on the gathered tokens: its input and intermediates (modeled, not measured yet)
             full += e * cfg.hidden_size + gated_mlp_acts(e, shared, at.kernels) + (e if shared_expert_gate(cfg) else 0)
-        return Acts(full=full, shard=e * cfg.hidden_size + router, fixed=fixed)
+        return Acts(full=full, shard=e * cfg.hidden_size + router, fixed=fixed).bytes(micro_batch * seq_len, at.sp_div)
 
     @staticmethod
     def plan_collectives(cfg, layer, at, tokens: int) -> list:
