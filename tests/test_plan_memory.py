@@ -200,6 +200,20 @@ def test_activation_bytes_pipeline_stages():
                 assert est == got, (mode, pre, post, fused, est, got)
 
 
+def test_rotary_tables_one_per_distinct_spec():
+    """A chunk computes each distinct rotary table once (cos and sin, s x rotary_dim / 2 fp32 each): Gemma 3's
+    local and global thetas are two tables where a chunk holds both kinds of layer, one where it holds one;
+    a partial rotary factor shrinks it (full recomputation: the layers keep their inputs, the tables stay)."""
+    partial = get_config("tiny-llama").replace(partial_rotary_factor=0.5)
+    gemma = NEW_FAMILIES[1]
+    for cfg, layers, tables in ((gemma, (0, 2), 1), (gemma, (0, 3), 2), (gemma, (2, 3), 1), (partial, (0, 3), 1)):
+        got = measure_chunk(cfg, "full", layers=layers, pre=False, post=False)
+        parts = chunk_activation_bytes(cfg, RankLayout(recompute="full", kernels="reference"), range(*layers), 2, 16,
+                                       False, False)
+        assert sum(parts.values()) == got, (cfg.name, layers)
+        assert parts["rope"] == tables * 4 * 16 * cfg.attention.rotary_dim, (cfg.name, layers)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_fused_head_peak_is_modeled(dtype):
     """The fused head's peak (forward + backward, torch path): what it keeps (plan/head.py

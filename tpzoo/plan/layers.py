@@ -138,6 +138,18 @@ def layer_flops(cfg: ModelConfig, layer: int, at: RankLayout, seq_len: int) -> f
     return token.mixing_flops(cfg, layer, at, seq_len) + channel.mixing_flops(cfg, layer, at, seq_len)
 
 
+def rotary_tables_bytes(cfg: ModelConfig, layers, seq_len: int) -> int:
+    """The rotary tables a chunk holding `layers` computes once per forward: cos and sin of each distinct table its
+    layers read, seq_len x dim/2 fp32 each."""
+    tables = {}
+    for i in layers:
+        for kind in kinds_of(cfg, i):
+            spec = cost_of(kind).rotary(cfg, i)
+            if spec is not None:
+                tables[spec[0]] = spec[1]
+    return sum(4 * seq_len * dim for dim in tables.values())
+
+
 def cache_bytes(cfg: ModelConfig, layer: int, at: RankLayout, batch: int, length: int) -> int:
     """Generation state of the layer on this rank for `batch` sequences of up to `length` tokens."""
     token, channel = (cost_of(k) for k in kinds_of(cfg, layer))

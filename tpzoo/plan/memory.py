@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from tpzoo.models.config import ModelConfig
 
 from .head import head_activation_bytes, head_output_grad_bytes, head_transient_bytes, local_vocab
-from .layers import layer_activation_bytes, layer_cost, norm_saved
+from .layers import layer_activation_bytes, layer_cost, norm_saved, rotary_tables_bytes
 from .lora import lora_chunk_activation_delta, lora_layer_late, lora_layer_params
 from .schedule import held_states, peak_bytes
 from .spec import DTYPE_BYTES, Layout, RankLayout, TrainingSpec, local_seq_len, num_micro_batches, stage_chunks
@@ -209,13 +209,13 @@ def state_bytes_per_param(training: TrainingSpec) -> str:
 def chunk_activation_bytes(cfg: ModelConfig, at: RankLayout, layers, micro_batch: int, seq_len: int, first: bool,
                            last: bool, lora_rank: int = 0, fused_loss: bool = True) -> dict:
     """Bytes a model chunk (one tpzoo Transformer) holding `layers` (layer ids, e.g. a range) keeps for one
-    micro-batch of micro_batch x seq_len tokens (seq_len of this cp rank), by part: layers, rope (cos/sin its
-    layers share), embedding (lookup indices), head (final norm, head and loss on the last model stage, fused_loss
+    micro-batch of micro_batch x seq_len tokens (seq_len of this cp rank), by part: layers, rope (the cos/sin tables
+    its layers share), embedding (lookup indices), head (final norm, head and loss on the last model stage, fused_loss
     or not: plan/head.py; elsewhere the output the pipeline engine keeps for the backward)."""
     layers = list(layers)
     h, tokens, e, sp_div = cfg.hidden_size, micro_batch * seq_len, at.act_bytes, at.sp_div
     parts = {"layers": sum(layer_activation_bytes(cfg, i, at, micro_batch, seq_len) for i in layers)}
-    parts["rope"] = 4 * seq_len * cfg.head_dim if (cfg.position == "rope" and layers) else 0
+    parts["rope"] = rotary_tables_bytes(cfg, layers, seq_len)
     embed = 9 * tokens if (first and at.tp > 1) else 0  # local ids (int64) + out-of-shard mask of the vocab split
     if first and cfg.position == "learned":
         embed += 8 * seq_len  # the position ids the position embedding saves

@@ -3,7 +3,7 @@
 The advisor never reads a family's name nor a kind's fields itself: for each layer it asks the layer's token mixer
 and channel mixer kinds (ModelConfig.token_mixer(i) / channel_mixer(i)) for their costs at a RankLayout (spec.py:
 tp, sequence_parallel, cp, ep, recompute, activation bytes, kernels), and adds the block's norms (plan/layers.py).
-Eight static methods, each optional (units: elements, bytes, FLOPs; "per token" = per token of this rank's part of the
+Nine static methods, each optional (units: elements, bytes, FLOPs; "per token" = per token of this rank's part of the
 sequence, b * s / cp, the whole sequence under SP unless it says shard):
 
     plan_check(cfg, layer, at) -> None           raise ParallelLayoutError where the kind cannot split at `at`
@@ -25,6 +25,8 @@ sequence, b * s / cp, the whole sequence under SP unless it says shard):
     plan_context_features(cfg, layer, at) -> int K|V features per token ring attention sends under cp (0: none)
     plan_cache_bytes(cfg, layer, at, batch, length) -> int
                                                  its generation state on this rank (KV, latent, recurrent state)
+    plan_rotary(cfg, layer) -> (key, dim) | None the rotary table it reads (the model computes each distinct one
+                                                 once per forward: cos and sin, seq_len x dim/2 fp32 each)
 
 Resolution (cost_of): methods the kind class defines itself win; then the exact costs registered here for its name
 (attention.py, mlp.py, moe.py, and mla.py / gated_deltanet.py for the kinds of issues 32 / 33); then Derived, which
@@ -121,11 +123,12 @@ class Cost:
     collectives: object = None
     context_features: object = None
     cache_bytes: object = None
+    rotary: object = None
     derived: list = field(default_factory=list)  # which methods fell back to Derived
 
 
 METHODS = ("check", "weights", "matmuls", "mixing_flops", "activations", "collectives", "context_features",
-           "cache_bytes")
+           "cache_bytes", "rotary")
 _RESOLVED: dict = {}
 
 
@@ -194,6 +197,10 @@ class Derived:
 
     def plan_cache_bytes(self, cfg, layer, at, batch: int, length: int) -> int:
         return 0
+
+    def plan_rotary(self, cfg, layer):
+        spec = getattr(self.kind, "rotary", None)  # a class-level RotarySpec, if the kind declares one there
+        return (spec, spec.dim) if spec is not None and hasattr(spec, "dim") else None
 
 
 def entry_exit(cfg, at, tokens: int, tail: bool, regather: bool = True) -> list:

@@ -38,9 +38,8 @@ def mean_keys(seq_len: int, window: int | None) -> float:
 
 
 def rotates(cfg, layer: int) -> bool:
-    """Whether the layer turns q and k (rotary positions; as the plan has always counted, every layer of a rope
-    model: SmolLM3's NoPE layers keep e*(q + kv) less per token than modeled)."""
-    return cfg.position == "rope"
+    """Whether the layer turns q and k (rotary positions; SmolLM3's NoPE layers do not)."""
+    return AttentionCost.plan_rotary(cfg, layer) is not None
 
 
 @register_cost("attention")
@@ -111,6 +110,13 @@ class AttentionCost:
     def plan_context_features(cfg, layer, at) -> int:
         """Ring attention's K|V: this rank's kv features for keys and for values."""
         return 2 * heads(cfg, at.tp).kv
+
+    @staticmethod
+    def plan_rotary(cfg, layer):
+        from tpzoo.models.kinds.attention import Attention
+
+        spec = Attention.rotary_of(cfg, layer)
+        return None if spec is None else (spec, spec.dim)
 
     @staticmethod
     def plan_cache_bytes(cfg, layer, at, batch: int, length: int) -> int:

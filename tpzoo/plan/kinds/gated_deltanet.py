@@ -131,3 +131,7 @@ class GatedDeltaNetCost:
         """GatedDeltaNetCache: the conv's last K-1 inputs and the fp32 recurrent state, whatever the length."""
         s = _Shape(cfg, at.tp)
         return batch * ((s.K - 1) * s.conv * at.act_bytes + 4 * s.vh * s.dk * s.dv)
+
+    @staticmethod
+    def plan_rotary(cfg, layer):
+        return None

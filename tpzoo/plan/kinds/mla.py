@@ -142,6 +142,11 @@ class MLACost:
         return s.local * (s.qk + s.v)  # K and V of every local head (the rotary key broadcast): one transfer
 
     @staticmethod
+    def plan_rotary(cfg, layer):
+        rope = mla_config(cfg).qk_rope_head_dim
+        return ("mla", rope), rope
+
+    @staticmethod
     def plan_cache_bytes(cfg, layer, at, batch: int, length: int) -> int:
         s = _Shape(cfg, at.tp)
         return batch * length * (s.kvr + s.rope) * at.act_bytes

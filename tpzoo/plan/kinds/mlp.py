@@ -63,3 +63,7 @@ class MLPCost:
     @staticmethod
     def plan_cache_bytes(cfg, layer, at, batch: int, length: int) -> int:
         return 0
+
+    @staticmethod
+    def plan_rotary(cfg, layer):
+        return None

@@ -135,3 +135,7 @@ class MoECost:
     @staticmethod
     def plan_cache_bytes(cfg, layer, at, batch: int, length: int) -> int:
         return 0
+
+    @staticmethod
+    def plan_rotary(cfg, layer):
+        return None
