@@ -37,7 +37,7 @@ def _end_costs(cfg) -> tuple[int, int]:
     return embedding, head
 
 
-def _check_boundaries(boundaries: list[int], num_layers: int, stages: int) -> list[tuple[int, int]]:
+def check_boundaries(boundaries: list[int], num_layers: int, stages: int) -> list[tuple[int, int]]:
     b = list(boundaries)
     if len(b) != stages + 1:
         raise PartitionError(f"boundaries {b} must have {stages + 1} entries (one more than the {stages} stages)")
@@ -62,7 +62,7 @@ def partition_layers(cfg, pp: int, boundaries: list[int] | None = None, virtual_
         raise PartitionError(f"pp and virtual_stages must be >= 1, got pp={pp}, virtual_stages={virtual_stages}")
     stages, num_layers = pp * virtual_stages, cfg.num_layers
     if boundaries is not None:
-        return _check_boundaries(boundaries, num_layers, stages)
+        return check_boundaries(boundaries, num_layers, stages)
     if num_layers < stages:
         raise PartitionError(f"{num_layers} layers cannot fill {stages} pipeline stages "
                              f"(pp={pp} x virtual_stages={virtual_stages}): every stage needs at least one layer")
@@ -106,9 +106,10 @@ def _fill_from_the_end(cost: list, extra: list, cap: float) -> list[int] | None:
 
 
 def _min_max_counts(cost: list, extra: list) -> list[int]:
-    """Contiguous layers per stage minimizing the most expensive stage (layers of different costs: dense-first
-    MoE stacks, hybrid linear attention): bisection on the cap, each try filling stages from the last one back
-    (the earlier stages, which keep more micro-batches in flight under 1F1B, get what is left)."""
+    """Contiguous layers per stage for layers of different costs (dense-first MoE stacks, hybrid linear attention):
+    the fullest stage as small as it can be (`cap`, by bisection), and under that cap each stage, from the last one
+    back, as close as it can get to an even share of what is left: an unavoidably heavy stage (the head's) does not
+    let the others fill up to it."""
     lo, hi = 0.0, float(sum(cost) + sum(extra))
     for _ in range(64):
         mid = (lo + hi) / 2
@@ -116,7 +117,19 @@ def _min_max_counts(cost: list, extra: list) -> list[int]:
             lo = mid
         else:
             hi = mid
-    return _fill_from_the_end(cost, extra, hi)
+    cap, counts, end = hi, [0] * len(extra), len(cost)
+    for k in range(len(extra) - 1, 0, -1):
+        share = (sum(cost[:end]) + sum(extra[:k + 1])) / (k + 1)
+        start, total = end, extra[k]
+        while start > k and total + cost[start - 1] <= cap and (
+                start == end or abs(total + cost[start - 1] - share) <= abs(total - share)):
+            total += cost[start - 1]
+            start -= 1
+        while _fill_from_the_end(cost[:start], extra[:k], cap) is None:  # what is left must still fit the cap
+            start -= 1
+        counts[k], end = end - start, start
+    counts[0] = end
+    return counts
 
 
 def model_stages(cfg, pp: int, boundaries: list[int] | None = None, virtual_stages: int = 1) -> list:

@@ -5,6 +5,7 @@ from tpzoo.errors import ConfigError
 from tpzoo.models.config import ModelConfig
 from tpzoo.parallel.dims import ParallelLayoutError
 
+from .balance import layers_differ, time_balanced_boundaries
 from .estimate import Estimate, estimate
 from .layers import has_experts
 from .spec import RECOMPUTE, ClusterSpec, Layout, TrainingSpec, check_layout
@@ -27,14 +28,23 @@ LONG_SEQ = 16384  # from this sequence length on, the search also tries context 
 
 def enumerate_layouts(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, max_micro_batch: int = 64,
                       tp: int | None = None, pp: int | None = None, recompute: str | None = None,
-                      max_virtual_stages: int = 8, cp: int | None = None, ep: int | None = None) -> list[Layout]:
+                      max_virtual_stages: int = 8, cp: int | None = None, ep: int | None = None,
+                      boundaries: tuple | None = None) -> list[Layout]:
     """Every layout tpzoo can run on this cluster (check_layout passes): tp within a node, pp <= layers, dp
     the rest; micro-batch sizes dividing the per-replica batch; recompute none/selective/full; sequence
     parallelism with tp > 1; 1F1B, zero-bubble, and interleaved with 2 <= v <= max_virtual_stages chunks per
     stage (pp * v <= layers; tpzoo splits unevenly when they do not divide); context parallelism (powers of two)
     for sequences of LONG_SEQ tokens or more; for a mixture of experts expert parallelism ep (the divisors of
-    num_experts that divide dp * cp). `tp`, `pp`, `recompute`, `cp`, `ep` restrict the search to one value."""
+    num_experts that divide dp * cp). `tp`, `pp`, `recompute`, `cp`, `ep` restrict the search to one value;
+    `boundaries` (--pp-boundaries) fixes the split and the pp * v it implies. A pipeline layout of a model whose
+    layers differ is also tried with its time-balanced split (plan/balance.py) where that differs from the
+    default."""
     out = []
+    split = differ = None
+    if boundaries is not None:
+        split = check_boundaries(cfg, boundaries)
+    else:
+        differ = layers_differ(cfg)
     g, want_tp, want_pp = cluster.gpus, tp, pp
     if cp is not None:
         cps = [cp]
@@ -51,24 +61,48 @@ def enumerate_layouts(cfg: ModelConfig, cluster: ClusterSpec, training: Training
             eps = [ep] if ep is not None else [k for k in _divisors(cfg.num_experts or 1) if dp * cp % k == 0]
             scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("zb", 1)] + [
                 ("interleaved", v) for v in range(2, min(max_virtual_stages, cfg.num_layers // pp) + 1)]
+            if split is not None:
+                scheds = [(s, v) for s, v in scheds if pp * v == len(split) - 1]
             for mbs in _divisors(training.global_batch_size // dp):
                 if mbs > max_micro_batch:
                     break
                 for rec in (RECOMPUTE if recompute is None else (recompute,)):
                     for sp in ((False, True) if tp > 1 else (False,)):
                         for (sched, v), e in ((sv, e) for sv in scheds for e in eps):
-                            lay = Layout(tp, pp, dp, mbs, rec, sp, sched, v, cp, e)
+                            lay = Layout(tp, pp, dp, mbs, rec, sp, sched, v, cp, e, split)
                             try:
                                 check_layout(cfg, lay, cluster, training)
                             except ParallelLayoutError:
                                 continue
                             out.append(lay)
+                            if differ and pp > 1:
+                                cuts = time_balanced_boundaries(cfg, lay, training)
+                                if cuts != default_boundaries(cfg, lay):
+                                    out.append(lay.replace(boundaries=cuts))
     return out
+
+
+def check_boundaries(cfg: ModelConfig, boundaries) -> tuple[int, ...]:
+    """--pp-boundaries as a tuple, checked against the model in one line (tpzoo.pipeline's PartitionError)."""
+    from tpzoo.pipeline.partition import PartitionError, check_boundaries
+
+    b = tuple(boundaries)
+    try:
+        check_boundaries(list(b), cfg.num_layers, max(len(b) - 1, 1))
+    except PartitionError as exc:
+        raise ConfigError(f"--pp-boundaries: {exc}") from None
+    return b
+
+
+def default_boundaries(cfg: ModelConfig, layout: Layout) -> tuple[int, ...]:
+    from .spec import chunk_layer_ranges
+
+    return tuple(a for a, _ in chunk_layer_ranges(cfg, layout.replace(boundaries=None))) + (cfg.num_layers,)
 
 
 def search(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, max_micro_batch: int = 64,
            **only) -> list[Estimate]:
-    """Every valid layout (enumerate_layouts; `only`: tp=, pp=, recompute=, cp=, ep=), estimated: the ones that
+    """Every valid layout (enumerate_layouts; `only`: tp=, pp=, recompute=, cp=, ep=, boundaries=), estimated: the ones that
     fit first, fastest first; then the rest, fastest first. A fixed ep that the model cannot take (ep not
     dividing its experts, ep > 1 for a dense model) is one ConfigError line."""
     refuse_moe_lora(cfg, training)
