@@ -10,15 +10,24 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from tpzoo.models.config import ModelConfig
+from tpzoo.models.config import ModelConfig, MoEConfig
 from tpzoo.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
-from tpzoo.models.kinds import TOKEN_MIXERS, register_token_mixer
+from tpzoo.models.kinds import CHANNEL_MIXERS, TOKEN_MIXERS, register_channel_mixer, register_token_mixer
+from tpzoo.models.kinds.mlp import MLP
+from tpzoo.models.kinds.moe import MoE
 from tpzoo.models.kinds.rotary import RotarySpec
 from tpzoo.models.mla import LatentAttention, MLAConfig
 from tpzoo.parallel import ParallelDims
 from tpzoo.plan.kinds import COSTS, register_cost
 from tpzoo.plan.kinds.gated_deltanet import GatedDeltaNetCost
 from tpzoo.plan.kinds.mla import MLACost
+from tpzoo.plan.kinds.moe import MoECost
+
+
+@dataclass(frozen=True)
+class SharedMoEConfig(MoEConfig):
+    """MoEConfig with the shared experts' width as the frontier / hybrid branches add it."""
+    shared_expert_ffn: int = 0
 
 
 @dataclass
@@ -76,11 +85,33 @@ class GDNKind(nn.Module):
         return 0
 
 
+class SharedMoEKind(nn.Module):
+    """Channel mixer: main's MoE plus shared experts as those branches compute them, a dense MLP of
+    moe.shared_expert_ffn on the same input (its own TP entry and exit), added to the routed output."""
+    aux_rules = MoE.aux_rules
+
+    def __init__(self, cfg, layer: int, layout):
+        super().__init__()
+        self.routed = MoE(cfg, layer, layout)
+        self.shared_experts = MLP(cfg.replace(ffn_hidden_size=cfg.moe.shared_expert_ffn), layer, layout)
+
+    def forward(self, x, ctx):
+        return self.routed(x, ctx) + self.shared_experts(x)
+
+    @staticmethod
+    def num_parameters(cfg, layer: int, active: bool = False) -> int:
+        return (MoE.num_parameters(cfg, layer, active)
+                + MLP.num_parameters(cfg.replace(ffn_hidden_size=cfg.moe.shared_expert_ffn), layer))
+
+
 for _name, _kind, _cost in (("test_mla", MLAKind, MLACost), ("test_gdn", GDNKind, GatedDeltaNetCost)):
     if _name not in TOKEN_MIXERS:
         register_token_mixer(_name, _kind)
     if _name not in COSTS:
         register_cost(_name)(_cost)
+if "test_moe_shared" not in CHANNEL_MIXERS:
+    register_channel_mixer("test_moe_shared", SharedMoEKind)
+    register_cost("test_moe_shared")(MoECost)
 
 
 def mla_model(q_lora: bool = True, v_head_dim: int = 12, layers: int = 2, **kw) -> KindsConfig:
@@ -100,3 +131,11 @@ def hybrid_model(layers: int = 4, **kw) -> KindsConfig:
     return KindsConfig.from_dict(dict(family="test", vocab_size=101, hidden_size=64, num_layers=layers, num_heads=4,
                                       num_kv_heads=2, ffn_hidden_size=96, max_position_embeddings=256,
                                       token_mixers=kinds, name="test-hybrid", **kw)).replace(gated_deltanet=g)
+
+
+def shared_moe_model(layers: int = 2, **kw) -> KindsConfig:
+    """DeepSeekMoE's shape on main's MoE: a dense first layer, then 8 experts (top 2, ffn 16) beside shared
+    experts of width 32, under latent attention."""
+    cfg = mla_model(layers=layers, **kw)
+    moe = SharedMoEConfig(num_experts=8, num_experts_per_tok=2, ffn_hidden_size=16, shared_expert_ffn=32)
+    return cfg.replace(moe=moe, channel_mixers=["mlp"] + ["test_moe_shared"] * (layers - 1), name="test-shared-moe")

@@ -26,12 +26,12 @@ from tpzoo.plan.measure import forward_activation_bytes
 from tpzoo.plan.volume import layer_volume, ring_layer_volume
 from tpzoo.testing import run_on_ranks
 
-from plan_kinds import MLAKind, hybrid_model, mla_model
+from plan_kinds import MLAKind, hybrid_model, mla_model, shared_moe_model
 from test_plan_memory import build_stage, unique_params
 
 B, S = 2, 128  # two chunks of the delta rule
 MODELS = {"mla": lambda: mla_model(), "mla-q-null-v-eq-qk": lambda: mla_model(False, 24),
-          "hybrid": lambda: hybrid_model()}
+          "hybrid": lambda: hybrid_model(), "shared-moe": lambda: shared_moe_model()}
 MIDDLE = Stage(pre_process=False, post_process=False)
 
 
@@ -63,11 +63,11 @@ def _estimate(cfg, mode, tp=1, sp=False, pre=False, post=False):
 
 
 def test_activations_tp1_exact():
-    for name, make in MODELS.items():
-        cfg = make()
-        for mode in ("none", "full"):
-            got = forward_activation_bytes(_chunk(cfg, mode), B, S)
-            assert got == _estimate(cfg, mode), (name, mode)
+    for name, mode in (("mla", "none"), ("mla", "full"), ("mla-q-null-v-eq-qk", "none"), ("hybrid", "full"),
+                       ("shared-moe", "none")):
+        cfg = MODELS[name]()
+        got = forward_activation_bytes(_chunk(cfg, mode), B, S)
+        assert got == _estimate(cfg, mode), (name, mode)
     cfg = hybrid_model()  # embedding, head and loss too
     assert forward_activation_bytes(_chunk(cfg, "none", True, True), B, S) == _estimate(cfg, "none", 1, False,
                                                                                        True, True)
@@ -149,7 +149,8 @@ def _ranks(cases):
 
 
 def test_tp2_activations_and_collectives_cp2_exchanges():
-    cases = [(name, mode, sp) for name in MODELS for mode, sp in (("none", False), ("none", True), ("full", True))]
+    cases = [("mla", "none", False), ("mla", "none", True), ("mla", "full", True), ("mla-q-null-v-eq-qk", "none", True),
+             ("hybrid", "none", False), ("hybrid", "full", True), ("shared-moe", "none", True)]
     per_rank = run_on_ranks(2, _ranks, cases)
     for r in per_rank:
         for (name, mode, sp), got, step in zip(cases, r["acts"], r["steps"]):

@@ -83,13 +83,27 @@ def micro_batch_collectives(cfg: ModelConfig, layout: Layout, stage: int, seq_le
         out += [(c, False) for c in embedding_collectives(cfg, at, tokens)]
     if stage == layout.pp - 1:
         out += [(c, False) for c in head_collectives(cfg, at, tokens, fused_loss)]
-        moe = sum(cfg.channel_mixer(i) == "moe" for i in ids)
-        if moe and at.sequence_parallel and at.tp > 1 and cfg.moe.output_router_logits and (
-                cfg.moe.router_aux_loss_coef or cfg.moe.router_z_loss_coef):
-            # the router loss: every MoE layer's statistics summed over the tp shards (fp32 counts, probability
-            # sums per expert, one z sum per layer), once per forward (models/kinds/moe.py router_losses)
-            out.append((Collective("all_reduce", "tp", (2 * cfg.moe.num_experts + moe) * 4), False))
+        out += [(c, False) for c in router_report_collectives(cfg, layout, at, ids)]
     return out
+
+
+def router_report_collectives(cfg: ModelConfig, layout: Layout, at: RankLayout, ids) -> list[Collective]:
+    """The router statistics' tp all-reduce under SP (models/kinds/moe.py router_losses: the fp32 totals of
+    stats_size = 2E + 2 values, summed over the sequence shards), once per forward on the last stage: when the
+    router loss trains (the totals carried through every stage), and on a one-chunk model whose layers record them
+    whenever (it reduces its own reports, loss or not)."""
+    from tpzoo.models.aux import model_rules
+
+    from .layers import kinds_of
+
+    rule = model_rules(cfg).get("router")
+    if rule is None or not (at.sequence_parallel and at.tp > 1):
+        return []
+    records = any(getattr(r, "key", None) == "router" for i in ids for kind in kinds_of(cfg, i)
+                  for r in getattr(kind, "aux_rules", ()))
+    if rule.trains(cfg) or (layout.pp == 1 and records):
+        return [Collective("all_reduce", "tp", rule.size(cfg) * 4)]
+    return []
 
 
 def tp_step_volume(cfg: ModelConfig, layout: Layout, stage: int, micro_batches: int, seq_len: int,

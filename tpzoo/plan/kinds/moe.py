@@ -1,5 +1,6 @@
 """Plan costs of the "moe" channel mixer (models/kinds/moe.py), exact (tests/test_plan_experts.py), and of shared
-experts beside the routed ones (DeepSeekMoE, Qwen3-Next: not on main yet, see shared_expert_ffn).
+experts beside the routed ones (DeepSeekMoE, Qwen3-Next: not on main yet, see shared_expert_ffn: a dense MLP
+split over tp, its own entry and exit collectives; a replicated sigmoid gate where the config says).
 
 On one rank: the router [E, h] replicated (its gradient partial under SP, like a norm's: it sees this rank's tokens),
 E/ep experts each split over tp like the dense MLP (etp = tp: gate|up [2f, h] and down [h, f], f = expert ffn / tp,
@@ -15,26 +16,21 @@ from __future__ import annotations
 
 from tpzoo.parallel.dims import ParallelLayoutError
 
-from . import Acts, Collective, Matmul, Weights, register_cost
+from . import Acts, Collective, Matmul, Weights, entry_exit, register_cost
 from .mlp import gated_mlp_acts
 
 
 def shared_expert_ffn(cfg) -> int:
-    """Hidden width of the always-on shared experts beside the routed ones (0: none). The MoE sub-config on main has
-    no such field yet: issue 32 phase 2 (DeepSeekMoE: n_shared_experts * moe_intermediate_size) and issue 33
-    phase 2 (Qwen3-Next: shared_expert_intermediate_size) add it; the names read here are the ones proposed to the
-    lead (docs/plan.md), in one place to adjust when they merge. Modeled as Megatron-Core computes them: a dense
-    MLP on the tokens the MoE already gathered into the TP region, its output added before the MoE's reduction
-    (no collectives of its own)."""
-    moe = cfg.moe
-    width = getattr(moe, "shared_expert_ffn_hidden_size", None)
-    if width:
-        return width
-    return getattr(moe, "num_shared_experts", 0) * cfg.expert_ffn
+    """Total hidden width of the always-on shared experts beside the routed ones (0: none): MoEConfig.shared_expert_ffn
+    as the frontier / hybrid families set it (DeepSeek n_shared_experts * moe_intermediate_size, Qwen3-Next
+    shared_expert_intermediate_size; read with a default: main's MoEConfig has no such field yet). They compute as
+    the MoE kind does: a dense gated MLP on this rank's tokens, split over tp like the dense MLP, with its own
+    entry and exit collectives (models/kinds/moe.py on those branches)."""
+    return int(getattr(cfg.moe, "shared_expert_ffn", 0) or 0)
 
 
 def shared_expert_gate(cfg) -> bool:
-    """Qwen3-Next's sigmoid gate on the shared expert (one [1, h] weight, replicated)."""
+    """Qwen3-Next's sigmoid gate on the shared expert (one [1, h] weight, replicated, partial under SP)."""
     return bool(getattr(cfg.moe, "shared_expert_gate", False))
 
 
@@ -87,7 +83,7 @@ class MoECost:
         if shared:  # TP-split like the dense MLP
             out += [Matmul("shared_in", 2 * shared, h), Matmul("shared_out", h, shared, tail=True)]
         if shared_expert_gate(cfg):
-            out.append(Matmul("shared_gate", 1, h, fp8=False))
+            out.append(Matmul("shared_gate", 1, h, shard=True, fp8=False))
         return out
 
     @staticmethod
@@ -101,9 +97,12 @@ class MoECost:
             return Acts(shard=e * E, fixed=8 * E + 8).bytes(micro_batch * seq_len, at.sp_div)
         full, router, fixed = moe_mlp_bytes(cfg, at)
         shared = shared_expert_ffn(cfg) // at.tp
-        if shared:  # a dense MLP on the gathered tokens: its input and intermediates (modeled, not measured yet)
-            full += e * cfg.hidden_size + gated_mlp_acts(e, shared, at.kernels) + (e if shared_expert_gate(cfg) else 0)
-        return Acts(full=full, shard=e * cfg.hidden_size + router, fixed=fixed).bytes(micro_batch * seq_len, at.sp_div)
+        shard = e * cfg.hidden_size + router
+        if shared:  # the dense MLP's intermediates (its input is x, kept already); with the gate its sigmoid and
+            # the MLP output it multiplies (not measured: main has no gate)
+            full += gated_mlp_acts(e, shared, at.kernels)
+            shard += (e + e * cfg.hidden_size) if shared_expert_gate(cfg) else 0
+        return Acts(full=full, shard=shard, fixed=fixed).bytes(micro_batch * seq_len, at.sp_div)
 
     @staticmethod
     def plan_collectives(cfg, layer, at, tokens: int) -> list:
@@ -122,6 +121,8 @@ class MoECost:
                 out += [Collective("all_reduce", "tp", full, tail=True),
                         Collective("all_reduce", "tp", full, phase="backward"),
                         Collective("all_reduce", "tp", weights, phase="backward")]
+        if shared_expert_ffn(cfg):  # the shared MLP enters and leaves the TP region itself
+            out += entry_exit(cfg, at, tokens, tail=True)
         if at.ep > 1:
             rows = tokens * k * h * e
             out += [Collective("all_to_all", "ep", cfg.moe.num_experts * 8),
