@@ -86,6 +86,9 @@ class ParallelSection:
     schedule: str = _f("1f1b", "pipeline schedule (tpzoo.pipeline.SCHEDULES; only interleaved runs "
                                "virtual_stages > 1)", choices=SCHEDULE_NAMES)
     virtual_stages: int = _f(1, "model chunks per pipeline rank (interleaved schedule)", ge=1)
+    pp_boundaries: list = _f([], "the pipeline split: the first layer of each of the pp * virtual_stages model "
+                                 "stages, then the number of layers (0,3,8 or 0 3 8; empty: balanced by each "
+                                 "layer's parameters; `tpzoo plan` prints a time-balanced one)", type=int, ge=0)
     recompute: str = _f("none", "activation recomputation: none | selective | full",
                         choices=("none", "selective", "full"))
     fused_linear_cross_entropy: bool = _f(True, "compute the LM head's matmul and the loss together in chunks of "
@@ -277,6 +280,10 @@ class TrainConfig:
         if self.pp > 1 and self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule = 'interleaved' (schedule "
                               f"{self.schedule!r} runs one model chunk per pipeline rank)")
+        if self.pp_boundaries and len(self.pp_boundaries) != self.pp * self.virtual_stages + 1:
+            raise ConfigError(f"pp_boundaries {self.pp_boundaries} needs pp * virtual_stages + 1 = "
+                              f"{self.pp * self.virtual_stages + 1} entries (the first layer of each model stage, "
+                              "then the number of layers)")
         if self.pp > 1 and self.schedule == "interleaved" and n_micro % self.pp:
             raise ConfigError(f"the interleaved schedule needs the micro-batches per step (global_batch_size / "
                               f"(micro_batch_size * dp) = {n_micro}) to be a multiple of pp={self.pp}")
@@ -368,6 +375,8 @@ def _coerce(name: str, value: Any) -> Any:
     t = _field_type(f)
     if t is list:
         items = value if isinstance(value, (list, tuple)) else [value]
+        if f.metadata.get("type") is int:  # 0,3,8 as well as 0 3 8
+            items = [x for v in items for x in (v.split(",") if isinstance(v, str) else [v])]
         return [check_value(name, v, f.metadata.get("type", str), f.metadata) for v in items]
     return check_value(name, value, t, f.metadata)
 
@@ -447,7 +456,9 @@ def add_config_arguments(p: argparse.ArgumentParser, defaults: dict | None = Non
             if t is bool:
                 kw["action"] = argparse.BooleanOptionalAction
             elif t is list:
-                kw.update(nargs="+", type=f.metadata.get("type", str), metavar="V")
+                # integer lists take 0,3,8 as well as 0 3 8: strings here, split and typed by _coerce
+                kw.update(nargs="+", type=str if f.metadata.get("type") is int else f.metadata.get("type", str),
+                          metavar="V")
             else:
                 kw["type"] = t
                 if "nargs" in f.metadata:
