@@ -185,6 +185,17 @@ def dp_sync_time(count, layout: Layout, training: TrainingSpec, cluster: Cluster
     return exposed + gather + weights_exposed, reduce - exposed + weights_hidden + 0.0
 
 
+def synced_params(cfg: ModelConfig, layout: Layout, training: TrainingSpec) -> ParamCount:
+    """The trained parameters of one rank on the stage holding the most: what its data-parallel sync, and DiLoCo's
+    exchange (plan/replicas.py), move. LoRA: only the adapters (of the stage with the most)."""
+    p, pad = layout.pp, training.vocab_padding_multiple
+    if training.lora_rank:  # only the adapters are reduced, updated and (tied copies aside) kept in sync
+        return max((ParamCount(sum(lora_layer_params(cfg, i, layout.tp, training.lora_rank)
+                                   for i in stage_layer_ids(cfg, layout, s)), 0, 0, 0, 0, 0) for s in range(p)),
+                   key=lambda c: c.numel)
+    return max((stage_params(cfg, layout, s, pad) for s in range(p)), key=lambda c: c.numel)
+
+
 def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: TrainingSpec) -> Estimate:
     """Memory and step time of `layout`; raises ParallelLayoutError when tpzoo cannot run it."""
     from .search import refuse_moe_lora
@@ -225,12 +236,7 @@ def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: T
     p2p = 2 * (p - 1) * _collective_time(msg, 1, _bandwidth(pp_intra, cluster), cluster)
 
     # The gradient sync lasts as long as the stage holding the most parameters.
-    counts = [stage_params(cfg, layout, s, pad) for s in range(p)]
-    fullest = max(range(p), key=lambda s: counts[s].numel)
-    count = counts[fullest]
-    if training.lora_rank:  # only the adapters are reduced, updated and (tied copies aside) kept in sync
-        count = ParamCount(sum(lora_layer_params(cfg, i, t, training.lora_rank)
-                               for i in stage_layer_ids(cfg, layout, fullest)), 0, 0, 0, 0, 0)
+    count = synced_params(cfg, layout, training)
     replicas = layout.grad_replicas  # the optimizer shards over dp x cp
     experts = 0
     if layout.ep > 1 and count.expert:  # the experts in their own optimizer over edp (tp * ep ranks apart)

@@ -282,7 +282,7 @@ class MemoryBreakdown:
 def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage: int,
                  reserve_bytes: int = 0) -> MemoryBreakdown:
     """Peak memory of one GPU of pipeline stage `stage` (any tp/dp rank: they hold the same sizes)."""
-    at = RankLayout.of(layout, training)
+    at = RankLayout.of(layout, training)  # compiled blocks: the fused kernels' saved tensors (spec.py)
     e, p, v, t = training.act_bytes, layout.pp, layout.virtual_stages, layout.tp
     fused = training.fused_linear_cross_entropy
     b, s, sp = layout.micro_batch_size, local_seq_len(layout, training), layout.sequence_parallel
@@ -317,10 +317,12 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
     staging = 2 * 4 * min(bucket_size(training, replicas), count.numel) if training.zero_level >= 2 else 0
     # ZeRO-3: the layers gathered for use (gathered_bytes)
     gathered = gathered_bytes(cfg, count, training, t, replicas, ids) if not training.lora_rank else 0
-    # FP8: the fp8 copies of the largest projection's operands during its backward (plan/fp8.py, which reads
-    # this module: imported here)
-    from .fp8 import fp8_transient_bytes
+    # FP8: the fp8 copies of the largest projection's operands during its backward, and the weights' fp8 copies
+    # kept for the step (cast per use under ZeRO-3) (plan/fp8.py, which reads this module: imported here)
+    from .fp8 import fp8_transient_bytes, fp8_weight_bytes
 
-    casts = fp8_transient_bytes(cfg, at, b * s, ids) if training.fp8 != "none" else 0
-    return MemoryBreakdown(stage, st.params, st.grads, st.master, st.optimizer, held,
+    per_use = training.zero_level >= 3
+    casts = fp8_transient_bytes(cfg, at, b * s, ids, per_use) if training.fp8 != "none" else 0
+    fp8_weights = fp8_weight_bytes(cfg, t, ids) if training.fp8 != "none" and not per_use else 0
+    return MemoryBreakdown(stage, st.params + fp8_weights, st.grads, st.master, st.optimizer, held,
                            backward + recv + staging + gathered + casts, reserve_bytes)
