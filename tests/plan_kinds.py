@@ -42,13 +42,14 @@ def _count(module: nn.Module) -> int:
 
 
 class MLAKind(nn.Module):
-    """Token mixer over LatentAttention (no YaRN: plain rotary tables of qk_rope_head_dim)."""
+    """Token mixer over LatentAttention (rotary tables of qk_rope_head_dim at the attention settings, as the "mla"
+    kind builds them; no YaRN here)."""
 
     def __init__(self, cfg, layer: int, layout):
         super().__init__()
         self.inner = LatentAttention(cfg.mla, layout.dims, layout.sequence_parallel, dtype=layout.dtype,
                                      device="meta")
-        self.rotary = RotarySpec.of(cfg.mla.qk_rope_head_dim, 10000.0)
+        self.rotary = RotarySpec.of(cfg.mla.qk_rope_head_dim, cfg.attention.rope_theta, cfg.attention.rope_scaling)
 
     def forward(self, x, ctx, cache=None):
         cos, sin = ctx.rotary[self.rotary]

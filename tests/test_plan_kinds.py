@@ -22,6 +22,7 @@ from tpzoo.models.kinds import register_token_mixer
 from tpzoo.parallel import count_collectives, finish_tp_grads
 from tpzoo.plan import (ClusterSpec, Layout, RankLayout, TrainingSpec, chunk_activation_bytes, cost_of, estimate,
                         layer_cost, layer_flops, stage_params, tp_step_volume)
+from tpzoo.plan.kinds.mla import MLACost
 from tpzoo.plan.measure import forward_activation_bytes
 from tpzoo.plan.volume import layer_volume, ring_layer_volume
 from tpzoo.testing import run_on_ranks
@@ -183,3 +184,26 @@ def test_a_kind_without_costs_plans_from_its_parameter_count():
     assert a.fits and b.fits and 0.5 < b.memory.params / a.memory.params < 1.5
     assert 0.25 < b.memory.activations / a.memory.activations < 4
     assert 0.5 < b.time.compute / a.time.compute < 2
+
+
+def test_mla_settings_as_the_mla_kind_names_them():
+    """The "mla" kind's MLAConfig has no attention_bias: its q_a / kv_a biases are attention.qkv_bias and o_proj's
+    attention.out_bias. Read that way, the weights equal the building block's with attention_bias set."""
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class KindMLA:  # the fields the "mla" kind's MLAConfig has
+        kv_lora_rank: int
+        qk_nope_head_dim: int
+        qk_rope_head_dim: int
+        v_head_dim: int
+        q_lora_rank: int | None = None
+
+    block = mla_model()  # attention_bias=True
+    m = block.mla
+    kind = block.replace(mla=KindMLA(m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim,
+                                     m.q_lora_rank), qkv_bias=True, out_bias=True)
+    for tp in (1, 2):
+        assert MLACost.plan_weights(kind, 0, RankLayout(tp=tp)) == MLACost.plan_weights(block, 0, RankLayout(tp=tp))
+    assert MLACost.plan_weights(kind.replace(out_bias=False), 0, RankLayout()).numel == \
+        MLACost.plan_weights(block, 0, RankLayout()).numel - block.hidden_size

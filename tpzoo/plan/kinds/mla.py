@@ -35,7 +35,11 @@ class _Shape:
         self.qr, self.kvr = m.q_lora_rank, m.kv_lora_rank
         self.nope, self.rope, self.v = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         self.qk = self.nope + self.rope
-        self.bias = bool(getattr(m, "attention_bias", False))
+        # biases: the building block's attention_bias (all three), or as the "mla" kind reads them, the attention
+        # sub-config's qkv_bias (q_a_proj, kv_a_proj_with_mqa) and out_bias (o_proj)
+        both = getattr(m, "attention_bias", None)
+        self.in_bias = bool(cfg.attention.qkv_bias if both is None else both)
+        self.out_bias = bool(cfg.attention.out_bias if both is None else both)
 
 
 def mla_config(cfg):
@@ -68,7 +72,7 @@ class MLACost:
     @staticmethod
     def plan_weights(cfg, layer, at) -> Weights:
         s = _Shape(cfg, at.tp)
-        h, b = s.h, s.bias
+        h, b, ob = s.h, s.in_bias, s.out_bias
         if s.qr is None:
             q, q_rep, q_tensors = h * s.local * s.qk, 0, 1
         else:  # q_a_proj (+ bias) and q_a_layernorm replicated, q_b_proj split
@@ -76,9 +80,9 @@ class MLACost:
             q, q_tensors = q_rep + s.qr * s.local * s.qk, 3 + b
         kv_rep = h * (s.kvr + s.rope) + (s.kvr + s.rope if b else 0) + s.kvr
         kv = kv_rep + s.kvr * s.local * (s.nope + s.v)
-        out = s.local * s.v * h + (h if b else 0)
-        return Weights(numel=q + kv + out, tensors=q_tensors + 3 + b + 1 + b,
-                       partial_sp=q_rep + kv_rep + (h if b else 0))
+        out = s.local * s.v * h + (h if ob else 0)
+        return Weights(numel=q + kv + out, tensors=q_tensors + 3 + b + 1 + ob,
+                       partial_sp=q_rep + kv_rep + (h if ob else 0))
 
     @staticmethod
     def plan_matmuls(cfg, layer, at) -> list:
@@ -143,8 +147,12 @@ class MLACost:
 
     @staticmethod
     def plan_rotary(cfg, layer):
-        rope = mla_config(cfg).qk_rope_head_dim
-        return ("mla", rope), rope
+        """The kind's RotarySpec (its rope width, the attention sub-config's theta and scaling): a table shared with
+        any attention layer of the same spec."""
+        from tpzoo.models.kinds.rotary import RotarySpec
+
+        rope, a = mla_config(cfg).qk_rope_head_dim, cfg.attention
+        return RotarySpec.of(rope, a.rope_theta, a.rope_scaling), rope
 
     @staticmethod
     def plan_cache_bytes(cfg, layer, at, batch: int, length: int) -> int:
