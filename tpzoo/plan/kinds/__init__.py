@@ -47,6 +47,23 @@ def register_cost(name: str):
     return add
 
 
+class Stateless:
+    """Defaults for a kind's costs that a channel mixer or a recurrence shares: no ring-attention features, no
+    generation cache, no rotary table (a registered cost class overrides what it has)."""
+
+    @staticmethod
+    def plan_context_features(cfg, layer, at) -> int:
+        return 0
+
+    @staticmethod
+    def plan_cache_bytes(cfg, layer, at, batch: int, length: int) -> int:
+        return 0
+
+    @staticmethod
+    def plan_rotary(cfg, layer):
+        return None
+
+
 @dataclass(frozen=True)
 class Weights:
     """A kind's parameters on one rank (elements)."""

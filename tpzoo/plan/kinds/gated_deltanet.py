@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from tpzoo.parallel.dims import ParallelLayoutError
 
-from . import Collective, Matmul, Weights, entry_exit, register_cost
+from . import Collective, Matmul, Stateless, Weights, entry_exit, register_cost
 
 CHUNK = 64
 
@@ -66,7 +66,7 @@ def rule_bytes(s: _Shape, micro_batch: int, seq_len: int, e: int, kernels: str) 
 
 
 @register_cost("gated_deltanet")
-class GatedDeltaNetCost:
+class GatedDeltaNetCost(Stateless):
     @staticmethod
     def plan_check(cfg, layer, at) -> None:
         s, tc = _Shape(cfg, 1), at.tp * at.cp
@@ -123,15 +123,7 @@ class GatedDeltaNetCost:
         return out
 
     @staticmethod
-    def plan_context_features(cfg, layer, at) -> int:
-        return 0
-
-    @staticmethod
     def plan_cache_bytes(cfg, layer, at, batch: int, length: int) -> int:
         """GatedDeltaNetCache: the conv's last K-1 inputs and the fp32 recurrent state, whatever the length."""
         s = _Shape(cfg, at.tp)
         return batch * ((s.K - 1) * s.conv * at.act_bytes + 4 * s.vh * s.dk * s.dv)
-
-    @staticmethod
-    def plan_rotary(cfg, layer):
-        return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tpzoo.parallel.dims import ParallelLayoutError
 
-from . import Acts, Matmul, Weights, entry_exit, register_cost
+from . import Acts, Matmul, Stateless, Weights, entry_exit, register_cost
 
 
 def gated_mlp_acts(e: int, f: int, kernels: str, gated: bool = True) -> int:
@@ -20,7 +20,7 @@ def gated_mlp_acts(e: int, f: int, kernels: str, gated: bool = True) -> int:
 
 
 @register_cost("mlp")
-class MLPCost:
+class MLPCost(Stateless):
     @staticmethod
     def plan_check(cfg, layer, at) -> None:
         if cfg.mlp.ffn_hidden_size % at.tp:
@@ -55,15 +55,3 @@ class MLPCost:
     @staticmethod
     def plan_collectives(cfg, layer, at, tokens: int) -> list:
         return entry_exit(cfg, at, tokens, tail=True)
-
-    @staticmethod
-    def plan_context_features(cfg, layer, at) -> int:
-        return 0
-
-    @staticmethod
-    def plan_cache_bytes(cfg, layer, at, batch: int, length: int) -> int:
-        return 0
-
-    @staticmethod
-    def plan_rotary(cfg, layer):
-        return None

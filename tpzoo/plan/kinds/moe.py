@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from tpzoo.parallel.dims import ParallelLayoutError
 
-from . import Acts, Collective, Matmul, Weights, entry_exit, register_cost
+from . import Acts, Collective, Matmul, Stateless, Weights, entry_exit, register_cost
 from .mlp import gated_mlp_acts
 
 
@@ -52,7 +52,7 @@ def moe_mlp_bytes(cfg, at) -> tuple:
 
 
 @register_cost("moe")
-class MoECost:
+class MoECost(Stateless):
     @staticmethod
     def plan_check(cfg, layer, at) -> None:
         E, f = cfg.moe.num_experts, cfg.expert_ffn
@@ -128,15 +128,3 @@ class MoECost:
             out += [Collective("all_to_all", "ep", cfg.moe.num_experts * 8),
                     Collective("all_to_all_v", "ep", rows, 2), Collective("all_to_all_v", "ep", rows, 2, "backward")]
         return out
-
-    @staticmethod
-    def plan_context_features(cfg, layer, at) -> int:
-        return 0
-
-    @staticmethod
-    def plan_cache_bytes(cfg, layer, at, batch: int, length: int) -> int:
-        return 0
-
-    @staticmethod
-    def plan_rotary(cfg, layer):
-        return None
