@@ -77,6 +77,9 @@ class GDNKind(nn.Module):
     def forward(self, x, ctx, cache=None):
         return self.inner(x)
 
+    def new_cache(self, batch: int, max_length: int):
+        return None  # the building block's own cache is tested on the block (test_plan_kinds)
+
     @staticmethod
     def num_parameters(cfg, layer: int, active: bool = False) -> int:
         return _count(GatedDeltaNet(cfg.gated_deltanet, ParallelDims.for_rank(device="meta"), device="meta"))

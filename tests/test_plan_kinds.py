@@ -11,6 +11,7 @@ registers them as test kinds under the plan's costs for "mla", "gated_deltanet" 
   do Gated DeltaNet's all-to-alls and MLA's ring sends at cp 2;
 - the matmul FLOPs equal what torch's FLOP counter sees, and the cores' what its matmuls count;
 - the mla settings as the "mla" kind names them (biases from the attention sub-config);
+- the generation caches (KV, latent, Gated DeltaNet's fixed state) equal what the layers keep after a prompt;
 - a kind with no plan costs plans anyway (derived from its num_parameters), and the comparisons can fail.
 """
 import pytest
@@ -208,3 +209,31 @@ def test_mla_settings_as_the_mla_kind_names_them():
         assert MLACost.plan_weights(kind, 0, RankLayout(tp=tp)) == MLACost.plan_weights(block, 0, RankLayout(tp=tp))
     assert MLACost.plan_weights(kind.replace(out_bias=False), 0, RankLayout()).numel == \
         MLACost.plan_weights(block, 0, RankLayout()).numel - block.hidden_size
+
+
+def test_generation_caches_are_what_the_layers_keep():
+    """plan_cache_bytes (tpzoo.plan.cache_bytes) against the caches after a prompt, at tp 1 in bf16: attention's
+    KV buffers (max_length tokens, preallocated), the latent cache (the latent and the rotary key of each token),
+    Gated DeltaNet's fixed state (the conv's last inputs, the fp32 recurrent state: the same at any length)."""
+    from tpzoo.models.kinds.rotary import cos_sin, inv_freq
+    from tpzoo.plan import cache_bytes
+
+    at, b, prompt, room = RankLayout(), 2, 8, 12
+    cfg = hybrid_model()
+    torch.manual_seed(0)
+    model = Transformer(cfg, ModelLayout(dtype=torch.bfloat16))
+    cache = model.new_cache(b, room)
+    model(Inputs(torch.randint(0, cfg.vocab_size, (b, prompt))), cache=cache)
+    kv = sum(c.k.nbytes + c.v.nbytes for c in cache.layers.values() if hasattr(c, "k"))
+    assert kv == cache_bytes(cfg, 3, at, b, room) > 0
+    gdn = model.layers["0"].attn.inner
+    for length in (prompt, 2 * prompt):
+        state = gdn.new_cache(b)
+        gdn(torch.randn(b, length, cfg.hidden_size, dtype=torch.bfloat16), cache=state)
+        assert state.conv.nbytes + state.state.nbytes == cache_bytes(cfg, 0, at, b, length)
+    mla = mla_model()
+    layer = Transformer(mla, ModelLayout(dtype=torch.bfloat16), MIDDLE).layers["0"].attn
+    latent = layer.inner.new_cache()
+    cos, sin = cos_sin(inv_freq(layer.rotary), torch.arange(prompt))
+    layer.inner(torch.randn(b, prompt, mla.hidden_size, dtype=torch.bfloat16), cos, sin, cache=latent)
+    assert latent.latent.nbytes + latent.k_rope.nbytes == cache_bytes(mla, 0, at, b, prompt)
