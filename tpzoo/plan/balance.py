@@ -15,7 +15,7 @@ from __future__ import annotations
 from tpzoo.models.config import ModelConfig
 
 from .head import local_vocab
-from .layers import layer_cost, layer_flops, signature
+from .layers import layer_cost, layer_flops, memo, signature
 from .spec import Layout, RankLayout, TrainingSpec, local_seq_len
 
 
@@ -39,11 +39,19 @@ def layer_step_flops(cfg: ModelConfig, layout: Layout, training: TrainingSpec) -
 
 
 def time_balanced_boundaries(cfg: ModelConfig, layout: Layout, training: TrainingSpec) -> tuple[int, ...]:
-    """The pp * v model stages' boundaries (0, ..., num_layers) that make the slowest stage's compute smallest."""
+    """The pp * v model stages' boundaries (0, ..., num_layers) that make the slowest stage's compute smallest.
+    Every term is proportional to the micro-batch's tokens, so the split is computed once per (pp, v, rank
+    layout), at one sequence per micro-batch."""
     from tpzoo.pipeline import partition_layers
 
-    tokens = layout.micro_batch_size * local_seq_len(layout, training)
-    head = 3 * 2 * tokens * cfg.hidden_size * local_vocab(cfg, layout.tp, training.vocab_padding_multiple)
-    ranges = partition_layers(cfg, layout.pp, virtual_stages=layout.virtual_stages,
-                              weights=layer_step_flops(cfg, layout, training), ends=(0, head))
-    return tuple(a for a, _ in ranges) + (cfg.num_layers,)
+    one = layout.replace(micro_batch_size=1, dp=1, schedule="1f1b", boundaries=None)
+
+    def compute() -> tuple[int, ...]:
+        tokens = local_seq_len(one, training)
+        head = 3 * 2 * tokens * cfg.hidden_size * local_vocab(cfg, one.tp, training.vocab_padding_multiple)
+        ranges = partition_layers(cfg, one.pp, virtual_stages=one.virtual_stages,
+                                  weights=layer_step_flops(cfg, one, training), ends=(0, head))
+        return tuple(a for a, _ in ranges) + (cfg.num_layers,)
+
+    key = ("time cuts", one.pp, one.virtual_stages, RankLayout.of(one, training), training.seq_len)
+    return memo(cfg, key, compute)
