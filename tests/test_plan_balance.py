@@ -72,3 +72,5 @@ def test_cli_prints_stages_and_takes_pp_boundaries(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--pp-boundaries" in err and "end at num_layers=12" in err and len(err.strip().splitlines()) == 1
     assert main(args + ["--pp-boundaries", "0,two"]) == 2
+    assert main(args + ["--pp-boundaries", "0,4,12"]) == 2  # 2 stages at --pp 4
+    assert "--pp-boundaries gives 2 model stages: not pp * virtual stages for --pp 4" in capsys.readouterr().err

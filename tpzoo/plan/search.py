@@ -102,14 +102,19 @@ def default_boundaries(cfg: ModelConfig, layout: Layout) -> tuple[int, ...]:
 
 def search(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, max_micro_batch: int = 64,
            **only) -> list[Estimate]:
-    """Every valid layout (enumerate_layouts; `only`: tp=, pp=, recompute=, cp=, ep=, boundaries=), estimated: the ones that
-    fit first, fastest first; then the rest, fastest first. A fixed ep that the model cannot take (ep not
-    dividing its experts, ep > 1 for a dense model) is one ConfigError line."""
+    """Every valid layout (enumerate_layouts; `only`: tp=, pp=, recompute=, cp=, ep=, boundaries=), estimated: the
+    ones that fit first, fastest first; then the rest, fastest first. A fixed ep that the model cannot take (ep not
+    dividing its experts, ep > 1 for a dense model), or boundaries whose stages no pp * v of a fixed pp gives, is
+    one ConfigError line."""
     refuse_moe_lora(cfg, training)
     ep = only.get("ep")
     if ep is not None and (ep < 1 or (cfg.num_experts or 1) % ep or (ep > 1 and not has_experts(cfg))):
         raise ConfigError(f"--ep {ep}: " + (f"does not divide num_experts={cfg.num_experts}" if cfg.num_experts
                                             else "the model has no experts (ep needs a mixture of experts)"))
+    cuts, pp = only.get("boundaries"), only.get("pp")
+    if cuts is not None and pp and (len(cuts) - 1) % pp:
+        raise ConfigError(f"--pp-boundaries gives {len(cuts) - 1} model stages: not pp * virtual stages for "
+                          f"--pp {pp}")
     layouts = enumerate_layouts(cfg, cluster, training, max_micro_batch, **only)
     ests = [estimate(cfg, lay, cluster, training) for lay in layouts]
     return sorted(ests, key=lambda est: (not est.fits, est.time.total, est.memory.total))
