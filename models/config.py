@@ -84,6 +84,12 @@ class MoEConfig:
     router_z_loss_coef: float = 0.0  # ST-MoE router z-loss weight (mean logsumexp(logits)^2 per layer, summed)
     mlp_only_layers: list | None = None  # Qwen3-MoE: layers that keep a dense MLP
     decoder_sparse_step: int = 1     # Qwen3-MoE: layer i is MoE when (i + 1) % step == 0
+    # Shared experts: one dense gated MLP beside the routed experts, every token through it (TP-split like the dense
+    # MLP). Its total hidden size: DeepSeek n_shared_experts * moe_intermediate_size, Qwen3-Next
+    # shared_expert_intermediate_size; 0 = none. shared_expert_gate (Qwen3-Next): its output times
+    # sigmoid(x w^T), w [1, hidden] without bias.
+    shared_expert_ffn: int = 0
+    shared_expert_gate: bool = False
 
 
 # The flat spellings of older configs: name -> (sub-config, its field).
@@ -172,6 +178,9 @@ class ModelConfig:
                                   f"{moe.num_experts_per_tok!r}")
             if not self.gated:
                 raise ConfigError("mixture of experts: only gated (swiglu / geglu_tanh) experts are implemented")
+        if moe.shared_expert_ffn < 0 or (moe.shared_expert_gate and not moe.shared_expert_ffn):
+            raise ConfigError(f"shared_expert_ffn must be >= 0 (and > 0 with shared_expert_gate), got "
+                              f"{moe.shared_expert_ffn!r}")
         if "moe" in (self.channel_mixers or ()) and not moe.num_experts:
             raise ConfigError("channel_mixers names 'moe' layers, but moe.num_experts is 0")
         if self.norm_offset and self.norm != "rmsnorm":

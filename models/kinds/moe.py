@@ -15,6 +15,12 @@ all-reduce (reduce-scatter under SP). At ep = 1 nothing leaves the device: the p
 gathers, the per-expert counts a scatter-add, and the experts grouped GEMMs whose offsets are the counts'
 cumulative sums (experts.py; the loop fallback reads the counts on the host). Expert gradients (`expert_parallel`
 parameters) are summed over the expert-data-parallel group (dims.expert_grad_group) instead of dp x cp.
+Shared experts (DeepSeek-V3, Qwen3-Next; moe.shared_expert_ffn > 0): a dense gated MLP beside the routed experts,
+every token through it, `shared_experts.{fc_in, fc_out}` split over tp exactly like the dense MLP (mlp.py: gate|up
+fused column-parallel, down row-parallel, with its own entry and exit collectives: one more all-gather and
+reduce-scatter under SP, all-reduce without, per layer); with moe.shared_expert_gate (Qwen3-Next) its output is
+multiplied by sigmoid(`shared_expert_gate`(x)), a replicated [1, hidden] weight applied to the tokens this rank
+holds (partial gradient under SP). Its output is added to the routed experts'.
 Cache: none.
 
 Auxiliary output: each forward records its router statistics (ctx.record, key "router"); the RouterStatistics
@@ -40,6 +46,8 @@ from ..inputs import Context
 from ..layout import ModelLayout
 from . import register_channel_mixer
 from .experts import expert_mlp
+from .mlp import MLP
+from .replicated import ReplicatedLinear
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -136,6 +144,11 @@ class MoE(nn.Module):
         # "grouped" / "loop" force one (tests compare them)
         self.expert_gemm = "auto"
         self.last_stats: dict | None = None
+        moe = cfg.moe
+        if moe.shared_expert_ffn:  # registered after the routed experts: their parameter order stays
+            self.shared_experts = MLP(cfg, layer, layout, ffn=moe.shared_expert_ffn)
+            if moe.shared_expert_gate:
+                self.shared_expert_gate = ReplicatedLinear(h, 1, layout, std=cfg.initializer_range)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -168,14 +181,25 @@ class MoE(nn.Module):
         y = self._dispatch_compute_return(tokens, index.reshape(-1))  # [T * k, h], partial over tp
         out = (y.view(-1, k, h) * weights.reshape(-1, k, 1).to(y.dtype)).sum(dim=1).view(x_full.shape)
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence(out, -2, group)
-        return reduce_from_tp(out, group)
+            out = reduce_scatter_to_sequence(out, -2, group)
+        else:
+            out = reduce_from_tp(out, group)
+        return out + self._shared(x) if hasattr(self, "shared_experts") else out
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output (gated by sigmoid(shared_expert_gate(x)) where the config says)."""
+        y = self.shared_experts(x)
+        if hasattr(self, "shared_expert_gate"):
+            y = y * torch.sigmoid(self.shared_expert_gate(x))
+        return y
 
     @staticmethod
     def num_parameters(cfg: ModelConfig, layer: int, active: bool = False) -> int:
         moe, h = cfg.moe, cfg.hidden_size
         expert = 3 * h * cfg.expert_ffn  # gate, up, down
-        return h * moe.num_experts + expert * (moe.num_experts_per_tok if active else moe.num_experts)
+        shared = MLP.num_parameters(cfg, layer, ffn=moe.shared_expert_ffn) if moe.shared_expert_ffn else 0
+        return (h * moe.num_experts + expert * (moe.num_experts_per_tok if active else moe.num_experts) + shared
+                + (h if moe.shared_expert_gate else 0))
 
     def _dispatch_compute_return(self, tokens: torch.Tensor, expert_of: torch.Tensor) -> torch.Tensor:
         """Rows of `tokens` repeated for each of their k experts (assignment a = token * k + j), sent to the rank
