@@ -26,7 +26,9 @@ def check(family: str, hf: dict, field: str, allowed: tuple, default=None):
 def read_rope(family: str, hf: dict, params: dict | None = None, field: str = "rope_parameters",
               default_theta: float = 10000.0) -> tuple[float, dict | None]:
     """(theta, scaling) from transformers-5 `rope_parameters` (or the older rope_theta / rope_scaling), refusing
-    a rope type tpzoo does not implement (yarn, longrope, dynamic...) instead of running it as plain rope."""
+    a rope type tpzoo does not implement (longrope, dynamic...) instead of running it as plain rope. YaRN's
+    parameters come out as transformers reads them: `rope_type` spelled so, its factor (when a config leaves it out)
+    max_position_embeddings / original_max_position_embeddings."""
     if params is None:
         params = hf.get("rope_parameters")
         if not params:
@@ -40,6 +42,14 @@ def read_rope(family: str, hf: dict, params: dict | None = None, field: str = "r
     partial = params.pop("partial_rotary_factor", 1.0)  # a family that implements it pops it before
     if partial not in (None, 1, 1.0):
         raise refuse(family, f"{field}.partial_rotary_factor", partial, [1.0])
+    if kind == "yarn":
+        params = {k: v for k, v in params.items() if k != "type"}
+        params["rope_type"] = "yarn"
+        old = params.get("original_max_position_embeddings")
+        if old is None:
+            raise ConfigError(f"{family}: HF config field {field} (yarn) needs original_max_position_embeddings")
+        if params.get("factor") is None:
+            params["factor"] = hf["max_position_embeddings"] / old
     return theta, (params if kind != "default" else None)
 
 
@@ -84,6 +94,8 @@ def decoder_tensor_map(cfg: ModelConfig, norms: dict[str, str], moe_maps=None) -
             maps.append(concatenated(p + "attn.qkv.bias", tuple(n + ".bias" for n in proj), qkv_sizes, layer=i))
         if a.out_bias:
             maps.append(same(p + "attn.out.bias", q + "self_attn.o_proj.bias", layer=i))
+        if a.sinks:
+            maps.append(same(p + "attn.sinks", q + "self_attn.sinks", layer=i))
     return maps + head_maps(cfg)
 
 

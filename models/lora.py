@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from tpzoo.errors import ConfigError
-from tpzoo.parallel import ColumnParallelLinear, RowParallelLinear
+from tpzoo.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from tpzoo.parallel.lora import LoRA
 
 from .registry import get_family
@@ -67,7 +67,8 @@ def sites(chunk) -> list[Site]:
     maps = {m.name: m for m in get_family(chunk.cfg.family).hf_tensor_map(chunk.cfg)}
     out = []
     for name, mod in chunk.named_modules():
-        if not name.startswith("layers.") or not isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+        if not name.startswith("layers.") or not isinstance(mod, (ColumnParallelLinear, RowParallelLinear,
+                                                                  ReplicatedLinear)):
             continue
         tm = maps.get(name + ".weight")
         if tm is None or not all(h.endswith(".weight") for h in tm.hf):

@@ -21,8 +21,10 @@ Recipes (FP8_RECIPES):
 Scales agree across TP ranks: an amax taken over a dimension that is split over the tensor-parallel group is
 all-reduced (max) over it, so every rank quantizes its shard exactly as one rank holding the whole tensor would
 (tp = 2 trains the same model as tp = 1). A column-parallel layer splits W's output dim (and dy's features), a
-row-parallel layer W's input dim (and x's features). Amaxes over tokens are reduced over the context-parallel
-group when cp > 1 (each cp rank holds part of every sequence). The reductions of a GEMM are concatenated into one
+row-parallel layer W's input dim (and x's features); a replicated layer (tpzoo.parallel.ReplicatedLinear) splits
+no weight dim, but under sequence parallelism its tokens are split over tp. Amaxes over tokens are reduced over
+the context-parallel group when cp > 1 (each cp rank holds part of every sequence), and over tp for a replicated
+layer under SP. The reductions of a GEMM are concatenated into one
 all-reduce per group (tpzoo.parallel.comm): per micro-batch a column layer issues 2 (tensorwise) or 1 (rowwise)
 scalar-sized all-reduces, a row layer 1. Under sequence parallelism the column layers' all-gather stays in the
 activations' dtype and quantizes after the gather (an FP8 all-gather, halving those bytes, is not done).
@@ -233,20 +235,25 @@ class _Reductions:
 
 
 class Fp8Linear:
-    """The FP8 GEMMs of one column- or row-parallel layer (what `layer.fp8` holds; enable_fp8 attaches it).
+    """The FP8 GEMMs of one column-parallel, row-parallel or replicated layer (what `layer.fp8` holds; enable_fp8
+    attaches it).
 
-    `kind`: "column" (W's output dim, and the output gradient's features, split over tp) or "row" (W's input dim
-    and the input's features split). `tp_group` / `cp_group`: None when that size is 1. x: [tokens, in],
+    `kind`: "column" (W's output dim, and the output gradient's features, split over tp), "row" (W's input dim
+    and the input's features split) or "replicated" (nothing split; `tp_group` given only when the tokens are,
+    under SP). `tp_group` / `cp_group`: None when that size is 1. x: [tokens, in],
     W: [out, in], dy: [tokens, out] (this rank's shards). The collectives of each GEMM happen before its matmul
     (forward(); backward_scales() for both backward GEMMs, issued before any other backward collective of the
     layer; weight_grad() only reduces over cp), in the same order on every rank."""
 
     def __init__(self, recipe: Fp8Recipe, kind: str, tp_group=None, cp_group=None):
-        if kind not in ("column", "row"):
-            raise ValueError(f"Fp8Linear kind must be 'column' or 'row', got {kind!r}")
-        self.recipe, self.kind, self.tp, self.cp = recipe, kind, tp_group, cp_group
+        if kind not in ("column", "row", "replicated"):
+            raise ValueError(f"Fp8Linear kind must be 'column', 'row' or 'replicated', got {kind!r}")
+        self.recipe, self.kind, self.tp = recipe, kind, tp_group
         self._out_split = self.tp if kind == "column" else None  # tp group where the out features are split
         self._in_split = self.tp if kind == "row" else None      # tp group where the in features are split
+        self._w_split = None if kind == "replicated" else self.tp  # where W itself is split
+        # where the tokens are split: cp, and tp for a replicated layer under SP (the others gather them first)
+        self.cp = (self.tp, cp_group) if kind == "replicated" else (cp_group,)
 
     def _scale(self, amax_: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return scale_of(amax_, dtype, self.recipe.pow2_scales)
@@ -263,8 +270,8 @@ class Fp8Linear:
             y = scaled_mm(quantize(x, sx, E4M3), quantize(w, sw, E4M3).t(), 1 / sx, (1 / sw).t(), x.dtype,
                           fast_accum=True)
             return y, ()
-        red.add(amax(x), self._in_split, self.cp)
-        red.add(amax(w), self.tp)
+        red.add(amax(x), self._in_split, *self.cp)
+        red.add(amax(w), self._w_split)
         ax, aw = red.run()
         sx, sw = self._scale(ax, E4M3), self._scale(aw, E4M3)
         y = scaled_mm(quantize(x, sx, E4M3), quantize(w, sw, E4M3).t(), 1 / sx, 1 / sw, x.dtype, fast_accum=True)
@@ -276,7 +283,7 @@ class Fp8Linear:
         of dy per token and of W per input channel."""
         r, red = self.recipe, _Reductions()
         if not r.rowwise:  # one scale, one cast of dy for both GEMMs
-            red.add(amax(dy), self._out_split, self.cp)
+            red.add(amax(dy), self._out_split, *self.cp)
             (ag,) = red.run()
             sg = self._scale(ag, r.grad_dtype)
             return sg, quantize(dy, sg, r.grad_dtype)
@@ -302,8 +309,8 @@ class Fp8Linear:
         r, out_dtype = self.recipe, out_dtype or dy.dtype
         if r.rowwise:  # dy per output channel and x per input channel, both over the tokens
             red = _Reductions()
-            red.add(amax(dy, 0), self.cp)
-            red.add(amax(x, 0), self.cp)
+            red.add(amax(dy, 0), *self.cp)
+            red.add(amax(x, 0), *self.cp)
             ag, ax = red.run()
             sg, sx = self._scale(ag, r.grad_dtype), self._scale(ax, E4M3)
             return scaled_mm(quantize(dy, sg, r.grad_dtype).t(), quantize(x, sx, E4M3), (1 / sg).t(), 1 / sx,
@@ -405,7 +412,7 @@ def enable_fp8(modules, recipe: str | None) -> Fp8Report:
                 report.fallbacks.append((name, out, inp))
                 continue
             dims = m.dims
-            m.fp8 = Fp8Linear(rec, kind, dims.tp_group if dims.tp > 1 else None,
-                              dims.cp_group if dims.cp > 1 else None)
+            tp_split = dims.tp > 1 and (kind != "replicated" or m.sequence_parallel)
+            m.fp8 = Fp8Linear(rec, kind, dims.tp_group if tp_split else None, dims.cp_group if dims.cp > 1 else None)
             report.fp8_layers.append(name)
     return report

@@ -28,6 +28,7 @@ from tpzoo.checkpoint.lora_io import lora_metadata
 from tpzoo.data import IGNORE_INDEX, micro_batches_per_step, single_documents_dropped
 from tpzoo.errors import ConfigError
 from tpzoo.models import LossOptions, ModelLayout
+from tpzoo.models.aux import after_optimizer_step
 from tpzoo.parallel import ParallelDims, comm, resolve_device, strict, watchdog
 from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.parallel.fp8 import enable_fp8
@@ -242,10 +243,10 @@ class Trainer:
             self.skips = 0
             clip = cfg.clip_grad / (grad_norm + 1e-6) if cfg.clip_grad > 0 and grad_norm > cfg.clip_grad else 1.0
             self.optimizer.step(lr, clip / loss_scale)  # unscale and clip in the update's one pass
-            for chunk in self.chunks:  # non-gradient state updated from the step (tpzoo.models.aux)
-                chunk.after_optimizer_step()
             if self.scaler:
                 self.scaler.update(False)
+        # non-gradient state updated from the step (a router's selection bias; dropped on a skipped step)
+        after_optimizer_step(self.chunks, applied=not skipped)
         strict.check_all_waited(f"the end of training step {step}")  # strict collective mode; else a no-op
         seconds = time.perf_counter() - t0
         self.throughput.add(self.tokens_per_step, seconds)
