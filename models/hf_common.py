@@ -106,7 +106,9 @@ def common_fields(hf: dict) -> dict:
         max_position_embeddings=hf.get("max_position_embeddings", 2048), norm="rmsnorm",
         norm_eps=hf.get("rms_norm_eps", 1e-6), position="rope", tie_embeddings=hf.get("tie_word_embeddings", False),
         initializer_range=hf.get("initializer_range", 0.02), bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"), extra={"hf_config": hf})
+        eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"),
+        # (a quantization_config describes the source's files, not the model tpzoo holds: tpzoo/checkpoint/hf.py)
+        extra={"hf_config": {k: v for k, v in hf.items() if k != "quantization_config"}})
 
 
 def common_attention(hf: dict) -> dict:

@@ -194,8 +194,12 @@ class HFSource:
     def _dequantized(self, config: Path) -> None:
         """MXFP4 pairs become their dequantized tensors (module docstring)."""
         quant = self.hf_config.get("quantization_config") or {}
-        if quant.get("quant_method") != "mxfp4":
+        if not quant:
             return
+        if quant.get("quant_method") != "mxfp4":
+            raise CheckpointError(f"{config}: quantization_config quant_method={quant.get('quant_method')!r} is not "
+                                  f"supported (tpzoo reads unquantized weights, and MXFP4); convert the checkpoint "
+                                  f"to bf16 first")
         parts = {}
         for name in [n for n in self.where if n.endswith("_blocks")]:
             base = name[: -len("_blocks")]
