@@ -100,7 +100,8 @@ def after_optimizer_step(chunks, applied: bool = True) -> None:
     cfg, dims = chunks[0].cfg, chunks[0].dims
     slots = step_sum_slots(cfg)
     if slots:
-        mine = {(int(i), part): getattr(layer, part) for chunk in chunks for i, layer in chunk.layers.items()}
+        mine = {(int(i), part): getattr(layer, part) for chunk in chunks for i, layer in chunk.layers.items()
+                for part in ("attn", "mlp")}
         if applied:
             device = next(chunks[0].parameters()).device
             total = torch.zeros(sum(n for _, _, n in slots), dtype=torch.float32, device=device)
