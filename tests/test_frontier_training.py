@@ -115,7 +115,8 @@ def train(path: str, kind: str, layout: dict, local_loads: bool = False) -> dict
         experts = [p for p in params if getattr(p, "expert_parallel", False)]
         dense = [p for p in params if not getattr(p, "expert_parallel", False)]
         buffers = [(GradBuffer(dense, device=dims.device), dims.grad_group),
-                   (GradBuffer(experts, device=dims.device), dims.expert_grad_group if dims.ep > 1 else dims.grad_group)]
+                   (GradBuffer(experts, device=dims.device),
+                    dims.expert_grad_group if dims.ep > 1 else dims.grad_group)]  # (edp exists at ep > 1)
         opt = make_optimizer(params)
         losses, grads, biases = [], {}, [_biases(chunks)]
         for step in range(STEPS):
@@ -162,7 +163,8 @@ def _unpadded(name, t):
 def check(ref: dict, ranks: list[dict], what) -> None:
     for r in ranks:
         for name, g in r["grads"].items():
-            assert_close(_unpadded(name, g).to(ref["grads"][name].dtype), ref["grads"][name], f"{what} rank {r['coords']} grad {name}")
+            want = ref["grads"][name]  # (the main gradients are fp32: compared in the reference's dtype)
+            assert_close(_unpadded(name, g).to(want.dtype), want, f"{what} rank {r['coords']} grad {name}")
         for name, p in r["params"].items():
             assert_close(_unpadded(name, p), ref["params"][name], f"{what} rank {r['coords']} param {name}")
         for step, (mine, want) in enumerate(zip(r["biases"], ref["biases"])):
@@ -204,3 +206,48 @@ def test_deepseek_v3_trains_like_one_process_at_every_layout(hf_dirs):
 @pytest.mark.slow
 def test_glm4_moe_and_gpt_oss_train_like_one_process_at_every_layout(hf_dirs):
     _run(hf_dirs, ["glm4_moe", "gpt_oss"])
+
+
+# -- the trainer --------------------------------------------------------------------------------------------------
+
+def _train(cfg):
+    from tpzoo.train import train
+
+    return train(cfg)
+
+
+def _state(path) -> dict:
+    from tpzoo.checkpoint import load_model
+
+    return load_model(str(path)).state_dict()  # the weights and the persistent buffers (the selection biases)
+
+
+def test_trainer_moves_saves_and_resumes_the_selection_bias(tmp_path):
+    """`tpzoo pretrain --base <DeepSeek-V3 HF directory>` at tp 2 + SP with --router-bias-update-rate and
+    --router-aux-loss-coef: the biases move, are saved in the checkpoints, and a run resumed from step 2 ends with
+    the uninterrupted run's weights and biases bit for bit."""
+    import sysconfig
+    from pathlib import Path
+
+    from tpzoo.data import iter_documents, preprocess
+    from tpzoo.train import load_config
+
+    hf = tmp_path / "hf"
+    make_hf_model("deepseek_v3", vocab=259).save_pretrained(hf)  # (the byte tokenizer's vocabulary)
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    store = str(preprocess(iter_documents([str(lib / "textwrap.py")]), "byte", tmp_path / "store").path)
+    base = dict(base=str(hf), data=[store], seq_len=8, global_batch_size=4, micro_batch_size=1, steps=3, lr=1e-3,
+                warmup_steps=1, tp=2, sequence_parallel=True, save_every=2, keep_last=0, sample_prompt="",
+                quiet=True, eval_fraction=0.0, seed=0, prefetch=1, router_bias_update_rate=0.01,
+                router_aux_loss_coef=0.01)
+    full = run_on_ranks(2, _train, load_config(None, {**base, "save": str(tmp_path / "a")}))[0]
+    resumed = run_on_ranks(2, _train, load_config(None, {**base, "save": str(tmp_path / "b"),
+                                                         "resume": str(tmp_path / "a" / "step_00000002")}))[0]
+    assert resumed["losses"][-1] == full["losses"][-1]
+    start, mid, end = _state(hf), _state(tmp_path / "a" / "step_00000002"), _state(tmp_path / "a" / "step_00000003")
+    biases = [n for n in end if n.endswith(BIAS)]
+    assert biases and all(not torch.equal(mid[n], start[n]) and not torch.equal(end[n], mid[n]) for n in biases)
+    # the checkpoint holds the moved bias (two steps of +-0.01 at most from HF's), not a fresh one
+    assert all(((mid[n] - start[n]).abs() <= 0.02 + 1e-6).all() for n in biases)
+    again = _state(tmp_path / "b" / "step_00000003")
+    assert sorted(again) == sorted(end) and all(torch.equal(again[n], end[n]) for n in end)

@@ -165,6 +165,14 @@ class OptimSection:
     eps: float = _f(1e-8, "AdamW epsilon", gt=0)
     clip_grad: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)", ge=0)
     label_smoothing: float = _f(0.0, "cross-entropy label smoothing", ge=0, lt=1)
+    router_bias_update_rate: float = _f(1e-3, "mixtures of experts with the sigmoid router (DeepSeek-V3, GLM-4.5): "
+                                              "auxiliary-loss-free balancing, each layer's selection bias moves by "
+                                              "this times sign(mean load - expert load) after every optimizer "
+                                              "step, the loads of the whole step on every rank (0 freezes it)",
+                                        ge=0)
+    router_aux_loss_coef: float = _f(0.0, "mixtures of experts with the sigmoid router: weight of Megatron-Core's "
+                                          "sequence-wise auxiliary loss (0 = off, as HF's configs; the softmax "
+                                          "routers' load-balancing loss keeps the model config's)", ge=0)
     z_loss: float = _f(0.0, "z-loss weight: adds z_loss * logsumexp(logits)^2 to each trained token's loss (PaLM "
                             "used 1e-4, OLMo 2's pretraining 1e-5; 0 = off; the eval loss never has it)", ge=0)
 

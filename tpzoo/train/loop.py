@@ -117,7 +117,7 @@ class Trainer:
             self.train_state = None
             self.tokenizer = resolve_tokenizer(cfg)
             model_cfg = ckpt.resolve_model_config(cfg, self.tokenizer)
-        self.model_cfg = model_cfg
+        self.model_cfg = model_cfg = ckpt.router_settings(cfg, model_cfg)
         if self.tokenizer.vocab_size > model_cfg.vocab_size:
             raise ConfigError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary is "
                              f"{model_cfg.vocab_size}")
