@@ -6,7 +6,7 @@
   projections take no adapter and naming one is refused (PEFT reads those names of these model types as the fused
   routed experts: models/lora.py);
 - `finetune`'s path end to end: --lora-rank 8 at tp 2 + SP from a DeepSeek-V3 HF directory, the checkpoint
-  exported as `convert to-hf` exports it (export_peft), and transformers + peft give the loss tpzoo's evaluation gives (1e-4)."""
+  exported as `convert to-hf` exports it (export_peft), and transformers + peft give the loss tpzoo gives (1e-4)."""
 import json
 
 import pytest
