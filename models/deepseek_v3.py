@@ -85,7 +85,7 @@ def mtp_notes(family: str, hf: dict) -> list[str]:
 # -- the family ---------------------------------------------------------------------------------------------------
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    theta, scaling = read_rope("deepseek_v3", hf)
+    theta, scaling = read_rope("deepseek_v3", hf, yarn=True)
     bias = bool(hf.get("attention_bias", False))
     n = hf["num_hidden_layers"]
     return ModelConfig(

@@ -24,7 +24,7 @@ NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 
 def config_from_hf(hf: dict) -> ModelConfig:
     check("gpt_oss", hf, "hidden_act", ("silu",), "silu")
-    theta, scaling = read_rope("gpt_oss", hf, default_theta=150000.0)
+    theta, scaling = read_rope("gpt_oss", hf, default_theta=150000.0, yarn=True)
     n, bias = hf["num_hidden_layers"], bool(hf.get("attention_bias", True))
     types = read_layer_types("gpt_oss", hf, n) or [
         "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]  # HF's default alternation

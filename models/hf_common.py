@@ -24,7 +24,7 @@ def check(family: str, hf: dict, field: str, allowed: tuple, default=None):
 
 
 def read_rope(family: str, hf: dict, params: dict | None = None, field: str = "rope_parameters",
-              default_theta: float = 10000.0) -> tuple[float, dict | None]:
+              default_theta: float = 10000.0, yarn: bool = False) -> tuple[float, dict | None]:
     """(theta, scaling) from transformers-5 `rope_parameters` (or the older rope_theta / rope_scaling), refusing
     a rope type tpzoo does not implement (longrope, dynamic...) instead of running it as plain rope. YaRN's
     parameters come out as transformers reads them: `rope_type` spelled so, its factor (when a config leaves it out)
@@ -37,8 +37,10 @@ def read_rope(family: str, hf: dict, params: dict | None = None, field: str = "r
     params = dict(params)
     theta = float(params.pop("rope_theta", hf.get("rope_theta", default_theta)))
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise refuse(family, f"{field}.rope_type", kind, list(ROPE_TYPES))
+    # YaRN only where a family's tests prove it against transformers (DeepSeek-V3, gpt-oss: `yarn=True`)
+    allowed = [t for t in ROPE_TYPES if yarn or t != "yarn"]
+    if kind not in allowed:
+        raise refuse(family, f"{field}.rope_type", kind, allowed)
     partial = params.pop("partial_rotary_factor", 1.0)  # a family that implements it pops it before
     if partial not in (None, 1, 1.0):
         raise refuse(family, f"{field}.partial_rotary_factor", partial, [1.0])
