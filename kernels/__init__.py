@@ -15,10 +15,11 @@ if __name__ != "tpzoo.kernels":
 else:
     from . import dispatch, reference
     from .dispatch import BACKENDS, get_backend, triton_available, use_backend
-    from .ops import (apply_rotary, bias_gelu, cross_entropy, geglu, geglu_packed, layer_norm, linear_cross_entropy,
-                      rms_norm, swiglu, swiglu_packed)
+    from .ops import (apply_rotary, bias_gelu, cross_entropy, fp8_cast, fp8_cast_rows, geglu, geglu_packed,
+                      layer_norm, linear_cross_entropy, rms_norm, swiglu, swiglu_packed)
     from .gated_delta_fla import gated_delta_rule
 
 __all__ = ["rms_norm", "layer_norm", "apply_rotary", "swiglu", "geglu", "swiglu_packed", "geglu_packed", "bias_gelu",
-           "cross_entropy", "linear_cross_entropy", "gated_delta_rule", "use_backend", "get_backend",
+           "cross_entropy", "linear_cross_entropy", "fp8_cast", "fp8_cast_rows", "gated_delta_rule", "use_backend",
+           "get_backend",
            "triton_available", "BACKENDS", "reference"]

@@ -15,13 +15,13 @@ import torch
 from . import launch
 
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
-           torch.int32: "i32", torch.bool: "i1"}
+           torch.int32: "i32", torch.bool: "i1", torch.uint8: "u8"}
 
 
 def _exercise(dtype: torch.dtype) -> None:
     """Forward and backward of every kernel wrapper: one-block and multi-block rows, with and without
     optional operands."""
-    from . import activations, fused_linear_cross_entropy, norms, rms, rotary, vocab_cross_entropy
+    from . import activations, float8, fused_linear_cross_entropy, norms, rms, rotary, vocab_cross_entropy
 
     def fwd_bwd(fn, *args):
         ins = [a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
@@ -47,6 +47,14 @@ def _exercise(dtype: torch.dtype) -> None:
     target = torch.randint(0, 50, (4,), device="cpu")
     fwd_bwd(vocab_cross_entropy.cross_entropy, r(4, 64), target, -100, 0.1, 50)
     fwd_bwd(vocab_cross_entropy.cross_entropy, r(4, 64), target, -100, 0.0, 50, None, False, 0.01)  # z-loss
+    # the FP8 casts: every scale axis, both formats, both layouts (the transposed one padded), the fused row amax
+    x = r(40, 64)
+    for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for mode, amax in (("tensor", r(())), ("rows", r(40, 1)), ("cols", r(1, 64))):
+            float8.cast(x, amax, fmt, mode, mode != "tensor", want_q=True, want_t=True, pad=16)
+            float8.cast(x, amax, fmt, mode, mode != "tensor", want_q=False, want_t=True, pad=16)
+            float8.cast(x, amax, fmt, mode, mode != "tensor", want_q=True, want_t=False)
+        float8.cast_rows(x, fmt, True)
     # the fused head: the same kernels on chunks of logits (the gradient written into the chunk)
     fwd_bwd(lambda h, w: fused_linear_cross_entropy.linear_cross_entropy(
         h, w, target, label_smoothing=0.1, z_loss=0.01, vocab_size=50, chunk_rows=3, kernels=vocab_cross_entropy),

@@ -2,7 +2,8 @@
 
     auto    (default) for CUDA tensors, whichever of Triton and torch measured faster for this kernel and shape
             class (tpzoo.kernels.autotune: timed once per class and process, kept on disk; torch when Triton
-            does not import); the torch reference for CPU tensors.
+            does not import); the torch reference for CPU tensors, and inside a region torch.compile traces
+            (inductor generates fused kernels from the references; tpzoo.train.compile).
     triton  always Triton. CPU tensors then need Triton's interpreter: TRITON_INTERPRET=1 in the environment
             before the first kernel runs in the process (Triton reads it when the kernels are defined).
     torch   always the torch reference.
@@ -27,6 +28,7 @@ from . import autotune
 
 BACKENDS = ("auto", "triton", "torch")
 KERNEL_NAMES = ("rms_norm", "layer_norm", "apply_rotary", "swiglu", "geglu", "bias_gelu", "cross_entropy",
+                "fp8_cast",
                 "gated_delta_rule")  # the last: flash-linear-attention's kernels, not tpzoo's (gated_delta_fla.py)
 ENV_VAR = "TPZOO_KERNELS"
 
@@ -120,10 +122,13 @@ def _gpu_with_triton(ts: list) -> bool:
     return all(t.is_cuda for t in ts) and triton_available()
 
 
+def _compiling() -> bool:
+    return getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)()
+
+
 def _not_measurable() -> bool:
     """Inside torch.compile tracing or a CUDA-graph capture a trial would be traced or captured."""
-    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)()
-    return compiling or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    return _compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def use_triton(*tensors: torch.Tensor | None, kernel: str | None = None, trial=None) -> bool:
@@ -135,7 +140,7 @@ def use_triton(*tensors: torch.Tensor | None, kernel: str | None = None, trial=N
         return False
     ts = [t for t in tensors if t is not None]
     if backend == "auto":
-        if not _gpu_with_triton(ts):
+        if not _gpu_with_triton(ts) or _compiling():  # compiled regions: inductor fuses the references itself
             return False
         if kernel is None or trial is None or not ts:
             return True

@@ -1,6 +1,9 @@
-"""Launch helpers shared by the Triton kernels (no Triton import here): 2-D row views, block sizes, grids."""
+"""Launch helpers shared by the Triton kernels (no Triton import here): 2-D row views, block sizes, grids; and the
+count of launches a piece of code makes (torch.profiler on CPU stands in for a GPU's launch count)."""
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 
 import torch
@@ -81,3 +84,71 @@ class recording:
 
     def __exit__(self, *exc) -> None:
         _recorders.remove(self.calls)
+
+
+# -- counting launches -------------------------------------------------------------------------------------------
+
+# aten ops that launch no kernel (views, allocations; host work only), counted apart as "views"
+VIEWS = frozenset({
+    "aten::slice", "aten::select", "aten::view", "aten::as_strided", "aten::detach", "aten::detach_", "aten::alias",
+    "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg", "aten::_unsafe_view", "aten::reshape", "aten::t",
+    "aten::transpose", "aten::expand", "aten::unsqueeze", "aten::squeeze", "aten::permute", "aten::split",
+    "aten::split_with_sizes", "aten::chunk", "aten::narrow", "aten::unbind", "aten::_reshape_alias", "aten::view_as",
+    "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::to", "aten::contiguous", "aten::lift"})
+# composite ops that are only a dispatch when nothing needs copying (aten::to of a tensor already in that dtype):
+# what they run inside is counted instead
+_PASS_THROUGH = frozenset({"aten::to", "aten::contiguous", "aten::reshape"})
+LABELS = ("tpzoo::", "triton::")  # record_function labels (as_one_launch): one launch on the GPU each
+
+
+def as_one_launch(name: str):
+    """Label a torch reference that stands for one kernel launch on the GPU (a Triton kernel, torch._scaled_mm):
+    count_launches counts the region once, not the ops inside. No cost beyond the label's on the CPU path."""
+    from torch.profiler import record_function
+
+    return record_function(name)
+
+
+def count_launches(fn) -> collections.Counter:
+    """The launches fn() makes, as a GPU would see them: top-level aten ops (not nested in another aten op or a
+    label), each Triton kernel launched through run() (as triton::<name>; in the interpreter its own tensor work
+    on the CPU is not counted), each as_one_launch label once, each collective (c10d::<op>) once; ops that launch
+    nothing (views, allocations, an aten::to with nothing to convert) are counted together as "views"."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out: collections.Counter = collections.Counter()
+    plain = run
+
+    def counted(kernel, grid, *a, **kw):  # labelled: what the interpreter runs on the CPU inside is not counted
+        with as_one_launch(f"triton::{getattr(kernel, '__name__', kernel)}"):
+            return plain(kernel, grid, *a, **kw)
+
+    globals()["run"] = counted
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+    finally:
+        globals()["run"] = plain
+    for e in prof.events():
+        name, parent = e.name, e.cpu_parent
+        inside = False
+        while parent is not None:  # nested in a counted op or a label: not a launch of its own
+            if parent.name.startswith(LABELS) or (parent.name.startswith("aten::")
+                                                 and parent.name not in _PASS_THROUGH):
+                inside = True
+                break
+            parent = parent.cpu_parent
+        if inside:
+            continue
+        if name.startswith(LABELS):
+            out[name] += 1
+        elif name.startswith("aten::"):
+            out["views" if name in VIEWS else name] += 1
+        elif name.startswith("c10d::"):
+            out[name] += 1
+    return out
+
+
+def launches(c: collections.Counter) -> int:
+    """The number of launches in a count_launches result (everything but the views)."""
+    return sum(v for k, v in c.items() if k != "views")

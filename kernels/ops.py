@@ -6,7 +6,7 @@ import torch
 
 from tpzoo.parallel.cross_entropy import check_loss_args
 
-from . import autotune, dispatch, reference
+from . import autotune, dispatch, launch, reference
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -141,3 +141,26 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     return fused(hidden, weight, target, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
                  softcap=softcap, vocab_size=vocab_size, group=group, sequence_dim=sequence_dim,
                  chunk_rows=chunk_rows, kernels=k)
+
+
+def fp8_cast(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, mode: str, pow2: bool = False,
+             want_q: bool = True, want_t: bool = False, pad: int = 1) -> tuple:
+    """x [M, N] cast to fp8 `dtype` with the scale fp8_max / amax (amax: [] for mode "tensor", [M, 1] "rows",
+    [1, N] "cols"; pow2: rounded down to a power of two): (q [M, N] or None, its transpose [N, M rounded up to
+    `pad`, zero-padded] or None, the dequantization scale 1/s shaped like amax), from one read of x
+    (tpzoo.kernels.float8; reference.fp8_cast is the definition). Not timed under `auto`: Triton on CUDA."""
+    k = _untimed("fp8_cast", "float8", (x, amax), x.dim() == 2)
+    if k:
+        return k.cast(x, amax, dtype, mode, pow2, want_q, want_t, pad)
+    with launch.as_one_launch("tpzoo::fp8_cast"):
+        return reference.fp8_cast(x, amax, dtype, mode, pow2, want_q, want_t, pad)
+
+
+def fp8_cast_rows(x: torch.Tensor, dtype: torch.dtype, pow2: bool = False) -> tuple:
+    """(q, 1/s [M, 1]) for x [M, N] with one scale per row from the row's own amax, amax and cast in one launch
+    (the rows' dim is not split across ranks, so no agreement is needed)."""
+    k = _untimed("fp8_cast", "float8", (x,), x.dim() == 2)
+    if k:
+        return k.cast_rows(x, dtype, pow2)
+    with launch.as_one_launch("tpzoo::fp8_cast_rows"):
+        return reference.fp8_cast_rows(x, dtype, pow2)

@@ -59,10 +59,22 @@ class _Recomputed:
         module = self.module()
         if self.direct or not torch.is_grad_enabled():
             return self.function(module, *args, **kwargs)
+        if torch.compiler.is_compiling():
+            # Traced inside a compiled block (selective recomputation of its core under --compile): torch.compile
+            # takes the checkpoint as its own operator, which admits no context_fn; a core keeps no state that
+            # would need is_recomputing(), and its recomputation is part of the compiled graph.
+            return checkpoint(self.function, module, *args, use_reentrant=False, **kwargs)
         # A Context's shared tensors (the rotary tables) enter as inputs of their own: the checkpoint keeps them
         # as it keeps every tensor input (saved once, as autograd's saved-tensor hooks see them).
         shared = [t for a in args if isinstance(a, Context) for t in a.shared_tensors()]
         return checkpoint(self._run, len(args), *args, *shared, use_reentrant=False, context_fn=_contexts, **kwargs)
+
+    def compile(self) -> None:
+        """torch.compile the module's own forward inside the checkpoint (regional compilation of a recomputed
+        block): the checkpoint stays eager around the compiled region, so its forward and its recomputation
+        run the same compiled graphs. Compiling the call instead would trace the checkpoint itself, and a graph
+        break inside it (a collective, an FP8 projection) makes the recomputation save other tensors."""
+        self.function = torch.compile(self.function)
 
     def _run(self, n: int, *args, **kwargs):
         args, module = args[:n], self.module()

@@ -6,7 +6,10 @@ started (preflight_helpers). Reader cases: the pretraining sources raise the sam
 while tokenizing, after spawning, so they are tested on the reader).
 """
 import json
+import os
+import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -153,3 +156,34 @@ def test_eval_text_file_empty_or_not_utf8_fails_before_spawning(tmp_path, monkey
                    f"{text}:2: invalid UTF-8 (byte 0x80 at byte offset 3)")
     one_error_line(*cli(monkeypatch, capsys, "eval", ckpt, "--text-file", tmp_path / "nope.txt"), "eval",
                    f"--text-file does not exist: {tmp_path / 'nope.txt'}")
+
+
+# -- weighted mixtures and Megatron datasets, through `tpzoo pretrain` ------------------------------------------
+
+def test_pretrain_bad_mixtures_and_megatron_files_are_one_line_with_nothing_written(tmp_path, monkeypatch, capsys):
+    fixture = str(Path(__file__).parent / "fixtures" / "megatron" / "tiny_text_document")
+    (tmp_path / "web.txt").write_text("some web text\n")
+    (tmp_path / "code.txt").write_text("def f(): pass\n")
+    web, code = tmp_path / "web.txt", tmp_path / "code.txt"
+    shutil.copy(fixture + ".bin", tmp_path / "noidx.bin")
+    for ext in (".bin", ".idx"):
+        shutil.copy(fixture + ext, tmp_path / f"short{ext}")
+    size = (tmp_path / "short.bin").stat().st_size
+    os.truncate(tmp_path / "short.bin", size - 2)
+    save = tmp_path / "run"
+    cases = [(["0", web, "1", code], f"--data: the weight '0' of {web} is not a positive number"),
+             (["-1", web, "1", code], f"--data: the weight '-1' of {web} is not a positive number"),
+             (["0.7", web, "0.3"], "--data: the last weight 0.3 has no path (WEIGHT PATH pairs"),
+             (["0.7", web, code], f"--data: '{code}' stands where a weight should (item 3)"),
+             ([tmp_path / "noidx"], f"Megatron dataset index {tmp_path / 'noidx.idx'} is missing"),
+             (["0.5", web, "0.5", tmp_path / "short"], f"{tmp_path / 'short.bin'}: {size - 2} bytes, but "
+                                                      f"{tmp_path / 'short.idx'} describes {size}"),
+             ([web, fixture], f"{fixture} is already tokenized and cannot be concatenated with other data")]
+    for data, says in cases:
+        one_error_line(*cli(monkeypatch, capsys, "pretrain", "--data", *data, "--save", save), "pretrain", says)
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'[data.mix]\n"{web}" = 0.7\n"{code}" = "much"\n')
+    one_error_line(*cli(monkeypatch, capsys, "pretrain", toml, "--save", save), "pretrain",
+                   f"[data] mix: the weight 'much' of {code} is not a positive number")
+    assert not save.exists() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "code.txt", "noidx.bin", "run.toml", "short.bin", "short.idx", "web.txt"]

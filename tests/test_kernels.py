@@ -318,6 +318,30 @@ def test_linear_cross_entropy(interp, dtype, softcap, smoothing, z_loss, uniform
     interp(check_linear_cross_entropy, dtype, softcap, smoothing, z_loss, uniform)
 
 
+def test_fp8_casts_equal_the_reference_bit_for_bit(interp):
+    """The FP8 cast kernels (tpzoo.kernels.float8) against reference.fp8_cast: every scale axis, format, layout
+    and input dtype (tests/fp8_kernel_checks.py), and at every rounding decision of both formats; Triton's own
+    conversion in the interpreter gets hundreds of those wrong (the kernel's bit-level routine is needed there,
+    and the comparison sees the difference)."""
+    from fp8_kernel_checks import check_fp8_casts, check_fp8_rounding
+
+    interp(check_fp8_casts)
+    assert interp(check_fp8_rounding) > 100
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_linear_launches_as_many_kernels_as_its_cpu_twin_counts(interp, recipe):
+    """An FP8 linear's next micro-batch with the Triton casts (interpreted: one launch each) launches what the CPU
+    path counts (each torch reference labelled as the one kernel it stands for), with the same outputs bit for
+    bit: the launch budget in test_fp8.py, counted on the CPU path, is the GPU's."""
+    from fp8_kernel_checks import fp8_linear_launches
+
+    fwd, bwd, outs, casts = interp(fp8_linear_launches, recipe, "triton")
+    fwd_ref, bwd_ref, outs_ref, casts_ref = fp8_linear_launches(recipe, "torch")
+    assert (fwd, bwd, casts) == (fwd_ref, bwd_ref, casts_ref)
+    assert all(torch.equal(a, b) for a, b in zip(outs, outs_ref))
+
+
 @pytest.mark.cuda
 def test_cuda():
     pytest.importorskip("triton")
@@ -335,3 +359,14 @@ def test_cuda():
         check_cross_entropy(dtype, 0.1, "contiguous", False, 4096, "cuda", z_loss=0.01)
         check_linear_cross_entropy(dtype, None, 0.0, 0.0, True, "cuda")
         check_linear_cross_entropy(dtype, 5.0, 0.1, 0.01, False, "cuda")
+
+
+@pytest.mark.cuda
+def test_cuda_fp8_casts():
+    """The FP8 cast kernels compiled, with the hardware's conversion (cvt.rn.satfinite), against torch's cast bit
+    for bit, on GPU-sized tiles and rows."""
+    pytest.importorskip("triton")
+    from fp8_kernel_checks import check_fp8_casts, check_fp8_rounding
+
+    check_fp8_casts("cuda")
+    assert check_fp8_rounding("cuda") == 0

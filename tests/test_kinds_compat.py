@@ -16,6 +16,7 @@ from tpzoo.models import ModelConfig, get_config
 
 FIXTURE = Path(__file__).parent / "fixtures" / "pre_kinds"
 EXPECTED = json.loads((FIXTURE / "expected.json").read_text())
+_WRITTEN_AT = Path("/work/wt/kinds/tests/fixtures/pre_kinds")  # where make_pre_kinds_checkpoints.py ran
 
 
 def _config(model: str, run: Path):
@@ -33,6 +34,10 @@ def test_an_old_checkpoint_resumes_bit_exact(tmp_path, model):
 
     run = tmp_path / model
     shutil.copytree(FIXTURE / model, run)
+    # The fixture was written in another checkout: its run's data path names that checkout's store. Point it at
+    # this one's (the same tokens), as a user who moved the run and its data together would.
+    state = run / "step_00000002" / "train_state.json"
+    state.write_text(state.read_text().replace(json.dumps(str(_WRITTEN_AT))[1:-1], str(FIXTURE)))
     manifest = json.loads((run / "step_00000002" / "manifest.json").read_text())
     old = manifest["model_config"]
     assert "num_heads" in old and "attention" not in old  # the flat format of before

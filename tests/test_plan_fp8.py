@@ -68,6 +68,14 @@ def test_fp8_speeds_the_step_by_half_its_fp8_gemms_and_holds_its_casts():
         assert runs[r].time.compute == pytest.approx(runs["none"].time.compute - saved_s, rel=1e-9)
         extra = runs[r].memory.transient - runs["none"].memory.transient
         assert extra == fp8_transient_bytes(cfg, 4, 4096, list(range(cfg.num_layers))) > 0
+        # the weights' fp8 copies kept for the step: 2 bytes per element of every projection weight of the stage
+        per_layer = 2 * (4096 * 6144 + 4096 * 4096 + 4096 * 28672 + 14336 * 4096) // 4
+        assert runs[r].memory.params - runs["none"].memory.params == cfg.num_layers * per_layer
+        zero3 = [estimate(cfg, layout, cluster, TrainingSpec(seq_len=4096, global_batch_size=16, fp8=f, zero=3))
+                 for f in ("none", r)]  # gathered and cast per use: no copies kept, the weight's in the working set
+        assert zero3[1].memory.params == zero3[0].memory.params
+        assert zero3[1].memory.transient - zero3[0].memory.transient == fp8_transient_bytes(
+            cfg, 4, 4096, list(range(cfg.num_layers)), per_use=True)
     assert runs["none"].memory.transient == stage_memory(cfg, layout, plain, 0).transient
     assert FP8_RECIPES == fp8.FP8_RECIPES
     with pytest.raises(ValueError, match="fp8 must be one of none, tensorwise, rowwise"):

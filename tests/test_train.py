@@ -232,20 +232,23 @@ def _named_state(trainer) -> dict:
     return out
 
 
-def _train_capturing_state(cfg, at_step: int):
-    """Train; capture the named state when step `at_step` is saved (0: when the run starts, e.g. resumed)."""
+def _train_capturing_state(cfg, at_step: int, state=None):
+    """Train; capture the named state (`state(trainer)`, default _named_state) once step `at_step` is saved (0:
+    when the run starts, e.g. resumed)."""
     from tpzoo.train.loop import Trainer, train
 
+    state = state or _named_state
     captured, originals = {}, (Trainer.save, Trainer.train_step)
 
     def save(self, step):
+        path = originals[0](self, step)
         if step == at_step:
-            captured.update(_named_state(self))
-        return originals[0](self, step)
+            captured.update(state(self))
+        return path
 
     def train_step(self, step):
         if at_step == 0 and not captured:
-            captured.update(_named_state(self))
+            captured.update(state(self))
         return originals[1](self, step)
 
     Trainer.save, Trainer.train_step = save, train_step

@@ -55,7 +55,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, collective_ti
             fn, args, kwargs = pickle.loads(payload)
             out = fn(*args, **kwargs)
             # a pooled worker never reaches process exit: what strict mode checks there, it checks after each call
-            strict.check_all_waited(f"the end of {getattr(fn, '__name__', 'the call')}")
+            strict.check_all_waited(f"the end of {getattr(fn, '__name__', 'the call')}", include_carried=True)
             results.put((call_id, rank, True, pickle.dumps(out)))
         except BaseException:  # noqa: BLE001 - the traceback goes to the caller
             strict.forget()

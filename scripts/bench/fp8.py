@@ -11,8 +11,10 @@ gradients and moments; bf16 weights on the GPU), clipping at 1.0, lr 3e-4 after 
 starts from the same weights (seed 0) and trains on the same batches: windows of the bytes of the Python standard
 library's .py files (ids < 256; a learnable stream, so the losses mean something). Tokens/s counts the steps
 after --warmup (FP8's compiled casts and the first GEMMs are warmed up there); loss = the mean of the last 10
-steps' losses. On CUDA the peak is torch.cuda.max_memory_allocated. `--eager-casts`: FP8 with the casts in eager
-torch (several passes and an fp32 copy per cast) instead of compiled kernels, to see what fusing them is worth.
+steps' losses. On CUDA the peak is torch.cuda.max_memory_allocated. `--casts torch`: FP8 with the casts as the
+torch reference (several eager passes per cast) instead of the fused Triton kernels, to see what fusing them is
+worth. `--compile`: every variant's transformer blocks compiled (tpzoo.train.compile; the FP8 projections stay
+eager with their own kernels).
 """
 from __future__ import annotations
 
@@ -67,13 +69,18 @@ def run_case(name: str, variant: str, args, data) -> dict:
     from tpzoo.train.lr import lr_at
     from tpzoo.train.optim import DistributedAdamW
 
+    from tpzoo import kernels
+    from tpzoo.train.compile import compile_blocks
+
     cfg = model_config(name)
     dims = tpzoo.init_parallel(tp=1, device=args.device)
     cuda = dims.device.type == "cuda"
-    fp8.COMPILE_CASTS = not args.eager_casts
+    kernels.use_backend(None if args.casts == "auto" else args.casts, kernel="fp8_cast")
     try:
         chunks = build_model_chunks(cfg, dims, seed=0)
         report = fp8.enable_fp8(chunks, variant)
+        if args.compile:
+            compile_blocks(chunks)
         opt = DistributedAdamW([p for c in chunks for p in c.parameters()], dims, model_dtype=args.dtype,
                                betas=(0.9, 0.95), weight_decay=0.1)
         if cuda:
@@ -152,11 +159,14 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: 128 on CPU, 2048 on CUDA)")
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per step (one micro-batch)")
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--eager-casts", action="store_true", help="FP8 casts in eager torch (no torch.compile)")
+    p.add_argument("--casts", choices=("auto", "triton", "torch"), default="auto",
+                   help="the FP8 casts: auto (the Triton kernels on CUDA), or forced (torch: the eager reference)")
+    p.add_argument("--compile", action="store_true", help="compile every variant's transformer blocks")
     p.add_argument("--profile", type=int, default=0, help="after each case, profile one forward + backward and "
                                                           "print this many top ops")
     p.add_argument("--jsonl", type=pathlib.Path, help="append each case's result to this file as it finishes")
     p.add_argument("--write", type=pathlib.Path, help="markdown file whose fp8 section to (re)write")
+    p.add_argument("--section", help="the section's name (default: fp8_cuda on CUDA, fp8 on CPU)")
     args = p.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
@@ -187,20 +197,21 @@ def main(argv=None) -> int:
     where = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}" if cuda
              else f"the shared 2-core CPU machine, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
                   f"load average {load:.1f} before the run: other jobs share the cores, so compare rows, not runs")
-    cmd = "python scripts/bench/fp8.py" + (" --device cuda" if cuda else "") + " --write docs/benchmarks.md"
+    cmd = " ".join(["python scripts/bench/fp8.py", *(argv if argv is not None else sys.argv[1:])])
     body = (f"## FP8 training vs {'bf16' if cuda else 'fp32'}: tokens/s and loss ({'GPU' if cuda else 'CPU'})\n\n"
             f"Command: `{cmd}` ({where}; tp = 1, one micro-batch of {args.micro_batch} x {args.seq_len} tokens per "
             f"step, {args.steps} steps from the same weights on the same batches, tokens/s over the steps after "
-            f"the first {args.warmup}{', eager casts' if args.eager_casts else ''}; {elapsed:.0f} s in all).\n\n"
+            f"the first {args.warmup}{f', {args.casts} casts' if args.casts != 'auto' else ''}"
+            f"{', blocks compiled' if args.compile else ''}; {elapsed:.0f} s in all).\n\n"
             + table(results))
     if not cuda:
-        body += ("\n\nOn the CPU FP8 is emulated (the same casts, the GEMM in fp32): it can only be slower; this run "
+        body += ("\n\nOn the CPU FP8 is emulated (the same casts, the GEMM in fp64): it can only be slower; this run "
                  "shows the path works end to end and how far the emulated numerics move the loss. GPU "
                  "(`--device cuda`: llama-3.2-3b and llama-3-8b cut to 8 layers, bf16 weights, 200 steps of 2 x "
                  "2048 tokens; the goal is >= 1.3x bf16 tokens/s with the loss within 1 %): see the GPU section.")
     print(body)
     if args.write:
-        write_section(args.write, "fp8_cuda" if cuda else "fp8", body)
+        write_section(args.write, args.section or ("fp8_cuda" if cuda else "fp8"), body)
     return 0
 
 

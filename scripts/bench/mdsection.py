@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 
 
 def write_section(path, key: str, body: str) -> None:
@@ -15,3 +16,29 @@ def write_section(path, key: str, body: str) -> None:
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     path.write_text(text)
+
+
+def sections(path) -> dict[str, str]:
+    """Every marked section of a markdown file: key -> body."""
+    text, out = pathlib.Path(path).read_text(), {}
+    for begin in re.finditer(r"<!-- (\S+):begin -->\n", text):
+        key = begin.group(1)
+        end = text.find(f"<!-- {key}:end -->", begin.end())
+        if end >= 0:
+            out[key] = text[begin.end():end]
+    return out
+
+
+def main(argv=None) -> None:
+    """python scripts/bench/mdsection.py SRC DST: copy every section of SRC into DST (replaced where DST has it,
+    appended otherwise): a GPU run's sections (scripts/gpu_measure.sh) into docs/benchmarks.md."""
+    import sys
+
+    src, dst = (argv if argv is not None else sys.argv[1:])
+    for key, body in sections(src).items():
+        write_section(dst, key, body)
+        print(f"{dst}: section {key}")
+
+
+if __name__ == "__main__":
+    main()

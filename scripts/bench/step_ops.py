@@ -24,43 +24,19 @@ import inspect
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
-VIEWS = {"aten::slice", "aten::select", "aten::view", "aten::as_strided", "aten::detach", "aten::detach_",
-         "aten::alias", "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg", "aten::_unsafe_view",
-         "aten::reshape", "aten::t", "aten::transpose", "aten::expand", "aten::unsqueeze", "aten::squeeze",
-         "aten::permute", "aten::split", "aten::split_with_sizes", "aten::chunk", "aten::narrow", "aten::unbind",
-         "aten::_reshape_alias", "aten::view_as", "aten::empty", "aten::empty_like", "aten::empty_strided"}
-
 
 def count(fn) -> collections.Counter:
-    """Top-level aten ops (not nested in another aten op) that fn() runs, views and allocations counted together
-    as "views" (host work, no kernel), and the Triton kernels it launches (as triton::<name>; the interpreter's
-    work is no aten op)."""
+    """Launches of fn() by kind (tpzoo.kernels.launch.count_launches: top-level aten ops, Triton launches, views
+    and allocations apart as "views")."""
     from tpzoo.kernels import launch
 
-    out = collections.Counter()
-    run = launch.run
-
-    def counted(kernel, grid, *a, **kw):
-        out[f"triton::{getattr(kernel, '__name__', kernel)}"] += 1
-        return run(kernel, grid, *a, **kw)
-
-    launch.run = counted
-    try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            fn()
-    finally:
-        launch.run = run
-    for e in prof.events():
-        parent = e.cpu_parent
-        if e.name.startswith("aten::") and not (parent and parent.name.startswith("aten::")):
-            out["views" if e.name in VIEWS else e.name] += 1
-    return out
+    return launch.count_launches(fn)
 
 
 def kernels(c: collections.Counter) -> int:
-    return sum(v for k, v in c.items() if k != "views")
+    from tpzoo.kernels import launch
+
+    return launch.launches(c)
 
 
 def measure(args, fusion: bool) -> dict:

@@ -102,7 +102,7 @@ def load_weights_into(model_or_chunks, ckpt, *, verify: bool = True, select=None
 def _gather_experts(chunks, select=None) -> dict:
     """Every expert of this rank's expert weights (all_gather over the ep group, dim 0): a checkpoint holds the
     experts whole, so it loads at any ep. Collective over the ep group; only the ranks of the first
-    expert-data-parallel slice (edp_rank 0, which holds the writers dp = cp = 0) call it."""
+    expert-data-parallel slice holding the writers (edp_rank 0 for the writers dp = cp = 0) call it."""
     from tpzoo.parallel import comm
 
     out = {}
@@ -169,9 +169,10 @@ def _write_manifest(gathered: list[dict], cfg, out_dir: Path, tp: int, pp: int, 
 
 
 def save_model_shards(chunks_or_model, out_dir, cfg=None, *, tokenizer=None, metadata: dict | None = None,
-                      dtype=None, checksum: str = "crc32", select=None) -> dict | None:
+                      dtype=None, checksum: str = "crc32", select=None, dp_writer: int = 0) -> dict | None:
     """Write this rank's shard file into `out_dir` (an existing directory, e.g. from `atomic_dir`); collective
-    when torch.distributed is initialized: one rank per (tp, pp) position (dp = cp = 0) writes, rank 0 writes
+    when torch.distributed is initialized: one rank per (tp, pp) position (dp = `dp_writer`, cp = 0; another
+    dp_writer saves another replica's weights, tpzoo.train.diloco_state) writes, rank 0 writes
     manifest.json and the tokenizer files (`tokenizer`: a directory to copy them from, or an object with
     `save(dir)`). A failure on any rank is raised on every rank (no rank is left waiting in a collective).
     `select(name)`: save only the parameters it accepts (a LoRA checkpoint: the adapters). Returns the manifest
@@ -186,9 +187,11 @@ def save_model_shards(chunks_or_model, out_dir, cfg=None, *, tokenizer=None, met
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
     mine: dict = {}
-    experts = _gather_experts(chunks, select) if dims.ep > 1 and dims.edp_rank == 0 else None
+    # the experts are gathered over the writer's ep group (edp slice of the rank dp = dp_writer, cp = 0)
+    writers_edp = dims.cp * dp_writer // dims.ep
+    experts = _gather_experts(chunks, select) if dims.ep > 1 and dims.edp_rank == writers_edp else None
     try:
-        if dims.dp_rank == 0 and dims.cp_rank == 0:
+        if dims.dp_rank == dp_writer and dims.cp_rank == 0:
             mine = _write_own_shard(chunks, cfg, out_dir, dtype, tp, tp_rank, pp_rank, checksum, select, experts)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         if not distributed:

@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8", default="none", choices=["none", "tensorwise", "rowwise"],
                    help="the attention and MLP projections' GEMMs in FP8 (twice the FLOP rate; the casts' working "
                         "set in memory), as `tpzoo pretrain --fp8` runs them")
+    p.add_argument("--compile", action="store_true", help="the blocks compiled (regional torch.compile, as "
+                        "`tpzoo pretrain --compile`): their saved tensors counted as the fused kernels'")
     p.add_argument("--vocab-padding-multiple", type=int, default=1)
     p.add_argument("--max-micro-batch", type=int, default=64)
     p.add_argument("--tp", type=int, help="only layouts with this tp")
@@ -53,6 +55,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, help="only layouts with this expert-parallel size (mixture of experts; default: "
                    "every ep dividing the experts and dp)")
     p.add_argument("--recompute", choices=["none", "selective", "full"], help="only this recompute mode")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="plan K replicas joined by a slow link (DiLoCo, `pretrain --replicas`): each replica is "
+                        "gpus/K GPUs training global-batch/K sequences; synchronous vs DiLoCo, and the "
+                        "recommended --sync-every / --sync-fragments (docs/plan.md)")
+    p.add_argument("--replica-link-gbps", type=float, help="gigabits per second each rank gets across replicas")
+    p.add_argument("--replica-link-latency-ms", type=float, default=0.0, help="latency of the link (default 0)")
+    p.add_argument("--sync-every", type=int, default=0, help="also estimate DiLoCo with this H")
+    p.add_argument("--sync-fragments", type=int, default=1, help="... with this many fragments")
+    p.add_argument("--sync-overlap", type=int, default=0, help="... with this overlap (steps)")
+    p.add_argument("--sync-dtype", default="fp32", choices=["fp32", "bf16", "fp8"],
+                   help="dtype of DiLoCo's outer gradients on the link (also for the recommendation)")
     p.add_argument("--top", type=int, default=10, help="how many fitting layouts to show (default 10)")
     p.add_argument("--rejected", type=int, default=5, help="how many non-fitting layouts to show (default 5)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -81,7 +94,20 @@ def run(args) -> int:
     from tpzoo.plan.report import header, table, to_json
 
     cfg = load_model(args.model)
+    k = args.replicas
+    if k > 1 and (args.gpus % k or args.global_batch_size % k or args.replica_link_gbps is None):
+        raise ConfigError(f"--replicas {k}: " + ("--replica-link-gbps is required (the link between replicas)"
+                                                 if args.replica_link_gbps is None else
+                                                 f"must divide --gpus {args.gpus} and --global-batch-size "
+                                                 f"{args.global_batch_size} (each replica trains its share)"))
     try:
+        spec = None
+        if k > 1:  # plan one replica; replicas.py adds the link
+            from tpzoo.plan.replicas import ReplicaSpec
+
+            spec = ReplicaSpec(k, args.replica_link_gbps, args.replica_link_latency_ms, args.sync_every,
+                               args.sync_fragments, args.sync_overlap, args.sync_dtype)
+            args.gpus, args.global_batch_size = args.gpus // k, args.global_batch_size // k
         cluster = ClusterSpec(gpus=args.gpus, gpu_memory_gib=args.gpu_memory, gpus_per_node=args.gpus_per_node,
                               gpu_tflops=args.gpu_tflops, intra_node_gbps=args.intra_node_bw,
                               inter_node_gbps=args.inter_node_bw, efficiency=args.efficiency,
@@ -93,17 +119,37 @@ def run(args) -> int:
                                 lora_rank=args.lora_rank,
                                 vocab_padding_multiple=args.vocab_padding_multiple,
                                 kernels=args.kernels, fused_linear_cross_entropy=args.fused_linear_cross_entropy,
-                                fp8=args.fp8)
+                                fp8=args.fp8, compile=args.compile)
     except ValueError as exc:  # the specs check their own fields
         raise ConfigError(str(exc)) from None
     estimates = search(cfg, cluster, training, args.max_micro_batch, tp=args.tp, pp=args.pp,
                        recompute=args.recompute, cp=args.cp, ep=args.ep)
+    across = None
+    best = next((e for e in estimates if e.fits), None)
+    if spec is not None and best is not None:
+        from tpzoo.plan import replicas
+
+        across = replicas.replica_estimates(cfg, best, cluster, training, spec)
     if args.json:
-        print(to_json(cfg, cluster, training, estimates, args.top, args.rejected))
+        out = to_json(cfg, cluster, training, estimates, args.top, args.rejected)
+        if spec is not None:
+            import dataclasses
+
+            d = json.loads(out)
+            d["replicas"] = {"spec": dataclasses.asdict(spec), "forms": [r.to_dict() for r in across or []]}
+            out = json.dumps(d, indent=2)
+        print(out)
     else:
-        print(header(cfg, cluster, training, len(estimates), sum(e.fits for e in estimates)))
+        print(header(cfg, cluster, training, len(estimates), sum(e.fits for e in estimates))
+              + (f"\n(one of {k} replicas: {args.gpus * k} GPUs, global batch {args.global_batch_size * k} in all)"
+                 if spec else ""))
         print()
         print(table(estimates, args.top, args.rejected))
+        if across:
+            from tpzoo.plan import replicas
+
+            print()
+            print(replicas.table(cfg, best, across, spec))
     if not estimates:
         print("tpzoo plan: no valid layout (check gpus, heads, batch size divisibility)", file=sys.stderr)
         return 1

@@ -33,7 +33,7 @@ import torch
 
 from tpzoo.errors import ConfigError, DataError
 
-__all__ = ["ResumableLoader", "micro_batches_per_step", "collate_long"]
+__all__ = ["PrefetchingLoader", "ResumableLoader", "micro_batches_per_step", "collate_long"]
 
 _END = object()
 
@@ -56,97 +56,43 @@ def collate_long(samples: list[dict]) -> dict[str, torch.Tensor]:
             for k in samples[0]}
 
 
-class ResumableLoader:
-    """Batches of ``dataset`` (``len()`` and ``dataset[i] -> dict of arrays``) for one data-parallel rank.
+class PrefetchingLoader:
+    """The machinery every resumable loader shares: a position, batches made from it (synchronously or on a
+    prefetch thread filling a bounded queue), wait statistics, pinned memory, close().
 
-    An iterator: ``next(loader)`` returns ``collate([dataset[i] for i in this rank's micro-batch])``. It runs
-    for ``num_epochs`` epochs, or forever with ``num_epochs=None`` (a training loop stops by step count).
-    Call ``close()`` (or use it as a context manager) to stop the prefetch thread early.
+    A subclass sets ``self.pos`` (an immutable value: where the next batch starts) and implements
+    ``_make_batch(pos) -> (batch, next_pos)`` and ``_finished(pos)``. ``self.pos`` always describes what the
+    consumer has received: batches the thread made but the consumer has not taken do not count.
     """
 
-    def __init__(self, dataset, micro_batch_size: int, *, dp_rank: int = 0, dp_size: int = 1, seed: int = 0,
-                 shuffle: bool = True, num_epochs: int | None = None, prefetch: int = 2,
-                 collate: Callable[[list[dict]], dict] = collate_long, pin_memory: bool = False):
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
-        self.dataset, self.micro_batch_size = dataset, micro_batch_size
-        self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
-        self.num_epochs, self.prefetch, self.collate = num_epochs, prefetch, collate
+    def __init__(self, prefetch: int, collate: Callable[[list[dict]], dict], pin_memory: bool):
+        self.prefetch, self.collate = prefetch, collate
         # Pinned (page-locked) host batches let the trainer's copy to a GPU run asynchronously (non_blocking).
         self.pin_memory = pin_memory
-        self.num_samples = len(dataset)
-        self.global_micro_batch = micro_batch_size * dp_size
-        self.samples_per_epoch = self.num_samples // self.global_micro_batch * self.global_micro_batch
-        if self.samples_per_epoch == 0:
-            raise DataError(f"dataset has {self.num_samples} samples, fewer than one global micro-batch "
-                             f"(micro_batch_size {micro_batch_size} x dp_size {dp_size})")
-        self.epoch, self.consumed = 0, 0
-        self._order_epoch, self._order = None, None
         self._thread, self._queue, self._stop = None, None, None
         self.reset_wait_stats()
 
-    # -- order ----------------------------------------------------------------------------------------------
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        """The global sample order of ``epoch`` (the same on every rank)."""
-        if self.shuffle:
-            return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-        return np.arange(self.num_samples)
+    def _make_batch(self, pos):
+        raise NotImplementedError
 
-    def _order_for(self, epoch: int) -> np.ndarray:
-        if self._order_epoch != epoch:  # cached: one permutation per epoch, built by whichever thread asks
-            self._order, self._order_epoch = self.epoch_order(epoch), epoch
-        return self._order
+    def _finished(self, pos) -> bool:
+        raise NotImplementedError
 
-    def _normalize(self, epoch: int, consumed: int) -> tuple[int, int]:
-        if consumed + self.global_micro_batch > self.samples_per_epoch:
-            return epoch + 1, 0
-        return epoch, consumed
-
-    def _make_batch(self, epoch: int, consumed: int):
-        """(batch, position after it) for the global micro-batch starting at ``consumed`` of ``epoch``."""
-        start = consumed + self.dp_rank * self.micro_batch_size
-        indices = self._order_for(epoch)[start:start + self.micro_batch_size]
-        batch = self.collate([self.dataset[int(i)] for i in indices])
+    def _collate(self, samples: list[dict]) -> dict:
+        batch = self.collate(samples)
         if self.pin_memory:
             batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        return batch, self._normalize(epoch, consumed + self.global_micro_batch)
+        return batch
 
-    def __len__(self) -> int:
-        """Batches per epoch on this rank."""
-        return self.samples_per_epoch // self.global_micro_batch
-
-    # -- state ----------------------------------------------------------------------------------------------
-    @property
-    def consumed_samples(self) -> int:
-        """Global samples consumed since the start of training (all epochs, all ranks)."""
-        return self.epoch * self.samples_per_epoch + self.consumed
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "consumed_in_epoch": self.consumed, "consumed_samples": self.consumed_samples,
-                "seed": self.seed, "shuffle": self.shuffle, "num_samples": self.num_samples}
-
-    def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "shuffle", "num_samples"):
-            if key in state and state[key] != getattr(self, key):
-                raise DataError(f"loader state has {key}={state[key]!r} but this loader has "
-                                 f"{getattr(self, key)!r}: the data or its order changed since the checkpoint")
-        epoch, consumed = int(state["epoch"]), int(state["consumed_in_epoch"])
-        if consumed % self.global_micro_batch:
-            raise ConfigError(f"cannot resume at sample {consumed} of epoch {epoch}: not a multiple of "
-                             f"micro_batch_size x dp_size = {self.global_micro_batch}")
+    def _seek(self, pos) -> None:
+        """Continue from ``pos`` (a state being loaded): batches already prefetched are dropped."""
         self._stop_thread()
-        self.epoch, self.consumed = self._normalize(epoch, consumed)
+        self.pos = pos
 
     # -- iteration ------------------------------------------------------------------------------------------
-    def _finished(self, epoch: int) -> bool:
-        return self.num_epochs is not None and epoch >= self.num_epochs
-
     def _start_thread(self) -> None:
         self._queue, self._stop = queue.Queue(maxsize=self.prefetch), threading.Event()
-        self._thread = threading.Thread(target=_produce, args=(weakref.ref(self), self.epoch, self.consumed,
-                                                               self._queue, self._stop),
+        self._thread = threading.Thread(target=_produce, args=(weakref.ref(self), self.pos, self._queue, self._stop),
                                         name="tpzoo-data-prefetch", daemon=True)
         self._thread.start()
 
@@ -168,13 +114,13 @@ class ResumableLoader:
     def __next__(self) -> dict:
         if self.prefetch <= 0:
             t0 = time.perf_counter()
-            if self._finished(self.epoch):
+            if self._finished(self.pos):
                 raise StopIteration
-            batch, (self.epoch, self.consumed) = self._make_batch(self.epoch, self.consumed)
+            batch, self.pos = self._make_batch(self.pos)
             self.wait_seconds += time.perf_counter() - t0
             return batch
         if self._thread is None:
-            if self._finished(self.epoch):
+            if self._finished(self.pos):
                 raise StopIteration
             self._start_thread()
         t0 = time.perf_counter()
@@ -186,7 +132,7 @@ class ResumableLoader:
         if isinstance(item, BaseException):
             self._stop_thread()
             raise item
-        batch, self.epoch, self.consumed = item
+        batch, self.pos = item
         return batch
 
     def reset_wait_stats(self) -> None:
@@ -214,8 +160,113 @@ class ResumableLoader:
             self._stop.set()
 
 
-def _produce(loader_ref, epoch: int, consumed: int, q: queue.Queue, stop: threading.Event) -> None:
-    """The prefetch thread: batches from (epoch, consumed) onwards into ``q`` until stopped or finished.
+class ResumableLoader(PrefetchingLoader):
+    """Batches of ``dataset`` (``len()`` and ``dataset[i] -> dict of arrays``) for one data-parallel rank.
+
+    An iterator: ``next(loader)`` returns ``collate([dataset[i] for i in this rank's micro-batch])``. It runs
+    for ``num_epochs`` epochs, or forever with ``num_epochs=None`` (a training loop stops by step count).
+    Call ``close()`` (or use it as a context manager) to stop the prefetch thread early.
+    """
+
+    def __init__(self, dataset, micro_batch_size: int, *, dp_rank: int = 0, dp_size: int = 1, seed: int = 0,
+                 shuffle: bool = True, num_epochs: int | None = None, prefetch: int = 2,
+                 collate: Callable[[list[dict]], dict] = collate_long, pin_memory: bool = False):
+        check_dp_rank(dp_rank, dp_size, micro_batch_size)
+        super().__init__(prefetch, collate, pin_memory)
+        self.dataset, self.micro_batch_size = dataset, micro_batch_size
+        self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
+        self.num_epochs = num_epochs
+        self.num_samples = len(dataset)
+        self.global_micro_batch = micro_batch_size * dp_size
+        self.samples_per_epoch = self.num_samples // self.global_micro_batch * self.global_micro_batch
+        if self.samples_per_epoch == 0:
+            raise DataError(f"dataset has {self.num_samples} samples, fewer than one global micro-batch "
+                             f"(micro_batch_size {micro_batch_size} x dp_size {dp_size})")
+        self.pos = (0, 0)  # (epoch, global samples consumed in it)
+        self._order_epoch, self._order = None, None
+
+    @property
+    def epoch(self) -> int:
+        return self.pos[0]
+
+    @property
+    def consumed(self) -> int:
+        return self.pos[1]
+
+    # -- order ----------------------------------------------------------------------------------------------
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The global sample order of ``epoch`` (the same on every rank)."""
+        if self.shuffle:
+            return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+        return np.arange(self.num_samples)
+
+    def _order_for(self, epoch: int) -> np.ndarray:
+        if self._order_epoch != epoch:  # cached: one permutation per epoch, built by whichever thread asks
+            self._order, self._order_epoch = self.epoch_order(epoch), epoch
+        return self._order
+
+    def _normalize(self, epoch: int, consumed: int) -> tuple[int, int]:
+        if consumed + self.global_micro_batch > self.samples_per_epoch:
+            return epoch + 1, 0
+        return epoch, consumed
+
+    def _make_batch(self, pos):
+        """(batch, position after it) for the global micro-batch starting at ``pos = (epoch, consumed)``."""
+        epoch, consumed = pos
+        start = consumed + self.dp_rank * self.micro_batch_size
+        indices = self._order_for(epoch)[start:start + self.micro_batch_size]
+        batch = self._collate([self.dataset[int(i)] for i in indices])
+        return batch, self._normalize(epoch, consumed + self.global_micro_batch)
+
+    def _finished(self, pos) -> bool:
+        return self.num_epochs is not None and pos[0] >= self.num_epochs
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank."""
+        return self.samples_per_epoch // self.global_micro_batch
+
+    # -- state ----------------------------------------------------------------------------------------------
+    @property
+    def consumed_samples(self) -> int:
+        """Global samples consumed since the start of training (all epochs, all ranks)."""
+        return self.epoch * self.samples_per_epoch + self.consumed
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "consumed_in_epoch": self.consumed, "consumed_samples": self.consumed_samples,
+                "seed": self.seed, "shuffle": self.shuffle, "num_samples": self.num_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        check_state(state, self, ("seed", "shuffle", "num_samples"), "epoch")
+        epoch, consumed = int(state["epoch"]), int(state["consumed_in_epoch"])
+        if consumed % self.global_micro_batch:
+            raise ConfigError(f"cannot resume at sample {consumed} of epoch {epoch}: not a multiple of "
+                             f"micro_batch_size x dp_size = {self.global_micro_batch}")
+        self._seek(self._normalize(epoch, consumed))
+
+
+def check_dp_rank(dp_rank: int, dp_size: int, micro_batch_size: int) -> None:
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
+
+
+def check_state(state: dict, loader, keys, required: str) -> None:
+    """Refuse a loader state another kind of loader saved (a mixture's for one corpus, or the reverse), or one
+    whose data or order changed since the checkpoint (naming the key and both values)."""
+    if required not in state:
+        theirs = "a weighted mixture's" if "mixture" in state else "a single corpus's"
+        raise DataError(f"the checkpoint's data-loader state is {theirs}, but this run's data is "
+                        f"{'a weighted mixture' if required == 'mixture' else 'one corpus'}: the data changed "
+                        f"since the checkpoint")
+    for key in keys:
+        if key in state and state[key] != getattr(loader, key):
+            raise DataError(f"loader state has {key}={state[key]!r} but this loader has "
+                             f"{getattr(loader, key)!r}: the data or its order changed since the checkpoint")
+
+
+def _produce(loader_ref, pos, q: queue.Queue, stop: threading.Event) -> None:
+    """The prefetch thread: batches from ``pos`` onwards into ``q`` until stopped or finished.
 
     It holds the loader only through a weak reference while it waits on the queue, so a loader dropped without
     close() is still collected (and its ``__del__`` stops this thread).
@@ -225,11 +276,11 @@ def _produce(loader_ref, epoch: int, consumed: int, q: queue.Queue, stop: thread
             loader = loader_ref()
             if loader is None:
                 return
-            if loader._finished(epoch):
+            if loader._finished(pos):
                 item = _END
             else:
-                batch, (epoch, consumed) = loader._make_batch(epoch, consumed)
-                item = (batch, epoch, consumed)
+                batch, pos = loader._make_batch(pos)
+                item = (batch, pos)
             del loader
             _put(q, item, stop)
             if item is _END:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tpzoo.errors import DataError
+
 from .loader import ResumableLoader
 
 IGNORE_INDEX = -100
@@ -42,7 +44,7 @@ class PackedDataset:
     """
 
     def __init__(self, tokens, seq_len: int, *, respect_doc_boundaries: bool = False, doc_offsets=None,
-                 loss_mask=None, document_masking: bool = False):
+                 loss_mask=None, document_masking: bool = False, check_tokenizer=None):
         if seq_len < 1:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
         if doc_offsets is None:
@@ -53,7 +55,13 @@ class PackedDataset:
         self.respect_doc_boundaries = respect_doc_boundaries or document_masking
         if self.respect_doc_boundaries and doc_offsets is None:
             raise ValueError("respect_doc_boundaries / document_masking need doc_offsets (or a TokenStore)")
-        self.doc_offsets = None if doc_offsets is None else np.asarray(doc_offsets, dtype=np.int64)
+        # A store's offsets stay as they are (a memmap, or a Megatron index's lazy DocOffsets): never read whole.
+        if doc_offsets is not None and not hasattr(doc_offsets, "searchsorted"):
+            doc_offsets = np.asarray(doc_offsets, dtype=np.int64)
+        self.doc_offsets = doc_offsets
+        # For data that records no tokenizer (a Megatron dataset): every window's ids must fit its vocabulary.
+        self.check_tokenizer = check_tokenizer
+        self.source = getattr(tokens, "path", "the token stream")
         if loss_mask is not None and len(loss_mask) != len(self.tokens):
             raise ValueError(f"loss_mask has {len(loss_mask)} entries for {len(self.tokens)} tokens")
         self.loss_mask = loss_mask
@@ -72,20 +80,31 @@ class PackedDataset:
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         start, end = self.window_bounds(i)
         window = np.asarray(self.tokens[start:end]).astype(np.int64)
+        if self.check_tokenizer is not None:
+            _check_ids(window, self.check_tokenizer, self.source)
         labels = window[1:].copy()
         if self.respect_doc_boundaries:
             # Document starts at stream positions start+1 .. end-1 are targets of label slots 0 .. seq_len-1.
-            lo, hi = np.searchsorted(self.doc_offsets, [start + 1, end])
-            labels[self.doc_offsets[lo:hi] - start - 1] = IGNORE_INDEX
+            lo, hi = self.doc_offsets.searchsorted([start + 1, end])
+            labels[np.asarray(self.doc_offsets[lo:hi]) - start - 1] = IGNORE_INDEX
         if self.loss_mask is not None:
             labels[~np.asarray(self.loss_mask[start + 1:end], dtype=bool)] = IGNORE_INDEX
         sample = {"input_ids": window[:-1], "labels": labels}
         if self.document_masking:
             # documents starting at input slots 1 .. seq_len-1 (stream positions start+1 .. start+seq_len-1)
-            lo, hi = np.searchsorted(self.doc_offsets, [start + 1, start + self.seq_len])
-            starts = np.unique(self.doc_offsets[lo:hi]) - start
+            lo, hi = self.doc_offsets.searchsorted([start + 1, start + self.seq_len])
+            starts = np.unique(np.asarray(self.doc_offsets[lo:hi])) - start
             sample.update(documents_of(starts, self.seq_len))
         return sample
+
+
+def _check_ids(window: np.ndarray, tokenizer, source) -> None:
+    vocab = tokenizer.vocab_size
+    if window.size and (window.max() >= vocab or window.min() < 0):
+        from .megatron import mismatch_message
+
+        raise DataError(mismatch_message(source, int(window.max() if window.max() >= vocab else window.min()),
+                                         tokenizer))
 
 
 def documents_of(starts: np.ndarray, length: int) -> dict[str, np.ndarray]:

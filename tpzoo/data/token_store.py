@@ -10,24 +10,21 @@ On-disk layout of a store directory (see docs/data.md):
                       tokenizer {spec, vocab_size, eos_id, bos_id, pad_id, dir}, sources
     tokenizer/        a copy of the tokenizer (so the store alone says how to decode it)
 
-`preprocess` streams: documents are tokenized a small batch at a time and appended to ``tokens.bin``; offsets go
-to a scratch file and become ``doc_offsets.npy`` at the end, so memory does not grow with the corpus. It writes
-into a temporary sibling directory and renames it into place only when complete, so a crash never leaves a
-half-written store under the final name. `TokenStore` opens a store with numpy memmaps and never reads it whole.
+`tpzoo.data.preprocessing.preprocess` writes one (streaming, on every core, atomically, resumable).
+`TokenStore` opens a store with numpy memmaps and never reads it whole; `open_store` opens either kind of token
+store a --data path may name: this one, or a Megatron indexed dataset (`tpzoo.data.megatron.MegatronStore`).
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import uuid
 from pathlib import Path
-from typing import Callable, Iterable
 
 import numpy as np
 
-from tpzoo.errors import ConfigError, DataError
+from tpzoo.errors import DataError
 
+from .megatron import MegatronStore, megatron_prefix
 from .tokenizer import load_tokenizer
 
 FORMAT = "tpzoo-token-store"
@@ -37,7 +34,7 @@ OFFSETS_FILE = "doc_offsets.npy"
 INDEX_FILE = "index.json"
 TOKENIZER_DIR = "tokenizer"
 
-__all__ = ["preprocess", "TokenStore", "token_dtype"]
+__all__ = ["TokenStore", "is_token_store", "open_store", "token_dtype"]
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -45,99 +42,16 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 2 ** 16 else np.dtype("<u4")
 
 
-def _batches(documents: Iterable[str], max_docs: int, max_chars: int):
-    batch, chars = [], 0
-    for doc in documents:
-        if not doc:
-            continue
-        batch.append(doc)
-        chars += len(doc)
-        if len(batch) >= max_docs or chars >= max_chars:
-            yield batch
-            batch, chars = [], 0
-    if batch:
-        yield batch
+def is_token_store(path) -> bool:
+    """A --data path that is already tokenized: a tpzoo token store directory or a Megatron dataset prefix."""
+    return (Path(path) / INDEX_FILE).is_file() or megatron_prefix(path) is not None
 
 
-def _write_npy_from_raw(raw_path: Path, npy_path: Path, dtype: np.dtype, count: int) -> None:
-    """Wrap a raw array file in an .npy header, streaming the bytes across."""
-    with npy_path.open("wb") as out, raw_path.open("rb") as raw:
-        np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(dtype),
-                                                   "fortran_order": False, "shape": (count,)})
-        shutil.copyfileobj(raw, out, 1 << 20)
-
-
-def preprocess(documents: Iterable[str], tokenizer, out_dir: str | os.PathLike, *, append_eos: bool = True,
-               prepend_bos: bool = False, force: bool = False, sources: list[str] | None = None,
-               save_tokenizer: bool = True, batch_docs: int = 256, batch_chars: int = 4 << 20,
-               on_progress: Callable[[int, int], None] | None = None) -> "TokenStore":
-    """Tokenize ``documents`` into a new token store at ``out_dir`` and return it opened.
-
-    Each non-empty document becomes ``[bos] + encode(doc) + [eos]`` (bos only with ``prepend_bos``, eos with
-    ``append_eos``). An existing ``out_dir`` is refused unless ``force=True``, which replaces it only once the new
-    store is complete. ``on_progress(docs, tokens)`` is called after every batch with the batch's counts.
-    ``sources`` is recorded in index.json for provenance.
-    """
-    tok = load_tokenizer(tokenizer)
-    out_dir = Path(out_dir).expanduser()
-    if out_dir.exists() and not force:
-        raise FileExistsError(f"token store output {out_dir} already exists (pass force=True / --force to replace)")
-    if append_eos and tok.eos_id is None:
-        raise ConfigError(f"{tok!r} has no eos token; pass append_eos=False")
-    if prepend_bos and tok.bos_id is None:
-        raise ConfigError(f"{tok!r} has no bos token; pass prepend_bos=False")
-    dtype = token_dtype(tok.vocab_size)
-    prefix = [tok.bos_id] if prepend_bos else []
-    suffix = [tok.eos_id] if append_eos else []
-
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        num_tokens = num_docs = 0
-        raw_offsets = tmp / "doc_offsets.raw"
-        with (tmp / TOKENS_FILE).open("wb") as tf, raw_offsets.open("wb") as of:
-            np.zeros(1, dtype="<i8").tofile(of)
-            for batch in _batches(documents, batch_docs, batch_chars):
-                encoded = [prefix + ids + suffix for ids in tok.encode_batch(batch)]
-                lengths = np.fromiter((len(ids) for ids in encoded), dtype=np.int64, count=len(encoded))
-                flat = np.fromiter((i for ids in encoded for i in ids), dtype=np.int64, count=int(lengths.sum()))
-                if flat.size and (flat.min() < 0 or flat.max() >= tok.vocab_size):
-                    raise DataError(f"token id {int(flat.max())} outside the vocabulary (size {tok.vocab_size})")
-                flat.astype(dtype).tofile(tf)
-                (num_tokens + np.cumsum(lengths)).astype("<i8").tofile(of)
-                num_tokens += int(flat.size)
-                num_docs += len(encoded)
-                if on_progress is not None:
-                    on_progress(len(encoded), int(flat.size))
-        _write_npy_from_raw(raw_offsets, tmp / OFFSETS_FILE, np.dtype("<i8"), num_docs + 1)
-        raw_offsets.unlink()
-        tok_meta = {"spec": tok.spec, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "bos_id": tok.bos_id,
-                    "pad_id": tok.pad_id, "dir": None}
-        if save_tokenizer:
-            tok.save(tmp / TOKENIZER_DIR)
-            tok_meta["dir"] = TOKENIZER_DIR
-        index = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "num_tokens": num_tokens,
-                 "num_docs": num_docs, "append_eos": append_eos, "prepend_bos": prepend_bos,
-                 "tokenizer": tok_meta, "sources": [str(s) for s in (sources or [])]}
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        _move_into_place(tmp, out_dir, force)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return TokenStore(out_dir)
-
-
-def _move_into_place(tmp: Path, out_dir: Path, force: bool) -> None:
-    if out_dir.exists():
-        if not force:
-            raise FileExistsError(f"token store output {out_dir} appeared while preprocessing; not replaced")
-        old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out_dir)
+def open_store(path) -> "TokenStore | MegatronStore":
+    """The token store at ``path``: a tpzoo store directory, or a Megatron ``PREFIX`` (``PREFIX.bin`` /
+    ``PREFIX.idx`` also name it)."""
+    prefix = megatron_prefix(path)
+    return MegatronStore(prefix) if prefix is not None else TokenStore(path)
 
 
 class TokenStore:
@@ -185,6 +99,14 @@ class TokenStore:
     @property
     def tokenizer_spec(self) -> str:
         return self.metadata["tokenizer"]["spec"]
+
+    def check_tokenizer(self, tokenizer) -> None:
+        """Refuse a run tokenizer other than the one the store was made with, in one line naming both."""
+        mine = self.metadata["tokenizer"]
+        if tokenizer.vocab_size != self.vocab_size:
+            raise DataError(f"{self.path} was tokenized with {mine['spec']!r} (vocab_size {self.vocab_size}), but "
+                            f"this run's tokenizer is {tokenizer.spec!r} (vocab_size {tokenizer.vocab_size}): pass "
+                            f"--tokenizer {self.path} or preprocess the corpus again")
 
     def load_tokenizer(self):
         """The tokenizer saved with the store (falling back to the recorded spec)."""

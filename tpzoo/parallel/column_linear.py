@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from . import comm
+from .eager import eager
 from .mappings import gather_from_sequence
 from .wgrad import SKIP, bias_grad, grad_phase, input_wanted, route, weight_grad
 from .wgrad import rows as _flat
@@ -57,7 +58,7 @@ class _GatheredLinear(torch.autograd.Function):
     """y_i = x W_i^T + b_i for one gathered x and several (W_i, b_i): a layer and its LoRA A share one gather."""
 
     @staticmethod
-    def forward(ctx, x_local, dim, group, fp8, *weights_and_biases):
+    def forward(ctx, x_local, dim, group, fp8, backward, *weights_and_biases):
         ctx.dim, ctx.group, ctx.fp8 = dim, group, fp8
         pairs = list(zip(weights_and_biases[::2], weights_and_biases[1::2]))
         ctx.has_bias = [b is not None for _, b in pairs]
@@ -69,7 +70,7 @@ class _GatheredLinear(torch.autograd.Function):
         outs = [F.linear(x, w, b) for w, b in pairs[1 if fp8 else 0:]]
         if fp8 is not None:  # the layer's weight in FP8 (its extra weights, LoRA's A, are not)
             (w, b), x2 = pairs[0], _flat(x)
-            y, ctx.fp8_saved = fp8.forward(x2, w)
+            y, ctx.fp8_saved = fp8.forward(x2, w, backward)
             y = y.view(*x.shape[:-1], w.shape[0])
             outs.insert(0, y + b if b is not None else y)
         return tuple(outs) if len(outs) > 1 else outs[0]
@@ -77,12 +78,13 @@ class _GatheredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_ys):
         x_local, *weights = ctx.saved_tensors
-        # where each weight's and bias's gradient goes (tpzoo.parallel.wgrad): inputs 4, 5, 6, ... are W_0, b_0, ...
-        ways = [route(ctx, 4 + j, ctx.edges[j]) for j in range(2 * len(weights))]
+        # where each weight's and bias's gradient goes (tpzoo.parallel.wgrad): inputs 5, 6, 7, ... are W_0, b_0, ...
+        ways = [route(ctx, 5 + j, ctx.edges[j]) for j in range(2 * len(weights))]
         need_x = input_wanted(ctx)
         need_w = any(w != SKIP for w in ways)
         fp8 = ctx.fp8 if grad_ys[0] is not None and (need_x or ways[0] != SKIP) else None
-        scales = fp8.backward_scales(_flat(grad_ys[0]), weights[0], need_x) if fp8 is not None else None
+        scales = (fp8.backward_scales(_flat(grad_ys[0]), weights[0], ctx.fp8_saved, need_x, ways[0] != SKIP)
+                  if fp8 is not None else None)
         gathering = comm.all_gather_start(x_local, ctx.group, dim=ctx.dim) if need_w else None
         x = scattering = None
         if need_x:
@@ -109,9 +111,10 @@ class _GatheredLinear(torch.autograd.Function):
                 grads_wb[2 * i] = weight_grad(ctx, ctx.edges[2 * i], g, x, ways[2 * i], fp8_gemm)
                 grads_wb[2 * i + 1] = bias_grad(ctx, ctx.edges[2 * i + 1], g, ways[2 * i + 1])
         grad_x = scattering.wait() if scattering is not None else None
-        return (grad_x, None, None, None, *grads_wb)
+        return (grad_x, None, None, None, None, *grads_wb)
 
 
+@eager  # a collective inside (and FP8's Python state): a graph break under torch.compile
 def gathered_linear(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dim: int, group,
                     extra: tuple = (), fp8=None) -> torch.Tensor | tuple:
     """y = all_gather(x_local along `dim`) W^T + b; backward reduce-scatters the input gradient. Saves only
@@ -125,4 +128,6 @@ def gathered_linear(x_local: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         x = gather_from_sequence(x_local, dim, group)
         outs = (linear(x, weight, bias, fp8), *(F.linear(x, w, b) for w, b in extra))
         return outs if extra else outs[0]
-    return _GatheredLinear.apply(x_local, dim, group, fp8, *(t for pair in pairs for t in pair))
+    backward = fp8 is not None and torch.is_grad_enabled() and (
+        x_local.requires_grad or any(t is not None and t.requires_grad for pair in pairs for t in pair))
+    return _GatheredLinear.apply(x_local, dim, group, fp8, backward, *(t for pair in pairs for t in pair))

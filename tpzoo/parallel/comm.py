@@ -14,15 +14,26 @@ This is how Megatron's papers count volume: an all-reduce costs one reduce-scatt
 
 A group of size one (SELF_GROUP included) costs nothing and is not counted. CUDA tensors over a gloo group
 (several ranks sharing one GPU, see tpzoo.parallel.device) are staged through host memory.
+seconds:       host seconds this rank was blocked on the collective: the whole call of a synchronous one, the
+               `wait()` of a started one (what overlap leaves exposed).
+
+An emulated slow link (`emulate_link(group, gbps, latency_ms)`: DiLoCo's replicas on one machine,
+tpzoo.train.diloco) makes every collective over that group last at least sent_bytes / bandwidth + latency from
+its start: when it completes sooner, the caller sleeps the remainder (after the call, or in `wait()`), so the
+emulated time is a lower bound and whatever compute ran meanwhile hides it, as a real link would.
 
 Asynchronous by contract: a `*_start` call or `batch_send_recv(wait=False)` returns a handle whose transfer may
 run (on NCCL's own stream) until `wait()`; the caller reads no output and writes no input before then, and the
 handle holds every tensor involved until then (docs/design.md, "Collectives on CUDA"). Strict collective mode
 (tpzoo.parallel.strict, TPZOO_STRICT_COLLECTIVES=1) enforces this on CPU.
+
+torch.compile (tpzoo.train.compile) does not trace these functions (tpzoo.parallel.eager): each collective is a
+graph break and runs as written, handles and strict mode included.
 """
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -31,6 +42,7 @@ import torch.distributed as dist
 
 from . import strict
 from .dims import SELF_GROUP
+from .eager import eager as _eager
 from .state import group_name
 
 
@@ -40,6 +52,7 @@ class CollectiveStats:
     elements: int = 0
     payload_bytes: int = 0
     sent_bytes: float = 0.0
+    seconds: float = 0.0
 
 
 class CollectiveCounter:
@@ -62,7 +75,10 @@ class CollectiveCounter:
         return sum(s.calls for s in self.stats.values())
 
     def summary(self) -> dict:
-        return {f"{k}@{g}": vars(s) for (k, g), s in sorted(self.stats.items())}
+        """{"kind@group": calls, elements, payload and sent bytes}: what was sent, comparable between runs (the
+        blocked seconds, a measurement, are in `.stats` / `.get`)."""
+        return {f"{k}@{g}": {f: v for f, v in vars(s).items() if f != "seconds"}
+                for (k, g), s in sorted(self.stats.items())}
 
 
 _COUNTERS: list[CollectiveCounter] = []
@@ -83,9 +99,50 @@ def count_collectives():
         _COUNTERS.remove(counter)
 
 
-def _record(kind: str, group, t: torch.Tensor, sent_fraction: float) -> None:
+_LINKS: dict = {}  # group -> (bytes per second, latency in seconds): emulate_link
+
+
+def emulate_link(group, gbps: float | None, latency_ms: float = 0.0) -> None:
+    """Make every collective over `group` last at least its sent bytes / (gbps gigabits per second) + latency_ms
+    (see the module docstring); gbps None forgets the group's link."""
+    if gbps is None:
+        _LINKS.pop(group, None)
+        return
+    if gbps <= 0 or latency_ms < 0:
+        raise ValueError(f"an emulated link needs a positive bandwidth and a latency >= 0, got {gbps} Gbit/s, "
+                         f"{latency_ms} ms")
+    _LINKS[group] = (gbps * 1e9 / 8, latency_ms / 1e3)
+
+
+class _Clock:
+    """A counted collective's start: what its blocked seconds are credited to, and the earliest moment it may
+    complete on an emulated link."""
+
+    __slots__ = ("key", "start", "until")
+
+    def __init__(self, key: tuple, until: float | None):
+        self.key, self.start, self.until = key, time.perf_counter(), until
+
+    def done(self, blocked_since: float | None = None) -> None:
+        """The collective completed: sleep what the emulated link still owes, credit the blocked seconds (since
+        `blocked_since`, the wait's start; the call's start by default)."""
+        now = time.perf_counter()
+        if self.until is not None and self.start + self.until > now:
+            time.sleep(self.start + self.until - now)
+            now = time.perf_counter()
+        for c in _COUNTERS:
+            c.stats[self.key].seconds += now - (self.start if blocked_since is None else blocked_since)
+
+
+def _record(kind: str, group, t: torch.Tensor, sent_fraction: float) -> _Clock | None:
+    """Count a collective on every active counter; returns its clock (None when nothing times it)."""
     for c in _COUNTERS:
         c.record(kind, group, t.numel(), t.element_size(), sent_fraction)
+    link = _LINKS.get(dist.group.WORLD if group is None else group) if _LINKS else None
+    if not _COUNTERS and link is None:
+        return None
+    until = None if link is None else sent_fraction * t.numel() * t.element_size() / link[0] + link[1]
+    return _Clock((kind, group_name(group)), until)
 
 
 def group_size(group) -> int:
@@ -108,18 +165,22 @@ def _via_host(t: torch.Tensor, group) -> bool:
     return _BACKENDS[key] == "gloo"
 
 
+@_eager
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce; returns t."""
     p = group_size(group)
     if p == 1:
         return t
-    _record("all_reduce", group, t, 2 * (p - 1) / p)
+    clock = _record("all_reduce", group, t, 2 * (p - 1) / p)
     strict.check_layout("all_reduce", group, t)
     if _via_host(t, group):
         host = t.cpu()
         dist.all_reduce(host, op=op, group=group)
-        return t.copy_(host)
-    dist.all_reduce(t, op=op, group=group)
+        t.copy_(host)
+    else:
+        dist.all_reduce(t, op=op, group=group)
+    if clock is not None:
+        clock.done()
     return t
 
 
@@ -130,13 +191,18 @@ class Pending:
     (on CUDA the caching allocator would hand freed memory to the next allocation while NCCL still reads it)."""
 
     def __init__(self, work, result: torch.Tensor, copy_back: tuple | None = None, finish=None, keep=None,
-                 guard: strict.Guard | None = None):
+                 guard: strict.Guard | None = None, clock: _Clock | None = None):
         self.work, self.result, self.copy_back, self.finish, self.keep = work, result, copy_back, finish, keep
-        self.guard = guard
+        self.guard, self.clock = guard, clock
 
+    @_eager
     def wait(self) -> torch.Tensor:
         if self.work is not None:
+            blocked_since = time.perf_counter() if self.clock is not None else None
             self.work.wait()
+            if self.clock is not None:
+                clock, self.clock = self.clock, None
+                clock.done(blocked_since)
             self.work = self.keep = None
             if self.guard is not None:
                 guard, self.guard = self.guard, None
@@ -147,6 +213,7 @@ class Pending:
         return self.finish(self.result) if self.finish is not None else self.result
 
 
+@_eager
 def all_gather_start(t: torch.Tensor, group, dim: int = 0) -> Pending:
     """Start concatenating every rank's `t` along `dim` (rank order); `.wait()` returns the result."""
     p = group_size(group)
@@ -160,11 +227,13 @@ def all_gather_start(t: torch.Tensor, group, dim: int = 0) -> Pending:
     return pending
 
 
+@_eager
 def all_gather(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """Concatenate every rank's `t` along `dim` (rank order)."""
     return all_gather_start(t, group, dim).wait()
 
 
+@_eager
 def reduce_scatter_start(t: torch.Tensor, group, dim: int = 0) -> Pending:
     """Start summing over ranks and keeping this rank's chunk of `dim`; `.wait()` returns the result."""
     p = group_size(group)
@@ -180,33 +249,40 @@ def reduce_scatter_start(t: torch.Tensor, group, dim: int = 0) -> Pending:
     return pending
 
 
+@_eager
 def reduce_scatter(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """Sum over ranks, then keep this rank's chunk of `dim`."""
     return reduce_scatter_start(t, group, dim).wait()
 
 
+@_eager
 def broadcast(t: torch.Tensor, src: int, group=None) -> torch.Tensor:
     if group_size(group) == 1:
         return t
-    _record("broadcast", group, t, 1.0 if dist.get_rank() == src else 0.0)
+    clock = _record("broadcast", group, t, 1.0 if dist.get_rank() == src else 0.0)
     strict.check_layout("broadcast", group, t)
     if _via_host(t, group):
         host = t.cpu()
         dist.broadcast(host, src=src, group=group)
-        return t.copy_(host)
-    dist.broadcast(t, src=src, group=group)
+        t.copy_(host)
+    else:
+        dist.broadcast(t, src=src, group=group)
+    if clock is not None:
+        clock.done()
     return t
 
 
+@_eager
 def all_to_all(t: torch.Tensor, group) -> torch.Tensor:
     """Split dim 0 into p chunks, send chunk i to rank i, concatenate what arrives along dim 0."""
     p = group_size(group)
     if p == 1:
         return t
-    _record("all_to_all", group, t, (p - 1) / p)
-    return _all_to_all_single(t, t.shape[0], group)
+    clock = _record("all_to_all", group, t, (p - 1) / p)
+    return _all_to_all_single(t, t.shape[0], group, clock)
 
 
+@_eager
 def all_to_all_v(t: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
     """Uneven all-to-all along dim 0: rows [sum(send[:i]), sum(send[:i+1])) go to rank i, recv[i] rows arrive
     from rank i. Split sizes are host ints (the caller learned them with a small all_to_all of counts)."""
@@ -215,12 +291,12 @@ def all_to_all_v(t: torch.Tensor, send_splits: list[int], recv_splits: list[int]
         return t
     me = dist.get_rank(group)
     # payload: the input; sent: the rows leaving this rank
-    _record("all_to_all_v", group, t, (1 - send_splits[me] / t.shape[0]) if t.shape[0] else 0.0)
-    return _all_to_all_single(t, sum(recv_splits), group, output_split_sizes=list(recv_splits),
+    clock = _record("all_to_all_v", group, t, (1 - send_splits[me] / t.shape[0]) if t.shape[0] else 0.0)
+    return _all_to_all_single(t, sum(recv_splits), group, clock, output_split_sizes=list(recv_splits),
                               input_split_sizes=list(send_splits))
 
 
-def _all_to_all_single(t: torch.Tensor, out_rows: int, group, **splits) -> torch.Tensor:
+def _all_to_all_single(t: torch.Tensor, out_rows: int, group, clock: _Clock | None, **splits) -> torch.Tensor:
     """dist.all_to_all_single into a new tensor of `out_rows` rows, staged through the host where the backend
     needs it (gloo with device tensors)."""
     t = t.contiguous()
@@ -228,9 +304,12 @@ def _all_to_all_single(t: torch.Tensor, out_rows: int, group, **splits) -> torch
     src = t.cpu() if host else t
     out = src.new_empty((out_rows, *t.shape[1:]))
     dist.all_to_all_single(out, src, group=group, **splits)
+    if clock is not None:
+        clock.done()
     return out.to(t.device) if host else out
 
 
+@_eager
 def batch_send_recv(sends: list[tuple], recvs: list[tuple], group=None, wait: bool = True) -> list:
     """Post point-to-point sends and receives at once (global peer ranks) and wait for them.
 
@@ -343,20 +422,21 @@ def split_along(t: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tenso
 # -- asynchronous flat collectives (the data-parallel gradient buckets; the sequence-dim ones above use them too) ----
 # Counted when started. The caller leaves the tensors untouched until wait() (the Pending holds the input).
 
+@_eager
 def all_reduce_start(t: torch.Tensor, group) -> Pending:
     """Start an in-place sum of `t` over `group`; wait() returns t."""
     p = group_size(group)
     if p == 1:
         return Pending(None, t)
-    _record("all_reduce", group, t, 2 * (p - 1) / p)
+    clock = _record("all_reduce", group, t, 2 * (p - 1) / p)
     strict.check_layout("all_reduce", group, t)
     if not (_via_host(t, group) or strict.enabled()):
-        return Pending(dist.all_reduce(t, group=group, async_op=True), t, keep=t)
+        return Pending(dist.all_reduce(t, group=group, async_op=True), t, keep=t, clock=clock)
     # staged: the sum runs on a copy (in host memory for gloo with CUDA tensors), copied back by wait()
     staged = t.cpu() if _via_host(t, group) else t.clone()
     work = dist.all_reduce(staged, group=group, async_op=True)
     guard = strict.Guard("all_reduce", group_name(group), writes=[t], in_place=True) if strict.enabled() else None
-    return Pending(work, t, (staged, t), keep=staged, guard=guard)
+    return Pending(work, t, (staged, t), keep=staged, guard=guard, clock=clock)
 
 
 def _into_start(kind: str, collective, out: torch.Tensor, t: torch.Tensor, group, name: str | None = None) -> Pending:
@@ -365,24 +445,26 @@ def _into_start(kind: str, collective, out: torch.Tensor, t: torch.Tensor, group
     p = group_size(group)
     if p == 1:
         return Pending(None, out.copy_(t))
-    _record(kind, group, t if kind == "reduce_scatter" else out, (p - 1) / p)
+    clock = _record(kind, group, t if kind == "reduce_scatter" else out, (p - 1) / p)
     host = _via_host(t, group)
     strict.check_layout(name or kind, group, out, t)
     if not (host or strict.enabled()):
-        return Pending(collective(out, t, group=group, async_op=True), out, keep=t)
+        return Pending(collective(out, t, group=group, async_op=True), out, keep=t, clock=clock)
     device = torch.device("cpu") if host else out.device
     received = torch.empty(out.shape, dtype=out.dtype, device=device)
     src = t.to(device, copy=True)  # what the collective reads: the input as it was at start
     guard = strict.Guard(name or kind, group_name(group), reads=[t], writes=[out]) if strict.enabled() else None
     return Pending(collective(received, src, group=group, async_op=True), out, (received, out), keep=src,
-                   guard=guard)
+                   guard=guard, clock=clock)
 
 
+@_eager
 def reduce_scatter_into_start(out: torch.Tensor, t: torch.Tensor, group) -> Pending:
     """Start the sum of flat `t` over `group` whose rank-th 1/p lands in flat `out`; wait() returns out."""
     return _into_start("reduce_scatter", _reduce_scatter_flat, out, t, group, "reduce_scatter_into")
 
 
+@_eager
 def all_gather_into_start(out: torch.Tensor, t: torch.Tensor, group) -> Pending:
     """Start concatenating every rank's flat `t` (rank order) into flat `out`; wait() returns out."""
     return _into_start("all_gather", _all_gather_flat, out, t, group, "all_gather_into")

@@ -26,6 +26,12 @@ parameters summed over tp under sequence parallelism, kv heads replicated over t
 are not final when their hooks run. They are laid out last, and the buckets holding them are reduced by
 `finish`, after finalize_grads (sums commute, but a reduce-scattered bucket keeps only this rank's part).
 
+Across replicas (`cross`: hierarchical data parallelism, tpzoo.train.diloco with --sync-every 1): `group` is then
+the replica's own dp x cp ranks, and `finish` also sums the reduced gradients over the replicas, sending over the
+slow link only what each rank owns: every bucket is reduce-scattered inside the replica (also without ZeRO), the
+rank's shard all-reduced across the replicas (one call), and, without ZeRO, all-gathered back inside the replica.
+ZeRO keeps its shards: the optimizer state is sharded inside a replica and replicated across them.
+
 Gradient-accumulation fusion (`fuse`, on by default): the linear layers accumulate their weight gradients straight
 into `fused_target(param)` (the main gradient) and autograd delivers None; the same hook then only marks the
 parameter delivered (tpzoo.parallel.wgrad).
@@ -39,6 +45,7 @@ import weakref
 import torch
 
 from . import comm
+from .dims import SELF_GROUP
 from .utils import param_spec
 from .wgrad import grad_buffer_of, hooks_see_fused_grads
 
@@ -152,6 +159,7 @@ class GradBuffer:
             for k in ks:
                 self.late[k] = self.late[k] or late(p)
         self._group, self._pending, self.shard_grad = None, {}, None
+        self.cross = SELF_GROUP  # the optimizer sets it: the group the reduced gradients are summed over as well
         self.started, self.overlapped = [], 0
         self._allocate()
         hooks, ref = [], weakref.ref(self)  # weak: the buffer holds its parameters (wgrad.grad_buffer_of)
@@ -200,6 +208,8 @@ class GradBuffer:
         """Start of a step's backward passes (after zero()): reduce each bucket over `group` as soon as its
         gradients are final (see the module docstring), all-reduced, or with `shard` reduce-scattered."""
         self._group, self._shard = group, shard
+        # across replicas every bucket is reduce-scattered inside the replica first, with ZeRO or without
+        self._scatter = (shard or comm.group_size(self.cross) > 1) and comm.group_size(group) > 1
         self._waiting = [0] * len(self.buckets)
         for ks in self._of_param.values():
             for k in ks:
@@ -208,7 +218,7 @@ class GradBuffer:
         self._next = len(self.buckets) - 1  # buckets start from the end of the buffer, in order
         self.started: list[tuple[int, float]] = []  # (bucket, perf_counter) at each start: tests, benchmarks
         self.overlapped = 0  # buckets started during the backward passes (before finish)
-        if shard and self.shard_grad is None and comm.group_size(group) > 1:
+        if self._scatter and self.shard_grad is None:
             self.shard_grad = torch.empty(self.padded // comm.group_size(group), dtype=torch.float32,
                                           device=self.device)
 
@@ -227,7 +237,7 @@ class GradBuffer:
     def _start(self, k: int) -> None:
         s, e = self.buckets[k]
         self.started.append((k, time.perf_counter()))
-        if self._shard and comm.group_size(self._group) > 1:
+        if self._scatter:
             p = comm.group_size(self._group)
             out = self.shard_grad[s // p:e // p]
             self._pending[k] = comm.reduce_scatter_into_start(out, self.data[s:e], self._group)
@@ -244,16 +254,32 @@ class GradBuffer:
                 self._start(k)
         for k in reversed(range(len(self.buckets))):
             self._pending[k].wait()
+        if comm.group_size(self.cross) > 1:
+            self._across_replicas()
         self._group, self._pending = None, {}
         self.armed.clear()
-        if self._shard and self.shard_grad is not None:
+        if self._shard and self._scatter:
             return self.shard_grad
         return self.data
+
+    def _across_replicas(self) -> None:
+        """Sum what this rank holds of the reduced gradients over the replicas (one all-reduce), then without ZeRO
+        all-gather the buckets back inside the replica."""
+        if not self._scatter:  # one rank per replica: its whole buffer crosses
+            comm.all_reduce_start(self.data, self.cross).wait()
+            return
+        comm.all_reduce_start(self.shard_grad, self.cross).wait()
+        if not self._shard:
+            p = comm.group_size(self._group)
+            pending = [comm.all_gather_into_start(self.data[s:e], self.shard_grad[s // p:e // p], self._group)
+                       for s, e in self.buckets]
+            for w in pending:
+                w.wait()
 
     def reduce(self, group, *, shard: bool = False) -> torch.Tensor:
         """Sum the main gradients over `group` (the data(-context)-parallel ranks) now, every bucket at once
         (no overlap). Returns the whole buffer, or with `shard` this rank's 1/size of every bucket (fp32)."""
-        if comm.group_size(group) == 1:
+        if comm.group_size(group) == 1 and comm.group_size(self.cross) == 1:
             return self.data
         self.begin(group, shard=shard)
         return self.finish()

@@ -16,6 +16,15 @@ ep: ep_rank = j % ep (the "ep" group: ranks that exchange tokens and each hold E
 tensor parallelism etp equals tp (each expert's matrices split over the tp group like the dense MLP's), so the
 expert groups never cross a tp coordinate.
 
+Replicas (DiLoCo, hierarchical data parallelism; tpzoo.train.diloco) split the dp ranks into `replicas` groups of
+dp / replicas consecutive dp ranks: replica = dp_rank // (dp / replicas), every tp, cp and pp rank of those dp
+ranks (whole model copies: whole nodes, or a whole cluster). With replicas > 1 four more groups exist, created
+after all the others: `replica` (every rank of one replica), `replica_dp` (the dp x cp ranks of one replica at one
+(tp, pp) coordinate: where a replica sums, and ZeRO-shards, its gradients; cp fastest as in dp_cp),
+`cross_replica` (the ranks at the same coordinates in each replica: the slow link) and, with ep > 1,
+`replica_edp` (the ranks of replica_dp holding the same experts). ep must divide the dp x cp ranks of one
+replica, so token exchanges never cross replicas.
+
 `ParallelDims.virtual(tp=4, pp=2, tp_rank=1, pp_rank=0)` describes one rank of a layout without any process
 group, to build that rank's part of a model on the meta device in one process (checkpoint conversion, the plan
 advisor, tests): sizes and coordinates answer, and asking for a group of size > 1 raises.
@@ -54,9 +63,10 @@ def divide(numerator: int, denominator: int, what: str = "value") -> int:
     return numerator // denominator
 
 
-def check_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, ep: int = 1) -> int:
+def check_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, ep: int = 1,
+                 replicas: int = 1) -> int:
     """Validate degrees against a world size and return dp (inferred when None)."""
-    for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep), ("replicas", replicas)):
         if not isinstance(value, int) or value < 1:
             raise ParallelLayoutError(f"{name} must be a positive integer, got {value!r}")
     model_parallel = tp * pp * cp
@@ -67,15 +77,21 @@ def check_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, dp: int
     if dp is not None and dp != inferred:
         raise ParallelLayoutError(
             f"tp*pp*cp*dp = {tp}*{pp}*{cp}*{dp} = {model_parallel * dp} does not equal world size {world_size}")
-    check_expert_layout(inferred, cp, ep)
+    check_expert_layout(inferred, cp, ep, replicas)
     return inferred
 
 
-def check_expert_layout(dp: int, cp: int, ep: int) -> None:
-    """ep is carved out of the data x context parallel ranks: it must divide dp * cp."""
-    if (dp * cp) % ep:
-        raise ParallelLayoutError(f"ep={ep} does not divide dp*cp = {dp}*{cp} = {dp * cp} (expert parallelism is "
-                                  f"carved out of the data/context-parallel ranks)")
+def check_expert_layout(dp: int, cp: int, ep: int, replicas: int = 1) -> None:
+    """ep is carved out of the data x context parallel ranks (of one replica): it must divide dp * cp / replicas;
+    replicas must divide dp."""
+    if dp % replicas:
+        raise ParallelLayoutError(f"replicas={replicas} does not divide dp={dp} (a replica is dp/replicas whole "
+                                  f"data-parallel ranks)")
+    if (dp * cp // replicas) % ep:
+        within, of = ((f" / replicas = {dp * cp // replicas}", " of one replica") if replicas > 1
+                      else (f" = {dp * cp}", ""))
+        raise ParallelLayoutError(f"ep={ep} does not divide dp*cp = {dp}*{cp}{within} (expert parallelism is "
+                                  f"carved out of the data/context-parallel ranks{of})")
 
 
 # Groups every rank creates, by name -> the coordinates that vary within one group.
@@ -104,12 +120,14 @@ class ParallelDims:
     ep: int = 1                                      # expert parallelism (carved out of dp x cp; see module doc)
     virtual: bool = False                            # True: no process groups (see module docstring)
     owns_default_group: bool = False                 # init_parallel created torch.distributed's default group
+    replicas: int = 1                                # dp split into replicas of dp/replicas dp ranks (module doc)
 
     def __post_init__(self):
         self.device = torch.device(self.device)
-        if not isinstance(self.ep, int) or self.ep < 1:
-            raise ParallelLayoutError(f"ep must be a positive integer, got {self.ep!r}")
-        check_expert_layout(self.dp, self.cp, self.ep)
+        for name in ("ep", "replicas"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ParallelLayoutError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        check_expert_layout(self.dp, self.cp, self.ep, self.replicas)
 
     @property
     def etp(self) -> int:
@@ -119,12 +137,13 @@ class ParallelDims:
     # -- construction ---------------------------------------------------------------------------------------
     @classmethod
     def for_rank(cls, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1, *, tp_rank: int = 0, pp_rank: int = 0,
-                 cp_rank: int = 0, dp_rank: int = 0, device="meta", ep: int = 1) -> "ParallelDims":
+                 cp_rank: int = 0, dp_rank: int = 0, device="meta", ep: int = 1, replicas: int = 1) -> "ParallelDims":
         """One rank of a layout, with no process group: for building that rank's model part in one process."""
         for name, size, r in (("tp", tp, tp_rank), ("pp", pp, pp_rank), ("cp", cp, cp_rank), ("dp", dp, dp_rank)):
             if not 0 <= r < size:
                 raise ParallelLayoutError(f"{name} rank {r} is outside a {name} size of {size}")
-        dims = cls(tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, world_size=tp * pp * cp * dp, device=device, virtual=True)
+        dims = cls(tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, world_size=tp * pp * cp * dp, device=device, virtual=True,
+                   replicas=replicas)
         dims.rank = dims.rank_of(tp=tp_rank, cp=cp_rank, dp=dp_rank, pp=pp_rank)
         dims.group_ranks = {name: ranks for name, ranks in dims.enumerate_groups() if dims.rank in ranks}
         return dims
@@ -162,7 +181,25 @@ class ParallelDims:
                 n = len(ordered) // self.ep
                 out += [("ep", sorted(ordered[i * self.ep:(i + 1) * self.ep])) for i in range(n)]
                 out += [("edp", sorted(ordered[i::self.ep])) for i in range(self.ep)]
+        if self.replicas > 1:  # only then: layouts without replicas create exactly the groups they always did
+            out += self._replica_groups()
         return out
+
+    def _replica_groups(self) -> list[tuple[str, list[int]]]:
+        """replica, replica_dp, cross_replica (and replica_edp with ep > 1), in that order (module docstring)."""
+        per = self.dp // self.replicas
+        ranks = range(self.world_size)
+        out = [("replica", [r for r in ranks if self.coords(r)["dp"] // per == k]) for k in range(self.replicas)]
+        for tp, pp in itertools.product(range(self.tp), range(self.pp)):
+            for k in range(self.replicas):
+                out.append(("replica_dp", [self.rank_of(tp, cp, dp, pp) for dp in range(k * per, (k + 1) * per)
+                                           for cp in range(self.cp)]))
+        for tp, cp, dp, pp in itertools.product(range(self.tp), range(self.cp), range(per), range(self.pp)):
+            out.append(("cross_replica", [self.rank_of(tp, cp, dp + k * per, pp) for k in range(self.replicas)]))
+        if self.ep > 1:
+            for name, members in [g for g in out if g[0] == "replica_dp"]:
+                out += [("replica_edp", members[i::self.ep]) for i in range(self.ep)]
+        return [(name, sorted(members)) for name, members in out]
 
     def _groups_varying(self, varying: tuple) -> list[list[int]]:
         sizes = self.sizes()
@@ -208,6 +245,21 @@ class ParallelDims:
         return self.dp_cp_rank // self.ep
 
     @property
+    def replica(self) -> int:
+        """Which replica this rank belongs to (0 without replicas)."""
+        return self.dp_rank // (self.dp // self.replicas)
+
+    @property
+    def replica_dp_rank(self) -> int:
+        """Position in the replica_dp group (cp fastest, as dp_cp_rank within the replica)."""
+        return self.dp_cp_rank % (self.dp * self.cp // self.replicas)
+
+    def group_rank(self, name: str) -> int:
+        """This rank's position in a gradient-reduction group: dp_cp, edp, replica_dp or replica_edp."""
+        return {"dp_cp": self.dp_cp_rank, "edp": self.edp_rank, "replica_dp": self.replica_dp_rank,
+                "replica_edp": self.replica_dp_rank // self.ep}[name]
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
@@ -233,13 +285,16 @@ class ParallelDims:
             return 2
         if name == "embedding":
             return len(self.group_ranks.get("embedding", [self.rank]))
+        k = self.replicas
         return {"dp_cp": self.dp * self.cp, "mp": self.tp * self.pp, "world": self.world_size, "ep": self.ep,
-                "edp": self.dp * self.cp // self.ep}.get(
-            name, self.sizes().get(name, 1))
+                "edp": self.dp * self.cp // self.ep, "replica": self.world_size // k,
+                "replica_dp": self.dp * self.cp // k, "cross_replica": k,
+                "replica_edp": self.dp * self.cp // (k * self.ep)}.get(name, self.sizes().get(name, 1))
 
     def group(self, name: str):
-        """This rank's process group `name` (tp, cp, dp, pp, dp_cp, mp, embedding, world, ep, edp); SELF_GROUP for a group
-        of one. Virtual dims have no groups: asking for one of size > 1 is an error (nothing may communicate)."""
+        """This rank's process group `name` (tp, cp, dp, pp, dp_cp, mp, embedding, world, ep, edp, replica,
+        replica_dp, cross_replica, replica_edp); SELF_GROUP for a group of one. Virtual dims have no groups: asking
+        for one of size > 1 is an error (nothing may communicate)."""
         if self.group_size(name) == 1:
             return SELF_GROUP
         if self.virtual:

@@ -24,7 +24,9 @@ accumulate. What differs is where a gradient goes between autograd and that shar
   are reduce-scattered by `finish`, after finalize_grads. Their size is what ZeRO-2 keeps beyond 4/dp bytes per
   parameter (docs/plan.md).
 
-Without overlap every reduce-scatter is waited on as soon as it starts (at the end of each pass).
+Without overlap every reduce-scatter is waited on as soon as it starts (at the end of each pass). Across replicas
+(`cross`, tpzoo.parallel.data_parallel) the shard is all-reduced over the replicas once, in `finish`: one
+exchange over the slow link per step, whatever the number of micro-batches.
 """
 from __future__ import annotations
 
@@ -165,6 +167,8 @@ class ShardedGradBuffer(GradBuffer):
                 self._pending[k] = (comm.reduce_scatter_into_start(self.shard_grad[pos:pos + hi - lo], src,
                                                                    self._group), None)
         self._drain()
+        if comm.group_size(self.cross) > 1:
+            comm.all_reduce_start(self.shard_grad, self.cross).wait()
         self._group = None
         return self.shard_grad
 

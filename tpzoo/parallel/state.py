@@ -45,7 +45,7 @@ def job_world_size() -> int:
 
 def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, ep: int = 1, *, device=None,
                   backend: str | None = None, timeout: datetime.timedelta | None = None,
-                  watchdog: bool | None = None) -> ParallelDims:
+                  watchdog: bool | None = None, replicas: int = 1) -> ParallelDims:
     """Create the tp/cp/dp/pp (and with ep > 1 the expert ep/edp) process groups of this rank and choose its device; return them as ParallelDims
     (also the default dims from now on).
 
@@ -54,6 +54,7 @@ def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, 
     `device`: 'auto' (default: cuda:LOCAL_RANK with CUDA, else cpu), 'cpu', 'cuda', 'cuda:N'. `backend`: default
     nccl for CUDA, gloo for CPU (and for GPUs shared by several ranks). The layout is checked before any
     collective is issued. `timeout`: how long a collective waits (default TPZOO_DIST_TIMEOUT, 600 s).
+    `replicas`: split dp into that many replicas of whole model copies (their groups: tpzoo.parallel.dims).
     `watchdog`: name a stalled or dead rank well before that (tpzoo.parallel.watchdog); default on inside the tpzoo
     commands, off otherwise (TPZOO_WATCHDOG=0/1 overrides)."""
     global _DIMS
@@ -63,7 +64,7 @@ def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, 
     device = resolve_device(device)
     owns = False
     world_size = job_world_size()
-    dp = check_layout(world_size, tp, pp, cp, dp, ep)
+    dp = check_layout(world_size, tp, pp, cp, dp, ep, replicas)
     if dist.is_initialized():
         rank = dist.get_rank()
     else:
@@ -82,7 +83,7 @@ def init_parallel(tp: int = 1, pp: int = 1, cp: int = 1, dp: int | None = None, 
         torch.cuda.set_device(device)
 
     dims = ParallelDims(tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, rank=rank, world_size=world_size, device=device,
-                        owns_default_group=owns)
+                        owns_default_group=owns, replicas=replicas)
     # Every rank must create every group, in the same order (new_group is collective over the world).
     for name, ranks in dims.enumerate_groups():
         group = dist.new_group(ranks=ranks, timeout=timeout) if world_size > 1 else dist.group.WORLD

@@ -18,7 +18,10 @@ worst schedule NCCL may legally produce:
   ahead of a send the peer needs first hangs, and after P2P_TIMEOUT seconds fails naming both batches;
 - every started handle is registered until waited: `check_all_waited(where)` raises naming where each one still
   outstanding was started. The trainer calls it at the end of every training step and evaluation, eval and
-  generate at their end, the test harness after every call, and an exit hook at process exit.
+  generate at their end, the test harness after every call, and an exit hook at process exit. A handle meant to
+  stay in flight across steps (Streaming DiLoCo's overlapped exchange, waited some steps later) is declared with
+  `carry(handle)`: the end-of-step checks let it pass, the harness's and the exit hook's (`include_carried`) do
+  not, so it must still be waited before the run returns.
 
 Synchronous collectives (`comm.all_reduce`, `all_to_all`, ...) have no window to misuse and are unchanged. The
 mode costs a copy of every input and output and a comparison at `wait()`: a debugging and CI mode, not for
@@ -104,7 +107,8 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.numel() == 0 or torch.equal(_bits(a), _bits(b))
 
 
-_HERE = (os.path.join("tpzoo", "parallel", "comm.py"), os.path.join("tpzoo", "parallel", "strict.py"))
+_HERE = (os.path.join("tpzoo", "parallel", "comm.py"), os.path.join("tpzoo", "parallel", "strict.py"),
+         os.path.join("tpzoo", "parallel", "eager.py"))  # eager.py: the collectives' mark for torch.compile
 
 
 def _started_at(depth: int = 3) -> str:
@@ -151,6 +155,7 @@ class Guard:
         self.where = _started_at()
         self.reads = [(t, t.detach().clone()) for t in reads]
         self.writes = [(t, poison_(t.detach()).clone()) for t in writes]
+        self.carried = False  # in flight across steps on purpose (carry)
         _OUTSTANDING[id(self)] = self
 
     headers: list = []  # point-to-point receives: (header's op index, header buffer, tag, tensor, peer)
@@ -245,14 +250,25 @@ def outstanding() -> list[str]:
     return [f"{g.kind} on group {g.group}, started at {g.where}" for g in _OUTSTANDING.values()]
 
 
-def check_all_waited(where: str) -> None:
+def carry(handle) -> None:
+    """Declare a started handle (a comm.Pending) in flight across training steps on purpose: the end-of-step
+    checks let it pass until it is waited (module docstring). A no-op without strict mode."""
+    guard = getattr(handle, "guard", None)
+    if guard is not None:
+        guard.carried = True
+
+
+def check_all_waited(where: str, include_carried: bool = False) -> None:
     """Raise if a transfer started in strict mode was never waited by `where` (e.g. "the end of training step
-    3"). The registry is emptied either way, so one mistake is reported once."""
-    if not _OUTSTANDING:
+    3"); carried handles (`carry`) count only with `include_carried`. What is reported leaves the registry, so
+    one mistake is reported once."""
+    left = [g for g in _OUTSTANDING.values() if include_carried or not g.carried]
+    if not left:
         return
-    left = outstanding()
-    _OUTSTANDING.clear()
-    raise CollectiveMisuse(f"{len(left)} collective(s) started and never waited by {where}: " + "; ".join(left))
+    for g in left:
+        _OUTSTANDING.pop(id(g), None)
+    lines = [f"{g.kind} on group {g.group}, started at {g.where}" for g in left]
+    raise CollectiveMisuse(f"{len(left)} collective(s) started and never waited by {where}: " + "; ".join(lines))
 
 
 def forget() -> None:
@@ -266,7 +282,7 @@ def _at_exit() -> None:
     if not _OUTSTANDING or getattr(sys, "last_value", None) is not None:
         return  # nothing left, or the process is already dying of an exception (that one is the news)
     try:
-        check_all_waited("process exit")
+        check_all_waited("process exit", include_carried=True)
     except CollectiveMisuse as e:
         sys.stderr.write(f"tpzoo: error: {e}\n")
         sys.stderr.flush()

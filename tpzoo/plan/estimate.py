@@ -241,6 +241,19 @@ def refuse_moe_lora(cfg: ModelConfig, training: TrainingSpec) -> None:
                           f"{cfg.num_experts} experts); plan full training, or LoRA on a dense model")
 
 
+def synced_params(cfg: ModelConfig, layout: Layout, training: TrainingSpec) -> ParamCount:
+    """The trained parameters of one rank on the stage holding the most (the first, the last: embedding, head;
+    or one with the most layers): what its data-parallel sync, and DiLoCo's exchange (plan/replicas.py), move.
+    LoRA: only the adapters."""
+    p, v = layout.pp, layout.virtual_stages
+    fullest = max(range(p), key=lambda s: stage_layers(cfg, p, s, v))
+    if training.lora_rank:  # only the adapters are reduced, updated and (tied copies aside) kept in sync
+        layers = stage_layers(cfg, p, fullest, v)
+        return ParamCount(layers * lora_layer_params(cfg, layout.tp, training.lora_rank), 0, 0, 0, 0, 0)
+    return max((stage_params(cfg, layout.tp, p, s, v, training.vocab_padding_multiple, layout.ep)
+                for s in {0, fullest, p - 1}), key=lambda c: c.numel)
+
+
 def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: TrainingSpec) -> Estimate:
     """Memory and step time of `layout`; raises ParallelLayoutError when tpzoo cannot run it."""
     refuse_moe_lora(cfg, training)
@@ -291,12 +304,7 @@ def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: T
     msg = e * cfg.hidden_size * tokens // (t if layout.sequence_parallel else 1)
     p2p = 2 * (p - 1) * _collective_time(msg, 1, _bandwidth(pp_intra, cluster), cluster)
 
-    # The gradient sync lasts as long as the stage holding the most parameters: the first, the last
-    # (embedding, head) or one with the most layers.
-    fullest = max(range(p), key=lambda s: kinds[s][0])
-    count = max((stage_params(cfg, t, p, s, v, pad, layout.ep) for s in {0, fullest, p - 1}), key=lambda c: c.numel)
-    if training.lora_rank:  # only the adapters are reduced, updated and (tied copies aside) kept in sync
-        count = ParamCount(kinds[fullest][0] * lora_layer_params(cfg, t, training.lora_rank), 0, 0, 0, 0, 0)
+    count = synced_params(cfg, layout, training)
     replicas = layout.grad_replicas  # the optimizer shards over dp x cp
     experts = 0
     if layout.ep > 1 and count.expert:  # the experts in their own optimizer over edp (tp * ep ranks apart)

@@ -10,11 +10,12 @@ estimate.stage_flops counts). The casts themselves (memory-bound passes over the
 and the per-GEMM host work) are not in the model: docs/benchmarks.md measures what they cost.
 
 Memory: nothing saved for the backward changes (tpzoo keeps the 16-bit input and casts it again in backward), and
-the weights, gradients and optimizer state are the model dtype's. The working set grows by the fp8 copies that
-live during one projection's backward on CUDA: in the weight-gradient GEMM dy and x in fp8 and their transposed
-copies (torch._scaled_mm wants the first operand row-major and the second column-major), 2 T (out + in) bytes;
-in the input-gradient GEMM dy in fp8 and the weight in fp8 twice (as cast, and column-major), T out + 2 out in.
-The largest projection's is added to the transient working set; scales (4 bytes per row) are left out.
+the weights, gradients and optimizer state are the model dtype's. Each FP8 projection's weight is kept in fp8 for
+the step, row-major and transposed (2 bytes per weight element, counted with the parameters: `fp8_weight_bytes`),
+except under ZeRO-3, which gathers each layer per use and casts it per use too. The working set grows by the fp8
+copies that live during one projection's backward on CUDA: dy in fp8 in both layouts and x transposed,
+T (2 out + in) bytes, plus under ZeRO-3 the weight's transposed copy (out in). The largest projection's is added
+to the transient working set; scales (4 bytes per row) are left out.
 """
 from __future__ import annotations
 
@@ -56,11 +57,18 @@ def at_fp8_rate(flops: dict, fp8: dict) -> dict:
     return {k: v - fp8.get(k, 0) / 2 for k, v in flops.items()}
 
 
-def fp8_transient_bytes(cfg: ModelConfig, tp: int, tokens: int, layers: list[int]) -> int:
+def fp8_transient_bytes(cfg: ModelConfig, tp: int, tokens: int, layers: list[int], per_use: bool = False) -> int:
     """The fp8 copies alive during the backward of the largest FP8 projection of `layers` (module docstring);
-    `tokens`: the GEMM's rows (a micro-batch's tokens on this rank, the whole sequence under SP)."""
+    `tokens`: the GEMM's rows (a micro-batch's tokens on this rank, the whole sequence under SP); `per_use`: the
+    weights are cast per use (ZeRO-3), not kept."""
     worst = 0
     for moe in {cfg.is_moe_layer(i) for i in layers}:
         for out, inp in fp8_projections(cfg, tp, moe).values():
-            worst = max(worst, 2 * tokens * (out + inp), tokens * out + 2 * out * inp)
+            worst = max(worst, tokens * (2 * out + inp) + (out * inp if per_use else 0))
     return worst
+
+
+def fp8_weight_bytes(cfg: ModelConfig, tp: int, layers: list[int]) -> int:
+    """The fp8 copies of the FP8 projections' weights of `layers` kept for the step: each weight row-major and
+    transposed, one byte per element each."""
+    return sum(2 * out * inp for i in layers for out, inp in fp8_projections(cfg, tp, cfg.is_moe_layer(i)).values())

@@ -366,6 +366,8 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
                  reserve_bytes: int = 0) -> MemoryBreakdown:
     """Peak memory of one GPU of pipeline stage `stage` (any tp/dp rank: they hold the same sizes)."""
     e, k, p, v, t = training.act_bytes, training.kernels, layout.pp, layout.virtual_stages, layout.tp
+    if training.compile:  # inductor's kernels for the compiled blocks save what the fused kernels do
+        k = "fused"
     fused = training.fused_linear_cross_entropy
     b, s, sp, pad = layout.micro_batch_size, local_seq_len(layout, training), layout.sequence_parallel, \
         training.vocab_padding_multiple
@@ -401,11 +403,14 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
     staging = 2 * 4 * min(bucket_size(training, replicas), count.numel) if training.zero_level >= 2 else 0
     # ZeRO-3: the layers gathered for use (gathered_bytes)
     gathered = gathered_bytes(cfg, count, training, t, replicas) if not training.lora_rank else 0
-    # FP8: the fp8 copies of the largest projection's operands during its backward (plan/fp8.py, which reads
-    # this module's local_dims: imported here)
-    from .fp8 import fp8_transient_bytes
+    # FP8: the fp8 copies of the largest projection's operands during its backward, and the weights' fp8 copies
+    # kept for the step (cast per use under ZeRO-3) (plan/fp8.py, which reads this module's local_dims: imported
+    # here)
+    from .fp8 import fp8_transient_bytes, fp8_weight_bytes
 
     ids = [i for lo, hi in stage_chunks(cfg, p, stage, v) for i in range(lo, hi)]
-    casts = fp8_transient_bytes(cfg, t, b * s, ids) if training.fp8 != "none" else 0
-    return MemoryBreakdown(stage, st.params, st.grads, st.master, st.optimizer, held,
+    per_use = training.zero_level >= 3
+    casts = fp8_transient_bytes(cfg, t, b * s, ids, per_use) if training.fp8 != "none" else 0
+    fp8_weights = fp8_weight_bytes(cfg, t, ids) if training.fp8 != "none" and not per_use else 0
+    return MemoryBreakdown(stage, st.params + fp8_weights, st.grads, st.master, st.optimizer, held,
                            backward + recv + staging + gathered + casts, reserve_bytes)

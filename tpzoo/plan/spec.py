@@ -64,6 +64,8 @@ class TrainingSpec:
     fused_linear_cross_entropy: bool = True  # the head and the loss in token chunks (tpzoo's default; plan/head.py)
     fp8: str = "none"                  # "tensorwise" / "rowwise": the projections' GEMMs in FP8 (plan/fp8.py)
     grad_accumulation_fusion: bool = True  # weight gradients accumulated into the fp32 main grads by the matmul
+    compile: bool = False              # regional torch.compile of the blocks (`--compile`): a block's saved tensors
+                                       # counted as the fused kernels' (inductor fuses the references the same way)
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -76,6 +78,9 @@ class TrainingSpec:
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.fp8 not in FP8_RECIPES:
             raise ValueError(f"fp8 must be one of {', '.join(FP8_RECIPES)}, got {self.fp8!r}")
+        if self.zero_level == 3 and self.compile:
+            raise ValueError("--compile with --zero 3 is not supported (the per-layer gathers are not composed with "
+                             "compilation): use --zero 2")
         if self.zero_level == 3 and self.lora_rank:
             raise ValueError("ZeRO-3 with LoRA is not supported (the frozen base is not sharded): use --zero 2")
 

@@ -6,6 +6,8 @@
       optim/exp_avg/, optim/exp_avg_sq/             AdamW moments (fp32), each parameter-shaped state stored as a
       optim/master/ (bf16 runs: fp32 master)        model-format checkpoint: it reshards on load exactly like the
                                                     weights, so a run resumes at any (tp, pp, dp, ZeRO-1)
+      replicas/, diloco/                            DiLoCo runs: the other replicas, the outer optimizer
+                                                    (tpzoo.train.diloco_state)
       rng/rank-NNNNN.json                           each rank's torch / numpy / python RNG states
       train_state.json                              step, config, data-loader position, layout, skip counter
     SAVE/latest                                     name of the newest complete checkpoint
@@ -41,7 +43,7 @@ from tpzoo.checkpoint.format import CheckpointError, atomic_dir, is_checkpoint, 
 from tpzoo.checkpoint.lora_io import is_lora_param, lora_info
 from tpzoo.errors import ConfigError
 
-from . import rundir
+from . import diloco_state, rundir
 
 STATE_FILE = "train_state.json"
 LATEST_FILE = "latest"
@@ -124,6 +126,8 @@ def checkpoint_problem(path) -> str | None:
         _check_model_dir(path)
         for kind in state["optimizer_state"]:
             _check_model_dir(path / "optim" / str(kind))
+        for sub in (state.get("diloco") or {}).get("dirs", []):  # other replicas, the outer state (diloco_state)
+            _check_model_dir(path / str(sub))
     except (CheckpointError, OSError, ValueError, KeyError, TypeError) as e:
         return message(e)
     return None
@@ -276,6 +280,10 @@ def router_settings(cfg, model_cfg):
             raise ConfigError(f"--router-aux-loss-coef {cfg.router_aux_loss_coef:g}: the sequence-wise auxiliary loss "
                               f"is the sigmoid router's (DeepSeek-V3, GLM-4.5); this model has none")
         return model_cfg
+    if cfg.replicas > 1 and cfg.router_bias_update_rate > 0:  # (the loads are summed over the world every step)
+        raise ConfigError(f"--replicas {cfg.replicas} with --router-bias-update-rate {cfg.router_bias_update_rate:g}: "
+                          f"the selection bias's update is not made per DiLoCo replica yet; pass "
+                          f"--router-bias-update-rate 0")
     return model_cfg.replace(moe=dataclasses.replace(moe, bias_update_rate=cfg.router_bias_update_rate,
                                                      router_aux_loss_coef=cfg.router_aux_loss_coef))
 
@@ -354,6 +362,7 @@ def save_checkpoint(trainer, step: int) -> str:
             with opt.params_viewing(full):
                 save_model_shards(trainer.chunks, tmp / "optim" / kind, trainer.model_cfg, **lora)
             del full
+        outer = diloco_state.save(trainer, tmp, lora)  # DiLoCo: the other replicas and the outer optimizer
         (tmp / "rng").mkdir(exist_ok=True)
         (tmp / "rng" / f"rank-{trainer.rank:05d}.json").write_text(json.dumps(_rng_state(trainer.device)))
         if trainer.rank == 0:
@@ -365,6 +374,8 @@ def save_checkpoint(trainer, step: int) -> str:
                                 "zero": cfg.zero_level, "dtype": cfg.dtype},
                      "world_size": s.world_size, "optimizer_state": opt.state_kinds(),
                      "config": cfg.to_dict(), "model_config": trainer.model_cfg.to_dict()}
+            if outer:
+                state["diloco"] = outer
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
     if trainer.rank == 0:
         pointer = save_dir / LATEST_FILE

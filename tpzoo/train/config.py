@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from tpzoo.errors import ConfigError
 
-from .config_values import check_value, range_text, read_toml, suggest
+from .config_values import check_table, check_value, parse_link, range_text, read_toml, suggest
 
 # tpzoo.pipeline.SCHEDULES' names, spelled out so that reading a config does not import the pipeline (a test
 # keeps the two equal).
@@ -30,8 +30,8 @@ SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb")
 
 
 def _f(default, help: str, **kw):
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -107,6 +107,9 @@ class ParallelSection:
     grad_accumulation_fusion: bool = _f(True, "the linear layers accumulate their weight gradients straight into "
                                               "the fp32 main gradients in the backward matmul (no 16-bit .grad, no "
                                               "separate add; Megatron's gradient_accumulation_fusion)")
+    compile: bool = _f(False, "regional torch.compile: each transformer block compiled on its own (graph breaks "
+                              "only at the TP collectives and FP8 projections; the first step compiles, reported "
+                              "once; not with --zero 3; docs/training.md)")
     device: str = _f("auto", "where each rank computes: auto (cuda:LOCAL_RANK when CUDA is available, else cpu), "
                              "cpu, cuda or cuda:N", nonempty=True)
     dist_timeout: float = _f(600.0, "seconds a rank may wait on another (a collective, a stalled or dead rank) before "
@@ -114,9 +117,37 @@ class ParallelSection:
 
 
 @dataclass
+class ReplicaSection:
+    replicas: int = _f(1, "split the data-parallel ranks into this many replicas of dp/replicas consecutive dp ranks "
+                          "(whole model copies: nodes, clusters) joined by a slow link; inside a replica everything "
+                          "works as without (docs/training.md, 'Training across slow links')", ge=1)
+    sync_every: int = _f(1, "1: every step's gradients summed across the replicas hierarchically (reduce-scatter "
+                            "inside, all-reduce of each shard across, all-gather inside); H > 1: DiLoCo, each "
+                            "replica takes H AdamW steps alone, then their parameter changes are averaged and "
+                            "applied by the outer optimizer", ge=1)
+    sync_fragments: int = _f(1, "Streaming DiLoCo: the layers in F fragments (strided: layer i in fragment i % F), "
+                                "fragment f synced at its own offset of the H steps (at most the layers, at most "
+                                "sync_every)", ge=1)
+    sync_overlap: int = _f(0, "Streaming DiLoCo: start each fragment's exchange this many inner steps before it is "
+                              "applied, overlapped with them (less than sync_every / sync_fragments)", ge=0)
+    sync_dtype: str = _f("fp32", "dtype of the outer gradients sent across replicas (summed in fp32): fp32, bf16, "
+                                 "or fp8 (e4m3 with an fp32 scale per 128 values)", choices=("fp32", "bf16", "fp8"))
+    outer_lr: float = _f(0.7, "DiLoCo's outer learning rate (Nesterov SGD on the averaged parameter change; the "
+                              "paper's 0.7; short runs of small models want less, docs/training.md)", ge=0)
+    outer_momentum: float = _f(0.9, "DiLoCo's outer Nesterov momentum (the paper's 0.9)", ge=0, lt=1)
+    emulate_link: str = _f("", "emulate a slow link between the replicas: GBPS[:LATENCY_MS] (gigabits per second, "
+                               "milliseconds); every collective across replicas then lasts at least its bytes / "
+                               "bandwidth + latency ('' = TPZOO_EMULATE_LINK, else none)")
+
+
+@dataclass
 class DataSection:
-    data: list = _f([], "pretrain: text/.jsonl/.parquet files, directories or a token store (default: the "
-                        "Python standard library's .py files); sft: one JSONL file", type=str, nonempty=True)
+    data: list = _f([], "pretrain: text/.jsonl/.parquet files, directories, a token store or a Megatron dataset "
+                        "prefix (PREFIX.bin + PREFIX.idx), concatenated; or a weighted mixture of them as WEIGHT PATH "
+                        "pairs (Megatron's syntax: 0.7 web/ 0.3 code/; docs/data.md); default: the Python standard "
+                        "library's .py files; sft: one JSONL file", type=str, nonempty=True)
+    mix: dict = _f({}, "pretrain: a weighted mixture as a table PATH = WEIGHT ([data.mix] in a config file; on the "
+                       "command line PATH=WEIGHT ...); the same as --data WEIGHT PATH pairs, not given with --data")
     tokenizer: str = _f("", "'byte', or a Hugging Face tokenizer / checkpoint directory; '' = the base's "
                             "tokenizer, else 'byte'")
     seq_len: int = _f(256, "tokens per training sequence", ge=1)
@@ -208,7 +239,8 @@ class LogSection:
 # 3e-3 gives 3e-4 (the number written in a config), not 3.0000000000000003e-4.
 FOLLOWS: dict[str, Callable[["TrainConfig"], Any]] = {"min_lr": lambda cfg: float(f"{cfg.lr / 10:.15g}")}
 
-SECTIONS = {"run": RunSection, "model": ModelSection, "parallel": ParallelSection, "data": DataSection,
+SECTIONS = {"run": RunSection, "model": ModelSection, "parallel": ParallelSection, "replicas": ReplicaSection,
+            "data": DataSection,
             "lora": LoraSection, "optim": OptimSection, "checkpoint": CheckpointSection, "log": LogSection}
 
 # Where a value came from, for error messages: one text for every key, or a function of the key.
@@ -272,6 +304,7 @@ class TrainConfig:
             raise ConfigError(f"min_lr {self.min_lr:g} is above lr {self.lr:g}: the cosine decay would raise the "
                               f"learning rate (set --min-lr at most --lr)")
         dp = self.data_parallel_size(world_size)
+        self._validate_sync()
         per_step = self.micro_batch_size * dp
         if self.global_batch_size % per_step:
             raise ConfigError(f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
@@ -299,25 +332,52 @@ class TrainConfig:
         if self.zero_level == 3 and self.ep > 1:
             raise ConfigError(f"--zero 3 with ep={self.ep}: sharding the expert weights over their own group is not "
                               f"implemented; use --zero 2 (or ep=1)")
+        if self.compile and self.zero_level == 3:
+            raise ConfigError("--compile with --zero 3: the per-layer gathers (hooks on the compiled blocks) are not "
+                              "composed with compilation; use --zero 2")
         if self.zero3_gather_per_step and self.zero_level != 3:
             raise ConfigError(f"zero3_gather_per_step needs --zero 3 (zero = {self.zero_level})")
         if self.task == "sft" and self.document_masking:
             raise ConfigError("document_masking is for pretraining: SFT packing always keeps attention within "
                               "each example (--no-packing pads one per sequence)")
+        if self.task == "pretrain":
+            from tpzoo.data.mixture import parse_mixture
+
+            parse_mixture(self.data, self.mix)  # weights and paths pair, weights are positive numbers
+        elif self.mix:
+            raise ConfigError("a [data] mix table is for pretraining; fine-tuning takes one JSONL file (--data)")
         if self.task == "sft" and len(self.data) != 1:
             raise ConfigError(f"task 'sft' needs exactly one SFT JSONL file (--data PATH.jsonl), got "
                               f"{len(self.data)}: {self.data}")
         return self
 
+    def _validate_sync(self) -> None:
+        """DiLoCo's schedule: fragments fit the interval, the overlap fits a fragment's share of it."""
+        h, f, t = self.sync_every, self.sync_fragments, self.sync_overlap
+        if f > h:
+            raise ConfigError(f"sync_fragments={f} is more than sync_every={h}: each fragment is synced at its own "
+                              f"step of the {h}-step interval")
+        if t and t >= h // f:
+            raise ConfigError(f"sync_overlap={t} must be less than sync_every / sync_fragments = {h}/{f} (an "
+                              f"exchange must be applied before the next fragment's starts)")
+        if h == 1 and self.sync_dtype != "fp32":
+            raise ConfigError(f"sync_dtype {self.sync_dtype!r} is for DiLoCo's outer gradients (sync_every > 1); "
+                              f"synchronous training sums fp32 gradients")
+        if h > 1 and self.dtype == "fp16":
+            raise ConfigError("--dtype fp16 with sync_every > 1: each replica would scale its loss on its own; use "
+                              "bf16")
+        parse_link(self.emulate_link)
+
     def data_parallel_size(self, world_size: int | None = None) -> int:
         """dp of this config on `world_size` ranks (None: the ranks the command spawns itself, spawn_world_size),
         decided by the function init_parallel applies to the same numbers (tpzoo.parallel.dims.check_layout: the
-        world size divisible by tp*cp*pp, an explicit dp matching it, ep dividing dp*cp), so the preflight and the
-        ranks cannot disagree on it."""
+        world size divisible by tp*cp*pp, an explicit dp matching it, ep dividing dp*cp, replicas dividing dp), so
+        the preflight and the ranks cannot disagree on it."""
         from tpzoo.parallel.dims import check_layout
 
         world = self.spawn_world_size() if world_size is None else world_size
-        return check_layout(world, tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp or None, ep=self.ep)
+        return check_layout(world, tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp or None, ep=self.ep,
+                            replicas=self.replicas)
 
     def spawn_world_size(self) -> int:
         """The ranks a command started without torchrun spawns: tp*cp*pp*dp (dp 0: one replica)."""
@@ -358,7 +418,7 @@ for _section, _cls in SECTIONS.items():
 
 def _field_type(f: dataclasses.Field) -> type:
     t = f.type if isinstance(f.type, type) else {"int": int, "float": float, "bool": bool, "str": str,
-                                                  "list": list}[str(f.type)]
+                                                  "list": list, "dict": dict}[str(f.type)]
     return t
 
 
@@ -377,6 +437,8 @@ def _coerce(name: str, value: Any) -> Any:
     if t is list:
         items = value if isinstance(value, (list, tuple)) else [value]
         return [check_value(name, v, f.metadata.get("type", str), f.metadata) for v in items]
+    if t is dict:
+        return check_table(name, value)
     return check_value(name, value, t, f.metadata)
 
 
@@ -414,6 +476,8 @@ def _toml_value(v: Any) -> str:
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return repr(v)
 
 
@@ -456,6 +520,8 @@ def add_config_arguments(p: argparse.ArgumentParser, defaults: dict | None = Non
                 kw["action"] = argparse.BooleanOptionalAction
             elif t is list:
                 kw.update(nargs="+", type=f.metadata.get("type", str), metavar="V")
+            elif t is dict:
+                kw.update(nargs="+", type=str, metavar="KEY=VALUE")
             else:
                 kw["type"] = t
                 if "nargs" in f.metadata:

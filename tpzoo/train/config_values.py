@@ -141,6 +141,43 @@ def check_value(name: str, value: Any, t: type, meta) -> Any:
     return value
 
 
+def parse_link(text: str, name: str = "emulate_link") -> tuple[float, float] | None:
+    """'GBPS[:LATENCY_MS]' (gigabits per second, milliseconds) -> (gbps, latency_ms); '' -> None."""
+    text = text.strip()
+    if not text:
+        return None
+    gbps, _, latency = text.partition(":")
+    try:
+        value = (float(gbps), float(latency) if latency else 0.0)
+    except ValueError:
+        value = (math.nan, math.nan)
+    if not (math.isfinite(value[0]) and value[0] > 0 and math.isfinite(value[1]) and value[1] >= 0):
+        raise ConfigError(f"{name}: expected GBPS[:LATENCY_MS] (gigabits per second > 0, milliseconds >= 0; e.g. "
+                          f"0.1:5), got {text!r}")
+    return value
+
+
+def check_table(name: str, value: Any) -> dict:
+    """A table field: a TOML table {key: value}, or KEY=VALUE strings (the command line); keys are strings,
+    values numbers or strings (the field's user checks what they mean)."""
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, (list, tuple)):
+        table = {}
+        for item in value:
+            key, eq, val = str(item).rpartition("=")
+            if not eq or not key:
+                raise ConfigError(f"{name}: expected KEY=VALUE, got {item!r}")
+            table[key] = val
+        value = table
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name}: expected a table (KEY = VALUE), got {value!r} ({type(value).__name__})")
+    for key, val in value.items():
+        if isinstance(val, (dict, list, bool)) or not isinstance(val, (int, float, str)):
+            raise ConfigError(f"{name}: the value of {key!r} must be a number, got {val!r}")
+    return {str(k): v for k, v in value.items()}
+
+
 def _range_phrase(meta) -> str:
     text = range_text(meta)
     return f"in {text}" if text[0] in "[(" else text

@@ -22,10 +22,13 @@ def is_expert(p) -> bool:
 
 
 class ExpertParallelAdamW:
-    def __init__(self, params, dims, **kw):
+    """`expert_group`: where the expert weights' gradients are summed ("edp"; a replica's own "replica_edp" when
+    DiLoCo's replicas train alone, tpzoo.train.diloco); the other keywords go to both DistributedAdamW."""
+
+    def __init__(self, params, dims, expert_group: str = "edp", **kw):
         params = list(params)
         self.dense = DistributedAdamW([p for p in params if not is_expert(p)], dims, **kw)
-        self.experts = DistributedAdamW([p for p in params if is_expert(p)], dims, group="edp", **kw)
+        self.experts = DistributedAdamW([p for p in params if is_expert(p)], dims, **{**kw, "group": expert_group})
         self.parts = (self.dense, self.experts)
         self.device = dims.device
 

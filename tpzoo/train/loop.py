@@ -15,6 +15,7 @@ global values); `max_skips` in a row stop the run without saving, so the last go
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import random
@@ -37,15 +38,17 @@ from tpzoo.parallel.state import get_dims, is_initialized, job_world_size
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward, materialize_chunks
 
 from . import checkpointing as ckpt
-from . import lora_setup
+from . import diloco, diloco_state, lora_setup
 from . import rundir
+from .compile import compile_blocks, compile_report, graph_breaks
+from .compile import eager as compile_eager
 from .config import TrainConfig
-from .data import build_datasets, make_loader, resolve_tokenizer
+from .data import build_datasets, data_metrics, held_out_losses, make_loader, resolve_tokenizer
 from .generate import generate
 from .heldout import heldout_batches
 from .loss_scale import DynamicLossScaler
 from .lr import lr_at
-from .metrics import MetricsLogger, Throughput, format_line, peak_memory_gb
+from .metrics import MetricsLogger, Throughput, eval_text, format_line, peak_memory_gb, window_means
 from .oom import OOM_ERRORS, out_of_memory
 from .expert_optim import ExpertParallelAdamW
 from .optim import DistributedAdamW
@@ -60,13 +63,14 @@ def train(cfg: TrainConfig) -> dict:
     owns = not is_initialized()
     if owns:
         tpzoo.init_parallel(tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, dp=cfg.dp or None, ep=cfg.ep, device=cfg.device,
-                            timeout=datetime.timedelta(seconds=cfg.dist_timeout))
+                            timeout=datetime.timedelta(seconds=cfg.dist_timeout), replicas=cfg.replicas)
     dims = get_dims()
     try:
-        if (dims.tp, dims.pp, dims.cp, dims.ep) != (cfg.tp, cfg.pp, cfg.cp, cfg.ep) or (cfg.dp and cfg.dp != dims.dp):
-            raise ConfigError(f"config asks for tp={cfg.tp} cp={cfg.cp} pp={cfg.pp} dp={cfg.dp or 'auto'} ep={cfg.ep}, "
-                             f"but the process groups are tp={dims.tp} cp={dims.cp} pp={dims.pp} dp={dims.dp} "
-                             f"ep={dims.ep}")
+        if ((dims.tp, dims.pp, dims.cp, dims.ep, dims.replicas) != (cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.replicas)
+                or (cfg.dp and cfg.dp != dims.dp)):
+            raise ConfigError(f"config asks for tp={cfg.tp} cp={cfg.cp} pp={cfg.pp} dp={cfg.dp or 'auto'} ep={cfg.ep} "
+                             f"replicas={cfg.replicas}, but the process groups are tp={dims.tp} cp={dims.cp} "
+                             f"pp={dims.pp} dp={dims.dp} ep={dims.ep} replicas={dims.replicas}")
         if cfg.device != "auto" and resolve_device(cfg.device) != dims.device:
             raise ConfigError(f"config asks for device {cfg.device}, but the parallel runtime computes on "
                              f"{dims.device}")
@@ -94,6 +98,8 @@ class Trainer:
         try:
             self._setup(cfg, dims)
         except BaseException:
+            if getattr(self, "replica_sync", None) is not None:
+                self.replica_sync.close()
             self.run_dir.release()  # the lock goes with a run that failed to start
             raise
 
@@ -102,7 +108,8 @@ class Trainer:
         self.rank, self.world = dims.rank, dims.world_size
         self.tp_rank, self.pp_rank, self.dp_rank, self.dp = dims.tp_rank, dims.pp_rank, dims.dp_rank, dims.dp
         self.dp_group = dims.dp_group
-        self.grad_group = dims.grad_group  # dp x cp: where token counts and loss sums are summed
+        # dp x cp: where token counts and loss sums are summed (a DiLoCo replica's own: tpzoo.train.diloco)
+        self.grad_group = diloco.loss_group(cfg, dims)
         self.is_main = self.rank == 0
         self.n_micro = micro_batches_per_step(cfg.global_batch_size, cfg.micro_batch_size, self.dp)
         _seed_everything(cfg.seed)
@@ -133,6 +140,8 @@ class Trainer:
         # What every LoRA checkpoint of the run records: the adapter config and the base as it was at the start
         # (fingerprinted once here, not at every save).
         self.lora_meta = lora_metadata(self.lora, self.lora_base) if self.lora else None
+        # this rank's replica's own weights and optimizer state in a DiLoCo checkpoint (else the checkpoint's)
+        own = diloco_state.own_checkpoint(self.resume_dir, self.train_state, cfg, dims)
         layout = ModelLayout(dims, sequence_parallel=cfg.sequence_parallel, cp_mode=cfg.cp_mode,
                              dtype=DTYPES[cfg.dtype] if self.lora else None, device="meta")
         self.chunks = build_model_chunks(model_cfg, layout, recompute=cfg.recompute, seed=cfg.seed,
@@ -146,14 +155,18 @@ class Trainer:
         problem = fp8_hardware_problem(cfg.fp8, self.device)
         if problem:
             raise ConfigError(problem)
-        self.fp8_report = enable_fp8(self.chunks, cfg.fp8)
+        # the weights' fp8 copies are kept for the step, except under ZeRO-3 gathering each layer per use
+        self.fp8_report = enable_fp8(self.chunks, cfg.fp8,
+                                     cache_weights=cfg.zero_level < 3 or cfg.zero3_gather_per_step)
         if self.lora:
-            lora_setup.build(self.chunks, self.device, cfg, self.lora, self.lora_base, self.resume_dir)
+            lora_setup.build(self.chunks, self.device, cfg, self.lora, self.lora_base, own)
         else:
-            weights_from = self.resume_dir or (cfg.base or None)
+            weights_from = own or (cfg.base or None)
             materialize_chunks(self.chunks, self.device, init=not weights_from)
             if weights_from:
                 ckpt.load_weights(self.chunks, weights_from)
+        # Regional torch.compile (tpzoo.train.compile): each block, in place, once its weights are in place
+        self.compiled_blocks = compile_blocks(self.chunks) if cfg.compile else 0
         # Expert weights under ep > 1 reduce over their own group: a second AdamW (tpzoo.train.expert_optim).
         trainable = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
         experts = dims.ep > 1 and any(getattr(p, "expert_parallel", False) for p in trainable)
@@ -162,7 +175,7 @@ class Trainer:
             model_dtype=DTYPES[cfg.dtype], zero=cfg.zero_level, overlap=cfg.overlap_grad_reduce,
             bucket_elems=cfg.grad_bucket_elems, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
             weight_decay=cfg.weight_decay, modules=self.chunks, keep_gathered=cfg.zero3_gather_per_step,
-            grad_accumulation_fusion=cfg.grad_accumulation_fusion)
+            grad_accumulation_fusion=cfg.grad_accumulation_fusion, **diloco.optimizer_groups(cfg, dims))
 
         self.train_ds, self.eval_ds, self.data_desc = build_datasets(cfg, self.tokenizer)
         self.pin = self.device.type == "cuda"
@@ -171,13 +184,17 @@ class Trainer:
         # fp16: gradients would underflow without a loss scale (bf16 and fp32 have fp32's exponent range)
         self.scaler = DynamicLossScaler() if cfg.dtype == "fp16" else None
         if self.train_state is not None:
-            ckpt.load_optimizer(self.optimizer, self.resume_dir, self.train_state, self.chunks)
+            ckpt.load_optimizer(self.optimizer, own, self.train_state, self.chunks)
             self.loader.load_state_dict(self.train_state["loader"])
             self.start_step = int(self.train_state["step"])
             self.skips = int(self.train_state.get("consecutive_skips", 0))
             if self.scaler is not None and self.train_state.get("loss_scaler"):
                 self.scaler = DynamicLossScaler.from_state(self.train_state["loss_scaler"])
             ckpt.load_rng(self.resume_dir, self.rank, self.world, self.device)
+        # replicas / DiLoCo: the outer optimizer and the cross-replica metrics (None without)
+        self.replica_sync = diloco.ReplicaSync.create(cfg, dims, self.optimizer, self.chunks)
+        if self.train_state is not None:
+            diloco_state.load(self.replica_sync, self.resume_dir, self.train_state, self.chunks)
         if self.start_step > cfg.steps:
             raise ConfigError(f"checkpoint {self.resume_dir} is at step {self.start_step}, past --steps {cfg.steps}")
 
@@ -247,6 +264,8 @@ class Trainer:
                 self.scaler.update(False)
         # non-gradient state updated from the step (a router's selection bias; dropped on a skipped step)
         after_optimizer_step(self.chunks, applied=not skipped)
+        if self.replica_sync is not None:  # DiLoCo's outer step when due; sync_bytes, sync_s
+            m_sync = self.replica_sync.after_step(step)
         strict.check_all_waited(f"the end of training step {step}")  # strict collective mode; else a no-op
         seconds = time.perf_counter() - t0
         self.throughput.add(self.tokens_per_step, seconds)
@@ -254,18 +273,22 @@ class Trainer:
              "step_time": seconds, "skipped": self.skips if skipped and not overflow else 0}
         if self.scaler:
             m["loss_scale"] = loss_scale
+        if self.replica_sync is not None:
+            m.update(m_sync)
         return m
 
     @torch.no_grad()
-    def evaluate(self) -> float | None:
-        """Mean loss over the held-out split's first eval_batches x micro_batch_size sequences, the same at every
-        layout (tpzoo.train.heldout; None without a held-out split): the language model's (a mixture of experts'
-        router losses left out, as `tpzoo eval` does)."""
+    def evaluate(self, dataset=None) -> float | None:
+        """Mean loss over the held-out split's (or `dataset`'s, a mixture's source) first eval_batches x
+        micro_batch_size sequences, the same at every layout (tpzoo.train.heldout; None without a held-out split):
+        the language model's (a mixture of experts' router losses left out, as `tpzoo eval` does)."""
         cfg = self.cfg
-        if self.eval_ds is None or len(self.eval_ds) == 0:
+        dataset = self.eval_ds if dataset is None else dataset
+        if dataset is None or len(dataset) == 0:
             return None
+        rank, ranks = diloco.eval_share(cfg, self.dims)  # a DiLoCo replica evaluates the whole set on its own
         batches = [self._to_device(self._local(b)) for b in
-                   heldout_batches(self.eval_ds, cfg.eval_batches, cfg.micro_batch_size, self.dp_rank, self.dp)]
+                   heldout_batches(dataset, cfg.eval_batches, cfg.micro_batch_size, rank, ranks)]
         for c in self.chunks:
             c.eval()
         out = forward_backward(self.chunks, batches, self.dims, schedule=cfg.schedule, forward_only=True,
@@ -291,6 +314,8 @@ class Trainer:
             + (f" | resumed from {self.resume_dir} at step {self.start_step}" if self.resume_dir else ""))
         if self.fp8_report.line():
             self.logger.print(self.fp8_report.line())
+        if self.replica_sync is not None:
+            self.logger.print(self.replica_sync.describe())
         if cfg.resume and self.resume_dir is None:
             self.logger.print(f"--resume: no checkpoint under {cfg.save!r} yet, starting at step 0")
         history: list[dict] = []
@@ -303,11 +328,14 @@ class Trainer:
                 m = self.train_step(step)
             except OOM_ERRORS as e:  # one line: the step, the peak, the plan's estimate, the flags that lower it
                 raise out_of_memory(e, step, cfg, self.model_cfg, self.dims) from e
+            if self.compiled_blocks and step == self.start_step + 1:  # the step that compiled: said once
+                self.logger.print(compile_report(self.compiled_blocks, m["step_time"]))
             window.append(m)
             m.update(self.throughput.summary(), peak_mem_gb=peak_memory_gb(self.device),
-                     data_wait=self.loader.wait_fraction)
+                     data_wait=self.loader.wait_fraction, **data_metrics(self.loader, cfg.seq_len))
             if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
-                m["eval_loss"] = eval_loss = self.evaluate()  # None without a held-out split
+                m.update(held_out_losses(self))  # eval_loss (None without a held-out split), a mixture's per source
+                eval_loss = m["eval_loss"]
             history.append(m)
             self.logger.step(m)
             if self.skips >= cfg.max_skips:
@@ -316,9 +344,8 @@ class Trainer:
                                   f"checkpoint is {ckpt.latest_checkpoint(cfg.save) if cfg.save else None}")
                 break
             if step % cfg.log_interval == 0 or step == cfg.steps:
-                line = dict(m, loss=sum(w["loss"] for w in window) / len(window))
-                self.logger.print(format_line(line) + (f" | eval {m['eval_loss']:.4f}"
-                                                       if m.get("eval_loss") is not None else ""))
+                line = dict(m, **window_means(window))
+                self.logger.print(format_line(line) + eval_text(m))
                 window.clear()
                 self.throughput.reset()
                 self.loader.reset_wait_stats()
@@ -332,7 +359,9 @@ class Trainer:
                   "lrs": [m["lr"] for m in history], "eval_loss": eval_loss, "checkpoint": saved,
                   "tokens_per_s": history[-1]["tokens_per_s"] if history else None, "sample": None,
                   "fp8": {"recipe": self.fp8_report.recipe, "layers": len(self.fp8_report.fp8_layers),
-                          "fallbacks": [name for name, _, _ in self.fp8_report.fallbacks]}}
+                          "fallbacks": [name for name, _, _ in self.fp8_report.fallbacks]},
+                  "compile": {"blocks": self.compiled_blocks,
+                              "graph_breaks": dict(graph_breaks()) if self.compiled_blocks else {}}}
         if history:
             self.logger.print(f"loss: first {history[0]['loss']:.4f} (step {history[0]['step']}) -> last "
                               f"{history[-1]['loss']:.4f} (step {history[-1]['step']})")
@@ -341,8 +370,9 @@ class Trainer:
         if status == "ok" and cfg.sample_prompt and cfg.sample_tokens > 0 and self.dims.cp > 1:
             self.logger.print("sample skipped: generation runs at cp=1 (tpzoo generate on the checkpoint)")
         elif status == "ok" and cfg.sample_prompt and cfg.sample_tokens > 0:
-            text = generate(self.chunks, self.dims, self.tokenizer, cfg.sample_prompt, cfg.sample_tokens,
-                            temperature=cfg.temperature, seed=cfg.seed, max_context=cfg.seq_len)
+            with compile_eager() if self.compiled_blocks else contextlib.nullcontext():  # a growing KV cache
+                text = generate(self.chunks, self.dims, self.tokenizer, cfg.sample_prompt, cfg.sample_tokens,
+                                temperature=cfg.temperature, seed=cfg.seed, max_context=cfg.seq_len)
             result["sample"] = cfg.sample_prompt + text
             self.logger.print(f"sample ({'greedy' if cfg.temperature <= 0 else f'T={cfg.temperature}'}):\n"
                               f"{'-' * 60}\n{cfg.sample_prompt}{text}\n{'-' * 60}")
@@ -353,6 +383,8 @@ class Trainer:
 
     def close(self) -> None:
         try:
+            if self.replica_sync is not None:
+                self.replica_sync.close()
             self.loader.close()
             self.logger.close()
         finally:

@@ -93,9 +93,37 @@ def format_line(m: dict) -> str:
     parts = [f"step {m['step']:>6d}", f"loss {m['loss']:.4f}", f"grad_norm {m['grad_norm']:.3f}",
              f"lr {m['lr']:.2e}", f"tok/s {m['tokens_per_s']:,.0f}", f"TFLOP/s/dev {m['tflops_per_device']:.3f}",
              f"MFU {mfu}", f"mem {m['peak_mem_gb']:.2f}GB", f"data_wait {100 * m['data_wait']:.1f}%"]
+    if "sync_bytes" in m:  # replicas (tpzoo.train.diloco): sent across them by this rank, seconds blocked on it
+        parts.append(f"sync {m['sync_bytes'] / 1e6:.3f} MB {m['sync_s']:.3f}s")
+    seen = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("tokens_seen/")}
+    if seen:  # a mixture's tokens per source so far
+        parts.append("seen " + " ".join(f"{name} {_count(v)}" for name, v in seen.items()))
     if m.get("skipped"):
         parts.append(f"SKIPPED({m['skipped']})")
     return " | ".join(parts)
+
+
+WINDOW_MEANS = ("loss", "sync_bytes", "sync_s")
+
+
+def window_means(window: list[dict]) -> dict:
+    """The metrics a log line averages over its interval (the others are the last step's)."""
+    return {k: sum(w[k] for w in window) / len(window) for k in WINDOW_MEANS if k in window[-1]}
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def eval_text(m: dict) -> str:
+    """' | eval 2.3456' (and a mixture's per-source losses) for a log line; '' without an evaluation."""
+    if m.get("eval_loss") is None:
+        return ""
+    per = [f"{k.split('/', 1)[1]} {v:.4f}" for k, v in m.items() if k.startswith("eval_loss/") and v is not None]
+    return f" | eval {m['eval_loss']:.4f}" + (f" ({', '.join(per)})" if per else "")
 
 
 class MetricsLogger:
@@ -130,9 +158,10 @@ class MetricsLogger:
         if self.jsonl:
             self.jsonl.write_row({k: _jsonable(v) for k, v in m.items()})
         if self.tb:
-            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "eval_loss"):
+            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "eval_loss",
+                      *(k for k in m if k.startswith(("eval_loss/", "tokens_seen/")))):
                 if m.get(k) is not None and isinstance(m[k], (int, float)) and math.isfinite(m[k]):
-                    self.tb.add_scalar(f"train/{k}" if k != "eval_loss" else "eval/loss", m[k], m["step"])
+                    self.tb.add_scalar(_tb_tag(k), m[k], m["step"])
         if self.bar:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{m['lr']:.2e}", tok_s=f"{m['tokens_per_s']:,.0f}",
@@ -191,6 +220,12 @@ class JsonlAppender:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _tb_tag(key: str) -> str:
+    if key.startswith("eval_loss"):  # eval_loss -> eval/loss, eval_loss/web -> eval/loss/web
+        return "eval/loss" + key[len("eval_loss"):]
+    return f"data/{key}" if key.startswith("tokens_seen/") else f"train/{key}"
 
 
 def _jsonable(v):

@@ -35,7 +35,7 @@ def plan_peak_gib(cfg, model_cfg, dims) -> float | None:
                                 zero=cfg.zero_level, overlap_grad_reduce=cfg.overlap_grad_reduce,
                                 grad_bucket_elems=cfg.grad_bucket_elems, lora_rank=cfg.lora_rank, kernels=kernels,
                                 fused_linear_cross_entropy=getattr(cfg, "fused_linear_cross_entropy", True),
-                                fp8=getattr(cfg, "fp8", "none"),
+                                fp8=getattr(cfg, "fp8", "none"), compile=getattr(cfg, "compile", False),
                                 grad_accumulation_fusion=getattr(cfg, "grad_accumulation_fusion", True))
         return stage_memory(model_cfg, layout, training, dims.pp_rank).total / 2 ** 30
     except Exception:  # noqa: BLE001 - a layout the plan does not model: the message goes without the estimate
@@ -50,7 +50,7 @@ def lowering_flags(cfg, dims) -> list[str]:
                    f"stays {cfg.global_batch_size})")
     if cfg.recompute != "full":
         out.append("--recompute " + ("selective" if cfg.recompute == "none" else "full"))
-    if cfg.zero_level < 3 and dims.dp * dims.cp > 1:
+    if cfg.zero_level < (2 if getattr(cfg, "compile", False) else 3) and dims.dp * dims.cp > 1:  # not 3 compiled
         out.append(f"--zero {cfg.zero_level + 1} (shards more of the weights' state over dp)")
     out.append(f"--tp {dims.tp * 2} or --pp {dims.pp * 2} (fewer layers or smaller shards per GPU)")
     if not getattr(cfg, "fused_linear_cross_entropy", True):

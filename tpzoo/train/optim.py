@@ -32,7 +32,7 @@ from collections import Counter
 
 import torch
 
-from tpzoo.parallel import GradBuffer, ParallelDims, comm
+from tpzoo.parallel import GradBuffer, ParallelDims, comm, fp8
 from tpzoo.parallel.data_parallel import DEFAULT_BUCKET_ELEMS, bucket_ranges, flat_layout, is_late, shard_segments
 from tpzoo.parallel.dims import SELF_GROUP
 from tpzoo.parallel.grad_shards import ShardedGradBuffer
@@ -79,16 +79,20 @@ class DistributedAdamW:
     3 (ZeRO-3: ZeRO-2 plus the weights sharded, each layer of `modules` (the model chunks) gathered when used:
     tpzoo.parallel.param_shards; `keep_gathered` keeps them gathered from first use to the end of the step);
     group: the dims group the gradients are summed (and ZeRO-sharded) over: "dp_cp", or "edp" for expert weights
-    (tpzoo.train.expert_optim); grad_accumulation_fusion: the linear layers accumulate their weight gradients
-    straight into the fp32 main gradients (tpzoo.parallel.wgrad)."""
+    (tpzoo.train.expert_optim), or a replica's own "replica_dp" / "replica_edp" (tpzoo.train.diloco);
+    cross_group: a group the reduced gradients are also summed over ("cross_replica": hierarchical data
+    parallelism, tpzoo.parallel.data_parallel); norm_group: the group the global norm is summed over (default the
+    world; "replica" when each replica trains alone); grad_accumulation_fusion: the linear layers accumulate their
+    weight gradients straight into the fp32 main gradients (tpzoo.parallel.wgrad)."""
 
     def __init__(self, params, dims: ParallelDims, *, model_dtype: torch.dtype = torch.float32, zero: int = 0,
                  zero1: bool = False, overlap: bool = True, betas=(0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, bucket_elems: int = DEFAULT_BUCKET_ELEMS, modules=None,
-                 keep_gathered: bool = False, group: str = "dp_cp", grad_accumulation_fusion: bool = True):
-        self.dims, self.device, self.group_name = dims, dims.device, group
+                 keep_gathered: bool = False, group: str = "dp_cp", grad_accumulation_fusion: bool = True,
+                 cross_group: str | None = None, norm_group: str | None = None):
+        self.dims, self.device, self.group_name, self.norm_group = dims, dims.device, group, norm_group
         self.dp_size = dims.group_size(group)
-        self.dp_rank = dims.edp_rank if group == "edp" else dims.dp_cp_rank
+        self.dp_rank = dims.group_rank(group)
         self.zero = max(zero, 1 if zero1 else 0)
         self.zero1, self.overlap = self.zero >= 1, overlap  # zero1: the optimizer state is sharded (ZeRO >= 1)
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
@@ -120,7 +124,7 @@ class DistributedAdamW:
                     p.data = self.flat[o:o + p.numel()].view(p.shape)
             # fp32 weights: the flat buffer is the master (the owned segments of it); bf16: a separate fp32 copy of
             # the owned segments, end to end.
-            self.master = None if self.master_is_flat else self._owned_of(full_master)
+            self.master = None if self.master_is_flat else self.owned_of(full_master)
             del full_master
         self.exp_avg = torch.zeros(n_owned, dtype=torch.float32, device=self.device)
         self.exp_avg_sq = torch.zeros(n_owned, dtype=torch.float32, device=self.device)
@@ -132,6 +136,8 @@ class DistributedAdamW:
         else:
             self.grads = GradBuffer(self.params, device=self.device, pad_to=self.dp_size, late=late,
                                     bucket_elems=bucket_elems, fuse=grad_accumulation_fusion)
+        if cross_group is not None:
+            self.grads.cross = dims.group(cross_group)
         self.grad_owned = None  # the reduced fp32 gradients of the owned segments, after reduce_grads()
         self.norm_runs = self._norm_weights(dims.tp_rank, dims.tp)
         self.ranges = self._update_ranges()
@@ -154,7 +160,7 @@ class DistributedAdamW:
         self.shards = ParamShards(self.params, self.offsets, self.buckets, self.owned, late, modules, read,
                                   self.padded, lambda: dims.group(name) if size > 1 else SELF_GROUP, keep=keep)
 
-    def _owned_of(self, full: torch.Tensor) -> torch.Tensor:
+    def owned_of(self, full: torch.Tensor) -> torch.Tensor:
         """The owned segments of a flat tensor in this layout, end to end (a new fp32 tensor)."""
         if not self.zero1:
             return full.float().clone()
@@ -207,7 +213,7 @@ class DistributedAdamW:
                 ranges.append((pos + cuts[-1] - lo, pos + hi - lo, False, cuts[-1]))
         return ranges
 
-    def _master(self, a: int, b: int, flat_a: int) -> torch.Tensor:
+    def master_range(self, a: int, b: int, flat_a: int) -> torch.Tensor:
         """The fp32 master of owned positions [a, b) (flat position flat_a onwards)."""
         if self.master is not None:
             return self.master[a:b]
@@ -259,7 +265,9 @@ class DistributedAdamW:
         t = torch.full((2,), float(flag), dtype=torch.float64, device=self.device)  # [squared norm, flag]
         local = self.local_sq_norm()
         t[0] = local if extra_sq is None else local + extra_sq
-        if self.dims.world_size > 1:
+        if self.norm_group is not None:
+            comm.all_reduce(t, self.dims.group(self.norm_group))
+        elif self.dims.world_size > 1:
             comm.all_reduce(t, None)
         total, flags = t.tolist()
         return math.sqrt(max(total, 0.0)) if math.isfinite(total) else float("nan"), flags
@@ -274,7 +282,7 @@ class DistributedAdamW:
             for decay in (True, False):
                 runs = [r for r in self.ranges if r[2] == decay]
                 if runs:
-                    lists = [[self._master(a, b, f) for a, b, _, f in runs]]
+                    lists = [[self.master_range(a, b, f) for a, b, _, f in runs]]
                     lists += [[t[a:b] for a, b, _, _ in runs] for t in (g, self.exp_avg, self.exp_avg_sq)]
                     self._lists.append((decay, lists))
             self._lists_key = key
@@ -320,7 +328,8 @@ class DistributedAdamW:
     def publish(self) -> None:
         """Make every parameter (on every dp rank) hold the master weights: under ZeRO each bucket is all-gathered
         from the ranks' segments (all buckets in flight at once); under ZeRO-3 only the late buckets, the layers
-        are gathered when next used."""
+        are gathered when next used. The layers' cached fp8 weights are stale from here (tpzoo.parallel.fp8)."""
+        fp8.weights_changed()
         if self.shards is not None:
             if self.master is not None:
                 self.shards.shard.copy_(self.master)
@@ -328,7 +337,7 @@ class DistributedAdamW:
         elif self.zero1 and self.dp_size > 1:
             pending = []
             for (s, e), (lo, hi, pos) in zip(self.buckets, self.owned):
-                src = self._master(pos, pos + hi - lo, lo).to(self.model_dtype)
+                src = self.master_range(pos, pos + hi - lo, lo).to(self.model_dtype)
                 if src.data_ptr() == self.flat[lo:hi].data_ptr():
                     src = src.clone()  # the input may not alias the output
                 pending.append(comm.all_gather_into_start(self.flat[s:e], src, self.dp_group))
@@ -357,8 +366,9 @@ class DistributedAdamW:
 
     def sync_master_from_params(self) -> None:
         """After weights were loaded into the parameters (views of `flat`): refresh a separate fp32 master."""
+        fp8.weights_changed()
         if self.master is not None:
-            self.master.copy_(self.shards.shard if self.shards is not None else self._owned_of(self.flat))
+            self.master.copy_(self.shards.shard if self.shards is not None else self.owned_of(self.flat))
 
     def state_kinds(self) -> list[str]:
         """The parameter-shaped state tensors a checkpoint must keep (fp32 weights are their own master)."""
@@ -368,7 +378,11 @@ class DistributedAdamW:
         """State `kind` over the whole flat layout (fp32, padded size), on every dp rank: collective over dp
         under ZeRO (each bucket all-gathered from the ranks' segments), so what is saved does not depend on dp or
         the ZeRO level."""
-        owned = getattr(self, kind)
+        return self.full_of(getattr(self, kind))
+
+    def full_of(self, owned: torch.Tensor) -> torch.Tensor:
+        """An fp32 vector over the owned segments (like the moments) over the whole flat layout: collective over
+        dp under ZeRO. The inverse of owned_of."""
         if not (self.zero1 and self.dp_size > 1):
             return owned.clone()
         full = torch.empty(self.padded, dtype=torch.float32, device=self.device)
@@ -380,7 +394,7 @@ class DistributedAdamW:
 
     def load_full_state(self, kind: str, full: torch.Tensor) -> None:
         """Inverse of full_state (any dp / ZeRO level at save time): keep this rank's owned segments."""
-        getattr(self, kind).copy_(self._owned_of(full))
+        getattr(self, kind).copy_(self.owned_of(full))
         if kind == "master":
             self.publish()
 

@@ -10,7 +10,7 @@ under torchrun, on every rank before the process groups exist: the first rank's 
   - the model config, parsed only (never the weights): the named config, the --base / --resume checkpoint's
     manifest, or a Hugging Face config.json; a corrupt one is named;
   - the layout against the model: tp divides the heads and the FFN, kv heads divide by tp or tp by them,
-    pp * virtual_stages <= layers; learned positions cover seq_len; the tokenizer fits the vocabulary (when its
+    pp * virtual_stages <= layers, Streaming DiLoCo's fragments <= layers; learned positions cover seq_len; the tokenizer fits the vocabulary (when its
     size can be read without loading it);
   - the files: data paths exist, named files are not empty, an SFT file parses and validates record by record
     (file:line), eval's text file is UTF-8 (file and byte offset), the checkpoint to resume parses.
@@ -170,24 +170,41 @@ def _model_of_run(cfg):
 
 
 def _check_pretrain_data(cfg) -> None:
-    from tpzoo.data.sources import SUPPORTED_SUFFIXES, expand_paths, is_local_spec
+    """The --data paths (or each source of a weighted mixture, which is one corpus each): token stores and
+    Megatron datasets open (a missing .idx, a truncated .bin ... named), text sources exist and are not empty."""
+    from tpzoo.data.mixture import parse_mixture
 
-    if not cfg.data:
-        return  # the stdlib corpus
-    if len(cfg.data) == 1 and (Path(cfg.data[0]) / "index.json").is_file():
-        return  # a token store, opened as is
+    mixture = parse_mixture(cfg.data, cfg.mix)  # malformed weights / pairs: one line (also TrainConfig.validate)
+    corpora = [[s.path] for s in mixture] if mixture else [cfg.data] if cfg.data else []
+    for specs in corpora:  # no data: the stdlib corpus
+        _check_corpus(specs)
+
+
+def _check_corpus(specs: list[str]) -> None:
+    from tpzoo.data.sources import SUPPORTED_SUFFIXES, expand_paths, is_local_spec
+    from tpzoo.data.token_store import is_token_store, open_store
+
+    if len(specs) == 1 and is_token_store(specs[0]):
+        open_store(specs[0])  # a tpzoo store or a Megatron dataset, as the ranks will open it
+        return
+    stores = [s for s in specs if is_token_store(s)]
+    if stores:
+        raise DataError(f"{stores[0]} is already tokenized and cannot be concatenated with other data: give each "
+                        f"corpus a weight (--data WEIGHT PATH ...)")
     files = []
-    for spec in cfg.data:
+    for spec in specs:
         if spec.startswith("hf:") or not is_local_spec(spec):
             continue  # a hub dataset: only the ranks can reach it
         found = expand_paths([spec])  # FileNotFoundError naming a missing path
         if not found:
-            raise DataError(f"{spec}: no data files under it (looked for {', '.join(SUPPORTED_SUFFIXES)})")
+            idx = sorted(Path(spec).glob("*.idx")) if Path(spec).is_dir() else []
+            hint = f"; it holds Megatron datasets: give their prefixes, e.g. {str(idx[0])[:-4]}" if idx else ""
+            raise DataError(f"{spec}: no data files under it (looked for {', '.join(SUPPORTED_SUFFIXES)}){hint}")
         if Path(spec).is_file() and found[0].stat().st_size == 0:
             raise DataError(f"{spec}: empty file")
         files += found
     if files and all(f.stat().st_size == 0 for f in files):
-        raise DataError(f"no text to train on: every data file is empty ({len(files)} files under {cfg.data})")
+        raise DataError(f"no text to train on: every data file is empty ({len(files)} files under {specs})")
 
 
 def _check_sft_data(cfg) -> None:
@@ -212,6 +229,9 @@ def check_train(cfg, world_size: int | None = None):
     check_layout(model_cfg, cfg.tp, cfg.pp, cfg.virtual_stages, label, ep=cfg.ep)
     check_context(model_cfg, cfg.tp, cfg.cp, cfg.cp_mode, label)
     check_positions(model_cfg, cfg.seq_len, label)
+    if cfg.sync_fragments > model_cfg.num_layers:  # Streaming DiLoCo's fragments are groups of layers
+        raise ConfigError(f"sync_fragments={cfg.sync_fragments} is more than the {model_cfg.num_layers} layers of "
+                          f"{label}")
     check_tokenizer(tokenizer, model_cfg.vocab_size if fixed_vocab else None, label)
     check_lora(cfg, model_cfg)
     if cfg.task == "sft":
