@@ -1,8 +1,8 @@
 """Training the frontier families (tests/frontier_models.py: DeepSeek-V3 with q_lora_rank set, GLM-4.5, gpt-oss,
 tiny random models written by transformers, loaded from their HF directories) against one process, fp32:
 
-three SGD steps at tp 2 + SP, pp 2 (a dense stage 0, a MoE stage 1), ep 2 (dp 2) and cp 2 (ring) on 2 gloo ranks
-(one pool call for every layout): the loss of every step, every gradient of the first step (tp shards and ep
+three SGD steps at tp 2 + SP, pp 2 (a dense stage 0, a MoE stage 1), ep 2 (dp 2), cp 2 (ring), tp 2 + SP with full
+recomputation and pp 2 with selective recomputation on 2 gloo ranks (one pool call for every layout): the loss of every step, every gradient of the first step (tp shards and ep
 experts gathered) and every parameter after the last step equal the single-process model on the same
 micro-batches within 1e-5 of each tensor's largest entry. With the auxiliary-loss-free balancing on (a larger
 rate than the default 1e-3, so that three steps move the routing) every rank's selection biases are equal after
@@ -36,7 +36,9 @@ GLOBAL_BATCH, SEQ, STEPS, RATE = 4, 8, 3, 0.02
 # cp 2 trains in float64: in fp32 the ring's log-sum-exp merges round differently from one softmax, and a few
 # cancellation-heavy gradients (the MLA query norm's) then differ by 2e-5 of their largest entry; in float64 every
 # gradient agrees to 1e-7 (the fp32 main gradients' rounding), so a real defect still shows at 1e-5.
-LAYOUTS = [dict(tp=2, sp=True), dict(pp=2), dict(ep=2, dp=2), dict(cp=2, dtype=torch.float64)]
+LAYOUTS = [dict(tp=2, sp=True), dict(pp=2), dict(ep=2, dp=2), dict(cp=2, dtype=torch.float64),
+           # recomputed: the MLA core (selective), whole blocks (full: the routing runs again in the backward)
+           dict(tp=2, sp=True, recompute="full"), dict(pp=2, recompute="selective")]
 BIAS = "e_score_correction_bias"
 
 
@@ -107,7 +109,8 @@ def train(path: str, kind: str, layout: dict, local_loads: bool = False) -> dict
                                ep=layout.get("ep", 1), cp=layout.get("cp", 1))
     try:
         chunks = build_model_chunks(config(path, kind), dims, sequence_parallel=layout.get("sp", False),
-                                    dtype=layout.get("dtype", torch.float32))
+                                    dtype=layout.get("dtype", torch.float32),
+                                    recompute=layout.get("recompute", "none"))
         load_weights_into(chunks, path)
         for c in chunks:
             c.train()
