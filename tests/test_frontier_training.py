@@ -254,3 +254,31 @@ def test_trainer_moves_saves_and_resumes_the_selection_bias(tmp_path):
     assert all(((mid[n] - start[n]).abs() <= 0.02 + 1e-6).all() for n in biases)
     again = _state(tmp_path / "b" / "step_00000003")
     assert sorted(again) == sorted(end) and all(torch.equal(again[n], end[n]) for n in end)
+
+
+def test_pp_boundaries_put_the_stages_where_asked(tmp_path):
+    """`--pp-boundaries 0 3 4` at pp 2 (the cut DeepSeek-V3: a dense layer and three MoE layers; the split balanced
+    by parameters would be 0 2 4) trains the same losses as the balanced split, and the checkpoint records those
+    stages; boundaries that do not cover the layers fail before any rank starts, in one line."""
+    import json
+    import sysconfig
+    from pathlib import Path
+
+    from tpzoo.data import iter_documents, preprocess
+    from tpzoo.pipeline.partition import PartitionError
+    from tpzoo.train import load_config
+    from tpzoo.train.preflight import check_train
+
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    store = str(preprocess(iter_documents([str(lib / "textwrap.py")]), "byte", tmp_path / "store").path)
+    base = dict(model="tiny-deepseek-v3", data=[store], seq_len=8, global_batch_size=4, micro_batch_size=1,
+                steps=2, lr=1e-3, warmup_steps=1, tp=1, pp=2, sample_prompt="", quiet=True, eval_fraction=0.0,
+                seed=0, prefetch=1)
+    balanced = run_on_ranks(2, _train, load_config(None, {**base, "save": ""}))[0]
+    cut = run_on_ranks(2, _train, load_config(None, {**base, "pp_boundaries": [0, 3, 4],
+                                                     "save": str(tmp_path / "run")}))[0]
+    assert cut["losses"] == pytest.approx(balanced["losses"], rel=1e-5)
+    manifest = json.loads((Path(cut["checkpoint"]) / "manifest.json").read_text())
+    assert [s["layers"] for s in manifest["stages"]] == [[0, 3], [3, 4]]
+    with pytest.raises(PartitionError, match="must start at 0 and end at num_layers=4"):
+        check_train(load_config(None, {**base, "pp_boundaries": [0, 2, 3], "save": ""}))

@@ -85,6 +85,10 @@ class ParallelSection:
                                         "divisible by tp)")
     schedule: str = _f("1f1b", "pipeline schedule (tpzoo.pipeline.SCHEDULES; only interleaved runs "
                                "virtual_stages > 1)", choices=SCHEDULE_NAMES)
+    pp_boundaries: list = _f([], "pipeline split points instead of the split balanced by parameters: the first "
+                                 "layer of every model stage, then the layer count (pp * virtual_stages + 1 "
+                                 "numbers, e.g. --pp-boundaries 0 3 8 for 8 layers at pp 2); uneven stages are "
+                                 "fine, empty ones are refused", type=int, ge=0)
     virtual_stages: int = _f(1, "model chunks per pipeline rank (interleaved schedule)", ge=1)
     recompute: str = _f("none", "activation recomputation: none | selective | full",
                         choices=("none", "selective", "full"))

@@ -145,7 +145,7 @@ class Trainer:
         layout = ModelLayout(dims, sequence_parallel=cfg.sequence_parallel, cp_mode=cfg.cp_mode,
                              dtype=DTYPES[cfg.dtype] if self.lora else None, device="meta")
         self.chunks = build_model_chunks(model_cfg, layout, recompute=cfg.recompute, seed=cfg.seed,
-                                         virtual_stages=cfg.virtual_stages)
+                                         virtual_stages=cfg.virtual_stages, boundaries=cfg.pp_boundaries or None)
         # What the last stage computes: the training loss, and the held-out one (the language model's alone).
         self.loss = LossOptions(label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss,
                                 fused=cfg.fused_linear_cross_entropy)
