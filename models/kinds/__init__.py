@@ -1,7 +1,8 @@
 """Layer kinds: a block is a token mixer (mixes across positions) plus a channel mixer (per position), each chosen
 per layer from the config (ModelConfig.token_mixer(i) / channel_mixer(i)) through these registries.
 
-    token mixers    "attention"  softmax attention: MHA/GQA, windows, soft-capping, q/k norms (attention.py)
+    token mixers    "attention"  softmax attention: MHA/GQA, windows, soft-capping, q/k norms, sinks (attention.py)
+                    "mla"        multi-head latent attention (mla.py)
     channel mixers  "mlp"        the dense MLP (mlp.py)
                     "moe"        a mixture of experts (moe.py)
 
@@ -82,4 +83,4 @@ def _load_builtin() -> None:
     global _LOADED
     if not _LOADED:
         _LOADED = True
-        from . import attention, mlp, moe  # noqa: F401
+        from . import attention, mla, mlp, moe  # noqa: F401

@@ -25,12 +25,13 @@ from . import register_channel_mixer
 
 @register_channel_mixer("mlp")
 class MLP(nn.Module):
-    """Column (h -> ffn, gate|up fused for SwiGLU and GeGLU) then row (ffn -> h)."""
+    """Column (h -> ffn, gate|up fused for SwiGLU and GeGLU) then row (ffn -> h). `ffn`: another hidden size than
+    the config's dense one (a mixture of experts' shared experts, models/kinds/moe.py)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, layout: ModelLayout):
+    def __init__(self, cfg: ModelConfig, layer: int, layout: ModelLayout, ffn: int | None = None):
         super().__init__()
         m = cfg.mlp
-        ffn, self.activation = m.ffn_hidden_size, m.activation
+        ffn, self.activation = ffn or m.ffn_hidden_size, m.activation
         init = lambda t: nn.init.normal_(t, std=cfg.initializer_range)  # noqa: E731
         spec = ShardSpec(0, parts=(ffn, ffn)) if m.gated else None
         self.fc_in = ColumnParallelLinear(cfg.hidden_size, 2 * ffn if m.gated else ffn, bias=m.bias, shard_spec=spec,
@@ -50,7 +51,8 @@ class MLP(nn.Module):
         return self.fc_out(h)
 
     @staticmethod
-    def num_parameters(cfg: ModelConfig, layer: int, active: bool = False) -> int:
+    def num_parameters(cfg: ModelConfig, layer: int, active: bool = False, ffn: int | None = None) -> int:
         m, h = cfg.mlp, cfg.hidden_size
-        n_in = 2 * m.ffn_hidden_size if m.gated else m.ffn_hidden_size
-        return h * n_in + m.ffn_hidden_size * h + ((n_in + h) if m.bias else 0)
+        ffn = ffn or m.ffn_hidden_size
+        n_in = 2 * ffn if m.gated else ffn
+        return h * n_in + ffn * h + ((n_in + h) if m.bias else 0)

@@ -85,10 +85,12 @@ class ParallelSection:
                                         "divisible by tp)")
     schedule: str = _f("1f1b", "pipeline schedule (tpzoo.pipeline.SCHEDULES; only interleaved runs "
                                "virtual_stages > 1)", choices=SCHEDULE_NAMES)
+    pp_boundaries: list = _f([], "pipeline split points instead of the split balanced by parameters: the first "
+                                 "layer of every model stage, then the layer count (pp * virtual_stages + 1 "
+                                 "numbers, e.g. --pp-boundaries 0 3 8 or 0,3,8 for 8 layers at pp 2; `tpzoo plan` "
+                                 "prints a time-balanced split for models whose layers differ); uneven stages are "
+                                 "fine, empty ones are refused", type=int, ge=0)
     virtual_stages: int = _f(1, "model chunks per pipeline rank (interleaved schedule)", ge=1)
-    pp_boundaries: list = _f([], "the pipeline split: the first layer of each of the pp * virtual_stages model "
-                                 "stages, then the number of layers (0,3,8 or 0 3 8; empty: balanced by each "
-                                 "layer's parameters; `tpzoo plan` prints a time-balanced one)", type=int, ge=0)
     recompute: str = _f("none", "activation recomputation: none | selective | full",
                         choices=("none", "selective", "full"))
     fused_linear_cross_entropy: bool = _f(True, "compute the LM head's matmul and the loss together in chunks of "
@@ -199,6 +201,14 @@ class OptimSection:
     eps: float = _f(1e-8, "AdamW epsilon", gt=0)
     clip_grad: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)", ge=0)
     label_smoothing: float = _f(0.0, "cross-entropy label smoothing", ge=0, lt=1)
+    router_bias_update_rate: float = _f(1e-3, "mixtures of experts with the sigmoid router (DeepSeek-V3, GLM-4.5): "
+                                              "auxiliary-loss-free balancing, each layer's selection bias moves by "
+                                              "this times sign(mean load - expert load) after every optimizer "
+                                              "step, the loads of the whole step on every rank (0 freezes it)",
+                                        ge=0)
+    router_aux_loss_coef: float = _f(0.0, "mixtures of experts with the sigmoid router: weight of Megatron-Core's "
+                                          "sequence-wise auxiliary loss (0 = off, as HF's configs; the softmax "
+                                          "routers' load-balancing loss keeps the model config's)", ge=0)
     z_loss: float = _f(0.0, "z-loss weight: adds z_loss * logsumexp(logits)^2 to each trained token's loss (PaLM "
                             "used 1e-4, OLMo 2's pretraining 1e-5; 0 = off; the eval loss never has it)", ge=0)
 
