@@ -10,7 +10,6 @@ registers them as test kinds under the plan's costs for "mla", "gated_deltanet" 
 - the tp collectives of a training step (SP on and off, recompute none and full) equal count_collectives(), and so
   do Gated DeltaNet's all-to-alls and MLA's ring sends at cp 2;
 - the matmul FLOPs equal what torch's FLOP counter sees, and the cores' what its matmuls count;
-- the mla settings as the "mla" kind names them (biases from the attention sub-config);
 - the generation caches (KV, latent, Gated DeltaNet's fixed state) equal what the layers keep after a prompt;
 - a kind with no plan costs plans anyway (derived from its num_parameters), and the comparisons can fail.
 """
@@ -25,12 +24,13 @@ from tpzoo.models.kinds import register_token_mixer
 from tpzoo.parallel import count_collectives, finish_tp_grads
 from tpzoo.plan import (ClusterSpec, Layout, RankLayout, TrainingSpec, chunk_activation_bytes, cost_of, estimate,
                         layer_cost, layer_flops, stage_params, tp_step_volume)
-from tpzoo.plan.kinds.mla import MLACost
 from tpzoo.plan.measure import forward_activation_bytes
 from tpzoo.plan.volume import layer_volume, ring_layer_volume
 from tpzoo.testing import run_on_ranks
 
-from plan_kinds import MLAKind, hybrid_model, mla_model, shared_moe_model
+from tpzoo.models.kinds.mla import LatentAttention
+
+from plan_kinds import hybrid_model, mla_model, shared_moe_model
 from test_plan_memory import build_stage, unique_params
 
 B, S = 2, 128  # two chunks of the delta rule
@@ -99,7 +99,7 @@ def test_flops_are_the_matmuls_torch_counts():
         plan = 0.0
         for i in range(cfg.num_layers):
             flops = B * S * layer_flops(cfg, i, at, S)
-            if cfg.token_mixer(i) == "test_mla":
+            if cfg.token_mixer(i) == "mla":
                 plan += flops * S / ((S + 1) / 2)
             elif cfg.token_mixer(i) == "test_gdn":
                 g = cfg.gated_deltanet
@@ -134,15 +134,17 @@ def _ranks(cases):
     for name, kind in (("hybrid", "gdn"), ("mla", "mla")):
         cfg = MODELS[name]()
         torch.manual_seed(0)
-        layer = Transformer(cfg, ModelLayout(dims), MIDDLE).layers["0"].attn
+        if kind == "mla":  # one latent attention layer in a chunk (the model places each cp rank's positions)
+            model = Transformer(cfg.replace(num_layers=1, token_mixers=["mla"]), ModelLayout(dims), MIDDLE)
+        else:
+            layer = Transformer(cfg, ModelLayout(dims), MIDDLE).layers["0"].attn
         x = torch.randn(B, S // 2, cfg.hidden_size, requires_grad=True)
         with count_collectives() as counter:
             if kind == "mla":
                 from tpzoo.parallel.ring_attention import local_positions
-                from tpzoo.models.kinds.rotary import cos_sin, inv_freq
 
-                cos, sin = cos_sin(inv_freq(layer.rotary), local_positions(S // 4, 2, dims.cp_rank, "cpu"))
-                y = layer.inner(x, cos, sin)
+                pos = local_positions(S // 4, 2, dims.cp_rank, "cpu").expand(B, -1)
+                y = model(Inputs(hidden=x, positions=pos))
             else:
                 y = layer.inner(x)
             y.sum().backward()
@@ -171,7 +173,7 @@ def test_tp2_activations_and_collectives_cp2_exchanges():
 
 
 @register_token_mixer("test_mla_plain")
-class PlainMLA(MLAKind):
+class PlainMLA(LatentAttention):
     """The same latent attention, with no plan costs of its own or registered."""
 
 
@@ -180,7 +182,7 @@ def test_a_kind_without_costs_plans_from_its_parameter_count():
     plain = mla_model().replace(token_mixers=["test_mla_plain"] * 2)
     cost = cost_of(PlainMLA)
     assert "weights" in cost.derived and "activations" in cost.derived
-    assert not cost_of(MLAKind).derived  # the registered costs cover every method
+    assert not cost_of(LatentAttention).derived  # the registered costs cover every method
     cluster, run = ClusterSpec(gpus=2, gpu_memory_gib=80), TrainingSpec(seq_len=S, global_batch_size=4)
     a, b = (estimate(c, Layout(tp=2, sequence_parallel=True), cluster, run) for c in (exact, plain))
     assert a.fits and b.fits and 0.5 < b.memory.params / a.memory.params < 1.5
@@ -188,34 +190,10 @@ def test_a_kind_without_costs_plans_from_its_parameter_count():
     assert 0.5 < b.time.compute / a.time.compute < 2
 
 
-def test_mla_settings_as_the_mla_kind_names_them():
-    """The "mla" kind's MLAConfig has no attention_bias: its q_a / kv_a biases are attention.qkv_bias and o_proj's
-    attention.out_bias. Read that way, the weights equal the building block's with attention_bias set."""
-    from dataclasses import dataclass
-
-    @dataclass(frozen=True)
-    class KindMLA:  # the fields the "mla" kind's MLAConfig has
-        kv_lora_rank: int
-        qk_nope_head_dim: int
-        qk_rope_head_dim: int
-        v_head_dim: int
-        q_lora_rank: int | None = None
-
-    block = mla_model()  # attention_bias=True
-    m = block.mla
-    kind = block.replace(mla=KindMLA(m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim,
-                                     m.q_lora_rank), qkv_bias=True, out_bias=True)
-    for tp in (1, 2):
-        assert MLACost.plan_weights(kind, 0, RankLayout(tp=tp)) == MLACost.plan_weights(block, 0, RankLayout(tp=tp))
-    assert MLACost.plan_weights(kind.replace(out_bias=False), 0, RankLayout()).numel == \
-        MLACost.plan_weights(block, 0, RankLayout()).numel - block.hidden_size
-
-
 def test_generation_caches_are_what_the_layers_keep():
     """plan_cache_bytes (tpzoo.plan.cache_bytes) against the caches after a prompt, at tp 1 in bf16: attention's
     KV buffers (max_length tokens, preallocated), the latent cache (the latent and the rotary key of each token),
     Gated DeltaNet's fixed state (the conv's last inputs, the fp32 recurrent state: the same at any length)."""
-    from tpzoo.models.kinds.rotary import cos_sin, inv_freq
     from tpzoo.plan import cache_bytes
 
     at, b, prompt, room = RankLayout(), 2, 8, 12
@@ -232,8 +210,8 @@ def test_generation_caches_are_what_the_layers_keep():
         gdn(torch.randn(b, length, cfg.hidden_size, dtype=torch.bfloat16), cache=state)
         assert state.conv.nbytes + state.state.nbytes == cache_bytes(cfg, 0, at, b, length)
     mla = mla_model()
-    layer = Transformer(mla, ModelLayout(dtype=torch.bfloat16), MIDDLE).layers["0"].attn
-    latent = layer.inner.new_cache()
-    cos, sin = cos_sin(inv_freq(layer.rotary), torch.arange(prompt))
-    layer.inner(torch.randn(b, prompt, mla.hidden_size, dtype=torch.bfloat16), cos, sin, cache=latent)
-    assert latent.latent.nbytes + latent.k_rope.nbytes == cache_bytes(mla, 0, at, b, prompt)
+    model = Transformer(mla, ModelLayout(dtype=torch.bfloat16))
+    cache = model.new_cache(b, room)
+    model(Inputs(torch.randint(0, mla.vocab_size, (b, prompt))), cache=cache)
+    latent = cache.layers[0]
+    assert latent.latent.nbytes + latent.k_rope.nbytes == cache_bytes(mla, 0, at, b, room)
