@@ -11,7 +11,7 @@ if __name__ != "tpzoo.models":
 
     redirect(__name__)
 else:
-    from .config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig
+    from .config import AttentionConfig, MLAConfig, MLPConfig, ModelConfig, MoEConfig
     from .inputs import Cache, Context, Inputs, LossOptions
     from .kinds import register_channel_mixer, register_token_mixer
     from .kinds.attention import KVCache
@@ -21,7 +21,7 @@ else:
                            register_family, to_hf_config)
     from .transformer import Transformer
 
-__all__ = ["AttentionConfig", "Cache", "Context", "Family", "Inputs", "KVCache", "LossOptions", "MLPConfig",
-           "ModelConfig", "ModelLayout", "MoEConfig", "Stage", "Transformer", "apply_recompute", "from_hf_config",
+__all__ = ["AttentionConfig", "Cache", "Context", "Family", "Inputs", "KVCache", "LossOptions", "MLAConfig",
+           "MLPConfig", "ModelConfig", "ModelLayout", "MoEConfig", "Stage", "Transformer", "apply_recompute", "from_hf_config",
            "get_config", "get_family", "list_configs", "register_channel_mixer", "register_config",
            "register_family", "register_token_mixer", "to_hf_config"]

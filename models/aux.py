@@ -16,12 +16,22 @@ recomputation). An AuxRule, which the kind declares (`aux_rules` on its class), 
 
 State a kind updates from statistics gathered over a whole optimizer step (a selection bias set from the expert
 loads of the step) does not travel: the module accumulates it itself in its forward (skipping recomputation:
-models/recompute.py is_recomputing) and updates it in `after_optimizer_step()`, which the trainer calls on every
-module of every chunk that has one after each optimizer step (Transformer.after_optimizer_step).
+models/recompute.py is_recomputing) and updates it after each optimizer step (`after_optimizer_step(chunks)`,
+which the trainer calls once per step with all of this rank's chunks), in one of two ways:
+
+  - step sums, summed over every rank of the job: the kind class says how many fp32 values layer i contributes
+    (`step_sums_size(cfg, i)`, static, 0: none), its module returns this rank's (`step_sums()`) and receives the
+    total (`apply_step_sums(total)`; None after a skipped step: drop what was gathered). Every layer of the model
+    has a slot in one vector (a pipeline stage fills its own layers', zeros elsewhere): ONE all-reduce over the
+    world per step, whatever the number of layers, stages or kinds;
+  - anything else: a module's own `after_optimizer_step()`, called on every module of every chunk (in module
+    order, the same on every rank: it may issue its own collectives).
 """
 from __future__ import annotations
 
 import torch
+
+from tpzoo.parallel import comm
 
 from .config import ModelConfig
 
@@ -64,3 +74,53 @@ def model_rules(cfg: ModelConfig) -> dict[str, AuxRule]:
 def carried_sizes(cfg: ModelConfig, loss) -> dict[str, int]:
     """{key: vector size} of what a labelled forward with `loss` carries between pipeline stages."""
     return {key: rule.size(cfg) for key, rule in sorted(model_rules(cfg).items()) if rule.carried(cfg, loss)}
+
+
+def step_sum_slots(cfg: ModelConfig) -> list[tuple[int, str, int]]:
+    """(layer, "attn" | "mlp", size) of every mixer of the model with step sums, in layer order."""
+    from .kinds import channel_mixer_kind, token_mixer_kind
+
+    slots = []
+    for i in range(cfg.num_layers):
+        kinds = (("attn", token_mixer_kind(cfg.token_mixer(i))), ("mlp", channel_mixer_kind(cfg.channel_mixer(i))))
+        for part, kind in kinds:
+            size = kind.step_sums_size(cfg, i) if hasattr(kind, "step_sums_size") else 0
+            if size:
+                slots.append((i, part, size))
+    return slots
+
+
+@torch.no_grad()
+def after_optimizer_step(chunks, applied: bool = True) -> None:
+    """After an optimizer step (`applied`; False: the step was skipped, what was gathered is dropped): the step
+    sums of every layer of this rank's chunks, summed over every rank in one all-reduce and handed back, then every
+    module's own after_optimizer_step(). Collective over the world when any layer has step sums: every rank calls
+    it once per step, with all its chunks."""
+    chunks = list(chunks)
+    cfg, dims = chunks[0].cfg, chunks[0].dims
+    slots = step_sum_slots(cfg)
+    if slots:
+        mine = {(int(i), part): getattr(layer, part) for chunk in chunks for i, layer in chunk.layers.items()
+                for part in ("attn", "mlp")}
+        if applied:
+            device = next(chunks[0].parameters()).device
+            total = torch.zeros(sum(n for _, _, n in slots), dtype=torch.float32, device=device)
+            offsets, offset = [], 0
+            for i, part, n in slots:
+                offsets.append(offset)
+                if (i, part) in mine:
+                    total[offset:offset + n] = mine[(i, part)].step_sums()
+                offset += n
+            comm.all_reduce(total, dims.group("world"))
+            for (i, part, n), offset in zip(slots, offsets):
+                if (i, part) in mine:
+                    mine[(i, part)].apply_step_sums(total[offset:offset + n])
+        else:
+            for module in mine.values():
+                if hasattr(module, "apply_step_sums"):
+                    module.apply_step_sums(None)
+    if applied:
+        for chunk in chunks:
+            for module in chunk.modules():
+                if module is not chunk and hasattr(module, "after_optimizer_step"):
+                    module.after_optimizer_step()

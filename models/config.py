@@ -47,6 +47,7 @@ class AttentionConfig:
     partial_rotary_factor: float = 1.0  # Phi-4-mini: 0.75, rotary on the first head_dim * factor dims of q and k
     rope_local_theta: float | None = None  # Gemma 3: the rope base of sliding layers (None: rope_theta everywhere)
     rope_layers: list | None = None  # SmolLM3: per-layer 1/0, whether the layer applies rope (None: every layer)
+    sinks: bool = False              # gpt-oss: a learned sink logit per head joins every softmax row (`attn.sinks`)
     output_gate: bool = False        # Qwen3.5 / Qwen3-Next: q's projection is twice as wide, each head's query then
                                      # its gate; the output is scaled by sigmoid(gate) before the out projection
 
@@ -93,6 +94,39 @@ class MoEConfig:
     # sigmoid(x w^T), w [1, hidden] without bias.
     shared_expert_ffn: int = 0
     shared_expert_gate: bool = False
+    # The router (models/kinds/routers.py): "softmax" (Mixtral, Qwen), "sigmoid" (DeepSeek-V3, GLM-4.5: sigmoid scores,
+    # the selection bias e_score_correction_bias, group-limited: only topk_group of n_group groups of experts
+    # compete; the weights times routed_scaling_factor), "topk_softmax" (gpt-oss: top-k of the logits, softmax
+    # over the k; router_bias: the router linear's bias).
+    router: str = "softmax"
+    router_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # Auxiliary-loss-free balancing (sigmoid router): after each optimizer step the selection bias moves by this
+    # times sign(mean load - expert load), the loads of the whole step on every rank; 0 freezes it. Training sets it
+    # from --router-bias-update-rate.
+    bias_update_rate: float = 1e-3
+    expert_bias: bool = False        # gpt-oss: every expert's gate|up and down biases
+    swiglu_limit: float | None = None  # gpt-oss: the experts' clamped SwiGLU, (up + 1) * gate * sigmoid(alpha gate)
+    swiglu_alpha: float = 1.702
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (models/kinds/mla.py: DeepSeek-V2/V3, Kimi K2, Moonlight), HF DeepseekV3Config's
+    names. Its heads, biases and rotary (theta, YaRN scaling) are the attention sub-config's."""
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None   # None: one q_proj instead of q_a_proj -> q_a_layernorm -> q_b_proj
+    rope_interleave: bool = True     # DeepSeek's interleaved rotary pairs (models/rope.py)
+    latent_norm_eps: float = 1e-6    # q_a_layernorm / kv_a_layernorm (HF builds them with the default eps)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -147,7 +181,7 @@ FLAT = {
 }
 # Each kind's settings: a frozen dataclass in a ModelConfig field of the same name (a new kind adds its own here,
 # with a default, e.g. None when the model has no such layer); attention's and the MLP's are required.
-SUBCONFIGS = {"attention": AttentionConfig, "mlp": MLPConfig, "moe": MoEConfig,
+SUBCONFIGS = {"attention": AttentionConfig, "mlp": MLPConfig, "moe": MoEConfig, "mla": MLAConfig,
               "gated_deltanet": GatedDeltaNetConfig}
 REQUIRED = ("attention", "mlp")
 _POSITIVE = (("vocab_size", None), ("hidden_size", None), ("num_layers", None), ("max_position_embeddings", None),
@@ -165,9 +199,10 @@ class ModelConfig:
     attention: AttentionConfig
     mlp: MLPConfig
     moe: MoEConfig = field(default_factory=MoEConfig)
-    gated_deltanet: GatedDeltaNetConfig | None = None
+    mla: MLAConfig | None = None     # the "mla" token mixer's settings (None: no such layer)
+    gated_deltanet: GatedDeltaNetConfig | None = None  # the "gated_deltanet" token mixer's
     # Per-layer kinds (registered names: models/kinds): None = the rules above.
-    token_mixers: list | None = None    # "attention" | "gated_deltanet"
+    token_mixers: list | None = None    # "attention" | "mla" | "gated_deltanet"
     channel_mixers: list | None = None  # "mlp" | "moe"
     max_position_embeddings: int = 2048
     norm: str = "rmsnorm"            # "rmsnorm" | "layernorm"
@@ -221,6 +256,14 @@ class ModelConfig:
                                   f"{moe.num_experts_per_tok!r}")
             if not self.gated:
                 raise ConfigError("mixture of experts: only gated (swiglu / geglu_tanh) experts are implemented")
+        if moe.router not in ("softmax", "sigmoid", "topk_softmax"):
+            raise ConfigError(f"moe.router must be one of ('softmax', 'sigmoid', 'topk_softmax'), got {moe.router!r}")
+        if moe.num_experts and (moe.n_group < 1 or moe.num_experts % moe.n_group
+                                or not 1 <= moe.topk_group <= moe.n_group):
+            raise ConfigError(f"moe: n_group={moe.n_group} must divide num_experts={moe.num_experts} and "
+                              f"topk_group={moe.topk_group} lie in [1, n_group]")
+        if moe.bias_update_rate < 0:
+            raise ConfigError(f"moe.bias_update_rate must be >= 0, got {moe.bias_update_rate!r}")
         if moe.shared_expert_ffn < 0 or (moe.shared_expert_gate and not moe.shared_expert_ffn):
             raise ConfigError(f"shared_expert_ffn must be >= 0 (and > 0 with shared_expert_gate), got "
                               f"{moe.shared_expert_ffn!r}")

@@ -24,9 +24,11 @@ def check(family: str, hf: dict, field: str, allowed: tuple, default=None):
 
 
 def read_rope(family: str, hf: dict, params: dict | None = None, field: str = "rope_parameters",
-              default_theta: float = 10000.0) -> tuple[float, dict | None]:
+              default_theta: float = 10000.0, yarn: bool = False) -> tuple[float, dict | None]:
     """(theta, scaling) from transformers-5 `rope_parameters` (or the older rope_theta / rope_scaling), refusing
-    a rope type tpzoo does not implement (yarn, longrope, dynamic...) instead of running it as plain rope."""
+    a rope type tpzoo does not implement (longrope, dynamic...) instead of running it as plain rope. YaRN's
+    parameters come out as transformers reads them: `rope_type` spelled so, its factor (when a config leaves it out)
+    max_position_embeddings / original_max_position_embeddings."""
     if params is None:
         params = hf.get("rope_parameters")
         if not params:
@@ -35,11 +37,21 @@ def read_rope(family: str, hf: dict, params: dict | None = None, field: str = "r
     params = dict(params)
     theta = float(params.pop("rope_theta", hf.get("rope_theta", default_theta)))
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise refuse(family, f"{field}.rope_type", kind, list(ROPE_TYPES))
+    # YaRN only where a family's tests prove it against transformers (DeepSeek-V3, gpt-oss: `yarn=True`)
+    allowed = [t for t in ROPE_TYPES if yarn or t != "yarn"]
+    if kind not in allowed:
+        raise refuse(family, f"{field}.rope_type", kind, allowed)
     partial = params.pop("partial_rotary_factor", 1.0)  # a family that implements it pops it before
     if partial not in (None, 1, 1.0):
         raise refuse(family, f"{field}.partial_rotary_factor", partial, [1.0])
+    if kind == "yarn":
+        params = {k: v for k, v in params.items() if k != "type"}
+        params["rope_type"] = "yarn"
+        old = params.get("original_max_position_embeddings")
+        if old is None:
+            raise ConfigError(f"{family}: HF config field {field} (yarn) needs original_max_position_embeddings")
+        if params.get("factor") is None:
+            params["factor"] = hf["max_position_embeddings"] / old
     return theta, (params if kind != "default" else None)
 
 
@@ -105,6 +117,8 @@ def decoder_tensor_map(cfg: ModelConfig, norms: dict[str, str], moe_maps=None, t
             maps.append(concatenated(p + "attn.qkv.bias", tuple(n + ".bias" for n in proj), qkv_sizes, layer=i))
         if attention and a.out_bias:
             maps.append(same(p + "attn.out.bias", q + "self_attn.o_proj.bias", layer=i))
+        if attention and a.sinks:
+            maps.append(same(p + "attn.sinks", q + "self_attn.sinks", layer=i))
     return maps + head_maps(cfg, prefix)
 
 
@@ -115,7 +129,9 @@ def common_fields(hf: dict) -> dict:
         max_position_embeddings=hf.get("max_position_embeddings", 2048), norm="rmsnorm",
         norm_eps=hf.get("rms_norm_eps", 1e-6), position="rope", tie_embeddings=hf.get("tie_word_embeddings", False),
         initializer_range=hf.get("initializer_range", 0.02), bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"), extra={"hf_config": hf})
+        eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"),
+        # (a quantization_config describes the source's files, not the model tpzoo holds: tpzoo/checkpoint/hf.py)
+        extra={"hf_config": {k: v for k, v in hf.items() if k != "quantization_config"}})
 
 
 def common_attention(hf: dict) -> dict:

@@ -22,6 +22,8 @@ class Family:
     config_from_hf: Callable[[dict], ModelConfig]      # HF config.json dict -> ModelConfig
     config_to_hf: Callable[[ModelConfig], dict]        # ModelConfig -> HF config.json dict
     hf_tensor_map: Callable[[ModelConfig], list]       # -> list[TensorMap] (see models/hf_mapping.py)
+    # HF config.json dict -> one-line notes on what importing it leaves out or changes (printed by the conversion)
+    import_notes: Callable[[dict], list[str]] | None = None
 
 
 FAMILIES: dict[str, Family] = {}
@@ -115,4 +117,5 @@ def _load_builtin() -> None:
     if _LOADED:
         return
     _LOADED = True
-    from . import gemma, gpt2, llama, moe_families, olmo2, olmo3, phi3, qwen3, qwen3_5, smollm3, zoo  # noqa: F401
+    from . import (deepseek_v3, gemma, glm4_moe, gpt2, gpt_oss, llama, moe_families, olmo2, olmo3, phi3,  # noqa: F401
+                   qwen3, qwen3_5, smollm3, zoo)

@@ -24,12 +24,12 @@ import torch.nn as nn
 from tpzoo.errors import ConfigError
 from tpzoo.parallel import VocabParallelEmbedding, gather_tp_tensor, mark_parallel, mark_tied, padded_vocab_size
 
-from .aux import carried_sizes, model_rules
+from .aux import after_optimizer_step, carried_sizes, model_rules
 from .block import TransformerBlock
 from .config import ModelConfig
 from .documents import Documents, document_positions
 from .inputs import Cache, Context, Inputs, LossOptions
-from .kinds.rotary import cos_sin, inv_freq
+from .kinds.rotary import attention_factor, cos_sin, inv_freq
 from .layout import ModelLayout, Stage
 from .lm_head import LMHead
 from .norm import Norm
@@ -187,10 +187,8 @@ class Transformer(nn.Module):
 
     def after_optimizer_step(self) -> None:
         """After each optimizer step: every module with non-gradient state to update from the step (models/aux.py)
-        does it, in module order (the same on every rank: it may all-reduce what it gathered)."""
-        for module in self.modules():
-            if module is not self and hasattr(module, "after_optimizer_step"):
-                module.after_optimizer_step()
+        does it. A model in several chunks calls models.aux.after_optimizer_step(chunks) once instead."""
+        after_optimizer_step([self])
 
     # -- forward --------------------------------------------------------------------------------------------
     def forward(self, inputs, cache: Cache | None = None, loss: LossOptions | None = None):
@@ -238,7 +236,7 @@ class Transformer(nn.Module):
             ctx.token_mask = self._seq_chunk(inputs.token_mask.unsqueeze(-1)).reshape(-1)
         positions = self._positions(inputs, ref, seq_len, past)
         for j, spec in enumerate(self.rotary_specs):
-            ctx.rotary[spec] = cos_sin(getattr(self, f"inv_freq_{j}"), positions)
+            ctx.rotary[spec] = cos_sin(getattr(self, f"inv_freq_{j}"), positions, attention_factor(spec))
         if not self.pre_process:
             return ctx, hidden
         h = self.embed(ids)

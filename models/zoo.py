@@ -1,7 +1,7 @@
 """Named configs: published shapes (with the HF repository each comes from) and tiny ones for tests/demos."""
 from __future__ import annotations
 
-from .config import AttentionConfig, GatedDeltaNetConfig, MLPConfig, ModelConfig, MoEConfig
+from .config import AttentionConfig, GatedDeltaNetConfig, MLAConfig, MLPConfig, ModelConfig, MoEConfig
 from .registry import CONFIGS, register_config
 
 GPT2_MLP = dict(activation="gelu_tanh", bias=True)
@@ -224,6 +224,98 @@ register_config("tiny-mixtral", ModelConfig(
 register_config("nano-mixtral", ModelConfig(
     family="mixtral", vocab_size=97, hidden_size=32, num_layers=2, attention=AttentionConfig(4, num_kv_heads=2),
     mlp=MLPConfig(32), moe=TINY_MOE, max_position_embeddings=64))
+
+
+
+# The frontier mixtures of experts (models/deepseek_v3.py, glm4_moe.py, gpt_oss.py), with their HF configs' numbers.
+DEEPSEEK_MLA = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+
+
+def _deepseek(name, *, vocab, h, layers, heads, ffn, moe_ffn, experts, shared, top_k, groups, topk_groups, dense,
+              scaling, q_lora, pos, theta, yarn=None, eps=1e-6, bos=None, eos=None, mla=DEEPSEEK_MLA, src=""):
+    register_config(name, ModelConfig(
+        family="deepseek_v3", vocab_size=vocab, hidden_size=h, num_layers=layers,
+        attention=AttentionConfig(num_heads=heads, head_dim=mla["qk_rope_head_dim"], rope_theta=theta,
+                                  rope_scaling=yarn),
+        mla=MLAConfig(**mla, q_lora_rank=q_lora),
+        mlp=MLPConfig(ffn), moe=MoEConfig(num_experts=experts, num_experts_per_tok=top_k, ffn_hidden_size=moe_ffn,
+                                          router="sigmoid", n_group=groups, topk_group=topk_groups,
+                                          routed_scaling_factor=scaling, shared_expert_ffn=shared * moe_ffn),
+        token_mixers=["mla"] * layers, channel_mixers=["mlp"] * dense + ["moe"] * (layers - dense),
+        max_position_embeddings=pos, norm_eps=eps, bos_token_id=bos, eos_token_id=eos, hf_source=src))
+
+
+def _yarn(factor, beta_fast, beta_slow=1.0, original=4096):
+    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
+            "beta_fast": beta_fast, "beta_slow": beta_slow, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+_deepseek("deepseek-v3", vocab=129280, h=7168, layers=61, heads=128, ffn=18432, moe_ffn=2048, experts=256, shared=1,
+          top_k=8, groups=8, topk_groups=4, dense=3, scaling=2.5, q_lora=1536, pos=163840, theta=10000.0,
+          yarn=_yarn(40.0, 32.0), bos=0, eos=1, src="deepseek-ai/DeepSeek-V3")
+_deepseek("kimi-k2", vocab=163840, h=7168, layers=61, heads=64, ffn=18432, moe_ffn=2048, experts=384, shared=1,
+          top_k=8, groups=1, topk_groups=1, dense=1, scaling=2.827, q_lora=1536, pos=131072, theta=50000.0,
+          yarn=_yarn(32.0, 1.0), bos=163584, eos=163585, src="moonshotai/Kimi-K2-Instruct")
+_deepseek("moonlight-16b-a3b", vocab=163840, h=2048, layers=27, heads=16, ffn=11264, moe_ffn=1408, experts=64,
+          shared=2, top_k=6, groups=1, topk_groups=1, dense=1, scaling=2.446, q_lora=None, pos=8192, theta=50000.0,
+          eps=1e-5, bos=163584, eos=163585, src="moonshotai/Moonlight-16B-A3B")
+# Benchmark config (no checkpoint): Moonlight's layer shapes with 4 of its 27 layers (scripts/bench/moe.py on a GPU).
+register_config("moonlight-16b-a3b-4l", CONFIGS["moonlight-16b-a3b"].replace(
+    num_layers=4, token_mixers=["mla"] * 4, channel_mixers=["mlp"] + ["moe"] * 3, hf_source=None))
+
+
+def _glm(name, *, h, layers, ffn, moe_ffn, experts, dense, scaling, qk_norm, vocab=151552, heads=96, kv=8,
+         head_dim=128, groups=1, topk_groups=1, pos=131072, eos=(151329, 151336, 151338), pad=151329, src=""):
+    register_config(name, ModelConfig(
+        family="glm4_moe", vocab_size=vocab, hidden_size=h, num_layers=layers,
+        attention=AttentionConfig(num_heads=heads, num_kv_heads=kv, head_dim=head_dim, qkv_bias=True,
+                                  qk_norm="head" if qk_norm else "none", rope_theta=1000000.0,
+                                  partial_rotary_factor=0.5),
+        mlp=MLPConfig(ffn), moe=MoEConfig(num_experts=experts, num_experts_per_tok=8 if experts > 8 else 2,
+                                          ffn_hidden_size=moe_ffn, router="sigmoid", n_group=groups,
+                                          topk_group=topk_groups, routed_scaling_factor=scaling,
+                                          shared_expert_ffn=moe_ffn),
+        channel_mixers=["mlp"] * dense + ["moe"] * (layers - dense), max_position_embeddings=pos, norm_eps=1e-5,
+        eos_token_id=list(eos) if eos else None, pad_token_id=pad, hf_source=src))
+
+
+_glm("glm-4.5", h=5120, layers=92, ffn=12288, moe_ffn=1536, experts=160, dense=3, scaling=2.5, qk_norm=True,
+     src="zai-org/GLM-4.5")
+_glm("glm-4.5-air", h=4096, layers=46, ffn=10944, moe_ffn=1408, experts=128, dense=1, scaling=1.0, qk_norm=False,
+     src="zai-org/GLM-4.5-Air")
+
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": False}
+
+
+def _gpt_oss(name, *, layers, experts, vocab=201088, h=2880, heads=64, kv=8, head_dim=64, window=128, pos=131072,
+             yarn=GPT_OSS_YARN, eos=200002, pad=199999, src=""):
+    register_config(name, ModelConfig(
+        family="gpt_oss", vocab_size=vocab, hidden_size=h, num_layers=layers,
+        attention=AttentionConfig(num_heads=heads, num_kv_heads=kv, head_dim=head_dim, qkv_bias=True, out_bias=True,
+                                  sinks=True, sliding_window=window, rope_theta=150000.0, rope_scaling=yarn,
+                                  layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                                               for i in range(layers)]),
+        mlp=MLPConfig(h), moe=MoEConfig(num_experts=experts, num_experts_per_tok=4, router="topk_softmax",
+                                        router_bias=True, expert_bias=True, swiglu_limit=7.0,
+                                        router_aux_loss_coef=0.001),
+        max_position_embeddings=pos, norm_eps=1e-5, eos_token_id=eos, pad_token_id=pad, hf_source=src))
+
+
+_gpt_oss("gpt-oss-20b", layers=24, experts=32, src="openai/gpt-oss-20b")
+_gpt_oss("gpt-oss-120b", layers=36, experts=128, src="openai/gpt-oss-120b")
+
+# Small trainable cuts of each family (CPU demos and tests): every feature of the family at tiny shapes (DeepSeek:
+# q_lora_rank set, groups, a dense first layer, shared experts, YaRN; GLM: partial rotary, q/k norms, biases;
+# gpt-oss: sinks, alternating windows shorter than a demo's sequence, YaRN, biased router and experts).
+_deepseek("tiny-deepseek-v3", vocab=512, h=128, layers=4, heads=4, ffn=256, moe_ffn=64, experts=8, shared=2, top_k=2,
+          groups=4, topk_groups=2, dense=1, scaling=2.5, q_lora=96, pos=512, theta=10000.0,
+          yarn=_yarn(4.0, 32.0, original=128), mla=dict(kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                                                        v_head_dim=24))
+_glm("tiny-glm4-moe", vocab=512, h=128, layers=4, heads=4, kv=2, head_dim=32, ffn=256, moe_ffn=64, experts=8,
+     groups=2, topk_groups=1, dense=1, scaling=1.5, qk_norm=True, pos=512, eos=None, pad=None)
+_gpt_oss("tiny-gpt-oss", layers=4, experts=8, vocab=512, h=128, heads=4, kv=2, head_dim=32, window=16, pos=512,
+         yarn={**GPT_OSS_YARN, "factor": 4.0, "original_max_position_embeddings": 128}, eos=None, pad=None)
 
 
 # Hybrid linear attention (models/kinds/gated_deltanet.py): Qwen3.5 and Qwen3-Next put three Gated DeltaNet layers

@@ -76,7 +76,7 @@ def test_the_heldout_loss_of_a_checkpoint_is_the_same_at_every_layout(moe_run, t
     assert moe_run["proc"].returncode == 0, moe_run["proc"].stderr[-4000:]
     common = ["pretrain", "--base", moe_run["ckpt"], "--lr", "0", "--steps", "1", "--data", moe_run["corpus"],
               "--data-cache", str(moe_run["dir"] / "cache"), "--save", "", *SHAPE]
-    layouts = {"dp1": ["--tp", "1"], "dp2": ["--tp", "1"], "tp2": ["--tp", "2"], "pp2": ["--tp", "1", "--pp", "2"],
+    layouts = {"dp1": ["--tp", "1"], "dp2": ["--tp", "1"], "tp2": ["--tp", "2"], "pp2": ["--tp", "1", "--pp", "2", "--pp-boundaries", "0,1,2"],
                "cp2_ep2": ["--tp", "1", "--cp", "2", "--ep", "2"]}
     runs = {name: [*common, *flags, "--log-dir", str(tmp_path / name)] for name, flags in layouts.items()}
     assert run_on_ranks(1, _cli_on_rank, [runs["dp1"]]) == [[0]]

@@ -479,3 +479,21 @@ def test_weight_casts_under_zero_1_2_3_and_lora():
             # per use: forward and backward of each micro-batch (the frozen embedding's layer 0 qkv needs no
             # input gradient under LoRA: no backward cast there), and the last forward
             assert off["casts"] == n * (2 * MICRO_BATCHES * 2 + 1) - 2 * MICRO_BATCHES * layout["lora"], layout
+
+
+MODELS["mla"] = get_config("tiny-deepseek-v3").replace(num_layers=2, vocab_size=97, token_mixers=["mla"] * 2,
+                                                    channel_mixers=["mlp", "mlp"])  # (the router computes in fp32)
+LAYOUTS["mla"] = [dict(tp=2, sp=True), dict(cp=2), dict(tp=2, sp=True, local_scales=True)]
+
+
+def test_latent_attention_in_fp8_matches_one_process():
+    """A DeepSeek-V3 cut (its latent attention, dense MLPs: the router's fp32 scores would leave 1e-7 differences in
+    this float64 comparison) in FP8 (tensorwise): every projection of the latent attention, the replicated down
+    projections (q_a_proj, kv_a_proj_with_mqa) included, and the MLP's. At tp 2 + SP (the down projections' amaxes over the
+    tokens agree over tp) and cp 2 both steps equal one process's to 1e-12; with per-rank scales tp 2 + SP is off."""
+    per_rank = run_on_ranks(2, run_layouts, "mla", "tensorwise", LAYOUTS["mla"])
+    ref = _reference("mla", "tensorwise")
+    assert ref["fp8_layers"] == 2 * (5 + 2) and not ref["fallbacks"], ref  # 5 MLA projections and 2 MLP ones a layer
+    for i, layout in enumerate(LAYOUTS["mla"]):
+        worst = _worst([r[i] for r in per_rank], ref, MODELS["mla"])
+        assert (worst > 1e-4) if layout.get("local_scales") else (worst < RTOL), (layout, worst)

@@ -5,6 +5,7 @@ nano-gpt (learned positions, LayerNorm, biases, dense MLP), a step-2 training ch
 (flat model_config in its manifest) and the old code's losses and grad norms of steps 3 and 4 of that run
 (tests/fixtures/make_pre_kinds_checkpoints.py says how they were made). Resuming with today's code must give
 exactly those numbers: the config, parameter names, optimizer state and the numerics are unchanged."""
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -60,7 +61,12 @@ def test_flat_and_nested_configs_are_one_config():
         flat = {k: v for k, v in nested.items() if k not in ("attention", "mlp", "moe")}
         flat.update({name: nested[group][field] for name, (group, field) in FLAT.items()})
         assert ModelConfig.from_dict(nested) == ModelConfig.from_dict(json.loads(cfg.to_json())) == cfg
-        assert ModelConfig.from_dict(flat) == cfg
+        # (configs using sub-config fields the flat format never had, the 2025 families', have no flat form)
+        flat_fields = set(FLAT.values())
+        if all(nested[group][f.name] == f.default for group in ("attention", "mlp", "moe") if nested[group]
+               for f in dataclasses.fields(type(getattr(cfg, group))) if (group, f.name) not in flat_fields
+               and f.default is not dataclasses.MISSING):
+            assert ModelConfig.from_dict(flat) == cfg
         assert all(getattr(cfg, name) == nested[group][field] for name, (group, field) in FLAT.items())
     with pytest.raises(ConfigError, match=r"num_heads=8 contradicts attention.num_heads=4"):
         ModelConfig.from_dict({**get_config("nano-llama").to_dict(), "num_heads": 8})

@@ -1,4 +1,5 @@
-"""Multi-head latent attention (models/mla.py) against transformers' DeepseekV3Attention (eager), fp32, with YaRN
+"""Multi-head latent attention (the "mla" token mixer, models/kinds/mla.py, built from the deepseek_v3 family's reading
+of the HF config) against transformers' DeepseekV3Attention (eager), fp32, with YaRN
 (mscale != mscale_all_dim: both the rotary's attention factor and the softmax scale's mscale^2 bite), interleaved
 rotary, v_head_dim != qk_head_dim, q_lora_rank set (with attention biases) and null: the output, the input's
 gradient and every parameter's gradient, in one process, with packed documents (block-diagonal mask, restarting
@@ -13,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 import tpzoo
+from tpzoo.models import Context, ModelLayout, Transformer, from_hf_config
 from tpzoo.models.documents import Documents, document_positions
-from tpzoo.models.mla import LatentAttention, MLAConfig
-from tpzoo.models.rope import rope_tables, yarn_inv_freq
+from tpzoo.models.kinds.rotary import attention_factor, cos_sin, inv_freq
 from tpzoo.parallel import finish_tp_grads, gather_tp_param, param_spec, shard
 from tpzoo.parallel.ring_attention import local_positions
 from tpzoo.testing import run_on_ranks
@@ -59,19 +60,32 @@ def _hf(q_lora: bool, docs: bool = False):
     return hf, state, x.detach(), grad_out, want
 
 
-def _tables(hf, positions):
-    inv_freq, factor = yarn_inv_freq(hf["qk_rope_head_dim"], hf["rope_parameters"], hf["max_position_embeddings"])
-    return rope_tables(inv_freq, positions, factor)
+def _config(hf):
+    """The deepseek_v3 family's model config of one latent-attention layer with these HF settings."""
+    return from_hf_config({**hf, "model_type": "deepseek_v3", "vocab_size": 16, "num_hidden_layers": 1,
+                           "intermediate_size": 16, "moe_intermediate_size": 8, "n_routed_experts": 4,
+                           "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1})
 
 
-def _build(hf, state, dims, sp=False, **overrides):
-    cfg = MLAConfig.from_hf(hf)
-    model = LatentAttention(MLAConfig(**{**cfg.__dict__, **overrides}), dims, sequence_parallel=sp)
-    assert sorted(n for n, _ in model.named_parameters()) == sorted(state)  # HF's names, one to one
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(shard(state[name], param_spec(p), dims.tp_rank, dims.tp))
-    return model
+class _Layer:
+    """Our layer on HF's tensors: call(x, positions, docs=None, cache=None) builds the forward's Context the way the
+    Transformer does (the rotary table of its spec, YaRN's attention factor included)."""
+
+    def __init__(self, hf, state, dims, sp=False, cp_mode="ring"):
+        self.attn = Transformer(_config(hf), ModelLayout(dims, sequence_parallel=sp, cp_mode=cp_mode)).layers["0"].attn
+        assert sorted(n for n, _ in self.attn.named_parameters()) == sorted(state)  # HF's names, one to one
+        with torch.no_grad():
+            for name, p in self.attn.named_parameters():
+                p.copy_(shard(state[name], param_spec(p), dims.tp_rank, dims.tp))
+
+    def __call__(self, x, positions, docs=None, cache=None, past=0):
+        spec = self.attn.rotary
+        ctx = Context(positions.shape[-1], docs, past=past)
+        ctx.rotary[spec] = cos_sin(inv_freq(spec), positions, attention_factor(spec))
+        return self.attn(x, ctx, cache)
+
+    def named_parameters(self):
+        return self.attn.named_parameters()
 
 
 def _assert_close(got, want, what):
@@ -83,31 +97,30 @@ def _assert_close(got, want, what):
 def test_latent_attention_equals_transformers(q_lora, docs):
     hf, state, x, grad_out, want = _hf(q_lora, docs)
     dims = tpzoo.parallel.local_dims()
-    model = _build(hf, state, dims)
+    model = _Layer(hf, state, dims)
     x = x.clone().requires_grad_()
     positions = document_positions(DOC_IDS) if docs else torch.arange(S)
-    cos, sin = _tables(hf, positions)
-    out = model(x, cos, sin, docs=Documents(DOC_IDS) if docs else None)
+    out = model(x, positions, docs=Documents(DOC_IDS) if docs else None)
     out.backward(grad_out)
     _assert_close(out.detach(), want["out"], "out")
     _assert_close(x.grad, want["x"], "x grad")
     for name, p in model.named_parameters():
         _assert_close(p.grad, want[name], name)
     # the comparison can fail: the softmax scale without YaRN's mscale^2
-    plain = _build(hf, state, dims, softmax_scale=(8 + 4) ** -0.5)
-    assert ((plain(x, cos, sin, docs=Documents(DOC_IDS) if docs else None) - want["out"]).abs().max()
+    model.attn.core.scale = (8 + 4) ** -0.5
+    assert ((model(x, positions, docs=Documents(DOC_IDS) if docs else None) - want["out"]).abs().max()
             > 1e-2 * want["out"].abs().max())
 
 
 def test_latent_attention_decodes_with_the_latent_cache():
     hf, state, x, _, want = _hf(True)
-    model = _build(hf, state, tpzoo.parallel.local_dims())
-    cache = model.new_cache()
+    model = _Layer(hf, state, tpzoo.parallel.local_dims())
+    cache = model.attn.new_cache(B, S + 2)
     with torch.no_grad():
-        outs = [model(x[:, :5], *_tables(hf, torch.arange(5)), cache=cache)]
+        outs = [model(x[:, :5], torch.arange(5), cache=cache)]
         for t in range(5, S):
-            outs.append(model(x[:, t:t + 1], *_tables(hf, torch.tensor([t])), cache=cache))
-    assert cache.length == S and cache.latent.shape == (B, S, 16) and cache.k_rope.shape == (B, S, 4)
+            outs.append(model(x[:, t:t + 1], torch.tensor([t]), cache=cache, past=t))
+    assert cache.length == S and cache.latent.shape == (B, S + 2, 16) and cache.k_rope.shape == (B, S + 2, 4)
     _assert_close(torch.cat(outs, dim=1), want["out"], "decoded")
 
 
@@ -124,8 +137,7 @@ def _layout_worker(layout, hf, state, x, grad_out):
     tp, cp, sp, mode, _, docs = layout
     dims = tpzoo.init_parallel(tp=tp, cp=cp)
     try:
-        model = _build(hf, state, dims, sp=sp)
-        model.cp_mode = mode or "ring"
+        model = _Layer(hf, state, dims, sp=sp, cp_mode=mode or "ring")
         positions = document_positions(DOC_IDS) if docs else torch.arange(S).expand(B, S)
         rows = torch.arange(S)
         if cp > 1:
@@ -133,11 +145,10 @@ def _layout_worker(layout, hf, state, x, grad_out):
         elif sp:
             rows = rows.view(tp, -1)[dims.tp_rank]
         table_rows = rows if cp > 1 else torch.arange(S)  # under SP attention sees the whole sequence
-        cos, sin = _tables(hf, positions[:, table_rows])
         mine = x[:, rows].clone().requires_grad_()
-        out = model(mine, cos, sin, docs=Documents(DOC_IDS) if docs else None)
+        out = model(mine, positions[:, table_rows], docs=Documents(DOC_IDS) if docs else None)
         out.backward(grad_out[:, rows])
-        finish_tp_grads(model, dims)
+        finish_tp_grads(model.attn, dims)
         grads = {n: gather_tp_param(p, grad=True, dims=dims) for n, p in model.named_parameters()}
         return {"rows": rows, "out": out.detach(), "x": mine.grad, "grads": grads}
     finally:

@@ -412,7 +412,7 @@ def test_pipeline_stages_weigh_each_layer_kind(monkeypatch):
     from tpzoo.pipeline import partition
 
     cfg = get_config("qwen3-next-80b-a3b").replace(mlp_only_layers=list(range(8)))
-    costs, n = partition.layer_costs(cfg), cfg.num_layers
+    costs, n = partition.layer_parameters(cfg), cfg.num_layers
     assert len(set(costs)) == 4  # Gated DeltaNet or attention, dense MLP or experts
     embed = cfg.vocab_size * cfg.hidden_size
     extra = [embed, 0, 0, embed + cfg.hidden_size]
@@ -424,5 +424,5 @@ def test_pipeline_stages_weigh_each_layer_kind(monkeypatch):
     assert [a for a, _ in ranges[1:]] == [b for _, b in ranges[:-1]] and ranges[0][0] == 0 and ranges[-1][1] == n
     best = min(worst(list(zip((0, *cuts), (*cuts, n)))) for cuts in itertools.combinations(range(1, n), 3))
     assert worst(ranges) == best
-    monkeypatch.setattr(partition, "layer_costs", lambda cfg: [1] * cfg.num_layers)  # every layer the average
+    monkeypatch.setattr(partition, "layer_parameters", lambda cfg: [1] * cfg.num_layers)  # every layer the average
     assert worst(partition.partition_layers(cfg, 4)) > 1.1 * best

@@ -25,6 +25,47 @@ def test_partition_balances_parameters_and_counts_the_embedding_and_head():
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
 
 
+def _splits(n: int, stages: int):
+    """Every split of n layers into `stages` non-empty contiguous ranges (their counts)."""
+    if stages == 1:
+        yield (n,)
+        return
+    for first in range(1, n - stages + 2):
+        for rest in _splits(n - first, stages - 1):
+            yield (first,) + rest
+
+
+def test_partition_weighs_each_layer_by_its_kinds():
+    """Dense-first mixtures of experts (DeepSeek-V3's first_k_dense_replace, Qwen3-MoE's mlp_only_layers): an MoE
+    layer holds many times a dense one's parameters, so the split is the contiguous one whose fullest stage is
+    smallest (brute force over every split), its stage parameters the real model's, and not the count-even one;
+    other weights (the plan's time per layer) split by those."""
+    from tpzoo.pipeline.partition import layer_parameters
+
+    cfg = get_config("nano-mixtral").replace(num_layers=8, mlp_only_layers=[0, 1, 2])
+    per_layer = layer_parameters(cfg)
+    built = [sum(p.numel() for p in Transformer(cfg, ModelLayout(device="meta"), Stage(range(i, i + 1), False,
+                                                                                          False)).parameters())
+             for i in range(cfg.num_layers)]
+    assert per_layer == built and per_layer[0] < per_layer[3] / 2
+    embed, head = cfg.vocab_size * cfg.hidden_size, cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
+    for pp in (2, 3, 4):
+        ranges = partition_layers(cfg, pp)
+        assert ranges[0][0] == 0 and ranges[-1][1] == 8 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+        def fullest(counts):
+            ends = [sum(counts[:k + 1]) for k in range(pp)]
+            return max(sum(per_layer[e - c:e]) + (embed if k == 0 else 0) + (head if k == pp - 1 else 0)
+                       for k, (c, e) in enumerate(zip(counts, ends)))
+        best = min(fullest(c) for c in _splits(8, pp))
+        assert fullest([b - a for a, b in ranges]) == best, (pp, ranges)
+        even = [8 // pp + (k < 8 % pp) for k in range(pp)]
+        assert fullest(even) > best, pp  # the count-even split holds more on its fullest stage
+    # the same layers at equal weights: water-filling (ends weighing nothing), e.g. 3 + 3 + 2 at pp 3
+    assert partition_layers(cfg, 3, weights=[1] * 8, ends=(0, 0)) == [(0, 3), (3, 6), (6, 8)]
+    assert partition_layers(cfg, 2, weights=[5, 5, 5, 1, 1, 1, 1, 1], ends=(0, 0)) == [(0, 2), (2, 8)]
+
+
 def test_partition_explicit_boundaries_and_errors():
     assert partition_layers(LLAMA8, 2, boundaries=[0, 3, 8]) == [(0, 3), (3, 8)]
     assert partition_layers(LLAMA8, 2, virtual_stages=2) == [(0, 2), (2, 4), (4, 6), (6, 8)]
@@ -36,6 +77,8 @@ def test_partition_explicit_boundaries_and_errors():
         partition_layers(LLAMA8, 2, boundaries=[0, 4, 7])
     with pytest.raises(PartitionError, match="2 layers cannot fill 4 pipeline stages"):
         partition_layers(get_config("nano-llama"), 2, virtual_stages=2)
+    with pytest.raises(PartitionError, match="3 layer weights for 8 layers"):
+        partition_layers(LLAMA8, 2, weights=[1, 2, 3])
 
 
 def test_model_chunks_follow_megatrons_interleaved_order():

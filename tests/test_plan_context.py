@@ -6,7 +6,7 @@ import pytest
 
 from tpzoo.models import get_config
 from tpzoo.parallel import ParallelLayoutError
-from tpzoo.plan import ClusterSpec, Layout, TrainingSpec, check_layout, estimate, local_dims, search
+from tpzoo.plan import ClusterSpec, Layout, TrainingSpec, check_layout, estimate, local_vocab, search
 
 CFG = get_config("llama-3-8b")
 H100x8 = ClusterSpec(gpus=8, gpu_memory_gib=80)
@@ -26,7 +26,7 @@ def test_activations_per_rank_shrink_by_cp_and_states_shard_over_dp_x_cp():
     zero = TrainingSpec(seq_len=131072, global_batch_size=8, zero=1)
     one, four = (estimate(CFG, Layout(**lay, dp=4 // cp, cp=cp), H100x8, zero) for cp in (1, 4))
     # every activation is per token but the fused head's fp32 weight gradient (plan/head.py), one per rank
-    fixed = 4 * local_dims(CFG, 2).vocab * CFG.hidden_size
+    fixed = 4 * local_vocab(CFG, 2) * CFG.hidden_size
     assert four.memory.activations - fixed == pytest.approx((one.memory.activations - fixed) / 4, rel=0.01)
     assert four.memory.optimizer == one.memory.optimizer  # ZeRO-1 shards over dp x cp = 4 in both
 

@@ -17,11 +17,11 @@ import tpzoo
 from tpzoo.errors import ConfigError
 from tpzoo.models import Inputs, ModelLayout, Stage, Transformer, apply_recompute, get_config
 from tpzoo.parallel import count_collectives
-from tpzoo.plan import ClusterSpec, Layout, TrainingSpec, estimate, search, stage_params
+from tpzoo.plan import ClusterSpec, Layout, RankLayout, TrainingSpec, estimate, search, stage_params
 from tpzoo.plan.estimate import GIB
 from tpzoo.plan.measure import forward_activation_bytes
 from tpzoo.plan.memory import chunk_activation_bytes, expert_state_bytes, late_params
-from tpzoo.plan.volume import moe_layer_volume, tp_step_volume
+from tpzoo.plan.volume import layer_volume, tp_step_volume
 from tpzoo.testing import run_on_ranks
 from tpzoo.train.expert_optim import ExpertParallelAdamW
 from tpzoo.train.optim import DistributedAdamW
@@ -45,7 +45,7 @@ def test_expert_parameters_exact(cfg):
     cfg = get_config(cfg) if isinstance(cfg, str) else cfg
     for tp, ep, pp in [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 2), (1, 4, 2)]:
         for stage in range(pp):
-            count = stage_params(cfg, tp, pp, stage, ep=ep)
+            count = stage_params(cfg, Layout(tp=tp, pp=pp, ep=ep), stage)
             for rank in {0, tp - 1}:
                 params = unique_params(build_stage(cfg, tp, rank, pp, stage, sp=True, dp=ep, ep=ep))
                 what = f"{cfg.name} tp={tp}/{rank} ep={ep} pp={pp}/{stage}"
@@ -59,7 +59,7 @@ def test_expert_parameters_exact(cfg):
         k, h, L = cfg.num_experts_per_tok, cfg.hidden_size, cfg.num_layers
         dense = cfg.replace(num_experts=0, num_experts_per_tok=0, moe_ffn_hidden_size=None,
                             ffn_hidden_size=k * cfg.expert_ffn)
-        assert stage_params(cfg, 1, 1, 0).matmul == stage_params(dense, 1, 1, 0).matmul + L * cfg.num_experts * h
+        assert stage_params(cfg, Layout(), 0).matmul == stage_params(dense, Layout(), 0).matmul + L * cfg.num_experts * h
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2])
@@ -76,7 +76,7 @@ def test_state_bytes_match_expert_parallel_adamw(dtype, zero):
             parts = (ExpertParallelAdamW(params, chunks[0].dims, **kw).parts if ep > 1 else
                      (DistributedAdamW(params, chunks[0].dims, **kw),))
             got = [sum(o.buffer_bytes()[k] for o in parts) for k in ("params", "grads", "master", "optimizer")]
-            count = stage_params(cfg, tp, pp, stage, ep=ep)
+            count = stage_params(cfg, Layout(tp=tp, pp=pp, ep=ep), stage)
             est = expert_state_bytes(count, training, dp, ep, late_params(count, tp, True))
             assert [est.params, est.grads, est.master, est.optimizer] == got, (cfg.name, tp, pp, dp, ep)
 
@@ -88,8 +88,8 @@ def test_activation_bytes_ep1_exact():
             torch.manual_seed(0)
             model = apply_recompute(Transformer(cfg, ModelLayout(dtype=torch.bfloat16), MIDDLE), mode)
             got = forward_activation_bytes(model, 2, 16)
-            est = sum(chunk_activation_bytes(cfg, 1, False, mode, cfg.num_layers, 2, 16, 2, False, False,
-                                             "reference", moe_layers=moe).values())
+            est = sum(chunk_activation_bytes(cfg, RankLayout(recompute=mode, kernels="reference"),
+                                             range(cfg.num_layers), 2, 16, False, False).values())
             assert est == got, (cfg.name, mode, est, got)
 
 
@@ -124,18 +124,18 @@ def _real_step_at_ep2(zeros):
 
 def test_real_step_at_ep2_state_activations_and_all_to_all():
     ranks = run_on_ranks(2, _real_step_at_ep2, (0, 1))
-    count = stage_params(MIXTRAL, 1, 1, 0, ep=2)
+    count = stage_params(MIXTRAL, Layout(ep=2), 0)
     for zero in (0, 1):
         est = expert_state_bytes(count, TrainingSpec(seq_len=16, global_batch_size=4, zero=zero), 2, 2)
         for r in ranks:
             assert r["state"][zero] == [est.params, est.grads, est.master, est.optimizer], zero
-    est = sum(chunk_activation_bytes(MIXTRAL, 1, False, "none", MIXTRAL.num_layers, 2, 16, 2, False, False,
-                                     "reference", moe_layers=MIXTRAL.num_layers, ep=2).values())
+    est = sum(chunk_activation_bytes(MIXTRAL, RankLayout(ep=2, kernels="reference"), range(MIXTRAL.num_layers),
+                                     2, 16, False, False).values())
     assert sum(r["acts"] for r in ranks) == 2 * est, ([r["acts"] for r in ranks], est)
     assert all(abs(r["acts"] / est - 1) <= ACT_TOL for r in ranks)
     # forward + backward of one micro-batch of 2 x 16 tokens through 2 MoE layers, in bf16 (the optimizer's
     # flat buffer holds the weights in the model dtype)
-    vol = moe_layer_volume(MIXTRAL, Layout(dp=2, ep=2, micro_batch_size=2), 16, 2).table
+    vol = layer_volume(MIXTRAL, 0, Layout(dp=2, ep=2, micro_batch_size=2), 16, 2).table
     for kind in ("all_to_all", "all_to_all_v"):
         want = vol[(kind, "ep")]
         assert all(r["a2a"][kind][0] == MIXTRAL.num_layers * want.calls for r in ranks), kind

@@ -6,7 +6,7 @@ import torch
 
 from tpzoo.models import Inputs, Transformer, get_config
 from tpzoo.parallel import fp8
-from tpzoo.plan import ClusterSpec, Layout, TrainingSpec, estimate, stage_memory
+from tpzoo.plan import ClusterSpec, Layout, RankLayout, TrainingSpec, estimate, stage_memory
 from tpzoo.plan.fp8 import fp8_flops, fp8_transient_bytes
 from tpzoo.plan.spec import FP8_RECIPES
 
@@ -67,7 +67,7 @@ def test_fp8_speeds_the_step_by_half_its_fp8_gemms_and_holds_its_casts():
     for r in ("tensorwise", "rowwise"):
         assert runs[r].time.compute == pytest.approx(runs["none"].time.compute - saved_s, rel=1e-9)
         extra = runs[r].memory.transient - runs["none"].memory.transient
-        assert extra == fp8_transient_bytes(cfg, 4, 4096, list(range(cfg.num_layers))) > 0
+        assert extra == fp8_transient_bytes(cfg, RankLayout(tp=4), 4096, list(range(cfg.num_layers))) > 0
         # the weights' fp8 copies kept for the step: 2 bytes per element of every projection weight of the stage
         per_layer = 2 * (4096 * 6144 + 4096 * 4096 + 4096 * 28672 + 14336 * 4096) // 4
         assert runs[r].memory.params - runs["none"].memory.params == cfg.num_layers * per_layer
@@ -75,7 +75,7 @@ def test_fp8_speeds_the_step_by_half_its_fp8_gemms_and_holds_its_casts():
                  for f in ("none", r)]  # gathered and cast per use: no copies kept, the weight's in the working set
         assert zero3[1].memory.params == zero3[0].memory.params
         assert zero3[1].memory.transient - zero3[0].memory.transient == fp8_transient_bytes(
-            cfg, 4, 4096, list(range(cfg.num_layers)), per_use=True)
+            cfg, RankLayout(tp=4), 4096, list(range(cfg.num_layers)), per_use=True)
     assert runs["none"].memory.transient == stage_memory(cfg, layout, plain, 0).transient
     assert FP8_RECIPES == fp8.FP8_RECIPES
     with pytest.raises(ValueError, match="fp8 must be one of none, tensorwise, rowwise"):

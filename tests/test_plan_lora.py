@@ -7,7 +7,7 @@ import tpzoo
 from tpzoo import kernels as K
 from tpzoo.models import ModelLayout, Stage, Transformer, apply_recompute, get_config
 from tpzoo.models.lora import LoRAConfig, add_lora, init_lora
-from tpzoo.plan import ClusterSpec, Layout, TrainingSpec, chunk_activation_bytes, search, stage_memory
+from tpzoo.plan import ClusterSpec, Layout, RankLayout, TrainingSpec, chunk_activation_bytes, search, stage_memory
 from tpzoo.plan.measure import forward_activation_bytes
 from tpzoo.testing import run_on_ranks
 from tpzoo.train.optim import DistributedAdamW
@@ -46,8 +46,8 @@ def test_lora_activations_tp1():
             for pre, post in ((True, True), (False, True), (True, False), (False, False)):
                 with K.use_backend("torch"):
                     got = forward_activation_bytes(_lora_model(cfg, pre=pre, post=post, recompute=mode), B, S)
-                est = sum(chunk_activation_bytes(cfg, 1, False, mode, cfg.num_layers, B, S, 2, pre, post,
-                                                 "reference", lora_rank=RANK).values())
+                est = sum(chunk_activation_bytes(cfg, RankLayout(recompute=mode, kernels="reference"),
+                                                 range(cfg.num_layers), B, S, pre, post, lora_rank=RANK).values())
                 assert abs(est / got - 1) <= TOL, (name, mode, pre, post, est, got)
 
 
@@ -67,8 +67,8 @@ def test_lora_activations_tp2_sequence_parallel():
     for name in ("nano-gpt", "nano-llama"):
         cfg = get_config(name)
         for got, (pre, post) in zip(run_on_ranks(2, _measure_tp2, name)[0], ((True, True), (False, False))):
-            est = sum(chunk_activation_bytes(cfg, 2, True, "none", cfg.num_layers, B, S, 2, pre, post,
-                                             "reference", lora_rank=RANK).values())
+            est = sum(chunk_activation_bytes(cfg, RankLayout(tp=2, sequence_parallel=True, kernels="reference"),
+                                             range(cfg.num_layers), B, S, pre, post, lora_rank=RANK).values())
             assert abs(est / got - 1) <= TOL, (name, pre, post, est, got)
 
 

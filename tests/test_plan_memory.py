@@ -12,7 +12,7 @@ import torch
 from tpzoo.models import Inputs, LossOptions, ModelLayout, Stage, Transformer, apply_recompute, get_config
 from tpzoo.models.config import ModelConfig
 from tpzoo.parallel import ParallelDims
-from tpzoo.plan import (Layout, TrainingSpec, chunk_activation_bytes, chunk_layer_ranges, stage_chunks,
+from tpzoo.plan import (Layout, RankLayout, TrainingSpec, chunk_activation_bytes, chunk_layer_ranges, stage_chunks,
                         stage_params, state_bytes)
 from tpzoo.plan.measure import forward_activation_bytes
 from tpzoo.train.optim import DistributedAdamW
@@ -46,7 +46,7 @@ def cfg_of(c):
 def build_stage(cfg, tp, rank, pp, stage, v=1, device="meta", dtype=torch.bfloat16, sp=False, pad=1, dp=1, ep=1):
     """The chunks tpzoo.pipeline.build_model_chunks gives pipeline rank `stage`, tp rank `rank` (the last dp
     rank of dp; expert parallelism ep)."""
-    ranges = chunk_layer_ranges(cfg, pp, v)
+    ranges = chunk_layer_ranges(cfg, Layout(pp=pp, virtual_stages=v))
     dims = ParallelDims.for_rank(tp=tp, pp=pp, dp=dp, tp_rank=rank, pp_rank=stage, dp_rank=dp - 1, device=device,
                                  ep=ep)
     layout = ModelLayout(dims, sequence_parallel=sp, vocab_padding_multiple=pad, dtype=dtype)
@@ -78,7 +78,7 @@ def test_parameter_bytes_exact(name):
             continue
         for pad in (1, 8):
             for stage in range(pp):
-                count = stage_params(cfg, tp, pp, stage, v, pad)
+                count = stage_params(cfg, Layout(tp=tp, pp=pp, virtual_stages=v), stage, pad)
                 for rank in {0, tp - 1}:
                     params = unique_params(build_stage(cfg, tp, rank, pp, stage, v, sp=True, pad=pad))
                     what = f"{cfg.name} tp={tp} rank {rank} pp={pp} stage {stage} v={v} pad={pad}"
@@ -91,10 +91,10 @@ def test_parameter_bytes_exact(name):
 
 def test_tied_embedding_held_on_both_end_stages():
     cfg = get_config("nano-gpt")
-    first, last = stage_params(cfg, 2, 2, 0), stage_params(cfg, 2, 2, 1)
+    first, last = stage_params(cfg, Layout(tp=2, pp=2), 0), stage_params(cfg, Layout(tp=2, pp=2), 1)
     table = 49 * cfg.hidden_size  # 97 padded to 98, split over tp=2
     assert first.embedding == last.embedding == table
-    assert stage_params(cfg, 2, 1, 0).embedding == 0  # one stage: the head is the embedding itself
+    assert stage_params(cfg, Layout(tp=2), 0).embedding == 0  # one stage: the head is the embedding itself
 
 
 @pytest.mark.parametrize("zero1", [False, True])
@@ -108,7 +108,7 @@ def test_optimizer_state_matches_distributed_adamw(dtype, zero1):
         for tp, rank, pp, stage, dp in [(1, 0, 1, 0, 1), (2, 1, 1, 0, 3), (2, 0, 2, 1, 4), (1, 0, 2, 1, 2)]:
             chunks = build_stage(cfg, tp, rank, pp, stage, device="cpu", dtype=torch.float32, dp=dp)
             opt = DistributedAdamW(unique_params(chunks), chunks[0].dims, model_dtype=torch_dtype, zero1=zero1)
-            count = stage_params(cfg, tp, pp, stage)
+            count = stage_params(cfg, Layout(tp=tp, pp=pp), stage)
             est = state_bytes(count, training, dp)
             got = opt.buffer_bytes()
             what = f"{cfg.name} tp={tp}/{rank} pp={pp}/{stage} dp={dp}"
@@ -128,7 +128,7 @@ def test_one_real_step_allocates_what_is_estimated():
     model(Inputs(ids, labels=ids)).sum().backward()
     opt.reduce_grads()
     opt.step(lr=1e-3)
-    est = state_bytes(stage_params(cfg, 1, 1, 0), TrainingSpec(seq_len=16, global_batch_size=2))
+    est = state_bytes(stage_params(cfg, Layout(), 0), TrainingSpec(seq_len=16, global_batch_size=2))
     assert all(p.grad is None and p.main_grad.dtype == torch.float32 for p in model.parameters())
     got = opt.buffer_bytes()
     assert (est.params, est.master, est.optimizer, est.grads) == (
@@ -161,7 +161,7 @@ def test_weight_gradients_autograd_holds_are_the_plans():
             opt.zero_grad()
             ids = torch.randint(0, cfg.vocab_size, (2, 16))
             model(Inputs(ids, labels=ids), loss=LossOptions(fused=fused_head)).sum().backward()
-            layer, head, embedding = weight_grad_bytes(cfg, 1, 2, TrainingSpec(16, 2, grad_accumulation_fusion=fused))
+            layer, head, embedding = weight_grad_bytes(cfg, RankLayout(), TrainingSpec(16, 2, grad_accumulation_fusion=fused))
             if cfg.tie_embeddings:  # the head's gradient joins the embedding's (one tensor, counted there)
                 assert head == (0 if fused else embedding)
                 head = 0
@@ -181,8 +181,8 @@ def test_activation_bytes_tp1_reference_kernels(name):
     for mode in ("none", "selective", "full"):
         for fused in (True, False):  # the head and loss fused (the default) or not (plan/head.py)
             got = measure_chunk(cfg, mode, fused=fused)
-            est = sum(chunk_activation_bytes(cfg, 1, False, mode, cfg.num_layers, 2, 16, 2, True, True,
-                                             "reference", fused_loss=fused).values())
+            est = sum(chunk_activation_bytes(cfg, RankLayout(recompute=mode, kernels="reference"),
+                                             range(cfg.num_layers), 2, 16, True, True, fused_loss=fused).values())
             assert abs(est / got - 1) <= TOL, (cfg.name, mode, fused, est, got)
 
 
@@ -190,14 +190,28 @@ def test_activation_bytes_pipeline_stages():
     """pp=2: the first stage (embedding, its output kept for the backward) and the last (input received; the
     head and loss fused or not)."""
     cfg = get_config("tiny-llama")
-    (r0, r1) = chunk_layer_ranges(cfg, 2)
+    (r0, r1) = chunk_layer_ranges(cfg, Layout(pp=2))
     for mode in ("none", "full"):
         for (lo, hi), pre, post in (((r0), True, False), ((r1), False, True)):
             for fused in (True, False) if post else (True,):
                 got = measure_chunk(cfg, mode, layers=(lo, hi), pre=pre, post=post, fused=fused)
-                est = sum(chunk_activation_bytes(cfg, 1, False, mode, hi - lo, 2, 16, 2, pre, post,
-                                                 "reference", fused_loss=fused).values())
+                est = sum(chunk_activation_bytes(cfg, RankLayout(recompute=mode, kernels="reference"), range(lo, hi),
+                                                 2, 16, pre, post, fused_loss=fused).values())
                 assert est == got, (mode, pre, post, fused, est, got)
+
+
+def test_rotary_tables_one_per_distinct_spec():
+    """A chunk computes each distinct rotary table once (cos and sin, s x rotary_dim / 2 fp32 each): Gemma 3's
+    local and global thetas are two tables where a chunk holds both kinds of layer, one where it holds one;
+    a partial rotary factor shrinks it (full recomputation: the layers keep their inputs, the tables stay)."""
+    partial = get_config("tiny-llama").replace(partial_rotary_factor=0.5)
+    gemma = NEW_FAMILIES[1]
+    for cfg, layers, tables in ((gemma, (0, 2), 1), (gemma, (0, 3), 2), (gemma, (2, 3), 1), (partial, (0, 3), 1)):
+        got = measure_chunk(cfg, "full", layers=layers, pre=False, post=False)
+        parts = chunk_activation_bytes(cfg, RankLayout(recompute="full", kernels="reference"), range(*layers), 2, 16,
+                                       False, False)
+        assert sum(parts.values()) == got, (cfg.name, layers)
+        assert parts["rope"] == tables * 4 * 16 * cfg.attention.rotary_dim, (cfg.name, layers)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -221,8 +235,9 @@ def test_fused_head_peak_is_modeled(dtype):
             with peak_live_bytes() as r:
                 loss = K.linear_cross_entropy(x, w, t, softcap=cap, vocab_size=vocab)
                 loss.sum().backward()
-            kept = head_activation_bytes(cfg, 1, False, tokens, e, "reference", 1, True, 0) - e * h * tokens - 4
-            est = kept + head_transient_bytes(cfg, 1, False, tokens, e, "reference", 1, True) + 4 * tokens
+            at = RankLayout(act_bytes=e, kernels="reference")
+            kept = head_activation_bytes(cfg, at, tokens, True, 0) - e * h * tokens - 4
+            est = kept + head_transient_bytes(cfg, at, tokens, True) + 4 * tokens
             assert abs(r.peak / est - 1) <= 0.01, (dtype, cap, tokens, r.peak, est)
 
 
@@ -240,8 +255,8 @@ def test_layout_chunks_follow_tpzoo_partition():
     from tpzoo.pipeline import partition_layers
 
     cfg = get_config("llama-3.1-405b")
-    assert list(chunk_layer_ranges(cfg, 16)) == partition_layers(cfg, 16)
-    assert stage_chunks(cfg, 4, 1, 2) == tuple(partition_layers(cfg, 4, virtual_stages=2)[1::4])
+    assert list(chunk_layer_ranges(cfg, Layout(pp=16))) == partition_layers(cfg, 16)
+    assert stage_chunks(cfg, Layout(pp=4, virtual_stages=2), 1) == tuple(partition_layers(cfg, 4, virtual_stages=2)[1::4])
     assert Layout(tp=8, pp=16, dp=128).gpus == 16384
 
 

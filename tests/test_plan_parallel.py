@@ -11,7 +11,7 @@ import tpzoo
 from tpzoo.models import Inputs, ModelLayout, Stage, Transformer, apply_recompute, get_config
 from tpzoo.models.config import ModelConfig
 from tpzoo.parallel import count_collectives, finish_tp_grads
-from tpzoo.plan import Layout, chunk_activation_bytes, chunk_layer_ranges, tp_step_volume
+from tpzoo.plan import Layout, RankLayout, chunk_activation_bytes, chunk_layer_ranges, tp_step_volume
 from tpzoo.plan.measure import forward_activation_bytes
 from tpzoo.testing import RankPool, run_on_ranks
 
@@ -35,7 +35,7 @@ def _measure(tp: int, kernels: str, cases: list) -> list[int]:
         for cfg, mode, sp, stage in cases:
             layers, pre, post = None, True, True
             if stage is not None:
-                layers, pre, post = chunk_layer_ranges(cfg, 2)[stage], stage == 0, stage == 1
+                layers, pre, post = chunk_layer_ranges(cfg, Layout(pp=2))[stage], stage == 0, stage == 1
             torch.manual_seed(0)
             layout = ModelLayout(sequence_parallel=sp, dtype=torch.bfloat16)
             model = apply_recompute(Transformer(cfg, layout, Stage(layers, pre, post)), mode)
@@ -45,9 +45,10 @@ def _measure(tp: int, kernels: str, cases: list) -> list[int]:
 
 def _estimate(tp, kernels, case) -> int:
     cfg, mode, sp, stage = case
-    lo, hi = (0, cfg.num_layers) if stage is None else chunk_layer_ranges(cfg, 2)[stage]
+    lo, hi = (0, cfg.num_layers) if stage is None else chunk_layer_ranges(cfg, Layout(pp=2))[stage]
     first, last = stage in (None, 0), stage in (None, 1)
-    return sum(chunk_activation_bytes(cfg, tp, sp, mode, hi - lo, B, S, 2, first, last, kernels).values())
+    at = RankLayout(tp=tp, sequence_parallel=sp, recompute=mode, kernels=kernels)
+    return sum(chunk_activation_bytes(cfg, at, range(lo, hi), B, S, first, last).values())
 
 
 def _check(results, tp, kernels, cases):
@@ -138,7 +139,7 @@ def test_training_state_of_a_real_dp2_step(zero1):
     from tpzoo.plan import TrainingSpec, stage_params, state_bytes
 
     for cfg in (get_config("nano-llama"), GQA):
-        est = state_bytes(stage_params(cfg, 1, 1, 0), TrainingSpec(S, 4, zero1=zero1), dp=2)
+        est = state_bytes(stage_params(cfg, Layout(), 0), TrainingSpec(S, 4, zero1=zero1), dp=2)
         for got in run_on_ranks(2, _zero1_step, cfg, zero1):
             assert got == {"params": est.params, "master": est.master, "optimizer": est.optimizer,
                            "grads": est.grads}, (cfg.name, zero1)

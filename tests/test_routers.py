@@ -1,4 +1,4 @@
-"""The 2025 router kinds (models/routers.py) against transformers' own router modules, fp32, random ties-free
+"""The 2025 router kinds (models/kinds/routers.py) against transformers' own router modules, fp32, random ties-free
 inputs: DeepSeek-V3's and GLM-4.5's sigmoid router with a non-zero selection bias and group-limited routing
 (n_group 4, topk_group 2), with and without norm_topk_prob, chooses the same experts with the same weights (times
 routed_scaling_factor); gpt-oss's biased top-k softmax router likewise. The comparisons can fail: without the
@@ -9,10 +9,21 @@ per-sequence formula written out (and Megatron's normalized sigmoid scores), its
 import pytest
 import torch
 
-from tpzoo.models.routers import (BiasedTopKRouter, SigmoidGroupRouter, expert_load, seq_aux_loss,
-                                  sigmoid_group_topk, updated_expert_bias)
+import tpzoo
+from tpzoo.models import AttentionConfig, MLPConfig, ModelConfig, ModelLayout, MoEConfig
+from tpzoo.models.kinds.routers import (expert_load, make_router, seq_aux_loss, sigmoid_group_topk,
+                                        updated_expert_bias)
 
 E, K, H, T = 16, 4, 24, 40
+
+
+def _router(kind: str, **moe):
+    """A router module of `kind` as the mixture-of-experts layer builds it (moe.router), materialized on the CPU."""
+    cfg = ModelConfig(family="mixtral", vocab_size=8, hidden_size=H, num_layers=1, attention=AttentionConfig(4),
+                      mlp=MLPConfig(8), moe=MoEConfig(num_experts=E, num_experts_per_tok=K, router=kind, **moe))
+    router = make_router(cfg, ModelLayout(tpzoo.parallel.local_dims())).to_empty(device="cpu")
+    router.reset_parameters()
+    return router
 
 
 def _sorted(weights, index):
@@ -44,9 +55,9 @@ def test_sigmoid_group_router_equals_transformers(kind, norm):
     hf = _hf_router(kind, norm)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(1))
     _, want_w, want_i = hf(x)
-    ours = SigmoidGroupRouter(H, E, K, n_group=4, topk_group=2, norm_topk_prob=norm, scaling=2.5)
+    ours = _router("sigmoid", n_group=4, topk_group=2, norm_topk_prob=norm, routed_scaling_factor=2.5)
     ours.load_state_dict(hf.state_dict())
-    logits, weights, index = ours(x)
+    logits, weights, index, _ = ours(x)
     got_w, got_i = _sorted(weights, index)
     want_w, want_i = _sorted(want_w, want_i)
     assert torch.equal(got_i, want_i)
@@ -75,9 +86,9 @@ def test_gpt_oss_router_equals_transformers():
         hf.bias.normal_(std=1.0)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(2))
     want_logits, want_w, want_i = hf(x)
-    ours = BiasedTopKRouter(H, E, K)
+    ours = _router("topk_softmax", router_bias=True)
     ours.load_state_dict(hf.state_dict())
-    logits, weights, index = ours(x)
+    logits, weights, index, _ = ours(x)
     torch.testing.assert_close(logits, want_logits)
     assert torch.equal(index, want_i)
     torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)

@@ -10,7 +10,7 @@ import tpzoo
 from tpzoo.models import get_config
 from tpzoo.parallel import count_collectives, get_pp_rank, get_tp_rank
 from tpzoo.parallel.column_linear import keep_gathered_inputs
-from tpzoo.plan import layer_activation_bytes
+from tpzoo.plan import RankLayout, layer_activation_bytes
 from tpzoo.plan.measure import forward_activation_bytes, tp_layer_collectives
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward, sum_tied_grads
 from tpzoo.testing import run_on_ranks
@@ -111,7 +111,8 @@ def test_layer_activations_divide_by_tp_with_sequence_parallelism():
             assert tp * got[tp] == got[1], (cfg.name, tp, got)
             # CPU's layer_norm keeps bf16 row statistics, 4 bytes per row less than CUDA's fp32 (docs/plan.md)
             cpu_stats = 2 * 4 * tokens // tp if cfg.norm == "layernorm" else 0
-            assert got[tp] == layer_activation_bytes(cfg, tp, True, "none", tokens, 2, "reference") - cpu_stats
+            at = RankLayout(tp=tp, sequence_parallel=True, kernels="reference")
+            assert got[tp] == layer_activation_bytes(cfg, 0, at, B, 4 * S) - cpu_stats
             # before: the qkv and fc_in inputs were kept whole, (1 - 1/tp) of 2 full-sequence activations more
             assert before[tp] - got[tp] == 2 * 2 * cfg.hidden_size * tokens * (tp - 1) // tp
 

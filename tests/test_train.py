@@ -81,10 +81,10 @@ def test_cli_flags_reach_the_config(tmp_path):
     p = argparse.ArgumentParser()
     finetune.add_arguments(p)
     args = p.parse_args(["--tp", "1", "--no-packing", "--data", "x.jsonl", "--resume", "--base", "ckpt",
-                         "--inject-nan-steps", "2", "3"])
+                         "--inject-nan-steps", "2", "3", "--pp-boundaries", "0,3,8"])
     cfg = config_from_args(args, finetune.DEFAULTS)
     assert (cfg.task, cfg.tp, cfg.packing, cfg.resume, cfg.base, cfg.lr) == ("sft", 1, False, "auto", "ckpt", 1e-4)
-    assert cfg.inject_nan_steps == [2, 3] and cfg.data == ["x.jsonl"]
+    assert cfg.inject_nan_steps == [2, 3] and cfg.data == ["x.jsonl"] and cfg.pp_boundaries == [0, 3, 8]
     out = subprocess.run([sys.executable, "-m", "tpzoo", "pretrain", "--print-config", "--lr", "0.5"],
                          capture_output=True, text=True, cwd=tmp_path, check=True).stdout
     assert "lr = 0.5" in out and "[parallel]" in out

@@ -118,11 +118,11 @@ def train_zero(layout: dict) -> dict:
 def _planned(layout: dict, dims) -> dict:
     """tpzoo.plan's training state for this rank's stage (fp32 weights, the test's buckets): late buckets, a
     tied embedding kept whole at pp = 1 (ZeRO-3) included."""
-    from tpzoo.plan import TrainingSpec, stage_params, state_bytes
+    from tpzoo.plan import Layout, TrainingSpec, stage_params, state_bytes
     from tpzoo.plan.memory import late_params, resident_params
 
     tp, pp, dp = dims.tp, dims.pp, dims.dp
-    count = stage_params(CFG, tp, pp, dims.pp_rank, layout.get("v", 1))
+    count = stage_params(CFG, Layout(tp=tp, pp=pp, virtual_stages=layout.get("v", 1)), dims.pp_rank)
     training = TrainingSpec(8, 4, dtype="fp32", zero=layout["zero"], grad_bucket_elems=BUCKET)
     est = state_bytes(count, training, dp, late_params(count, tp, layout.get("sp", False)),
                       resident_params(CFG, count, training, tp, dp, dims.pp_rank == 0, dims.pp_rank == pp - 1))
@@ -230,10 +230,10 @@ def test_state_bytes_of_a_real_step_follow_the_formulas():
     the documented training state (tpzoo.plan.state_bytes: weights 2 (ZeRO-3: 2/dp), master 4/dp at ZeRO >= 1,
     moments 8/dp at ZeRO >= 1, fp32 gradients 4 (+ the 4/dp shard at ZeRO-1) or, at ZeRO-2/3, only the 4/dp
     shard); at ZeRO-3 the layers gathered during the step never exceeded the plan's working set."""
-    from tpzoo.plan import TrainingSpec, stage_params, state_bytes
+    from tpzoo.plan import Layout, TrainingSpec, stage_params, state_bytes
     from tpzoo.plan.memory import gathered_bytes
 
-    count = stage_params(SMALL, 1, 1, 0)
+    count = stage_params(SMALL, Layout(), 0)
     for dp in (1, 2, 4):
         for rank in run_on_ranks(dp, _state_after_a_step, [0, 1, 2, 3]):
             for zero, live, reported, peak in rank:

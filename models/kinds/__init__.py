@@ -1,8 +1,9 @@
 """Layer kinds: a block is a token mixer (mixes across positions) plus a channel mixer (per position), each chosen
 per layer from the config (ModelConfig.token_mixer(i) / channel_mixer(i)) through these registries.
 
-    token mixers    "attention"  softmax attention: MHA/GQA, windows, soft-capping, q/k norms, an output gate
-                                 (attention.py)
+    token mixers    "attention"  softmax attention: MHA/GQA, windows, soft-capping, q/k norms, sinks, an
+                                 output gate (attention.py)
+                    "mla"        multi-head latent attention (mla.py)
                     "gated_deltanet"  linear attention: Qwen3.5 / Qwen3-Next's Gated DeltaNet (gated_deltanet.py)
     channel mixers  "mlp"        the dense MLP (mlp.py)
                     "moe"        a mixture of experts (moe.py)
@@ -84,4 +85,4 @@ def _load_builtin() -> None:
     global _LOADED
     if not _LOADED:
         _LOADED = True
-        from . import attention, gated_deltanet, mlp, moe  # noqa: F401
+        from . import attention, gated_deltanet, mla, mlp, moe  # noqa: F401

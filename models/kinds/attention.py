@@ -10,6 +10,9 @@ What crosses ranks: entering the TP region (all-gather of the sequence under SP,
 the input gradient), leaving it (all-reduce, or reduce-scatter under SP); OLMo 2's whole-width q/k norm adds one
 all-reduce of 2 fp32 per token (attention_extras.py); under context parallelism the core exchanges K/V (ring) or
 heads (a2a) over the cp group (attention_core.py).
+Attention sinks (gpt-oss, attention.sinks): `attn.sinks` [heads], split by head with the query heads (each rank
+its heads' sinks; their gradients are whole), handed to the core (attention_core.py), which merges them into the
+softmax; under cp they are replicated and their gradient, partial per cp rank, joins the data-parallel reduction.
 Cache: KVCache, this rank's keys and values of every token seen [b, kv_heads/tp, length, head_dim], in a buffer
 of the generation's max length (no copy of the past per step).
 
@@ -26,7 +29,7 @@ import torch.nn as nn
 from einops import rearrange
 
 from tpzoo.errors import ConfigError
-from tpzoo.parallel import ColumnParallelLinear, ParallelLayoutError, RowParallelLinear, ShardSpec
+from tpzoo.parallel import ColumnParallelLinear, ParallelLayoutError, RowParallelLinear, ShardSpec, mark_parallel
 
 from ..config import ModelConfig
 from ..inputs import Context
@@ -93,9 +96,22 @@ class Attention(nn.Module):
                                      init_method=lambda t: nn.init.normal_(t, std=out_std), **layout.linear)
         if a.qk_norm != "none":  # q_norm, k_norm (registered after out: the parameter order of other families stays)
             self.q_norm, self.k_norm = make_qk_norms(cfg, self.kv_replicas, layout)
+        if a.sinks:
+            self.sinks = mark_parallel(nn.Parameter(torch.empty(self.heads, dtype=layout.dtype, device="meta")),
+                                       ShardSpec(0))
+            self.std, self.tp_rank = cfg.initializer_range, layout.dims.tp_rank
         self.rotary = self.rotary_of(cfg, layer)
         self.core = attention_core(layout, a.scale ** -0.5 if a.scale else None, a.window(layer), a.softcap,
                                    self.heads != self.kv_heads)
+
+    def reset_parameters(self) -> None:
+        """The sinks (the projections draw their own): every head's drawn, this rank's kept (any layout, one model)."""
+        sinks = getattr(self, "sinks", None)
+        if sinks is None or sinks.device.type == "meta":
+            return
+        with torch.no_grad():
+            full = torch.empty(sinks.numel() * self.layout.tp, dtype=torch.float32, device=sinks.device)
+            sinks.copy_(full.normal_(std=self.std).chunk(self.layout.tp)[self.tp_rank])
 
     @staticmethod
     def rotary_of(cfg: ModelConfig, layer: int) -> RotarySpec | None:
@@ -129,7 +145,8 @@ class Attention(nn.Module):
         q, k, v = (rearrange(t, "b s heads d -> b heads s d") for t in (q, k, v))
         if cache is not None:
             k, v = cache.update(k, v)
-        out = rearrange(self.core(q, k, v, ctx.past, ctx.docs), "b heads s d -> b s (heads d)")
+        out = rearrange(self.core(q, k, v, ctx.past, ctx.docs, getattr(self, "sinks", None)),
+                        "b heads s d -> b s (heads d)")
         if self.gated:
             out = output_gate(out, gate)
         return self.out(out)
@@ -141,7 +158,7 @@ class Attention(nn.Module):
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         q_in = q * (2 if a.output_gate else 1)  # the gate's rows
         n = h * (q_in + 2 * kv) + q * h + (q_in + 2 * kv if a.qkv_bias else 0) + (h if a.out_bias else 0)
-        return n + {"none": 0, "head": 2 * a.head_dim, "full": q + kv}[a.qk_norm]
+        return n + {"none": 0, "head": 2 * a.head_dim, "full": q + kv}[a.qk_norm] + (a.num_heads if a.sinks else 0)
 
     @staticmethod
     def sequence_flops(cfg: ModelConfig, layer: int, seq_len: int) -> int:

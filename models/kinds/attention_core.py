@@ -11,6 +11,11 @@ recomputation can wrap them (models/recompute.py "selective").
                        load-balanced chunks): "ring" passes K/V around the ring (tpzoo.parallel.ring_attention),
                        "a2a" exchanges heads for whole sequences and runs the LocalCore on them
                        (tpzoo.parallel.ulysses). It wraps the local core; the local core knows nothing of cp.
+
+Attention sinks (gpt-oss: one learned logit per head joining every row's softmax, models/sinks.py) come in as an
+argument, this rank's heads' [heads]: the exact sink core (the block kernels with the sink merged into the
+log-sum-exp) locally, FlexAttention's log-sum-exp or the exact masked path for documents, ring attention's merge
+under cp ring, and the heads Ulysses hands this rank (ulysses.local_heads) under cp a2a.
 """
 from __future__ import annotations
 
@@ -20,9 +25,10 @@ import torch.nn.functional as F
 
 from tpzoo.errors import ConfigError
 from tpzoo.parallel.ring_attention import ring_attention
-from tpzoo.parallel.ulysses import ulysses_attention
+from tpzoo.parallel.ulysses import local_heads, ulysses_attention
 
 from ..documents import Documents, document_attention
+from ..sinks import sink_attention
 from .attention_extras import softcapped_attention
 
 
@@ -34,11 +40,14 @@ class LocalCore(nn.Module):
         super().__init__()
         self.scale, self.window, self.softcap, self.gqa = scale, window, softcap, gqa
 
-    def forward(self, q, k, v, past: int = 0, docs: Documents | None = None):
+    def forward(self, q, k, v, past: int = 0, docs: Documents | None = None, sinks=None):
         """q [b, heads, s_q, d]; k, v [b, kv_heads, s_k, d] (s_k = past + s_q with a cache); query i sits at
-        position past + i."""
+        position past + i; sinks [heads]: attention sinks (None: none)."""
         if docs is not None:  # a packed batch: attention within each document
-            return document_attention(q, k, v, docs, scale=self.scale, window=self.window, softcap=self.softcap)
+            return document_attention(q, k, v, docs, scale=self.scale, window=self.window, softcap=self.softcap,
+                                      sinks=sinks)
+        if sinks is not None:
+            return sink_attention(q, k, v, sinks, scale=self.scale, window=self.window, past=past)
         s_q, s_k, window = q.shape[2], k.shape[2], self.window
         if past == 0 and (window is None or s_k <= window) and self.softcap is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa, scale=self.scale)
@@ -65,14 +74,15 @@ class ContextParallelCore(nn.Module):
             raise ConfigError("attention softcapping (Gemma 2) runs with --cp-mode a2a, not ring")
         self.local, self.dims, self.mode = local, dims, mode
 
-    def forward(self, q, k, v, past: int = 0, docs: Documents | None = None):
+    def forward(self, q, k, v, past: int = 0, docs: Documents | None = None, sinks=None):
         if past:
             raise ConfigError("context parallelism (cp > 1) does not decode with a KV cache: generate at cp=1")
         dims, local = self.dims, self.local
         if self.mode == "a2a":  # the local attention sees whole sequences: the whole documents too
-            return ulysses_attention(q, k, v, dims.cp_group, dims.cp, lambda *qkv: local(*qkv, 0, docs))
+            mine = None if sinks is None else sinks[local_heads(q.shape[1], dims.cp, dims.cp_rank)]
+            return ulysses_attention(q, k, v, dims.cp_group, dims.cp, lambda *qkv: local(*qkv, 0, docs, mine))
         return ring_attention(q, k, v, dims.cp_group, dims.ranks("cp"), dims.cp_rank, scale=local.scale,
-                              window=local.window, doc_ids=None if docs is None else docs.ids)
+                              window=local.window, doc_ids=None if docs is None else docs.ids, sinks=sinks)
 
     def extra_repr(self) -> str:
         return f"cp={self.dims.cp}, mode={self.mode}"

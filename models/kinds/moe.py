@@ -1,5 +1,6 @@
-"""Channel mixer "moe": a mixture of experts (Mixtral, Qwen3-MoE, OLMoE): a top-k router, dropless token dispatch
-over the expert-parallel group, the local experts as a grouped matmul, and the combine weighted by the router.
+"""Channel mixer "moe": a mixture of experts (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3, GLM-4.5, gpt-oss): a top-k
+router (routers.py, chosen by moe.router), dropless token dispatch over the expert-parallel group, the local
+experts as a grouped matmul, the combine weighted by the router, and shared experts beside them.
 
 TP split (Megatron-Core's classic default; rank order in tpzoo/parallel/dims.py): experts over ep (ep rank r holds
 experts [r * E/ep, (r + 1) * E/ep): `gate_up` [E/ep, 2 ffn/tp, h], `down` [E/ep, h, ffn/tp]), each expert split
@@ -15,6 +16,10 @@ all-reduce (reduce-scatter under SP). At ep = 1 nothing leaves the device: the p
 gathers, the per-expert counts a scatter-add, and the experts grouped GEMMs whose offsets are the counts'
 cumulative sums (experts.py; the loop fallback reads the counts on the host). Expert gradients (`expert_parallel`
 parameters) are summed over the expert-data-parallel group (dims.expert_grad_group) instead of dp x cp.
+Expert biases (gpt-oss, moe.expert_bias): `gate_up_bias` [E/ep, 2 ffn/tp] splits with gate|up; `down_bias` [E, h]
+is whole on every rank (small) and added after the TP reduction on the tokens this rank holds, as
+sum_k w_k b_{e_k} (a row-parallel layer's bias: partial gradient under SP). gpt-oss's experts run the clamped
+SwiGLU (moe.swiglu_limit, experts.clamped_swiglu).
 Shared experts (DeepSeek-V3, Qwen3-Next; moe.shared_expert_ffn > 0): a dense gated MLP beside the routed experts,
 every token through it, `shared_experts.{fc_in, fc_out}` split over tp exactly like the dense MLP (mlp.py: gate|up
 fused column-parallel, down row-parallel, with its own entry and exit collectives: one more all-gather and
@@ -23,31 +28,40 @@ multiplied by sigmoid(`shared_expert_gate`(x)), a replicated [1, hidden] weight 
 holds (partial gradient under SP). Its output is added to the routed experts'.
 Cache: none.
 
-Auxiliary output: each forward records its router statistics (ctx.record, key "router"); the RouterStatistics
-rule sums them over the model's layers (carried between pipeline stages) and turns the total into HF's
-load-balancing loss and the z-loss on the last stage (`router_losses`). The layer also keeps its last statistics
-and logits (`last_stats`, overwritten per call) for inspection (`router_logits`).
+Auxiliary outputs (moe_aux.py): the softmax routers record their statistics (key "router": HF's load-balancing
+loss and the z-loss), the sigmoid router its share of the sequence-wise auxiliary loss when
+moe.router_aux_loss_coef > 0 (key "seq_aux"). The layer keeps its last router logits (`last_logits`, overwritten
+per call) for inspection (`router_logits`).
+
+Auxiliary-loss-free balancing (the sigmoid router, moe.bias_update_rate > 0): each training forward (not a
+recomputation, not evaluation) adds this rank's expert loads (assignments per expert of the tokens it routes: its
+shard under SP; without SP only tp rank 0 counts, the others route the same tokens) to `step_load`. After each
+optimizer step models/aux.after_optimizer_step sums every MoE layer's loads of the step over every rank in one
+all-reduce (`step_sums` / `apply_step_sums`) and each layer moves its `e_score_correction_bias` by
+rate * sign(mean load - load): the same bias on every rank, the single-process run's.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from tpzoo.parallel import (ParallelLayoutError, ShardSpec, copy_to_tp, gather_from_sequence, mark_parallel,
                             reduce_from_tp, reduce_scatter_to_sequence, shard)
 from tpzoo.parallel import comm
 
-from ..aux import AuxRule
 from ..config import ModelConfig
 from ..inputs import Context
 from ..layout import ModelLayout
+from ..recompute import is_recomputing
 from . import register_channel_mixer
-from .experts import expert_mlp
+from .experts import clamped_swiglu, expert_mlp
 from .mlp import MLP
+from .moe_aux import RouterStatistics, SequenceAuxLoss, router_stats
 from .replicated import ReplicatedLinear
+from .routers import expert_load, make_router, seq_aux_loss, updated_expert_bias
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -63,92 +77,46 @@ class _AllToAllV(torch.autograd.Function):
         return comm.all_to_all_v(grad.contiguous(), ctx.recv, ctx.send, ctx.group), None, None, None
 
 
-class Router(nn.Module):
-    """Linear gate h -> E, softmax in fp32, top-k, optionally renormalized (Mixtral's top-k softmax is exactly
-    this with renormalization). Replicated over tp; its gradient is partial under sequence parallelism."""
-
-    def __init__(self, cfg: ModelConfig, layout: ModelLayout):
-        super().__init__()
-        moe = cfg.moe
-        self.top_k, self.normalize, self.std = moe.num_experts_per_tok, moe.norm_topk_prob, cfg.initializer_range
-        self.weight = mark_parallel(nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size, dtype=layout.dtype,
-                                                             device="meta")), None, layout.sequence_parallel)
-
-    def reset_parameters(self) -> None:
-        if self.weight.device.type != "meta":
-            nn.init.normal_(self.weight, std=self.std)
-
-    def forward(self, x: torch.Tensor):
-        logits = F.linear(x, self.weight)
-        probs = torch.softmax(logits.float(), dim=-1)
-        top, index = torch.topk(probs, self.top_k, dim=-1)
-        if self.normalize:
-            top = top / top.sum(dim=-1, keepdim=True)
-        return logits, probs, top.to(logits.dtype), index
-
-
-class RouterStatistics(AuxRule):
-    """The "router" auxiliary output: per layer, models.kinds.moe._router_stats; per chunk, stage_stats' vector;
-    reduced into HF's load-balancing loss and the z-loss by router_losses."""
-    key = "router"
-    reports = ("router_aux_loss", "router_z_loss")
-
-    def size(self, cfg: ModelConfig) -> int:
-        return stats_size(cfg.moe.num_experts)
-
-    def combine(self, cfg: ModelConfig, records: list, device) -> torch.Tensor:
-        return stage_stats(records, cfg.moe.num_experts, device)
-
-    def trains(self, cfg: ModelConfig) -> bool:
-        moe = cfg.moe
-        return bool(moe_layer_count(cfg)) and moe.output_router_logits and bool(
-            moe.router_aux_loss_coef or moe.router_z_loss_coef)
-
-    def carried(self, cfg: ModelConfig, loss) -> bool:
-        # training: when the loss includes them; evaluation (aux_losses off): whenever they are reported
-        return self.trains(cfg) if loss.aux_losses else bool(moe_layer_count(cfg))
-
-    def reduce(self, cfg: ModelConfig, layout: ModelLayout, total: torch.Tensor) -> tuple:
-        aux, z = router_losses(total, moe_layer_count(cfg), cfg.moe.num_experts, layout)
-        term = cfg.moe.router_aux_loss_coef * aux + cfg.moe.router_z_loss_coef * z if self.trains(cfg) else None
-        return term, {"router_aux_loss": aux.detach(), "router_z_loss": z.detach()}
-
-
-def moe_layer_count(cfg: ModelConfig) -> int:
-    """MoE layers in the whole model (the router loss couples all of them)."""
-    return sum(cfg.channel_mixer(i) == "moe" for i in range(cfg.num_layers))
-
-
 @register_channel_mixer("moe")
 class MoE(nn.Module):
     """A mixture of experts in place of the dense MLP of layer `layer` ([b, s(/tp under SP), h] in and out)."""
-    aux_rules = (RouterStatistics(),)
+    aux_rules = (RouterStatistics(), SequenceAuxLoss())
 
     def __init__(self, cfg: ModelConfig, layer: int, layout: ModelLayout):
         super().__init__()
-        dims = layout.dims
-        E, ffn, h, tp, ep = cfg.moe.num_experts, cfg.expert_ffn, cfg.hidden_size, dims.tp, dims.ep
+        dims, moe = layout.dims, cfg.moe
+        E, ffn, h, tp, ep = moe.num_experts, cfg.expert_ffn, cfg.hidden_size, dims.tp, dims.ep
         if E % ep:
             raise ParallelLayoutError(f"ep={ep} does not divide num_experts={E}")
         if ffn % tp:
             raise ParallelLayoutError(f"tp={tp} does not divide the expert hidden size {ffn}")
-        self.cfg, self.layer, self.dims, self.sequence_parallel = cfg, layer, dims, layout.sequence_parallel
-        self.num_experts, self.top_k, self.local = E, cfg.moe.num_experts_per_tok, E // ep
-        self.router = Router(cfg, layout)
+        self.cfg, self.layer, self.dims, self.layout = cfg, layer, dims, layout
+        self.sequence_parallel = layout.sequence_parallel
+        self.num_experts, self.top_k, self.local = E, moe.num_experts_per_tok, E // ep
+        self.router = make_router(cfg, layout)
         kw = {"dtype": layout.dtype, "device": "meta"}
         self.gate_up = _expert_param(torch.empty(self.local, 2 * ffn // tp, h, **kw), ShardSpec(1, parts=(ffn, ffn)))
         self.down = _expert_param(torch.empty(self.local, h, ffn // tp, **kw), ShardSpec(2))
+        if moe.expert_bias:  # gpt-oss (see the module docstring for where each is added)
+            self.gate_up_bias = _expert_param(torch.empty(self.local, 2 * ffn // tp, **kw),
+                                              ShardSpec(1, parts=(ffn, ffn)))
+            self.down_bias = mark_parallel(nn.Parameter(torch.empty(E, h, **kw)), None, layout.sequence_parallel)
         self.std, self.out_std = cfg.initializer_range, cfg.initializer_range / math.sqrt(2 * cfg.num_layers)
-        self.activation = cfg.mlp.activation
+        self.activation = (cfg.mlp.activation if moe.swiglu_limit is None else
+                           functools.partial(clamped_swiglu, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit))
         # "auto": grouped GEMMs where torch._grouped_mm runs (CUDA bf16, Hopper+), else the loop (experts.py);
         # "grouped" / "loop" force one (tests compare them)
         self.expert_gemm = "auto"
         self.last_stats: dict | None = None
-        moe = cfg.moe
+        self.last_logits: torch.Tensor | None = None
         if moe.shared_expert_ffn:  # registered after the routed experts: their parameter order stays
             self.shared_experts = MLP(cfg, layer, layout, ffn=moe.shared_expert_ffn)
             if moe.shared_expert_gate:
                 self.shared_expert_gate = ReplicatedLinear(h, 1, layout, std=cfg.initializer_range)
+        # auxiliary-loss-free balancing: this rank's loads of the step (only one tp rank counts replicated tokens)
+        self.balancing = self.step_sums_size(cfg, layer) > 0
+        self.counts_loads = layout.split_sequence or dims.tp_rank == 0
+        self.step_load: torch.Tensor | None = None
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -161,13 +129,16 @@ class MoE(nn.Module):
         for param, shape, std in ((self.gate_up, (E, 2 * ffn, h), self.std), (self.down, (E, h, ffn), self.out_std)):
             full = torch.empty(shape, dtype=torch.float32, device=param.device).normal_(std=std)
             param.copy_(shard(full[mine], param.tp_spec, dims.tp_rank, dims.tp))
+        if hasattr(self, "down_bias"):
+            self.gate_up_bias.zero_()
+            self.down_bias.zero_()
 
     def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         b, h = x.shape[0], x.shape[-1]
         group = self.dims.tp_group
-        logits, probs, weights, index = self.router(x.reshape(-1, h))
-        self.last_stats = _router_stats(logits, probs, index, self.num_experts, ctx.token_mask)
-        ctx.record(self.layer, RouterStatistics.key, self.last_stats)
+        logits, weights, index, probs = self.router(x.reshape(-1, h))
+        self._record(ctx, x, logits, index, probs)
+        local_weights, local_index = weights, index  # this rank's tokens (its shard under SP)
         k = self.top_k
         # Enter the TP region: x (and the router's output, computed on the same tokens) as the dense MLP does.
         if self.sequence_parallel and self.dims.tp > 1:
@@ -184,7 +155,29 @@ class MoE(nn.Module):
             out = reduce_scatter_to_sequence(out, -2, group)
         else:
             out = reduce_from_tp(out, group)
+        if hasattr(self, "down_bias"):  # sum_k w_k b_{e_k}, on this rank's tokens, after the reduction
+            bias = self.down_bias.index_select(0, local_index.reshape(-1)).view(-1, k, h)
+            out = out + (bias * local_weights.unsqueeze(-1).to(bias.dtype)).sum(1).view(out.shape)
         return out + self._shared(x) if hasattr(self, "shared_experts") else out
+
+    def _record(self, ctx: Context, x, logits, index, probs) -> None:
+        """What the layer leaves beside its output: the auxiliary records (moe_aux.py), the step's expert loads."""
+        cfg = self.cfg
+        self.last_logits = logits
+        if RouterStatistics.applies(cfg):
+            self.last_stats = router_stats(logits, probs, index, self.num_experts, ctx.token_mask)
+            ctx.record(self.layer, RouterStatistics.key, self.last_stats)
+        if self.training and self.aux_rules[1].trains(cfg):  # (not in evaluation: only training adds it)
+            dims = self.dims
+            groups = ([dims.tp_group] if self.layout.split_sequence else []) + ([dims.cp_group] if dims.cp > 1 else [])
+            share = seq_aux_loss(logits, self.top_k, cfg.moe.router_aux_loss_coef, x.shape[0], "sigmoid",
+                                 ctx.token_mask, groups=groups)
+            ctx.record(self.layer, SequenceAuxLoss.key, share.reshape(1))
+        if self.balancing and self.training and torch.is_grad_enabled() and not is_recomputing():
+            if self.step_load is None:
+                self.step_load = torch.zeros(self.num_experts, dtype=torch.float32, device=logits.device)
+            if self.counts_loads:
+                self.step_load += expert_load(index.detach(), self.num_experts, ctx.token_mask)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared experts' output (gated by sigmoid(shared_expert_gate(x)) where the config says)."""
@@ -193,12 +186,37 @@ class MoE(nn.Module):
             y = y * torch.sigmoid(self.shared_expert_gate(x))
         return y
 
+    # -- auxiliary-loss-free balancing: models/aux.after_optimizer_step ----------------------------------------
+    @staticmethod
+    def step_sums_size(cfg: ModelConfig, layer: int) -> int:
+        """Size of what the layer sums over every rank after an optimizer step (its expert loads), 0: nothing."""
+        moe = cfg.moe
+        return moe.num_experts if moe.router == "sigmoid" and moe.bias_update_rate > 0 else 0
+
+    def step_sums(self) -> torch.Tensor:
+        """This rank's expert loads of the step (zeros when it routed nothing it counts)."""
+        if self.step_load is None:
+            return torch.zeros(self.num_experts, dtype=torch.float32, device=self.router.weight.device)
+        return self.step_load
+
+    @torch.no_grad()
+    def apply_step_sums(self, loads: torch.Tensor | None) -> None:
+        """Move the selection bias by the loads of the whole step (None: a skipped step, the loads dropped)."""
+        if loads is not None:
+            bias = self.router.e_score_correction_bias
+            bias.copy_(updated_expert_bias(bias, loads, self.cfg.moe.bias_update_rate))
+        self.step_load = None
+
+    # -- sizes, without building ---------------------------------------------------------------------------
     @staticmethod
     def num_parameters(cfg: ModelConfig, layer: int, active: bool = False) -> int:
+        """Parameters (not the selection-bias buffer); `active`: those one token uses (the router, its top-k
+        experts with their biases, the shared experts)."""
         moe, h = cfg.moe, cfg.hidden_size
-        expert = 3 * h * cfg.expert_ffn  # gate, up, down
+        expert = 3 * h * cfg.expert_ffn + ((2 * cfg.expert_ffn + h) if moe.expert_bias else 0)
         shared = MLP.num_parameters(cfg, layer, ffn=moe.shared_expert_ffn) if moe.shared_expert_ffn else 0
-        return (h * moe.num_experts + expert * (moe.num_experts_per_tok if active else moe.num_experts) + shared
+        router = h * moe.num_experts + (moe.num_experts if moe.router_bias else 0)
+        return (router + expert * (moe.num_experts_per_tok if active else moe.num_experts) + shared
                 + (h if moe.shared_expert_gate else 0))
 
     def _dispatch_compute_return(self, tokens: torch.Tensor, expert_of: torch.Tensor) -> torch.Tensor:
@@ -227,7 +245,8 @@ class MoE(nn.Module):
 
     def _experts(self, rows: torch.Tensor, counts) -> torch.Tensor:
         """The local experts over their contiguous row groups (counts: a device tensor or host ints)."""
-        return expert_mlp(rows, counts, self.gate_up, self.down, self.activation, self.expert_gemm)
+        return expert_mlp(rows, counts, self.gate_up, self.down, self.activation, self.expert_gemm,
+                          getattr(self, "gate_up_bias", None))
 
 
 def _expert_param(t: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
@@ -257,77 +276,7 @@ def _source_major_to_expert_major(recv: list[int], ep: int, local: int, device):
     return perm.to(device), per_expert
 
 
-def _router_stats(logits, probs, index, num_experts: int, mask=None) -> dict:
-    """This call's sums over its tokens (this rank's sequence shard under SP; only those of `mask`, [tokens], when
-    given):
-    the top-k assignments per expert (no gradient), the routing probabilities per expert and logsumexp(logits)^2
-    (both with gradient), and the number of tokens counted."""
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=probs.device)
-    lse2 = torch.logsumexp(logits.float(), dim=-1).square()
-    if mask is None:
-        ones = torch.ones(index.numel(), dtype=torch.float32, device=probs.device)
-        prob_sum, z_sum, tokens = probs.sum(dim=0), lse2.sum(), torch.tensor(
-            float(probs.shape[0]), device=probs.device)
-    else:
-        mask = mask.to(torch.float32)
-        ones = mask.repeat_interleave(index.shape[-1])
-        prob_sum, z_sum, tokens = (probs * mask[:, None]).sum(dim=0), (lse2 * mask).sum(), mask.sum()
-    counts.index_add_(0, index.reshape(-1), ones)
-    return {"logits": logits, "counts": counts, "prob_sum": prob_sum, "z_sum": z_sum, "tokens": tokens}
-
-
 def router_logits(model) -> list[torch.Tensor]:
     """Each MoE layer's router logits of the model chunk's last forward ([tokens, E]; this rank's sequence shard
     under SP), in layer order."""
-    return [layer.mlp.last_stats["logits"] for layer in model.layers.values() if isinstance(layer.mlp, MoE)]
-
-
-def stage_stats(stats: list[dict], num_experts: int, device) -> torch.Tensor:
-    """The sums of this chunk's MoE layers as one fp32 tensor [counts (E, no gradient), routing-probability sums
-    (E), sum of logsumexp^2 (1), (layer, token) rows counted (1)]: what a pipeline stage adds to the statistics
-    it passes on, and what the ranks of one sequence sum (all additive)."""
-    if not stats:
-        return torch.zeros(stats_size(num_experts), dtype=torch.float32, device=device)
-    counts = torch.stack([s["counts"] for s in stats]).sum(0)
-    probs = torch.stack([s["prob_sum"] for s in stats]).sum(0)
-    z = torch.stack([s["z_sum"] for s in stats]).sum().reshape(1)
-    rows = torch.stack([s["tokens"] for s in stats]).sum().reshape(1)
-    return torch.cat([counts, probs.float(), z.float(), rows.float()])
-
-
-def stats_size(num_experts: int) -> int:
-    return 2 * num_experts + 2
-
-
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over a group whose ranks all use the result in their own part of one loss: the gradient is summed too."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return comm.all_reduce(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.all_reduce(grad.contiguous().clone(), ctx.group), None
-
-
-def router_losses(totals: torch.Tensor, num_layers: int, num_experts: int, layout: ModelLayout) -> tuple:
-    """(load-balancing loss, z-loss) of one forward from `totals` (stage_stats summed over every MoE layer of the
-    model, all pipeline stages included; this rank's tokens), `num_layers` MoE layers in the model.
-
-    The load-balancing loss is transformers' load_balancing_loss_func on the concatenated layers: E * sum_e
-    f_e * P_e, f_e the fraction of all (layer, token, top-k slot) assignments that chose expert e (over layers *
-    tokens rows), P_e the mean routing probability of e over all (layer, token) rows. The z-loss is the mean over
-    tokens of logsumexp(logits)^2, summed over layers. Under SP each rank holds its shard's sums; one all-reduce
-    over tp (identity backward: every tp rank computes the same loss, on the same tokens) makes them total. Under
-    context parallelism (cp > 1) each cp rank holds its chunks of the sequence: the sums are added over cp too,
-    and since each cp rank adds the loss to its own tokens, the gradient of the totals is summed over cp."""
-    dims = layout.dims
-    if layout.sequence_parallel:
-        totals = reduce_from_tp(totals, dims.tp_group)
-    if dims.cp > 1:
-        totals = _AllReduceSum.apply(totals, dims.cp_group)
-    counts, probs, z, rows = totals.split([num_experts, num_experts, 1, 1])
-    aux = num_experts * torch.sum((counts / rows) * (probs / rows))
-    return aux, z.sum() / (rows.sum() / num_layers)
+    return [layer.mlp.last_logits for layer in model.layers.values() if isinstance(layer.mlp, MoE)]

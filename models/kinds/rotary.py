@@ -6,8 +6,9 @@ inverse-frequency buffer per distinct spec among its layers and computes each ta
 (Context.rotary[spec]), shared by every layer that uses it, outside any recomputed region.
 
 Scaling variants (HF's `rope_type`): default, linear (positions divided by `factor`), llama3 (Llama 3.1: long
-wavelengths slowed by `factor`, short ones kept, the band between interpolated). A new variant (YaRN, with its
-attention-scale factor) is one more branch of `inv_freq`.
+wavelengths slowed by `factor`, short ones kept, the band between interpolated), yarn (NTK-by-parts frequencies,
+models/rope.py, and an attention factor that multiplies cos and sin, as transformers applies it: gpt-oss,
+DeepSeek-V3, Kimi K2). A new variant is one more branch of `inv_freq` (and of `attention_factor`).
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ import torch
 from tpzoo import kernels
 from tpzoo.errors import ConfigError
 
-ROPE_TYPES = ("default", "linear", "llama3")
+from ..rope import rope_tables, yarn_inv_freq
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -54,13 +57,23 @@ def inv_freq(spec: RotarySpec) -> torch.Tensor:
         scaled = torch.where(wavelen > old_len / low, freqs / factor, freqs)
         between = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         return torch.where(between, (1 - smooth) * freqs / factor + smooth * freqs, scaled).float()
+    if kind == "yarn":
+        return yarn_inv_freq(dim, {**scaling, "rope_theta": spec.theta})[0]
     raise ConfigError(f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
 
 
-def cos_sin(freqs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [..., s, dim // 2] (fp32) for integer positions [..., s]."""
-    angles = positions.to(torch.float32).unsqueeze(-1) * freqs.to(positions.device)
-    return angles.cos(), angles.sin()
+def attention_factor(spec: RotarySpec) -> float:
+    """What cos and sin are multiplied by (YaRN's attention temperature; 1 for the other variants)."""
+    scaling = json.loads(spec.scaling) or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    return yarn_inv_freq(spec.dim, {**scaling, "rope_theta": spec.theta})[1]
+
+
+def cos_sin(freqs: torch.Tensor, positions: torch.Tensor, factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [..., s, dim // 2] (fp32) for integer positions [..., s], times `factor`
+    (attention_factor)."""
+    return rope_tables(freqs, positions, factor)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -89,12 +89,14 @@ def plan_bytes(tokens: int, hidden: int, vocab: int, e: int, fused: bool, kernel
     """tpzoo plan's model of the same step: what the head and loss keep (less the final norm and the input,
     which this benchmark makes outside) plus their working set, plus the per-token loss the caller holds."""
     from tpzoo.models.config import ModelConfig
+    from tpzoo.plan import RankLayout
     from tpzoo.plan.head import head_activation_bytes, head_transient_bytes
 
     cfg = ModelConfig.from_dict(dict(family="llama", vocab_size=vocab, hidden_size=hidden, num_layers=1,
                                      num_heads=1, ffn_hidden_size=hidden))
-    kept = head_activation_bytes(cfg, 1, False, tokens, e, kernels, 1, fused, 0) - e * hidden * tokens - 4
-    return kept + head_transient_bytes(cfg, 1, False, tokens, e, kernels, 1, fused) + 4 * tokens
+    at = RankLayout(act_bytes=e, kernels=kernels)
+    kept = head_activation_bytes(cfg, at, tokens, fused, 0) - e * hidden * tokens - 4
+    return kept + head_transient_bytes(cfg, at, tokens, fused) + 4 * tokens
 
 
 def main(argv=None) -> None:

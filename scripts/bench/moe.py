@@ -6,6 +6,7 @@ traffic of one forward at ep = 2, measured by tpzoo's collective counter, agains
     python scripts/bench/moe.py --write docs/benchmarks.md
     python scripts/bench/moe.py --device cuda        # qwen3-30b-a3b-8l vs transformers on one GPU (moe_train.py)
     python scripts/bench/moe.py --device cpu --write docs/benchmarks.md   # the same at a toy size
+    python scripts/bench/moe.py --family deepseek_v3 --write docs/benchmarks.md  # a cut DeepSeek-V3 (moe_deepseek.py)
 
 Both implementations get the same weights (tpzoo loads transformers' save_pretrained) and the same batches;
 transformers runs MixtralForCausalLM(input_ids, labels, output_router_logits=True).loss.backward(), tpzoo
@@ -94,7 +95,17 @@ def main() -> None:
                     "(moe_train.py) instead of the CPU Mixtral forward + backward and all-to-all count")
     ap.add_argument("--hf-experts", help="--device: transformers' experts implementation (default: its own "
                     "default, grouped_mm where it can)")
+    ap.add_argument("--family", choices=("mixtral", "deepseek_v3"), default="mixtral",
+                    help="deepseek_v3: a cut DeepSeek-V3's training step vs transformers on CPU (moe_deepseek.py)")
     args = ap.parse_args()
+    if args.family == "deepseek_v3":
+        from moe_deepseek import run
+
+        body = run(args.steps)
+        print(body)
+        if args.write:
+            write_section(args.write, "moe_deepseek_v3_cpu", body)
+        return
     if args.device:
         from moe_train import run_device
 

@@ -99,7 +99,7 @@ def _comm(c: dict) -> str:
 
 
 def main(argv=None) -> None:
-    from tpzoo.plan import layer_activation_bytes
+    from tpzoo.plan import RankLayout, layer_activation_bytes
     from tpzoo.testing import run_on_ranks, shutdown_pools
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -113,7 +113,7 @@ def main(argv=None) -> None:
     lines = ["| tp | variant | saved KiB/layer (measured) | plan estimate | paper formula | TP collectives/layer, "
              "forward | backward | fwd+bwd ms (median) | vs keep |", "|---|---|---|---|---|---|---|---|---|"]
     for tp, res in results.items():
-        est = layer_activation_bytes(cfg, tp, tp > 1, "none", B * S, 2, "reference")
+        est = layer_activation_bytes(cfg, 0, RankLayout(tp=tp, sequence_parallel=tp > 1, kernels="reference"), B, S)
         base = statistics.median(res[True]["times"])
         for keep in ((True, False) if tp > 1 else (False,)):
             r = res[keep]

@@ -138,10 +138,12 @@ def convert_from_hf(src, dst, *, tp: int = 1, pp: int = 1, dtype="auto", force: 
     source = HFSource(src)
     try:
         with atomic_dir(dst, force, clean_stale=True) as tmp:
+            meta = {"source": str(src), "source_format": "huggingface"}
+            if source.notes:  # what the import left out or changed (one line each; `tpzoo convert` prints them)
+                meta["notes"] = list(source.notes)
             return write_checkpoint(source, tmp, tp=tp, pp=pp, virtual_stages=virtual_stages,
                                     dtype=parse_dtype(dtype), vocab_padding_multiple=vocab_padding_multiple,
-                                    metadata={"source": str(src), "source_format": "huggingface"},
-                                    progress=progress, checksum=checksum)
+                                    metadata=meta, progress=progress, checksum=checksum)
     finally:
         source.close()
 

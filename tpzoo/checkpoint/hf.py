@@ -3,6 +3,12 @@
 Reading takes a directory (or a weights file in it) with config.json and model.safetensors,
 model.safetensors.index.json + shards, or, as a fallback, pytorch_model.bin[.index.json] loaded with
 torch.load(weights_only=True). A hub id is tried only when SRC is not an existing path.
+
+MXFP4 checkpoints (config.json quantization_config.quant_method "mxfp4": gpt-oss on the hub) store some weights
+as `<name>_blocks` + `<name>_scales`; the reader presents each such pair as the tensor `<name>` dequantized to
+bf16 in the unquantized layout (models/hf_experts.dequantize_mxfp4, equal to transformers' own), so a family maps
+the unquantized names only. `HFSource.notes` says so in one line, with the family's own notes (what an import
+leaves out: multi-token-prediction layers).
 """
 from __future__ import annotations
 
@@ -120,6 +126,37 @@ def _open(path: Path):
     return TorchFileReader(path) if path.suffix == ".bin" else SafetensorsReader(path)
 
 
+class Mxfp4Reader:
+    """The `<name>` of every `<name>_blocks` / `<name>_scales` pair of an MXFP4 checkpoint, dequantized (bf16), behind
+    the reader interface; `parts` maps a name to (blocks reader, blocks name, scales reader, scales name)."""
+
+    def __init__(self, parts: dict):
+        self.parts = parts
+
+    def keys(self):
+        return self.parts.keys()
+
+    def shape(self, name):
+        rb, nb, _, _ = self.parts[name]
+        e, rows, groups, _ = rb.shape(nb)
+        return (e, groups * 32, rows)
+
+    def dtype(self, name):
+        return torch.bfloat16
+
+    def read(self, name):
+        from tpzoo.models.hf_experts import dequantize_mxfp4
+
+        rb, nb, rs, ns = self.parts[name]
+        return dequantize_mxfp4(rb.read(nb), rs.read(ns), torch.bfloat16)
+
+    def read_box(self, name, box):
+        return self.read(name)[tuple(slice(s, s + n) for s, n in box)].clone()
+
+    def close(self):
+        self.parts = {}
+
+
 class HFSource:
     """A HF checkpoint seen as tpzoo's full tensors (by tpzoo name), through the family's tensor mapping."""
 
@@ -134,7 +171,9 @@ class HFSource:
             raise FileNotFoundError(f"{self.root} has no config.json (needed to know the architecture)")
         self.hf_config = read_json(config, "config.json")
         self.cfg = from_hf_config(self.hf_config)  # a clear error for an unsupported architecture
-        self.maps = {m.name: m for m in get_family(self.cfg.family).hf_tensor_map(self.cfg)}
+        family = get_family(self.cfg.family)
+        self.maps = {m.name: m for m in family.hf_tensor_map(self.cfg)}
+        self.notes = list(family.import_notes(self.hf_config)) if family.import_notes else []
         self._readers: dict[Path, object] = {}
         if isinstance(weights, dict):
             self.where = dict(weights)
@@ -146,10 +185,34 @@ class HFSource:
             for path in weights:
                 for name in self._reader(path).keys():
                     self.where[name] = path
+        self._dequantized(config)
         self._cache: tuple[str, torch.Tensor] | None = None
         self._structure: dict[str, tuple | None] = {}
         self.aux_dir = self.root
         self.stages, self.tp, self.pp, self.padding_multiple = None, None, None, 1
+
+    def _dequantized(self, config: Path) -> None:
+        """MXFP4 pairs become their dequantized tensors (module docstring)."""
+        quant = self.hf_config.get("quantization_config") or {}
+        if not quant:
+            return
+        if quant.get("quant_method") != "mxfp4":
+            raise CheckpointError(f"{config}: quantization_config quant_method={quant.get('quant_method')!r} is not "
+                                  f"supported (tpzoo reads unquantized weights, and MXFP4); convert the checkpoint "
+                                  f"to bf16 first")
+        parts = {}
+        for name in [n for n in self.where if n.endswith("_blocks")]:
+            base = name[: -len("_blocks")]
+            scales = base + "_scales"
+            if scales not in self.where:
+                raise CheckpointError(f"{self.where[name]}: MXFP4 tensor {name} has no {scales}")
+            parts[base] = (self._reader(self.where[name]), name, self._reader(self.where[scales]), scales)
+        if parts:
+            reader, virtual = Mxfp4Reader(parts), Path(str(config) + "#mxfp4")
+            self._readers[virtual] = reader
+            self.where.update({base: virtual for base in parts})
+            self.notes.append(f"{self.cfg.family}: {len(parts)} MXFP4 weights (quantization_config {config}) "
+                              f"dequantized to bf16 on import")
 
     def _reader(self, path: Path):
         if path not in self._readers:

@@ -130,12 +130,27 @@ def build_chunk(cfg, stage: dict, dims: ParallelDims | None = None, *, vocab_pad
     return Transformer(cfg, layout, Stage.from_manifest(stage))
 
 
+def state_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """What a checkpoint holds of a model: its parameters, then its persistent buffers (non-gradient state, such as
+    a router's selection bias: `register_buffer(..., persistent=True)`, PyTorch's default; derived tables are
+    registered persistent=False and left out), by their names in the model. A buffer carries no `tp_spec`: it is
+    replicated over tp, like a norm weight (its slices, if a kind ever splits one, would carry a spec as a
+    parameter's do)."""
+    out = list(model.named_parameters())  # tied weights appear once, as in the model
+    for prefix, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                out.append((f"{prefix}.{name}" if prefix else name, buf))
+    return out
+
+
 def param_infos(model, cfg, tp: int, select=None) -> list[ParamInfo]:
-    """Name, shard shape and spec of every parameter of `model` (a rank's chunk at tensor-parallel size tp), or
-    of those whose name `select(name)` accepts (a LoRA checkpoint holds only the adapters)."""
+    """Name, shard shape and spec of every parameter and persistent buffer of `model` (state_tensors; a rank's
+    chunk at tensor-parallel size tp), or of those whose name `select(name)` accepts (a LoRA checkpoint holds only
+    the adapters)."""
     vdims = vocab_dims(cfg)
     out = []
-    for name, p in model.named_parameters():  # tied weights appear once, as in the model
+    for name, p in state_tensors(model):
         if select is not None and not select(name):
             continue
         spec = getattr(p, "tp_spec", ShardSpec(None))

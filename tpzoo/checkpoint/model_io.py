@@ -19,7 +19,7 @@ from tpzoo.pipeline.partition import as_chunks, build_model_chunks, tie_chunks
 
 from .format import CheckpointError, aux_files_in, copy_aux_files, make_manifest, shard_file_name, write_manifest
 from .lora_io import is_base_param, is_lora_param, lora_config_of, lora_of_manifest, resolve_base
-from .layout import infer_padding_multiple, param_infos, partition, spec_to_json, stages_from_ranges
+from .layout import infer_padding_multiple, param_infos, partition, spec_to_json, stages_from_ranges, state_tensors
 from .safetensors_io import dtype_name
 from .st_writer import SafetensorsWriter
 from .sources import check_source, fill_params, open_source
@@ -120,7 +120,7 @@ def _write_own_shard(chunks, cfg, out_dir: Path, dtype, tp: int, tp_rank: int, p
     (gathered over ep) to write instead of this rank's share."""
     items = []
     for chunk in chunks:
-        params = dict(chunk.named_parameters())
+        params = dict(state_tensors(chunk))
         for info in param_infos(chunk, cfg, tp, select):
             p = params[info.name]
             if info.rows is not None:

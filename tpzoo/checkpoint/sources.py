@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .format import CheckpointError, file_entry, is_checkpoint, read_manifest, refuse_temp_dir, verify_file
-from .layout import ParamInfo, local_segments, spec_from_json
+from .layout import ParamInfo, local_segments, spec_from_json, state_tensors
 from .safetensors_io import COPY_MIN_RUN, DTYPES, SafetensorsReader
 from .st_writer import FileRuns
 from .structure import check_structure
@@ -213,8 +213,9 @@ def shard_pieces(source, info: ParamInfo, rank: int, tp: int, max_bytes: int | N
 
 
 def fill_params(model, source, infos: list[ParamInfo], rank: int, tp: int) -> None:
-    """Copy this rank's shard of every parameter of `model` from `source` (cast to the parameter's dtype)."""
-    params = dict(model.named_parameters())
+    """Copy this rank's shard of every tensor `infos` names (parameters and persistent buffers) of `model` from
+    `source` (cast to the tensor's dtype)."""
+    params = dict(state_tensors(model))
     for info in infos:
         p = params[info.name]
         flat = p.data.view(-1)

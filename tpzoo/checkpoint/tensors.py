@@ -49,10 +49,13 @@ def unshard_full(shards: list[torch.Tensor], spec: ShardSpec, vocab_dim: int | N
 
 
 def load_full_tensors(model: nn.Module, get_full: Callable[[str], torch.Tensor], tp_rank: int, tp: int) -> None:
-    """Fill every parameter of `model` (this rank's part) from full tensors looked up by tpzoo name."""
+    """Fill every parameter and persistent buffer of `model` (this rank's part) from full tensors looked up by
+    tpzoo name."""
+    from .layout import state_tensors
+
     cfg = model.cfg
     vdims = vocab_dims(cfg)
-    for name, param in model.named_parameters():
+    for name, param in state_tensors(model):
         full = expert_slice(get_full(name), param, getattr(model, "dims", None))
         spec = getattr(param, "tp_spec", ShardSpec(None))
         local = shard_full(full, spec, tp_rank, tp, vdims.get(name), _padded_rows(param, spec, tp))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 
@@ -51,6 +52,8 @@ def run(args) -> int:
                             progress=not args.quiet, checksum=args.checksum)
         summary = {"dst": args.dst, "tp": m["tp"], "pp": m["pp"], "dtype": m["dtype"],
                    "files": len(m["files"]), "bytes": sum(f["bytes"] for f in m["files"])}
+        for note in m["metadata"].get("notes", []):  # what the import left out or changed, one line each
+            print(f"note: {note}", file=sys.stderr)
     else:
         from tpzoo.checkpoint.lora_io import lora_info
         from tpzoo.checkpoint.peft import export_merged, export_peft

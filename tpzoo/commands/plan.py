@@ -54,6 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "for sequences of 16384 tokens or more)")
     p.add_argument("--ep", type=int, help="only layouts with this expert-parallel size (mixture of experts; default: "
                    "every ep dividing the experts and dp)")
+    p.add_argument("--pp-boundaries", help="the pipeline split, first layer of each model stage and the end "
+                   "(0,3,8,...: pp * virtual stages ranges; default: the split tpzoo trains with, balanced by "
+                   "parameters, and for models whose layers differ also the split balanced by time)")
+    p.add_argument("--stages", action="store_true", help="print each pipeline stage's layers, memory and time for "
+                   "the best layout (always when the model's layers differ or --pp-boundaries is given)")
     p.add_argument("--recompute", choices=["none", "selective", "full"], help="only this recompute mode")
     p.add_argument("--replicas", type=int, default=1,
                    help="plan K replicas joined by a slow link (DiLoCo, `pretrain --replicas`): each replica is "
@@ -86,6 +91,18 @@ def load_model(spec: str):
     if not cfg.name:
         cfg.name = os.path.splitext(os.path.basename(spec))[0]
     return cfg
+
+
+def parse_boundaries(text: str | None) -> tuple[int, ...] | None:
+    """--pp-boundaries 0,3,8 as integers (checked against the model by the search)."""
+    from tpzoo.errors import ConfigError
+
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--pp-boundaries {text!r}: expected comma-separated layer indices, e.g. 0,3,8") from None
 
 
 def run(args) -> int:
@@ -123,7 +140,8 @@ def run(args) -> int:
     except ValueError as exc:  # the specs check their own fields
         raise ConfigError(str(exc)) from None
     estimates = search(cfg, cluster, training, args.max_micro_batch, tp=args.tp, pp=args.pp,
-                       recompute=args.recompute, cp=args.cp, ep=args.ep)
+                       recompute=args.recompute, cp=args.cp, ep=args.ep,
+                       boundaries=parse_boundaries(args.pp_boundaries))
     across = None
     best = next((e for e in estimates if e.fits), None)
     if spec is not None and best is not None:
@@ -144,7 +162,10 @@ def run(args) -> int:
               + (f"\n(one of {k} replicas: {args.gpus * k} GPUs, global batch {args.global_batch_size * k} in all)"
                  if spec else ""))
         print()
-        print(table(estimates, args.top, args.rejected))
+        from tpzoo.plan.balance import layers_differ
+
+        with_stages = args.stages or args.pp_boundaries is not None or layers_differ(cfg)
+        print(table(estimates, args.top, args.rejected, with_stages))
         if across:
             from tpzoo.plan import replicas
 

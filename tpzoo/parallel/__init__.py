@@ -6,8 +6,8 @@ from .cross_entropy import vocab_parallel_cross_entropy
 from .data_parallel import GradBuffer, accumulate_grad
 from .device import resolve_device
 from .dims import SELF_GROUP, ParallelDims, ParallelLayoutError, check_layout, divide, local_dims
-from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_parallel, mark_tied,
-                     normal_init, padded_vocab_size)
+from .layers import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, VocabParallelEmbedding, mark_parallel,
+                     mark_tied, normal_init, padded_vocab_size)
 from .mappings import (copy_to_tp, gather_from_sequence, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence,
                        scatter_to_sequence, scatter_to_tp)
 from .sharding import ShardSpec, shard, unshard

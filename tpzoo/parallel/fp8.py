@@ -23,8 +23,10 @@ Recipes (FP8_RECIPES):
 Scales agree across TP ranks: an amax taken over a dimension that is split over the tensor-parallel group is
 all-reduced (max) over it, so every rank quantizes its shard exactly as one rank holding the whole tensor would
 (tp = 2 trains the same model as tp = 1). A column-parallel layer splits W's output dim (and dy's features), a
-row-parallel layer W's input dim (and x's features). Amaxes over tokens are reduced over the context-parallel
-group when cp > 1 (each cp rank holds part of every sequence). The reductions of a GEMM are concatenated into one
+row-parallel layer W's input dim (and x's features); a replicated layer (tpzoo.parallel.ReplicatedLinear: latent
+attention's down projections) splits no weight dim, but under sequence parallelism its tokens are split over tp.
+Amaxes over tokens are reduced over the context-parallel group when cp > 1 (each cp rank holds part of every
+sequence), and over tp for a replicated layer under SP. The reductions of a GEMM are concatenated into one
 all-reduce per group (tpzoo.parallel.comm), issued before its other collectives, in the same order on every rank.
 Under sequence parallelism the column layers' all-gather stays in the activations' dtype and quantizes after the
 gather (an FP8 all-gather, halving those bytes, is not done).
@@ -170,20 +172,25 @@ class _Reductions:
 
 
 class Fp8Linear:
-    """The FP8 GEMMs of one column- or row-parallel layer (what `layer.fp8` holds; enable_fp8 attaches it), and
+    """The FP8 GEMMs of one column-parallel, row-parallel or replicated layer (what `layer.fp8` holds; enable_fp8
+    attaches it), and
     its weight's fp8 copies (the module docstring).
 
-    `kind`: "column" (W's output dim, and the output gradient's features, split over tp) or "row" (W's input dim
-    and the input's features split). `tp_group` / `cp_group`: None when that size is 1. x: [tokens, in],
+    `kind`: "column" (W's output dim, and the output gradient's features, split over tp), "row" (W's input dim
+    and the input's features split) or "replicated" (nothing split; `tp_group` given only when the tokens are,
+    under SP). `tp_group` / `cp_group`: None when that size is 1. x: [tokens, in],
     W: [out, in], dy: [tokens, out] (this rank's shards). The collectives of each GEMM happen before its matmul
     (forward(); backward_scales() for both backward GEMMs, issued before any other backward collective of the
     layer; weight_grad() only reduces over cp), in the same order on every rank (a cached weight is cached on
     every rank alike). `weight_casts` counts the cast kernels run on the weight."""
 
     def __init__(self, recipe: Fp8Recipe, kind: str, tp_group=None, cp_group=None, cache_weights: bool = True):
-        if kind not in ("column", "row"):
-            raise ValueError(f"Fp8Linear kind must be 'column' or 'row', got {kind!r}")
-        self.recipe, self.kind, self.tp, self.cp = recipe, kind, tp_group, cp_group
+        if kind not in ("column", "row", "replicated"):
+            raise ValueError(f"Fp8Linear kind must be 'column', 'row' or 'replicated', got {kind!r}")
+        self.recipe, self.kind, self.tp = recipe, kind, tp_group
+        self._w_split = None if kind == "replicated" else self.tp  # where W itself is split
+        # where the tokens are split: cp, and tp for a replicated layer under SP (the others gather them first)
+        self.cp = (self.tp, cp_group) if kind == "replicated" else (cp_group,)
         self._out_split = self.tp if kind == "column" else None  # tp group where the out features are split
         self._in_split = self.tp if kind == "row" else None      # tp group where the in features are split
         self.cache_weights, self._cached, self.weight_casts = cache_weights, None, 0
@@ -217,8 +224,8 @@ class Fp8Linear:
                 _, e.qt, e.inv_t = cast(w, a[iwt], E4M3, "cols", True, want_q=False, want_t=True)
             self.weight_casts += need_q + need_t
             return scaled_mm(x8, e.q.t(), inv_x, e.inv, x.dtype, fast_accum=True), (e,)
-        ix = red.add(amax(x), self._in_split, self.cp)
-        iw = red.add(amax(w), self.tp) if need_q else None
+        ix = red.add(amax(x), self._in_split, *self.cp)
+        iw = red.add(amax(w), self._w_split) if need_q else None
         a = red.run()
         if need_q or need_t:  # one kernel writes both layouts
             e.amax = a[iw] if need_q else e.amax
@@ -236,7 +243,7 @@ class Fp8Linear:
         r, red, e = self.recipe, _Reductions(), saved[-1]
         need_t = need_input_grad and e.qt is None
         if not r.rowwise:
-            ig = red.add(amax(dy), self._out_split, self.cp)
+            ig = red.add(amax(dy), self._out_split, *self.cp)
             a = red.run()
             if need_t:  # not cached (or cast without a backward in view): the forward's scale, no reduction
                 _, e.qt, _ = cast(w, e.amax, E4M3, "tensor", False, want_q=False, want_t=True)
@@ -268,7 +275,7 @@ class Fp8Linear:
         r, out_dtype = self.recipe, out_dtype or dy.dtype
         if r.rowwise:  # dy per output channel and x per input channel, both over the tokens
             red = _Reductions()
-            ig, ix = red.add(amax(dy, 0), self.cp), red.add(amax(x, 0), self.cp)
+            ig, ix = red.add(amax(dy, 0), *self.cp), red.add(amax(x, 0), *self.cp)
             a = red.run()
             _, dy8t, inv_g = cast(dy, a[ig], r.grad_dtype, "cols", True, want_q=False, want_t=True)
             _, x8t, inv_x = cast(x, a[ix], E4M3, "cols", True, want_q=False, want_t=True)
@@ -380,7 +387,8 @@ def enable_fp8(modules, recipe: str | None, cache_weights: bool = True) -> Fp8Re
                 report.fallbacks.append((name, out, inp))
                 continue
             dims = m.dims
-            m.fp8 = Fp8Linear(rec, kind, dims.tp_group if dims.tp > 1 else None,
+            tp_split = dims.tp > 1 and (kind != "replicated" or m.sequence_parallel)
+            m.fp8 = Fp8Linear(rec, kind, dims.tp_group if tp_split else None,
                               dims.cp_group if dims.cp > 1 else None, cache_weights)
             report.fp8_layers.append(name)
     return report

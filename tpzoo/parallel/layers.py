@@ -212,6 +212,44 @@ class RowParallelLinear(nn.Module):
                 + (f", fp8={self.fp8.recipe.name}" if self.fp8 is not None else ""))
 
 
+class ReplicatedLinear(nn.Module):
+    """y = x W^T + b with W [out, in] whole on every TP rank (latent attention's down projections, a shared
+    expert's gate): applied to the tokens this rank holds, no collective. Its weights' gradients are whole without
+    sequence parallelism (every rank sees the same tokens and output gradient) and partial under it (marked
+    `sequence_parallel`: summed over TP by finish_tp_grads, like a norm's). LoRA (a replicated adapter) and FP8
+    (scales agreeing over the tokens' ranks) attach as to the other parallel layers."""
+    fp8_kind = "replicated"  # FP8 scales: nothing split over tp but the tokens under SP (tpzoo.parallel.fp8)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, sequence_parallel: bool = False,
+                 init_method: InitMethod | None = None, dtype: torch.dtype | None = None, device=None,
+                 dims: ParallelDims | None = None):
+        super().__init__()
+        self.dims = get_dims(dims)
+        self.in_features, self.out_features, self.sequence_parallel = in_features, out_features, sequence_parallel
+        self.init_method = init_method or normal_init()
+        kw = {"dtype": dtype, "device": device if device is not None else self.dims.device}
+        self.weight = mark_parallel(nn.Parameter(torch.empty(out_features, in_features, **kw)), None,
+                                    sequence_parallel)
+        self.bias = (mark_parallel(nn.Parameter(torch.empty(out_features, **kw)), None, sequence_parallel)
+                     if bias else None)
+        self.reset_parameters()
+        self.lora = None  # a tpzoo.parallel.lora.LoRA when adapters are attached
+        self.fp8 = None   # a tpzoo.parallel.fp8.Fp8Linear when the matmul runs in FP8
+
+    def reset_parameters(self) -> None:
+        _init_shard(self.weight, (self.out_features, self.in_features), ShardSpec(None), self.init_method, 0, 1)
+        if self.bias is not None and self.bias.device.type != "meta":
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _fp8.linear(x, self.weight, self.bias, self.fp8)
+        return self.lora.replicated_forward(x, y) if self.lora is not None else y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, replicated, "
+                f"sequence_parallel={self.sequence_parallel}" + (f", fp8={self.fp8.recipe.name}" if self.fp8 else ""))
+
+
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
     """Vocab rounded up to a multiple of tp * multiple, so every rank holds an equal contiguous range."""
     step = tp * multiple

@@ -22,6 +22,11 @@ Row-parallel layer, weight split by columns [out, in/tp]:
     du = dy B is the same on every rank, so dA_r is complete; dB = dy^T u_r is partial and summed over TP by
     finish_tp_grads. Extra collectives per micro-batch: none (the cost is an [tokens, out] matmul of rank r
     done on every rank instead of once).
+Replicated layer (tpzoo.parallel.ReplicatedLinear: latent attention's down projections), weight whole [out, in]:
+    A [r, in] and B [out, r] whole on every rank, applied to the tokens the rank holds. Without SP every rank
+    computes the same adapter on the same tokens: both gradients whole. Under SP each rank holds its sequence
+    shard: both gradients partial, marked like the weight and summed over TP by finish_tp_grads. Extra
+    collectives per micro-batch: none.
 Per step, the partial gradients (A of column layers, B of row layers) join the one flat all-reduce that
 finish_tp_grads already issues for the norm weights under SP (one more call when nothing else needed it).
 
@@ -37,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import ColumnParallelLinear, RowParallelLinear, _init_shard, mark_parallel
+from .layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, _init_shard, mark_parallel
 from .sharding import ShardSpec
 
 
@@ -84,8 +89,9 @@ class LoRA(nn.Module):
         self.names = [n for n in self.parts if n is not None]
         self.dropout = dropout
         self.column = isinstance(layer, ColumnParallelLinear)
-        if not self.column and not isinstance(layer, RowParallelLinear):
-            raise TypeError(f"LoRA attaches to ColumnParallelLinear or RowParallelLinear, not {type(layer)}")
+        self.replicated = isinstance(layer, ReplicatedLinear)
+        if not (self.column or self.replicated or isinstance(layer, RowParallelLinear)):
+            raise TypeError(f"LoRA attaches to Column/Row/ReplicatedLinear, not {type(layer)}")
         dims = layer.dims
         self.tp, self.tp_rank = dims.tp, dims.tp_rank
         kw = {"dtype": dtype if dtype is not None else layer.weight.dtype,
@@ -107,8 +113,15 @@ class LoRA(nn.Module):
                 self.shapes[name] = ((rank, layer.in_features), ShardSpec(None), (rows, rank), spec)
         else:
             if len(self.parts) != 1 or self.parts[0] is None:
-                raise ValueError(f"a row-parallel layer takes one adapter, got {self.parts}")
+                raise ValueError(f"a row-parallel or replicated layer takes one adapter, got {self.parts}")
             name = self.parts[0]
+        if self.replicated:
+            sp = layer.sequence_parallel  # partial gradients exactly when the weight's are
+            self.A[name] = mark_parallel(nn.Parameter(torch.empty(rank, layer.in_features, **kw)), None, sp)
+            self.B[name] = mark_parallel(nn.Parameter(torch.empty(layer.out_features, rank, **kw)), None, sp)
+            self.shapes[name] = ((rank, layer.in_features), ShardSpec(None), (layer.out_features, rank),
+                                 ShardSpec(None))
+        elif not self.column:
             a = torch.empty(rank, layer.in_per_rank, **kw)
             b = torch.empty(layer.out_features, rank, **kw)
             self.A[name] = mark_parallel(nn.Parameter(a), 1)
@@ -144,6 +157,11 @@ class LoRA(nn.Module):
         extra = tuple((self.A[n], None) for n in self.names)
         y, *us = layer.matmuls(x, extra, self._drop if self.dropout > 0 else None)
         return y + self.scale * self._up(us)
+
+    def replicated_forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """A replicated layer's output plus the adapter's, on the same tokens."""
+        (name,) = self.names
+        return y + self.scale * F.linear(F.linear(self._drop(x), self.A[name]), self.B[name])
 
     def row_partial(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The row layer's partial output plus this rank's share of the adapter, before the reduction."""

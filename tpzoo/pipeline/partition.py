@@ -15,19 +15,29 @@ class PartitionError(UserError, ValueError):
     """A layer split that cannot work (empty stage, fewer layers than stages, malformed boundaries)."""
 
 
-def _stage_costs(cfg) -> tuple[int, int, int]:
-    """(parameters of one transformer layer, extra parameters of the first stage, of the last stage)."""
+def layer_parameters(cfg) -> list[int]:
+    """Parameters of each transformer layer: its norms and what its token and channel mixer kinds count
+    (models/kinds num_parameters), so a dense layer and an MoE layer, or a Gated DeltaNet and an attention layer,
+    weigh what they hold."""
+    from tpzoo.models.kinds import channel_mixer_kind, token_mixer_kind  # models depend on tpzoo.parallel
+
+    norms = 2 * (int(cfg.pre_norm) + int(cfg.post_norm)) * cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1)
+    return [norms + token_mixer_kind(cfg.token_mixer(i)).num_parameters(cfg, i)
+            + channel_mixer_kind(cfg.channel_mixer(i)).num_parameters(cfg, i) for i in range(cfg.num_layers)]
+
+
+def _end_costs(cfg) -> tuple[int, int]:
+    """Extra parameters of the first stage (the embedding) and of the last (final norm and head)."""
     final_norm = cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1)
-    per_layer = (cfg.num_parameters(include_embeddings=False) - final_norm) // cfg.num_layers
     embedding = cfg.vocab_size * cfg.hidden_size
     if cfg.position == "learned":
         embedding += cfg.max_position_embeddings * cfg.hidden_size
     # The last stage always holds a head: its own copy of the tied embedding when pp > 1.
     head = cfg.vocab_size * cfg.hidden_size + final_norm
-    return per_layer, embedding, head
+    return embedding, head
 
 
-def _check_boundaries(boundaries: list[int], num_layers: int, stages: int) -> list[tuple[int, int]]:
+def check_boundaries(boundaries: list[int], num_layers: int, stages: int) -> list[tuple[int, int]]:
     b = list(boundaries)
     if len(b) != stages + 1:
         raise PartitionError(f"boundaries {b} must have {stages + 1} entries (one more than the {stages} stages)")
@@ -39,35 +49,39 @@ def _check_boundaries(boundaries: list[int], num_layers: int, stages: int) -> li
     return [(b[k], b[k + 1]) for k in range(stages)]
 
 
-def partition_layers(cfg, pp: int, boundaries: list[int] | None = None,
-                     virtual_stages: int = 1) -> list[tuple[int, int]]:
+def partition_layers(cfg, pp: int, boundaries: list[int] | None = None, virtual_stages: int = 1,
+                     weights: list[float] | None = None, ends: tuple | None = None) -> list[tuple[int, int]]:
     """Layer range [start, end) of every model stage (index vstage*pp + pp_rank), pp*virtual_stages of them.
 
-    Default: balanced by parameter count, the embedding counted on the first stage and the head on the last
-    (so with a large vocabulary the end stages get fewer layers), each layer weighed by its own kinds where they
-    differ (`layer_costs`: hybrid stacks, dense layers among MoE ones). `boundaries=[0, 3, 8]` gives stage 0 the layers
-    [0, 3) and stage 1 [3, 8); uneven splits are allowed, empty stages are not."""
+    Default: balanced by parameters, each layer weighing its own (layer_parameters: an MoE layer many times a
+    dense one), the embedding counted on the first stage and the head on the last (so with a large vocabulary the
+    end stages get fewer layers). `weights` and `ends`: another cost per layer and of the (first, last) stage's
+    extras, in one unit (the plan's time per layer, the head's). `boundaries=[0, 3, 8]` gives stage 0 the layers [0, 3) and
+    stage 1 [3, 8); uneven splits are allowed, empty stages are not."""
     if pp < 1 or virtual_stages < 1:
         raise PartitionError(f"pp and virtual_stages must be >= 1, got pp={pp}, virtual_stages={virtual_stages}")
     stages, num_layers = pp * virtual_stages, cfg.num_layers
     if boundaries is not None:
-        return _check_boundaries(boundaries, num_layers, stages)
+        return check_boundaries(boundaries, num_layers, stages)
     if num_layers < stages:
         raise PartitionError(f"{num_layers} layers cannot fill {stages} pipeline stages "
                              f"(pp={pp} x virtual_stages={virtual_stages}): every stage needs at least one layer")
-    per_layer, embedding, head = _stage_costs(cfg)
+    cost = list(weights) if weights is not None else layer_parameters(cfg)
+    if len(cost) != num_layers:
+        raise PartitionError(f"{len(cost)} layer weights for {num_layers} layers")
+    embedding, head = ends if ends is not None else _end_costs(cfg)
     extra = [0] * stages
     extra[0] += embedding
     extra[-1] += head
-    costs = layer_costs(cfg)
-    if len(set(costs)) > 1:  # layers of different kinds (hybrid, dense-first MoE): weigh each
-        return _contiguous_min_max(costs, extra)
-    # Water-filling: every stage starts with one layer; each further layer goes to the stage that would be the
-    # cheapest after taking it. With identical layers this minimizes the most expensive stage.
-    counts = [1] * stages
-    for _ in range(num_layers - stages):
-        k = min(range(stages), key=lambda i: ((counts[i] + 1) * per_layer + extra[i], i))
-        counts[k] += 1
+    if len(set(cost)) > 1:
+        counts = _min_max_counts(cost, extra)
+    else:
+        # Water-filling: every stage starts with one layer; each further layer goes to the stage that would be the
+        # cheapest after taking it. With identical layers this minimizes the most expensive stage.
+        counts, per_layer = [1] * stages, cost[0]
+        for _ in range(num_layers - stages):
+            k = min(range(stages), key=lambda i: ((counts[i] + 1) * per_layer + extra[i], i))
+            counts[k] += 1
     out, start = [], 0
     for n in counts:
         out.append((start, start + n))
@@ -75,41 +89,47 @@ def partition_layers(cfg, pp: int, boundaries: list[int] | None = None,
     return out
 
 
-def layer_costs(cfg) -> list[int]:
-    """Each layer's parameters, counted by its own kinds (models/kinds: a Gated DeltaNet layer and an attention
-    layer, a dense MLP and a mixture of experts differ), norms included."""
-    from tpzoo.models.kinds import channel_mixer_kind, token_mixer_kind  # models depend on tpzoo.parallel
+def _fill_from_the_end(cost: list, extra: list, cap: float) -> list[int] | None:
+    """Layers per stage when each stage, from the last one back, takes as many layers as fit under `cap` (leaving
+    one for every stage before it); None when a stage cannot hold even one layer under it or the first cannot
+    hold what is left."""
+    counts, end = [0] * len(extra), len(cost)
+    for k in range(len(extra) - 1, -1, -1):
+        start, total = end, extra[k]
+        while start > k and total + cost[start - 1] <= cap:
+            total += cost[start - 1]
+            start -= 1
+        if start == end or (k == 0 and start > 0):
+            return None
+        counts[k], end = end - start, start
+    return counts
 
-    norms = 2 * (int(cfg.pre_norm) + int(cfg.post_norm)) * cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1)
-    return [norms + token_mixer_kind(cfg.token_mixer(i)).num_parameters(cfg, i)
-            + channel_mixer_kind(cfg.channel_mixer(i)).num_parameters(cfg, i) for i in range(cfg.num_layers)]
 
-
-def _contiguous_min_max(costs: list[int], extra: list[int]) -> list[tuple[int, int]]:
-    """Consecutive layer ranges, one or more per stage, whose most expensive stage (its layers plus its `extra`)
-    is as cheap as possible: dynamic programming over (stages, layers), the earliest split among equals."""
-    n, stages = len(costs), len(extra)
-    prefix = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[k][j]: the cheapest most expensive stage of layers [0, j) over stages 0..k; cut[k][j]: stage k's start
-    best = [[inf] * (n + 1) for _ in range(stages)]
-    cut = [[0] * (n + 1) for _ in range(stages)]
-    for j in range(1, n + 1):
-        best[0][j] = prefix[j] + extra[0]
-    for k in range(1, stages):
-        for j in range(k + 1, n + 1):
-            for i in range(k, j):
-                v = max(best[k - 1][i], prefix[j] - prefix[i] + extra[k])
-                if v < best[k][j]:
-                    best[k][j], cut[k][j] = v, i
-    out, end = [], n
-    for k in range(stages - 1, 0, -1):
-        out.append((cut[k][end], end))
-        end = cut[k][end]
-    out.append((0, end))
-    return out[::-1]
+def _min_max_counts(cost: list, extra: list) -> list[int]:
+    """Contiguous layers per stage for layers of different costs (dense-first MoE stacks, hybrid linear attention):
+    the fullest stage as small as it can be (`cap`, by bisection), and under that cap each stage, from the last one
+    back, as close as it can get to an even share of what is left: an unavoidably heavy stage (the head's) does not
+    let the others fill up to it."""
+    lo, hi = 0.0, float(sum(cost) + sum(extra))
+    for _ in range(64):
+        mid = (lo + hi) / 2
+        if _fill_from_the_end(cost, extra, mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    cap, counts, end = hi, [0] * len(extra), len(cost)
+    for k in range(len(extra) - 1, 0, -1):
+        share = (sum(cost[:end]) + sum(extra[:k + 1])) / (k + 1)
+        start, total = end, extra[k]
+        while start > k and total + cost[start - 1] <= cap and (
+                start == end or abs(total + cost[start - 1] - share) <= abs(total - share)):
+            total += cost[start - 1]
+            start -= 1
+        while _fill_from_the_end(cost[:start], extra[:k], cap) is None:  # what is left must still fit the cap
+            start -= 1
+        counts[k], end = end - start, start
+    counts[0] = end
+    return counts
 
 
 def model_stages(cfg, pp: int, boundaries: list[int] | None = None, virtual_stages: int = 1) -> list:

@@ -12,12 +12,16 @@ The memory model is derived from what tpzoo's code allocates and saves, and test
 (tests/test_plan_*.py); the model, its assumptions and where it departs from Korthikanti et al. 2022 are in
 docs/plan.md. `tpzoo plan` is the command line.
 """
-from .estimate import Estimate, TimeBreakdown, enumerate_layouts, estimate, search, stage_flops
-from .memory import (LocalDims, MemoryBreakdown, ParamCount, StateBytes, chunk_activation_bytes,
-                     layer_activation_bytes, local_dims, output_grad_bytes, stage_memory, stage_params, state_bytes)
+from .estimate import Estimate, TimeBreakdown, estimate, stage_flops
+from .head import local_vocab
+from .kinds import Acts, Collective, Matmul, Weights, cost_of, register_cost
+from .layers import cache_bytes, layer_cost, layer_flops
+from .memory import (MemoryBreakdown, ParamCount, StateBytes, chunk_activation_bytes, layer_activation_bytes,
+                     layer_params, output_grad_bytes, stage_memory, stage_params, state_bytes)
 from .schedule import bubble_time, held_states, peak_bytes, peak_micro_batches
-from .spec import (DTYPE_BYTES, ClusterSpec, Layout, TrainingSpec, check_layout, chunk_layer_ranges,
+from .search import enumerate_layouts, search
+from .spec import (DTYPE_BYTES, ClusterSpec, Layout, RankLayout, TrainingSpec, check_layout, chunk_layer_ranges,
                    num_micro_batches, stage_chunks, stage_layers)
-from .volume import VolumeTable, tp_step_volume
+from .volume import VolumeTable, layer_volume, tp_step_volume
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -21,35 +21,29 @@ from __future__ import annotations
 
 from tpzoo.models.config import ModelConfig
 
-from .memory import local_dims
+from .layers import layer_cost, signature
+from .spec import RankLayout
 
 ALIGN = 16  # tpzoo.parallel.fp8.ALIGN: torch._scaled_mm's K and N
 
 
-def projections(cfg: ModelConfig, tp: int, moe: bool = False) -> dict[str, tuple[int, int]]:
-    """(out, in) per rank of the projections of one layer that can run in FP8 (an MoE layer: attention only)."""
-    d, h = local_dims(cfg, tp), cfg.hidden_size
-    shapes = {"qkv": (d.q + 2 * d.kv, h), "out": (h, d.q)}
-    if not moe:
-        shapes.update(fc_in=(d.ffn * (2 if cfg.gated else 1), h), fc_out=(h, d.ffn))
-    return shapes
-
-
-def fp8_projections(cfg: ModelConfig, tp: int, moe: bool = False) -> dict[str, tuple[int, int]]:
-    """The projections whose GEMMs do run in FP8: both local dims multiples of 16."""
-    return {k: (o, i) for k, (o, i) in projections(cfg, tp, moe).items() if o % ALIGN == 0 and i % ALIGN == 0}
+def fp8_projections(cfg: ModelConfig, layer: int, tp: int) -> dict[str, tuple[int, int]]:
+    """(out, in) per rank of the projections of layer `layer` whose GEMMs run in FP8: the kinds' column/row-parallel
+    projections (plan/kinds Matmul.fp8) with both local dims multiples of 16."""
+    mm = layer_cost(cfg, layer, RankLayout(tp=tp)).matmuls
+    return {m.name: (m.out, m.inp) for m, _ in mm if m.fp8 and m.out % ALIGN == 0 and m.inp % ALIGN == 0}
 
 
 def fp8_flops(cfg: ModelConfig, tp: int, tokens: int, layers: list[int], lora: bool, recompute: str) -> dict:
     """FLOPs of one micro-batch's FP8 GEMMs on a stage holding `layers` (ids), in stage_flops' keys."""
-    per_pass = skip = 0
+    per_pass = again = 0
     for i in layers:
-        proj = fp8_projections(cfg, tp, cfg.is_moe_layer(i))
-        per_pass += 2 * tokens * sum(o * n for o, n in proj.values())
-        if "fc_out" in proj:  # full recomputation stops before the MLP's output projection
-            skip += 2 * tokens * proj["fc_out"][0] * proj["fc_out"][1]
-    again = per_pass - skip if recompute == "full" else 0
-    return {"forward": per_pass, "dgrad": per_pass, "wgrad": 0 if lora else per_pass, "recompute": again}
+        for m, replayed in layer_cost(cfg, i, RankLayout(tp=tp)).matmuls:
+            if m.fp8 and m.out % ALIGN == 0 and m.inp % ALIGN == 0:
+                per_pass += 2 * tokens * m.out * m.inp
+                again += 2 * tokens * m.out * m.inp if replayed else 0  # full recomputation's replay
+    return {"forward": per_pass, "dgrad": per_pass, "wgrad": 0 if lora else per_pass,
+            "recompute": again if recompute == "full" else 0}
 
 
 def at_fp8_rate(flops: dict, fp8: dict) -> dict:
@@ -57,13 +51,13 @@ def at_fp8_rate(flops: dict, fp8: dict) -> dict:
     return {k: v - fp8.get(k, 0) / 2 for k, v in flops.items()}
 
 
-def fp8_transient_bytes(cfg: ModelConfig, tp: int, tokens: int, layers: list[int], per_use: bool = False) -> int:
+def fp8_transient_bytes(cfg: ModelConfig, at: RankLayout, tokens: int, layers, per_use: bool = False) -> int:
     """The fp8 copies alive during the backward of the largest FP8 projection of `layers` (module docstring);
     `tokens`: the GEMM's rows (a micro-batch's tokens on this rank, the whole sequence under SP); `per_use`: the
     weights are cast per use (ZeRO-3), not kept."""
     worst = 0
-    for moe in {cfg.is_moe_layer(i) for i in layers}:
-        for out, inp in fp8_projections(cfg, tp, moe).values():
+    for one in {signature(cfg, i): i for i in layers}.values():
+        for out, inp in fp8_projections(cfg, one, at.tp).values():
             worst = max(worst, tokens * (2 * out + inp) + (out * inp if per_use else 0))
     return worst
 
@@ -71,4 +65,4 @@ def fp8_transient_bytes(cfg: ModelConfig, tp: int, tokens: int, layers: list[int
 def fp8_weight_bytes(cfg: ModelConfig, tp: int, layers: list[int]) -> int:
     """The fp8 copies of the FP8 projections' weights of `layers` kept for the step: each weight row-major and
     transposed, one byte per element each."""
-    return sum(2 * out * inp for i in layers for out, inp in fp8_projections(cfg, tp, cfg.is_moe_layer(i)).values())
+    return sum(2 * out * inp for i in layers for out, inp in fp8_projections(cfg, i, tp).values())

@@ -28,17 +28,18 @@ from tpzoo.kernels.fused_linear_cross_entropy import default_chunk_rows
 from tpzoo.models.config import ModelConfig
 
 
-def _local_vocab(cfg: ModelConfig, tp: int, pad: int) -> int:
+def local_vocab(cfg: ModelConfig, tp: int, pad: int = 1) -> int:
+    """Rows of the embedding and the head on one tp rank: the vocab padded to a multiple of tp * pad, split."""
     step = tp * pad
     return -(-cfg.vocab_size // step) * step // tp
 
 
-def head_activation_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, tokens: int, e: int, kernels: str,
-                          pad: int, fused: bool, norm_saved: int) -> int:
-    """Bytes the final norm, head and loss keep for the backward of one micro-batch (module docstring);
-    `norm_saved`: bytes per token the final norm keeps (plan.memory._norm_saved)."""
-    h, v = cfg.hidden_size, _local_vocab(cfg, tp, pad)
-    sp_div = tp if sequence_parallel else 1
+def head_activation_bytes(cfg: ModelConfig, at, tokens: int, fused: bool, norm_saved: int) -> int:
+    """Bytes the final norm, head and loss keep for the backward of one micro-batch at `at` (spec.RankLayout;
+    module docstring); `norm_saved`: bytes per token the final norm keeps (plan.layers.norm_saved)."""
+    e, kernels = at.act_bytes, at.kernels
+    h, v = cfg.hidden_size, local_vocab(cfg, at.tp, at.vocab_padding_multiple)
+    sp_div = at.sp_div
     norm = norm_saved * tokens // sp_div
     if not fused:
         logits = (4 if kernels == "reference" else e) * v
@@ -47,29 +48,30 @@ def head_activation_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, to
     return norm + 2 * e * h * tokens // sp_div + 4 * tokens + 4 * v * h + 4
 
 
-def frozen_head_savings(cfg: ModelConfig, tp: int, sequence_parallel: bool, tokens: int, e: int, pad: int,
-                        fused: bool) -> int:
+def frozen_head_savings(cfg: ModelConfig, at, tokens: int, fused: bool) -> int:
     """What a frozen head (LoRA) keeps less than a trained one: unfused its input (without SP; with SP the column
     layer keeps the shard anyway); fused the input, the log-sum-exp and the weight gradient."""
+    e, tp = at.act_bytes, at.tp
     if not fused:
-        return 0 if sequence_parallel and tp > 1 else e * cfg.hidden_size * tokens
-    sp_div = tp if sequence_parallel else 1
-    return e * cfg.hidden_size * tokens // sp_div + 4 * tokens + 4 * _local_vocab(cfg, tp, pad) * cfg.hidden_size
+        return 0 if at.sequence_parallel and tp > 1 else e * cfg.hidden_size * tokens
+    v = local_vocab(cfg, tp, at.vocab_padding_multiple)
+    return e * cfg.hidden_size * tokens // at.sp_div + 4 * tokens + 4 * v * cfg.hidden_size
 
 
-def head_output_grad_bytes(cfg: ModelConfig, tp: int, tokens: int, e: int, pad: int, fused: bool) -> int:
+def head_output_grad_bytes(cfg: ModelConfig, at, tokens: int, fused: bool) -> int:
     """The output gradient zero-bubble keeps from B to W on the last stage."""
-    return 4 if fused else e * _local_vocab(cfg, tp, pad) * tokens
+    return 4 if fused else at.act_bytes * local_vocab(cfg, at.tp, at.vocab_padding_multiple) * tokens
 
 
-def head_transient_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, tokens: int, e: int, kernels: str,
-                         pad: int, fused: bool, head_trains: bool = True, weight_grad: int | None = None) -> int:
+def head_transient_bytes(cfg: ModelConfig, at, tokens: int, fused: bool, head_trains: bool = True,
+                         weight_grad: int | None = None) -> int:
     """The head's working set on top of what is kept (module docstring); a frozen head (LoRA) has no weight
     gradient to compute. `weight_grad`: the bytes of the 16-bit head weight gradient autograd holds in the
     backward (plan.memory.weight_grad_bytes: 0 where it is fused into the main gradient). None: a bare head's
     (no GradBuffer), e V h for the fused head when it trains, left out for the unfused one (its estimate is the
     logits' gradient, which scripts/bench/loss_head.py compares with)."""
-    h, v = cfg.hidden_size, _local_vocab(cfg, tp, pad)
+    e, kernels = at.act_bytes, at.kernels
+    h, v = cfg.hidden_size, local_vocab(cfg, at.tp, at.vocab_padding_multiple)
     if not fused:
         return e * v * tokens + (weight_grad or 0)
     c = default_chunk_rows(tokens, h)
@@ -82,25 +84,31 @@ def head_transient_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, tok
     if weight_grad is None:
         weight_grad = e * v * h if head_trains else 0
     forward = logits + max(softmax, product if head_trains else 0)
-    return max(forward, weight_grad + e * h * tokens // (tp if sequence_parallel else 1))
+    return max(forward, weight_grad + e * h * tokens // at.sp_div)
 
 
-def add_head_volume(vt, cfg: ModelConfig, tp: int, sequence_parallel: bool, tokens: int, e: int, m: int,
-                    fused: bool) -> None:
-    """The head's and the loss's TP collectives of m micro-batches of `tokens` tokens (module docstring) into a
-    plan.volume.VolumeTable."""
-    full = tokens * cfg.hidden_size * e
-    if sequence_parallel:
-        vt.add("all_gather", "tp", tp, full, m * (1 if fused else 2))  # unfused: the input, again in backward
-        vt.add("reduce_scatter", "tp", tp, full, m)
+def head_collectives(cfg: ModelConfig, at, tokens: int, fused: bool) -> list:
+    """The head's and the loss's TP collectives of one micro-batch of `tokens` tokens at `at` (module docstring),
+    as plan/kinds Collective entries with their phase."""
+    from .kinds import Collective
+
+    if at.tp == 1:
+        return []
+    full = tokens * cfg.hidden_size * at.act_bytes
+    out = []
+    if at.sequence_parallel:  # the input gathered; fused: G reduce-scattered in the forward, unfused in backward
+        out += [Collective("all_gather", "tp", full),
+                Collective("reduce_scatter", "tp", full, phase="forward" if fused else "backward")]
+        if not fused:  # the column layer's input again, for the weight gradient
+            out.append(Collective("all_gather", "tp", full, phase="regather"))
     else:
-        vt.add("all_reduce", "tp", tp, full, m)
+        out.append(Collective("all_reduce", "tp", full, phase="forward" if fused else "backward"))
     if not fused:
-        vt.add("all_reduce", "tp", tp, tokens * 4, m)      # max of the logits, fp32 per token
-        vt.add("all_reduce", "tp", tp, tokens * 4 * 3, m)  # target logit, sum exp, sum logits
-        return
+        return out + [Collective("all_reduce", "tp", tokens * 4),       # max of the logits, fp32 per token
+                      Collective("all_reduce", "tp", tokens * 4 * 3)]   # target logit, sum exp, sum logits
     rows = default_chunk_rows(tokens, cfg.hidden_size)
     whole, rest = divmod(tokens, rows)
-    vt.add("all_gather", "tp", tp, tp * 4 * rows * 4, m * whole)  # payload: the gathered statistics
+    out.append(Collective("all_gather", "tp", at.tp * 4 * rows * 4, whole))  # payload: the gathered statistics
     if rest:
-        vt.add("all_gather", "tp", tp, tp * 4 * rest * 4, m)
+        out.append(Collective("all_gather", "tp", at.tp * 4 * rest * 4))
+    return out

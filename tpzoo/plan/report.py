@@ -15,7 +15,22 @@ def _sched(est: Estimate) -> str:
     lay = est.layout
     if lay.pp == 1:
         return "-"
-    return f"interleaved v={lay.virtual_stages}" if lay.schedule == "interleaved" else lay.schedule
+    cut = "*" if lay.boundaries is not None else ""  # a split other than tpzoo's default (stages() below)
+    return (f"interleaved v={lay.virtual_stages}" if lay.schedule == "interleaved" else lay.schedule) + cut
+
+
+def stages(est: Estimate) -> list[str]:
+    """Each pipeline rank's layers, memory and busy time (m micro-batches' F + B + W) of a layout, and the split
+    as --pp-boundaries."""
+    lay = est.layout
+    ranges = est.stage_layers
+    lines = [f"pipeline stages of #1 ({'split by time, ' if lay.boundaries is not None else ''}--pp-boundaries "
+             f"{','.join(str(a) for a, _ in ranges)},{ranges[-1][1]}):"]
+    for s in range(lay.pp):
+        layers = " ".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in ranges[s::lay.pp])
+        lines.append(f"  stage {s}: layers {layers}, {est.stage_memory_gib[s]:.1f} GiB, "
+                     f"busy {est.stage_busy_s[s]:.3g} s{'  (slowest)' if s == est.slowest_stage else ''}")
+    return lines
 
 
 def header(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, considered: int, fitting: int) -> str:
@@ -61,7 +76,7 @@ def _row(rank: int, est: Estimate, with_cp: bool = False, with_ep: bool = False)
             f"{100 * comm / tb.total:.0f}%"]
 
 
-def table(estimates: list[Estimate], top: int = 10, rejected: int = 5) -> str:
+def table(estimates: list[Estimate], top: int = 10, rejected: int = 5, with_stages: bool = False) -> str:
     fitting = [e for e in estimates if e.fits][:top]
     with_cp = any(e.layout.cp > 1 for e in estimates)  # the cp column only when the search tried cp
     with_ep = any(e.layout.ep > 1 for e in estimates)  # the ep column only for experts split over ep
@@ -77,6 +92,11 @@ def table(estimates: list[Estimate], top: int = 10, rejected: int = 5) -> str:
         lines.append("(no layout fits: see the rejected ones below; try a higher --zero level, more GPUs or a shorter sequence)")
     lines.append("memory in GiB per GPU on the fullest pipeline stage; total = params + grads + optim (fp32 master"
                  " + AdamW) + acts + backward working set + reserve")
+    if any(e.layout.boundaries is not None for e in fitting):
+        lines.append("*: pipeline stages split by time (tpzoo.plan.balance), not tpzoo's default split by parameters:"
+                     " train with its --pp-boundaries")
+    if fitting and fitting[0].layout.pp > 1 and (with_stages or fitting[0].layout.boundaries is not None):
+        lines.extend(stages(fitting[0]))
     others = rejected_summary(estimates)[:rejected]
     if others:
         lines.append("")

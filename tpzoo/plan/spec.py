@@ -106,6 +106,8 @@ class Layout:
     virtual_stages: int = 1            # > 1 only with the interleaved schedule
     cp: int = 1                        # context parallel (ring attention)
     ep: int = 1                        # expert parallel (MoE): carved out of dp x cp, ep divides dp * cp
+    boundaries: tuple | None = None    # the pp * v model stages' first layers and the end (`--pp-boundaries`);
+                                       # None: tpzoo.pipeline.partition_layers' cost-balanced default
 
     @property
     def expert_replicas(self) -> int:
@@ -126,14 +128,51 @@ class Layout:
                                           else self.schedule)
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         ep = f" ep={self.ep}" if self.ep > 1 else ""
+        cuts = f" boundaries={','.join(map(str, self.boundaries))}" if self.boundaries else ""
         return (f"tp={self.tp}{cp} pp={self.pp} dp={self.dp}{ep} mbs={self.micro_batch_size} rec={self.recompute} "
-                f"sp={'on' if self.sequence_parallel else 'off'} sched={sched}")
+                f"sp={'on' if self.sequence_parallel else 'off'} sched={sched}{cuts}")
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         if self.ep == 1:  # dense layouts print what they always did
             del d["ep"]
+        if self.boundaries is None:
+            del d["boundaries"]
+        else:
+            d["boundaries"] = list(self.boundaries)
         return d
+
+    def replace(self, **changes) -> "Layout":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """What one rank's share of a layer depends on (the argument of the per-kind costs, plan/kinds): how the layer is
+    split (tp, sequence parallelism, cp, ep), what is recomputed, and in which precision and kernels."""
+    tp: int = 1
+    sequence_parallel: bool = False
+    cp: int = 1
+    ep: int = 1
+    recompute: str = "none"
+    act_bytes: int = 2                 # e: bytes of an activation element (the model dtype)
+    kernels: str = "fused"             # "fused" (Triton, CUDA) | "reference" (torch, CPU)
+    vocab_padding_multiple: int = 1
+
+    @classmethod
+    def of(cls, layout: "Layout", training: "TrainingSpec | None" = None) -> "RankLayout":
+        t = training or TrainingSpec(seq_len=1, global_batch_size=1)
+        kernels = "fused" if t.compile else t.kernels  # inductor fuses the compiled blocks as the kernels do
+        return cls(layout.tp, layout.sequence_parallel, layout.cp, layout.ep, layout.recompute, t.act_bytes,
+                   kernels, t.vocab_padding_multiple)
+
+    @property
+    def sp_div(self) -> int:
+        """How many ranks share a token's activations outside the TP region (tp under SP, else 1)."""
+        return self.tp if self.sequence_parallel else 1
+
+    def replace(self, **changes) -> "RankLayout":
+        return dataclasses.replace(self, **changes)
 
 
 def num_micro_batches(layout: Layout, training: TrainingSpec) -> int:
@@ -157,16 +196,19 @@ def check_layout(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, trainin
                                   f"{'*tp' if layout.sequence_parallel else ''} = {unit} (whole chunks)")
     if t > cluster.gpus_per_node or cluster.gpus_per_node % t:
         raise ParallelLayoutError(f"tp={t} must divide the {cluster.gpus_per_node} GPUs of a node (no tp across nodes)")
-    nh, nkv = cfg.num_heads, cfg.num_kv_heads
-    if nh % t:
-        raise ParallelLayoutError(f"tp={t} does not divide num_heads={nh}")
-    if nkv % t and t % nkv:
-        raise ParallelLayoutError(f"tp={t} neither divides nor is a multiple of num_kv_heads={nkv}")
-    if cfg.ffn_hidden_size % t:
-        raise ParallelLayoutError(f"tp={t} does not divide ffn_hidden_size={cfg.ffn_hidden_size}")
+    from .layers import check_kinds  # every layer kind says whether it splits (plan/kinds)
+
+    check_kinds(cfg, RankLayout.of(layout, training))
     if p * layout.virtual_stages > cfg.num_layers:
         raise ParallelLayoutError(f"pp*v = {p}*{layout.virtual_stages} > num_layers={cfg.num_layers}: "
                                   "a pipeline stage would hold no layer")
+    if layout.boundaries is not None:
+        from tpzoo.pipeline.partition import PartitionError
+
+        try:
+            chunk_layer_ranges(cfg, layout)
+        except PartitionError as exc:
+            raise ParallelLayoutError(str(exc)) from None
     if training.global_batch_size % (d * layout.micro_batch_size):
         raise ParallelLayoutError(f"global batch {training.global_batch_size} is not divisible by "
                                   f"dp*mbs = {d}*{layout.micro_batch_size}")
@@ -190,18 +232,18 @@ def check_layout(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, trainin
 
 def check_experts(cfg: ModelConfig, layout: Layout, training: TrainingSpec) -> None:
     """Expert parallelism as tpzoo trains it (tpzoo/train/preflight.py check_experts, TrainConfig): ep divides
-    the experts and dp x cp; tp divides each expert's FFN; no ZeRO-3 with ep > 1; MoE at cp > 1 is trained but not planned yet."""
-    ep, E = layout.ep, cfg.num_experts
-    if ep > 1 and not E:
+    the experts (the MoE kind's check) and dp x cp; no ZeRO-3 with ep > 1; MoE at cp > 1 is trained but not planned
+    yet."""
+    from .layers import has_experts
+
+    ep = layout.ep
+    experts = has_experts(cfg)
+    if ep > 1 and not experts:
         raise ParallelLayoutError(f"ep={ep} needs a mixture-of-experts model (this one has no experts)")
-    if not E:
+    if not experts:
         return
-    if E % ep:
-        raise ParallelLayoutError(f"ep={ep} does not divide num_experts={E}")
     if layout.grad_replicas % ep:
         raise ParallelLayoutError(f"ep={ep} does not divide dp*cp = {layout.grad_replicas}")
-    if cfg.expert_ffn % layout.tp:
-        raise ParallelLayoutError(f"tp={layout.tp} does not divide the expert hidden size {cfg.expert_ffn}")
     if ep > 1 and training.zero_level >= 3:
         raise ParallelLayoutError(f"ZeRO-3 with ep={ep} is not supported by the trainer (use --zero 2 or ep=1)")
     if layout.cp > 1:
@@ -209,29 +251,27 @@ def check_experts(cfg: ModelConfig, layout: Layout, training: TrainingSpec) -> N
                                   "runs it; the plan's MoE model is for cp=1)")
 
 
-_RANGES: dict[tuple, tuple[tuple[int, int], ...]] = {}
-
-
-def chunk_layer_ranges(cfg: ModelConfig, pp: int, virtual_stages: int = 1) -> tuple[tuple[int, int], ...]:
-    """Layer ranges of the pp * v model stages in model order, exactly as tpzoo.pipeline.partition_layers
-    splits them (balanced by parameters, the embedding counted on the first stage and the head on the last;
-    uneven splits allowed). Model stage c * pp + r is chunk c of pipeline rank r."""
+def chunk_layer_ranges(cfg: ModelConfig, layout: Layout) -> tuple[tuple[int, int], ...]:
+    """Layer ranges of the pp * v model stages in model order, exactly as tpzoo.pipeline.partition_layers splits
+    them: layout.boundaries, or the default (balanced by each layer's cost: tpzoo/pipeline/partition.py). Model
+    stage c * pp + r is chunk c of pipeline rank r."""
     from tpzoo.pipeline import partition_layers
 
-    key = (cfg.num_layers, cfg.num_parameters(include_embeddings=False), cfg.vocab_size, cfg.hidden_size,
-           cfg.position, cfg.max_position_embeddings, cfg.norm, pp, virtual_stages)
-    if key not in _RANGES:
-        _RANGES[key] = tuple(partition_layers(cfg, pp, virtual_stages=virtual_stages))
-    return _RANGES[key]
+    from .layers import memo
+
+    key = ("ranges", layout.pp, layout.virtual_stages, layout.boundaries)
+    return memo(cfg, key, lambda: tuple(partition_layers(cfg, layout.pp, list(layout.boundaries)
+                                                         if layout.boundaries is not None else None,
+                                                         virtual_stages=layout.virtual_stages)))
 
 
-def stage_chunks(cfg: ModelConfig, pp: int, stage: int, virtual_stages: int = 1) -> tuple[tuple[int, int], ...]:
+def stage_chunks(cfg: ModelConfig, layout: Layout, stage: int) -> tuple[tuple[int, int], ...]:
     """Layer ranges of the chunks pipeline rank `stage` holds (chunk c = model stage c * pp + stage)."""
-    return chunk_layer_ranges(cfg, pp, virtual_stages)[stage::pp]
+    return chunk_layer_ranges(cfg, layout)[stage::layout.pp]
 
 
-def stage_layers(cfg: ModelConfig, pp: int, stage: int, virtual_stages: int = 1) -> int:
-    return sum(b - a for a, b in stage_chunks(cfg, pp, stage, virtual_stages))
+def stage_layers(cfg: ModelConfig, layout: Layout, stage: int) -> int:
+    return sum(b - a for a, b in stage_chunks(cfg, layout, stage))
 
 
 def group_is_intra_node(stride: int, size: int, gpus_per_node: int) -> bool:

@@ -1,20 +1,15 @@
-"""The collectives one tensor-parallel rank issues in a training step, in tpzoo.parallel.comm's units
-(calls, payload bytes, bytes a ring sends), per (kind, group): tested equal to count_collectives().
+"""The collectives one rank issues in a training step, in tpzoo.parallel.comm's units (calls, payload bytes, bytes
+a ring sends), per (kind, group): tested equal to count_collectives().
 
-Per layer and micro-batch of T tokens (e = activation bytes, t = tp), from tpzoo.models.kinds (attention.py, mlp.py):
-  without SP: forward  2 all-reduce of T*h*e (attention out, MLP out: row-parallel)
-              backward 2 all-reduce of T*h*e (qkv and fc_in inputs: column-parallel copy_to_tp)
-  with SP:    forward  2 all-gather + 2 reduce-scatter, backward the same, of T*h*e (full tensor)
-  full recompute repeats the layer's forward collectives in the backward, except the last (the MLP output
-  reduction): torch's non-reentrant checkpoint stops recomputing once the last saved tensor is rebuilt.
-Embedding: forward all-reduce (SP: reduce-scatter, backward all-gather). Head and loss: plan/head.py (unfused:
-the output layer's backward all-reduce or SP gathers, and the loss's all-reduces of T and 3T fp32; fused: the
-same input-gradient reduction, in the forward, and one all-gather of 4 fp32 per token and rank per chunk).
-After the backward, tpzoo.parallel.finish_tp_grads: under SP one all-reduce of the partial gradients of
-replicated parameters (norms, row biases, learned positions; per-head q/k norms also without SP); OLMo 2's
-full-width q/k norms all-reduce 2 fp32 per token per layer, forward and backward; with kv heads replicated
-(kv_heads < tp) one all-gather of each qkv weight (and bias, and OLMo 2's k_norm weight) gradient to sum the
-copies.
+Per layer and micro-batch, each layer's kinds say what they send (plan/kinds plan_collectives: for attention and
+the MLP the TP region's entry and exit, 2 all-reduces each way without SP, all-gathers and reduce-scatters with it
+plus the backward's re-gather of the column inputs; an MoE's top-k weights and ep all-to-alls; ...); full
+recomputation repeats a layer's forward collectives in the backward, except what follows its last saved tensor
+(the MLP's output reduction: torch's non-reentrant checkpoint stops early) unless a post-norm needs it.
+Embedding: forward all-reduce (SP: reduce-scatter, backward all-gather). Head and loss: plan/head.py.
+After the backward, tpzoo.parallel.finish_tp_grads: one all-reduce of the partial gradients of replicated
+parameters (under SP every one of them: norms, row biases, learned positions, ...; without SP the per-head ones),
+and the kinds' "step" collectives (the replicated kv heads' gradients gathered and summed).
 """
 from __future__ import annotations
 
@@ -23,9 +18,11 @@ from dataclasses import dataclass
 
 from tpzoo.models.config import ModelConfig
 
-from .head import add_head_volume
-from .memory import local_dims, stage_params
-from .spec import Layout, stage_chunks, stage_layers
+from .head import head_collectives
+from .kinds import Collective
+from .layers import layer_collectives, layer_cost
+from .memory import stage_layer_ids, stage_params
+from .spec import Layout, RankLayout
 
 
 @dataclass
@@ -66,102 +63,120 @@ class VolumeTable:
         return sum(v.calls for (_, g), v in self.table.items() if g == group)
 
 
+def embedding_collectives(cfg: ModelConfig, at: RankLayout, tokens: int) -> list:
+    """The vocab-parallel embedding's exit from the TP region (its lookup is local)."""
+    if at.tp == 1:
+        return []
+    full = tokens * cfg.hidden_size * at.act_bytes
+    if at.sequence_parallel:
+        return [Collective("reduce_scatter", "tp", full), Collective("all_gather", "tp", full, phase="backward")]
+    return [Collective("all_reduce", "tp", full)]
+
+
+def micro_batch_collectives(cfg: ModelConfig, layout: Layout, stage: int, seq_len: int, at: RankLayout,
+                            fused_loss: bool = True) -> list[tuple[Collective, bool]]:
+    """Every collective of one micro-batch on pipeline stage `stage` (its layers, the embedding on the first stage,
+    the head and loss on the last), each with whether full recomputation replays it; "step" ones once per step."""
+    tokens, ids = layout.micro_batch_size * seq_len, stage_layer_ids(cfg, layout, stage)
+    out = [c for i in ids for c in layer_collectives(cfg, i, at, tokens)]
+    if stage == 0:
+        out += [(c, False) for c in embedding_collectives(cfg, at, tokens)]
+    if stage == layout.pp - 1:
+        out += [(c, False) for c in head_collectives(cfg, at, tokens, fused_loss)]
+        out += [(c, False) for c in router_report_collectives(cfg, layout, at, ids)]
+    return out
+
+
+def router_report_collectives(cfg: ModelConfig, layout: Layout, at: RankLayout, ids) -> list[Collective]:
+    """The router statistics' tp all-reduce under SP (models/kinds/moe.py router_losses: the fp32 totals of
+    stats_size = 2E + 2 values, summed over the sequence shards), once per forward on the last stage: when the
+    router loss trains (the totals carried through every stage), and on a one-chunk model whose layers record them
+    whenever (it reduces its own reports, loss or not)."""
+    from tpzoo.models.aux import model_rules
+
+    from .layers import kinds_of
+
+    rule = model_rules(cfg).get("router")
+    if rule is None or not (at.sequence_parallel and at.tp > 1):
+        return []
+    records = any(getattr(r, "key", None) == "router" for i in ids for kind in kinds_of(cfg, i)
+                  for r in getattr(kind, "aux_rules", ()))
+    if rule.trains(cfg) or (layout.pp == 1 and records):
+        return [Collective("all_reduce", "tp", rule.size(cfg) * 4)]
+    return []
+
+
 def tp_step_volume(cfg: ModelConfig, layout: Layout, stage: int, micro_batches: int, seq_len: int,
                    act_bytes: int, grad_bytes: int, vocab_padding_multiple: int = 1,
                    fused_loss: bool = True) -> VolumeTable:
-    """Tensor-parallel collectives of one step (forward + backward of every micro-batch, then
-    finish_tp_grads, which reduces the parameters' .grad: `grad_bytes` = the model dtype's) on pipeline stage
-    `stage`. The stage's first and last model chunks hold the embedding and the head (`fused_loss`: the fused
-    linear cross-entropy, the default)."""
-    t, sp, p = layout.tp, layout.sequence_parallel, layout.pp
+    """Tensor-parallel collectives of one step (forward + backward of every micro-batch, then finish_tp_grads,
+    which reduces the parameters' .grad: `grad_bytes` = the model dtype's) on pipeline stage `stage`. The stage's
+    first and last model chunks hold the embedding and the head (`fused_loss`: the fused linear cross-entropy, the
+    default)."""
+    at = RankLayout.of(layout).replace(act_bytes=act_bytes, vocab_padding_multiple=vocab_padding_multiple)
+    return step_volume(cfg, layout, stage, micro_batches, seq_len, at, "tp", fused_loss, grad_bytes)
+
+
+def step_volume(cfg: ModelConfig, layout: Layout, stage: int, micro_batches: int, seq_len: int, at: RankLayout,
+                group: str, fused_loss: bool = True, grad_bytes: int | None = None) -> VolumeTable:
+    """The collectives over `group` ("tp", "cp", "ep") of one step of `micro_batches` micro-batches on a stage."""
     vt = VolumeTable()
-    if t == 1:
-        return vt
-    m, tokens, h = micro_batches, layout.micro_batch_size * seq_len, cfg.hidden_size
-    full = tokens * h * act_bytes  # one [b, s, h] activation, whole sequence
-    layers = stage_layers(cfg, p, stage, layout.virtual_stages)
-    # Full recompute re-runs the layer forward up to the last tensor the backward needs (torch's non-reentrant
-    # checkpoint stops early): every collective but the MLP's final row-parallel reduction.
-    again = layout.recompute == "full"
-    # ... unless a post-norm follows the MLP (OLMo 2, Gemma): the backward needs its input, the reduced output
-    outs = again * (2 if cfg.post_norm else 1)
-    if sp:
-        # fwd in x2, bwd of row out x2, bwd re-gather of the column inputs x2 (they keep only their shard)
-        vt.add("all_gather", "tp", t, full, m * layers * (6 + 2 * again))
-        vt.add("reduce_scatter", "tp", t, full, m * layers * (4 + outs))       # fwd row out x2, bwd of in x2
-    else:
-        vt.add("all_reduce", "tp", t, full, m * layers * (4 + outs))
-    moe = moe_layers(cfg, p, stage, layout.virtual_stages)
-    if moe:  # the router's top-k weights (and under SP its expert indices) enter the TP region with the tokens
-        weights = tokens * cfg.num_experts_per_tok * act_bytes
-        if sp:  # and the MoE MLP gathers its input itself: no column layer re-gathers it in the backward
-            vt.add("all_gather", "tp", t, full, -m * moe)
-            vt.add("all_gather", "tp", t, weights, m * moe * (1 + again))
-            vt.add("all_gather", "tp", t, weights // act_bytes * 8, m * moe * (1 + again))  # int64 indices
-            vt.add("reduce_scatter", "tp", t, weights, m * moe)
-        else:
-            vt.add("all_reduce", "tp", t, weights, m * moe)
-    if moe and sp and stage == p - 1 and cfg.output_router_logits and (cfg.router_aux_loss_coef
-                                                                     or cfg.router_z_loss_coef):
-        # the router loss: every MoE layer's statistics summed over the tp shards (fp32 counts, probability sums
-        # per expert, one z sum per layer), once per forward (models/kinds/moe.py router_losses)
-        vt.add("all_reduce", "tp", t, (2 * cfg.num_experts + moe) * 4, m)
-    if stage == 0:  # vocab-parallel embedding
-        if sp:
-            vt.add("reduce_scatter", "tp", t, full, m)
-            vt.add("all_gather", "tp", t, full, m)
-        else:
-            vt.add("all_reduce", "tp", t, full, m)
-    if stage == p - 1:  # the head and the vocab-parallel loss, fused or not (plan/head.py)
-        add_head_volume(vt, cfg, t, sp, tokens, act_bytes, m, fused_loss)
-    if cfg.qk_norm == "full":  # OLMo 2: the q/k norms' sums of squares (2 fp32 per token), forward and backward
-        vt.add("all_reduce", "tp", t, tokens * 2 * 4, m * layers * (2 + again))
-    count = stage_params(cfg, t, p, stage, layout.virtual_stages, vocab_padding_multiple)
-    # partial gradients of replicated parameters: under SP all of them; without SP only per-head q/k norms
-    partial = count.sequence_parallel if sp else (layers * 2 * cfg.head_dim if cfg.qk_norm == "head" else 0)
-    if partial:
-        vt.add("all_reduce", "tp", t, partial * grad_bytes)
-    if cfg.num_kv_heads < t and layers:  # gather each qkv gradient (payload: the gathered, t x local)
-        d = local_dims(cfg, t)
-        qkv_out = d.q + 2 * d.kv
-        vt.add("all_gather", "tp", t, t * qkv_out * h * grad_bytes, layers)
-        if cfg.qkv_bias:
-            vt.add("all_gather", "tp", t, t * qkv_out * grad_bytes, layers)
-        if cfg.qk_norm == "full":  # k_norm's weight holds the replicated heads too
-            vt.add("all_gather", "tp", t, t * d.kv * grad_bytes, layers)
+    sizes = {"tp": at.tp, "cp": at.cp, "ep": at.ep}
+    full = at.recompute == "full"
+    for c, again in micro_batch_collectives(cfg, layout, stage, seq_len, at, fused_loss):
+        if c.group == group and c.phase != "step":
+            vt.add(c.op, group, sizes[group], c.payload, micro_batches * c.calls * (
+                1 + (full and again and c.phase == "forward")))
+    if group == "tp":
+        for c in step_collectives(cfg, layout, stage, at, grad_bytes):
+            vt.add(c.op, "tp", at.tp, c.payload, c.calls)
     return vt
 
 
-def ring_layer_volume(cfg: ModelConfig, layout: Layout, seq_len: int, act_bytes: int) -> dict:
-    """Ring attention's sends per layer, micro-batch and cp rank (tpzoo.parallel.ring_attention): forward cp-1
-    K|V blocks in the activation dtype; backward cp-1 K|V blocks and cp dK|dV blocks in fp32 (or wider). A block is
-    this rank's keys and values: 2 * b * (seq_len / cp) * kv features. {"forward"|"backward": (calls, bytes)}."""
+def step_collectives(cfg: ModelConfig, layout: Layout, stage: int, at: RankLayout,
+                     grad_bytes: int | None = None) -> list[Collective]:
+    """finish_tp_grads on a stage, once per step: the partial gradients of replicated parameters all-reduced (under
+    SP all of them; without SP only the per-head ones), and what the kinds do once per step (the replicated kv
+    heads' gradients gathered), at the gradients' dtype (`grad_bytes`, default the activations')."""
+    if at.tp == 1:
+        return []
+    g = at.act_bytes if grad_bytes is None else grad_bytes
+    count = stage_params(cfg, layout, stage, at.vocab_padding_multiple)
+    partial = count.sequence_parallel if at.sequence_parallel else count.partial
+    out = [Collective("all_reduce", "tp", partial * g, phase="step")] if partial else []
+    for i in stage_layer_ids(cfg, layout, stage):
+        out += [c for c, _ in layer_collectives(cfg, i, at.replace(act_bytes=g), 1)
+                if c.group == "tp" and c.phase == "step"]
+    return out
+
+
+def ring_layer_volume(cfg: ModelConfig, layout: Layout, seq_len: int, act_bytes: int, layer: int = 0) -> dict:
+    """Ring attention's sends of layer `layer` per micro-batch and cp rank (tpzoo.parallel.ring_attention): forward
+    cp-1 K|V blocks in the activation dtype; backward cp-1 K|V blocks and cp dK|dV blocks in fp32 (or wider). A block
+    is this rank's keys and values, b * (seq_len / cp) tokens of the kind's K|V features (plan_context_features).
+    {"forward"|"backward": (calls, bytes)}."""
     c = layout.cp
-    if c == 1:
+    at = RankLayout.of(layout).replace(act_bytes=act_bytes)
+    features = layer_cost(cfg, layer, at).context_features
+    if c == 1 or not features:
         return {"forward": (0, 0), "backward": (0, 0)}
-    elems = 2 * layout.micro_batch_size * (seq_len // c) * local_dims(cfg, layout.tp).kv
+    elems = layout.micro_batch_size * (seq_len // c) * features
     acc = max(act_bytes, 4)
     return {"forward": (c - 1, (c - 1) * elems * act_bytes),
             "backward": (2 * c - 1, (c - 1) * elems * act_bytes + c * elems * acc)}
 
 
-def moe_layer_volume(cfg: ModelConfig, layout: Layout, seq_len: int, act_bytes: int) -> VolumeTable:
-    """Expert-parallel all-to-alls of one MoE layer and micro-batch on one rank (models/kinds/moe.py), T = b * seq_len
-    tokens on the tp rank (the full sequence under SP too: tokens enter the TP region first), k experts each.
-    Forward: 1 all_to_all of the E per-expert counts (int64), the T*k rows of h elements dispatched, and the
-    rows this rank's experts computed sent back; backward: the two row exchanges again, reversed. A call's
-    payload is its input: the dispatch and the backward of the return send T*k rows exactly, the return and the
-    backward of the dispatch the rows this rank received (T*k in expectation; summed over the ep group, exact).
-    Full recomputation re-runs the forward's three. Sent: (ep-1)/ep of the rows in expectation."""
-    ep = layout.ep
-    vt = VolumeTable()
-    again = layout.recompute == "full"
-    rows = layout.micro_batch_size * seq_len * cfg.num_experts_per_tok
-    vt.add("all_to_all", "ep", ep, cfg.num_experts * 8, 1 + again)
-    vt.add("all_to_all_v", "ep", ep, rows * cfg.hidden_size * act_bytes, 4 + 2 * again)
+def layer_volume(cfg: ModelConfig, layer: int, layout: Layout, seq_len: int, act_bytes: int,
+                 group: str = "ep") -> VolumeTable:
+    """The collectives over `group` of layer `layer`, one micro-batch of micro_batch_size x seq_len tokens on this
+    rank, forward + backward (+ full recomputation's replay). For an MoE layer at ep > 1 (models/kinds/moe.py): 1
+    all_to_all of the E per-expert counts (int64) and 2 all_to_all_v of the T*k rows of h elements forward
+    (dispatch, return), the two row exchanges again in backward (a call's payload is its input: the rows this rank
+    received are T*k in expectation; summed over the ep group, exact)."""
+    at = RankLayout.of(layout).replace(act_bytes=act_bytes)
+    vt, full = VolumeTable(), at.recompute == "full"
+    sizes = {"tp": at.tp, "cp": at.cp, "ep": at.ep}
+    for c, again in layer_collectives(cfg, layer, at, layout.micro_batch_size * seq_len):
+        if c.group == group and c.phase != "step":
+            vt.add(c.op, group, sizes[group], c.payload, c.calls * (1 + (full and again and c.phase == "forward")))
     return vt
-
-
-def moe_layers(cfg: ModelConfig, pp: int, stage: int, virtual_stages: int = 1) -> int:
-    """MoE layers on pipeline stage `stage` (all its chunks)."""
-    return sum(cfg.is_moe_layer(i) for lo, hi in stage_chunks(cfg, pp, stage, virtual_stages) for i in range(lo, hi))

@@ -269,6 +269,25 @@ def resolve_model_config(cfg, tokenizer):
     return model_cfg.replace(vocab_size=cfg.vocab_size or tokenizer.vocab_size)
 
 
+def router_settings(cfg, model_cfg):
+    """The run's --router-bias-update-rate and --router-aux-loss-coef on a mixture of experts with the sigmoid
+    router (DeepSeek-V3, GLM-4.5); other models keep their config (a sequence-wise loss asked of one is refused)."""
+    import dataclasses
+
+    moe = model_cfg.moe
+    if moe.router != "sigmoid":
+        if cfg.router_aux_loss_coef:
+            raise ConfigError(f"--router-aux-loss-coef {cfg.router_aux_loss_coef:g}: the sequence-wise auxiliary loss "
+                              f"is the sigmoid router's (DeepSeek-V3, GLM-4.5); this model has none")
+        return model_cfg
+    if cfg.replicas > 1 and cfg.router_bias_update_rate > 0:  # (the loads are summed over the world every step)
+        raise ConfigError(f"--replicas {cfg.replicas} with --router-bias-update-rate {cfg.router_bias_update_rate:g}: "
+                          f"the selection bias's update is not made per DiLoCo replica yet; pass "
+                          f"--router-bias-update-rate 0")
+    return model_cfg.replace(moe=dataclasses.replace(moe, bias_update_rate=cfg.router_bias_update_rate,
+                                                     router_aux_loss_coef=cfg.router_aux_loss_coef))
+
+
 def load_tokenizer_of(path):
     from tpzoo.data import load_tokenizer
 

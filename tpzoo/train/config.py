@@ -85,6 +85,11 @@ class ParallelSection:
                                         "divisible by tp)")
     schedule: str = _f("1f1b", "pipeline schedule (tpzoo.pipeline.SCHEDULES; only interleaved runs "
                                "virtual_stages > 1)", choices=SCHEDULE_NAMES)
+    pp_boundaries: list = _f([], "pipeline split points instead of the split balanced by parameters: the first "
+                                 "layer of every model stage, then the layer count (pp * virtual_stages + 1 "
+                                 "numbers, e.g. --pp-boundaries 0 3 8 or 0,3,8 for 8 layers at pp 2; `tpzoo plan` "
+                                 "prints a time-balanced split for models whose layers differ); uneven stages are "
+                                 "fine, empty ones are refused", type=int, ge=0)
     virtual_stages: int = _f(1, "model chunks per pipeline rank (interleaved schedule)", ge=1)
     recompute: str = _f("none", "activation recomputation: none | selective | full",
                         choices=("none", "selective", "full"))
@@ -196,6 +201,14 @@ class OptimSection:
     eps: float = _f(1e-8, "AdamW epsilon", gt=0)
     clip_grad: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)", ge=0)
     label_smoothing: float = _f(0.0, "cross-entropy label smoothing", ge=0, lt=1)
+    router_bias_update_rate: float = _f(1e-3, "mixtures of experts with the sigmoid router (DeepSeek-V3, GLM-4.5): "
+                                              "auxiliary-loss-free balancing, each layer's selection bias moves by "
+                                              "this times sign(mean load - expert load) after every optimizer "
+                                              "step, the loads of the whole step on every rank (0 freezes it)",
+                                        ge=0)
+    router_aux_loss_coef: float = _f(0.0, "mixtures of experts with the sigmoid router: weight of Megatron-Core's "
+                                          "sequence-wise auxiliary loss (0 = off, as HF's configs; the softmax "
+                                          "routers' load-balancing loss keeps the model config's)", ge=0)
     z_loss: float = _f(0.0, "z-loss weight: adds z_loss * logsumexp(logits)^2 to each trained token's loss (PaLM "
                             "used 1e-4, OLMo 2's pretraining 1e-5; 0 = off; the eval loss never has it)", ge=0)
 
@@ -310,6 +323,10 @@ class TrainConfig:
         if self.pp > 1 and self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule = 'interleaved' (schedule "
                               f"{self.schedule!r} runs one model chunk per pipeline rank)")
+        if self.pp_boundaries and len(self.pp_boundaries) != self.pp * self.virtual_stages + 1:
+            raise ConfigError(f"pp_boundaries {self.pp_boundaries} needs pp * virtual_stages + 1 = "
+                              f"{self.pp * self.virtual_stages + 1} entries (the first layer of each model stage, "
+                              "then the number of layers)")
         if self.pp > 1 and self.schedule == "interleaved" and n_micro % self.pp:
             raise ConfigError(f"the interleaved schedule needs the micro-batches per step (global_batch_size / "
                               f"(micro_batch_size * dp) = {n_micro}) to be a multiple of pp={self.pp}")
@@ -428,6 +445,8 @@ def _coerce(name: str, value: Any) -> Any:
     t = _field_type(f)
     if t is list:
         items = value if isinstance(value, (list, tuple)) else [value]
+        if f.metadata.get("type") is int:  # 0,3,8 as well as 0 3 8
+            items = [x for v in items for x in (v.split(",") if isinstance(v, str) else [v])]
         return [check_value(name, v, f.metadata.get("type", str), f.metadata) for v in items]
     if t is dict:
         return check_table(name, value)
@@ -511,7 +530,9 @@ def add_config_arguments(p: argparse.ArgumentParser, defaults: dict | None = Non
             if t is bool:
                 kw["action"] = argparse.BooleanOptionalAction
             elif t is list:
-                kw.update(nargs="+", type=f.metadata.get("type", str), metavar="V")
+                # integer lists take 0,3,8 as well as 0 3 8: strings here, split and typed by _coerce
+                kw.update(nargs="+", type=str if f.metadata.get("type") is int else f.metadata.get("type", str),
+                          metavar="V")
             elif t is dict:
                 kw.update(nargs="+", type=str, metavar="KEY=VALUE")
             else:

@@ -29,6 +29,7 @@ from tpzoo.checkpoint.lora_io import lora_metadata
 from tpzoo.data import IGNORE_INDEX, micro_batches_per_step, single_documents_dropped
 from tpzoo.errors import ConfigError
 from tpzoo.models import LossOptions, ModelLayout
+from tpzoo.models.aux import after_optimizer_step
 from tpzoo.parallel import ParallelDims, comm, resolve_device, strict, watchdog
 from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.parallel.fp8 import enable_fp8
@@ -123,7 +124,7 @@ class Trainer:
             self.train_state = None
             self.tokenizer = resolve_tokenizer(cfg)
             model_cfg = ckpt.resolve_model_config(cfg, self.tokenizer)
-        self.model_cfg = model_cfg
+        self.model_cfg = model_cfg = ckpt.router_settings(cfg, model_cfg)
         if self.tokenizer.vocab_size > model_cfg.vocab_size:
             raise ConfigError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary is "
                              f"{model_cfg.vocab_size}")
@@ -144,7 +145,7 @@ class Trainer:
         layout = ModelLayout(dims, sequence_parallel=cfg.sequence_parallel, cp_mode=cfg.cp_mode,
                              dtype=DTYPES[cfg.dtype] if self.lora else None, device="meta")
         self.chunks = build_model_chunks(model_cfg, layout, recompute=cfg.recompute, seed=cfg.seed,
-                                         virtual_stages=cfg.virtual_stages)
+                                         virtual_stages=cfg.virtual_stages, boundaries=cfg.pp_boundaries or None)
         # What the last stage computes: the training loss, and the held-out one (the language model's alone).
         self.loss = LossOptions(label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss,
                                 fused=cfg.fused_linear_cross_entropy)
@@ -259,10 +260,10 @@ class Trainer:
             self.skips = 0
             clip = cfg.clip_grad / (grad_norm + 1e-6) if cfg.clip_grad > 0 and grad_norm > cfg.clip_grad else 1.0
             self.optimizer.step(lr, clip / loss_scale)  # unscale and clip in the update's one pass
-            for chunk in self.chunks:  # non-gradient state updated from the step (tpzoo.models.aux)
-                chunk.after_optimizer_step()
             if self.scaler:
                 self.scaler.update(False)
+        # non-gradient state updated from the step (a router's selection bias; dropped on a skipped step)
+        after_optimizer_step(self.chunks, applied=not skipped)
         if self.replica_sync is not None:  # DiLoCo's outer step when due; sync_bytes, sync_s
             m_sync = self.replica_sync.after_step(step)
         strict.check_all_waited(f"the end of training step {step}")  # strict collective mode; else a no-op

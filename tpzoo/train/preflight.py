@@ -31,7 +31,7 @@ __all__ = ["check_train", "check_eval", "check_generate", "check_layout"]
 # -- shared checks -----------------------------------------------------------------------------------------------
 
 def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str = "the model",
-                 ep: int = 1) -> None:
+                 ep: int = 1, boundaries: list | None = None) -> None:
     """The model splits over tp (heads, kv heads, FFN), pp * virtual_stages stages and ep (experts); errors name
     `what` and are the types the ranks would raise (ParallelLayoutError, PartitionError). The layout against the
     world size is tpzoo.parallel.dims.check_layout's (TrainConfig.data_parallel_size, _check_checkpoint)."""
@@ -48,7 +48,7 @@ def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str
         raise ParallelLayoutError(f"{what}: tp={tp} does not divide ffn_hidden_size={ffn}")
     check_experts(model_cfg, tp, ep, what)
     try:
-        partition_layers(model_cfg, pp, virtual_stages=virtual_stages)
+        partition_layers(model_cfg, pp, boundaries or None, virtual_stages=virtual_stages)
     except PartitionError as e:
         raise PartitionError(f"{what}: {e}") from None
 
@@ -226,7 +226,7 @@ def check_train(cfg, world_size: int | None = None):
     cfg.validate(world_size)
     check_device(cfg.device)
     model_cfg, tokenizer, label, fixed_vocab = _model_of_run(cfg)
-    check_layout(model_cfg, cfg.tp, cfg.pp, cfg.virtual_stages, label, ep=cfg.ep)
+    check_layout(model_cfg, cfg.tp, cfg.pp, cfg.virtual_stages, label, ep=cfg.ep, boundaries=cfg.pp_boundaries)
     check_context(model_cfg, cfg.tp, cfg.cp, cfg.cp_mode, label)
     check_positions(model_cfg, cfg.seq_len, label)
     if cfg.sync_fragments > model_cfg.num_layers:  # Streaming DiLoCo's fragments are groups of layers

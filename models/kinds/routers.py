@@ -1,5 +1,10 @@
-"""Router kinds of the 2025 mixtures of experts, as functions over router logits plus two small modules, and the
-load bookkeeping of auxiliary-loss-free balancing.
+"""The routers of the mixture-of-experts channel mixer (moe.py), chosen by moe.router, as modules over functions of
+the router logits, and the load bookkeeping of auxiliary-loss-free balancing.
+
+    "softmax"       Mixtral, Qwen3-MoE, OLMoE, Qwen3-Next: softmax over every expert, top-k, optionally renormalized
+    "sigmoid"       DeepSeek-V3, Kimi K2, Moonlight, GLM-4.5: sigmoid_group_topk with the selection bias
+                    `e_score_correction_bias` (an fp32 buffer, saved in checkpoints) and routed_scaling_factor
+    "topk_softmax"  gpt-oss: a router with a bias, top-k of the logits, softmax over the k
 
     sigmoid_group_topk(logits, bias, top_k, n_group, topk_group, norm_topk_prob, scaling) -> (weights, index)
         DeepSeek-V3 / Kimi K2 / Moonlight / GLM-4.5: sigmoid scores; the selection bias (`e_score_correction_bias`)
@@ -11,6 +16,9 @@ load bookkeeping of auxiliary-loss-free balancing.
     expert_load(index, num_experts, token_mask) -> [E] fp32         assignments per expert (no gradient)
     updated_expert_bias(bias, load, rate) -> bias + rate * sign(mean(load) - load)
     seq_aux_loss(logits, top_k, coeff, batch, ...)                Megatron-Core's sequence-wise auxiliary loss
+
+Every router module returns (logits [T, E], weights [T, k], index [T, k], probs): probs the softmax over every
+expert that HF's load-balancing loss reads (None for the sigmoid router, which has none).
 
 TP split: a router is replicated over tp (weights, bias, selection bias). It runs on the tokens this rank holds
 (its sequence shard under SP, whose weight gradient is then partial over tp, like a norm's: marked
@@ -88,7 +96,7 @@ def aux_scores(logits: torch.Tensor, score: str) -> torch.Tensor:
 
 
 def seq_aux_loss(logits: torch.Tensor, top_k: int, coeff: float, batch: int, score: str = "sigmoid",
-                 token_mask: torch.Tensor | None = None, group=None) -> torch.Tensor:
+                 token_mask: torch.Tensor | None = None, group=None, groups: tuple = ()) -> torch.Tensor:
     """Megatron-Core's sequence-wise load-balancing loss (DeepSeek-V2/V3's complementary sequence-wise loss):
     per sequence, E / (k T^2) * sum_e (sum_t p_te) (sum_t [e in top-k of p_t]), averaged over the sequences and
     times `coeff`; p the aux scores (`aux_scores`), T the tokens of a sequence (with a token mask: the counted
@@ -96,7 +104,8 @@ def seq_aux_loss(logits: torch.Tensor, top_k: int, coeff: float, batch: int, sco
 
     logits [batch * s, E] in batch-major order (tpzoo's [b, s] flattened). `group`: the ranks that hold other
     parts of the same sequences (tp under SP, cp); the assignment counts and T are summed over it (no gradient),
-    and this rank's value is its share: the group's values add up to the loss (Megatron's convention)."""
+    and this rank's value is its share: the group's values add up to the loss (Megatron's convention). `groups`:
+    several such groups (tp under SP and cp: one all-reduce each)."""
     num_experts = logits.shape[-1]
     p = aux_scores(logits, score)
     chosen = torch.zeros_like(p).scatter_(1, torch.topk(p, top_k, dim=-1)[1], 1.0)
@@ -106,63 +115,97 @@ def seq_aux_loss(logits: torch.Tensor, top_k: int, coeff: float, batch: int, sco
     counts = chosen.view(batch, -1, num_experts).sum(dim=1)  # [b, E]
     tokens = chosen.sum() / top_k if token_mask is not None else torch.tensor(
         float(p.shape[0]), device=p.device)
-    if group is not None:
-        both = comm.all_reduce(torch.cat([counts.flatten(), tokens.reshape(1)]), group)
+    groups = tuple(groups) + ((group,) if group is not None else ())
+    if groups:
+        both = torch.cat([counts.flatten(), tokens.reshape(1)])
+        for g in groups:
+            both = comm.all_reduce(both, g)
         counts, tokens = both[:-1].view(batch, num_experts), both[-1]
     per_seq = tokens / batch
     prob_sums = p.view(batch, -1, num_experts).sum(dim=1)
     return (prob_sums * counts).sum() * (num_experts * coeff / (top_k * per_seq * per_seq)) / batch
 
 
-class SigmoidGroupRouter(nn.Module):
-    """DeepSeek-V3 / GLM-4.5's router: `weight` [E, h] (HF `mlp.gate.weight`, logits in fp32 as HF computes
-    them) and the fp32 buffer `e_score_correction_bias` [E] (HF `mlp.gate.e_score_correction_bias`, saved)."""
+ROUTERS = ("softmax", "sigmoid", "topk_softmax")
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, n_group: int = 1, topk_group: int = 1,
-                 norm_topk_prob: bool = True, scaling: float = 1.0, sequence_parallel: bool = False,
-                 std: float = 0.02, dtype=None, device=None):
+
+class Router(nn.Module):
+    """The router weight [E, hidden] (HF's `gate.weight` / `router.weight`), replicated over tp, its gradient
+    partial under SP; the kinds differ in how the logits become the top-k."""
+
+    def __init__(self, cfg, layout, bias: bool = False):
         super().__init__()
-        self.top_k, self.n_group, self.topk_group = top_k, n_group or 1, topk_group or 1
-        self.norm_topk_prob, self.scaling, self.std = norm_topk_prob, scaling, std
-        self.weight = mark_parallel(nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device)),
-                                    None, sequence_parallel)
-        self.register_buffer("e_score_correction_bias", torch.empty(num_experts, dtype=torch.float32,
-                                                                    device=device))
-        self.reset_parameters()
+        moe = cfg.moe
+        self.top_k, self.num_experts, self.std = moe.num_experts_per_tok, moe.num_experts, cfg.initializer_range
+        kw = {"dtype": layout.dtype, "device": "meta"}
+        sp = layout.sequence_parallel
+        self.weight = mark_parallel(nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size, **kw)), None, sp)
+        self.bias = mark_parallel(nn.Parameter(torch.empty(moe.num_experts, **kw)), None, sp) if bias else None
 
     def reset_parameters(self) -> None:
         if self.weight.device.type != "meta":
             nn.init.normal_(self.weight, std=self.std)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
+
+
+class SoftmaxRouter(Router):
+    """Softmax in fp32 over every expert, top-k, renormalized when norm_topk_prob (Mixtral's top-k softmax is
+    exactly this with renormalization)."""
+
+    def __init__(self, cfg, layout):
+        super().__init__(cfg, layout)
+        self.normalize = cfg.moe.norm_topk_prob
+
+    def forward(self, x: torch.Tensor):
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits.float(), dim=-1)
+        top, index = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top.to(logits.dtype), index, probs
+
+
+class SigmoidRouter(Router):
+    """DeepSeek-V3 / GLM-4.5: logits in fp32 (as HF computes them), sigmoid_group_topk with the selection bias, an fp32
+    buffer `e_score_correction_bias` [E] (HF's name) that chooses experts without weighting them; it moves only after
+    optimizer steps (moe.py: auxiliary-loss-free balancing)."""
+
+    def __init__(self, cfg, layout):
+        super().__init__(cfg, layout)
+        moe = cfg.moe
+        self.n_group, self.topk_group = moe.n_group, moe.topk_group
+        self.normalize, self.scaling = moe.norm_topk_prob, moe.routed_scaling_factor
+        self.register_buffer("e_score_correction_bias",
+                             torch.empty(moe.num_experts, dtype=torch.float32, device="meta"))
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.weight.device.type != "meta":
             self.e_score_correction_bias.zero_()
 
     def forward(self, x: torch.Tensor):
-        """x [T, h] -> (logits [T, E] fp32, weights [T, k] fp32, index [T, k])."""
         logits = F.linear(x.float(), self.weight.float())
         weights, index = sigmoid_group_topk(logits, self.e_score_correction_bias, self.top_k, self.n_group,
-                                            self.topk_group, self.norm_topk_prob, self.scaling)
-        return logits, weights, index
+                                            self.topk_group, self.normalize, self.scaling)
+        return logits, weights, index, None
 
 
-class BiasedTopKRouter(nn.Module):
-    """gpt-oss's router: a linear with bias h -> E (HF `mlp.router.weight` / `.bias`), top-k, softmax over k."""
+class TopKSoftmaxRouter(Router):
+    """gpt-oss: logits = x W^T + b (the model dtype), top-k of the logits, softmax over the k."""
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, sequence_parallel: bool = False,
-                 std: float = 0.02, dtype=None, device=None):
-        super().__init__()
-        self.top_k, self.std = top_k, std
-        self.weight = mark_parallel(nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device)),
-                                    None, sequence_parallel)
-        self.bias = mark_parallel(nn.Parameter(torch.empty(num_experts, dtype=dtype, device=device)), None,
-                                  sequence_parallel)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        if self.weight.device.type != "meta":
-            nn.init.normal_(self.weight, std=self.std)
-            nn.init.zeros_(self.bias)
+    def __init__(self, cfg, layout):
+        super().__init__(cfg, layout, bias=cfg.moe.router_bias)
 
     def forward(self, x: torch.Tensor):
-        """x [T, h] -> (logits [T, E], weights [T, k], index [T, k])."""
         logits = F.linear(x, self.weight, self.bias)
         weights, index = topk_softmax(logits, self.top_k)
-        return logits, weights, index
+        return logits, weights, index, torch.softmax(logits.float(), dim=-1)
+
+
+def make_router(cfg, layout) -> Router:
+    """The router module moe.router names."""
+    kind = cfg.moe.router
+    if kind not in ROUTERS:
+        raise ConfigError(f"moe.router must be one of {ROUTERS}, got {kind!r}")
+    return {"softmax": SoftmaxRouter, "sigmoid": SigmoidRouter, "topk_softmax": TopKSoftmaxRouter}[kind](cfg, layout)
