@@ -1,30 +1,22 @@
-"""Test-only layer kinds for the plan's costs of kinds not on main yet (tpzoo/plan/kinds): Gated DeltaNet over
-its building block (models/gated_deltanet.py GatedDeltaNet, issue 33), registered under a test name with the plan's
-"gated_deltanet" costs attached to it; and small models of main's "mla" kind and of its MoE with shared experts
+"""Test-only layer kinds for the plan's costs (tpzoo/plan/kinds): the Gated DeltaNet kind
+(models/kinds/gated_deltanet.py, issue 33) registered again under a test name with the plan's "gated_deltanet"
+costs attached to it (its cache left out); and small models of main's "mla" kind and of its MoE with shared experts
 (issue 32).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict
 
 import torch.nn as nn
 
-from tpzoo.models.config import MLAConfig, ModelConfig, MoEConfig
-from tpzoo.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
+from tpzoo.models.config import GatedDeltaNetConfig, MLAConfig, ModelConfig, MoEConfig
 from tpzoo.models.kinds import TOKEN_MIXERS, register_token_mixer
-from tpzoo.parallel import ParallelDims
+from tpzoo.models.kinds.gated_deltanet import GatedDeltaNet
 from tpzoo.plan.kinds import COSTS, register_cost
 from tpzoo.plan.kinds.gated_deltanet import GatedDeltaNetCost
 
 
-@dataclass
-class KindsConfig(ModelConfig):
-    """A ModelConfig with the Gated DeltaNet sub-config issue 33 adds (its field names on that branch)."""
-    gated_deltanet: GatedDeltaNetConfig | None = None
-
-
-def _count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+KindsConfig = ModelConfig  # the name test_plan_kinds.py uses
 
 
 class GDNKind(nn.Module):
@@ -33,8 +25,7 @@ class GDNKind(nn.Module):
 
     def __init__(self, cfg, layer: int, layout):
         super().__init__()
-        self.inner = GatedDeltaNet(cfg.gated_deltanet, layout.dims, layout.sequence_parallel, dtype=layout.dtype,
-                                   device="meta")
+        self.inner = GatedDeltaNet(cfg, layer, layout)
 
     def forward(self, x, ctx, cache=None):
         return self.inner(x)
@@ -44,11 +35,11 @@ class GDNKind(nn.Module):
 
     @staticmethod
     def num_parameters(cfg, layer: int, active: bool = False) -> int:
-        return _count(GatedDeltaNet(cfg.gated_deltanet, ParallelDims.for_rank(device="meta"), device="meta"))
+        return GatedDeltaNet.num_parameters(cfg, layer, active)
 
     @staticmethod
     def sequence_flops(cfg, layer: int, seq_len: int) -> int:
-        return 0
+        return GatedDeltaNet.sequence_flops(cfg, layer, seq_len)
 
 
 if "test_gdn" not in TOKEN_MIXERS:
@@ -66,17 +57,17 @@ def mla_model(q_lora: bool = True, v_head_dim: int = 12, layers: int = 2, **kw) 
     return KindsConfig.from_dict(dict(family="test", vocab_size=101, hidden_size=64, num_layers=layers, num_heads=4,
                                       ffn_hidden_size=96, max_position_embeddings=256, qkv_bias=q_lora,
                                       out_bias=q_lora, token_mixers=["mla"] * layers, name="test-mla",
-                                      **kw)).replace(mla=m)
+                                      mla=asdict(m), **kw))
 
 
 def hybrid_model(layers: int = 4, **kw) -> KindsConfig:
     """Three Gated DeltaNet layers before each attention layer (Qwen3.5's pattern), value heads twice the key
     heads."""
-    g = GatedDeltaNetConfig(64, num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6, conv_kernel=4)
+    g = GatedDeltaNetConfig(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6, conv_kernel=4)
     kinds = ["test_gdn" if (i + 1) % 4 else "attention" for i in range(layers)]
     return KindsConfig.from_dict(dict(family="test", vocab_size=101, hidden_size=64, num_layers=layers, num_heads=4,
                                       num_kv_heads=2, ffn_hidden_size=96, max_position_embeddings=256,
-                                      token_mixers=kinds, name="test-hybrid", **kw)).replace(gated_deltanet=g)
+                                      token_mixers=kinds, name="test-hybrid", gated_deltanet=asdict(g), **kw))
 
 
 def shared_moe_model(layers: int = 2, **kw) -> KindsConfig:

@@ -1,4 +1,4 @@
-"""Plan costs of Gated DeltaNet, the "gated_deltanet" token mixer (models/gated_deltanet.py; Qwen3.5, Qwen3-Next),
+"""Plan costs of Gated DeltaNet, the "gated_deltanet" token mixer (models/kinds/gated_deltanet.py; Qwen3.5, Qwen3-Next),
 tested against that module (tests/test_plan_kinds.py).
 
 On one tp rank with kh = key heads / tp, vh = value heads / tp, kd = kh d_k, vd = vh d_v, K the short convolution's
