@@ -37,7 +37,7 @@ def read_rope(family: str, hf: dict, params: dict | None = None, field: str = "r
     params = dict(params)
     theta = float(params.pop("rope_theta", hf.get("rope_theta", default_theta)))
     kind = params.get("rope_type", params.get("type", "default"))
-    # YaRN only where a family's tests prove it against transformers (DeepSeek-V3, gpt-oss: `yarn=True`)
+    # YaRN only where a family's tests prove it against transformers (DeepSeek-V3, gpt-oss, OLMo 3: `yarn=True`)
     allowed = [t for t in ROPE_TYPES if yarn or t != "yarn"]
     if kind not in allowed:
         raise refuse(family, f"{field}.rope_type", kind, allowed)

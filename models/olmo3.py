@@ -1,7 +1,7 @@
 """OLMo 3: OLMo 2's block (norms after attention and the MLP only, q/k RMSNorm over the whole projection width:
 models/olmo2.py) with sliding-window layers among full ones (HF `layer_types`, by default three sliding to one
 full) and a rope per layer kind (HF `rope_parameters.{full_attention, sliding_attention}`: the full layers' base
-and scaling, the sliding layers' own base, tpzoo's `rope_local_theta`, with plain rope as transformers computes it).
+and scaling (YaRN on OLMo-3-7B's, with its attention factor), the sliding layers' own base, tpzoo's `rope_local_theta`, with plain rope as transformers computes it).
 """
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ def _rope(hf: dict) -> tuple[float, dict | None, float]:
     kind; older ones one rope_theta (both kinds) and rope_scaling (the full layers only)."""
     params = hf.get("rope_parameters") or {}
     if "full_attention" not in params:
-        theta, scaling = read_rope("olmo3", hf, default_theta=500000.0)
+        theta, scaling = read_rope("olmo3", hf, default_theta=500000.0, yarn=True)
         return theta, scaling, theta
     theta, scaling = read_rope("olmo3", hf, params["full_attention"], "rope_parameters.full_attention",
-                               default_theta=500000.0)
+                               default_theta=500000.0, yarn=True)  # OLMo-3-7B's full layers: YaRN
     local = params.get("sliding_attention") or {"rope_theta": theta}
     local_theta, local_scaling = read_rope("olmo3", hf, local, "rope_parameters.sliding_attention",
                                            default_theta=theta)

@@ -41,9 +41,12 @@ def _hybrid(kind: str):
     if kind == "qwen3_next":  # layer 1 keeps a dense MLP (mlp_only_layers)
         return tf.Qwen3NextConfig(**HYBRID, **HYBRID_MOE, intermediate_size=48, mlp_only_layers=[1]), \
             tf.Qwen3NextForCausalLM
-    # OLMo 3: sliding layers with their own rope base, linear scaling on the full one
+    # OLMo 3: sliding layers with their own rope base, YaRN on the full one (as OLMo-3-7B: factor 8 from 8192; here
+    # from 32 of its 256 positions, so the test's 70-token texts reach the interpolated range)
     kw = {k: v for k, v in HYBRID.items() if not k.startswith("linear_") and k != "head_dim"}
-    rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
+    rope = {"full_attention": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+                               "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.2079441541679836,
+                               "rope_theta": 1e5},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
     return tf.Olmo3Config(**kw, intermediate_size=48, sliding_window=8, rope_parameters=rope), tf.Olmo3ForCausalLM
 
