@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import pathlib
 import statistics
 import sys
 
 import torch
 
-from mdsection import write_section  # noqa: E402 (a sibling script module)
+from mdsection import write_section  # noqa: E402 (sibling script modules)
+from pipeline_bubble import add_arguments, random_microbatches, timed_steps  # noqa: E402
 
 B, S = 2, 128
 
@@ -55,30 +55,16 @@ def splits(cfg, pp: int) -> dict:
 
 def run_split(boundaries: list, pp: int, m: int, steps: int) -> dict:
     """On every rank: one warm-up step, then `steps` timed steps of 1F1B; this rank's timelines."""
-    import torch.distributed as dist
-
     import tpzoo
     from tpzoo.models import ModelLayout
-    from tpzoo.pipeline import build_model_chunks, forward_backward
+    from tpzoo.pipeline import build_model_chunks
 
     cfg = bench_config()
-    g = torch.Generator().manual_seed(0)
-    mbs = []
-    for _ in range(m):
-        ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
-        mbs.append({"input_ids": ids, "labels": torch.roll(ids, -1, dims=1)})
+    mbs = random_microbatches(cfg.vocab_size, m, B, S)
     dims = tpzoo.init_parallel(pp=pp)
     try:
         chunks = build_model_chunks(cfg, ModelLayout(dims), boundaries=boundaries, seed=0)
-        timelines = []
-        for step in range(steps + 1):
-            for c in chunks:
-                c.zero_grad(set_to_none=True)
-            dist.barrier()  # start together: the span is measured across ranks (one machine, one clock)
-            out = forward_backward(chunks, mbs, dims, schedule="1f1b", loss_scale=1.0 / (m * B * S))
-            if step:
-                timelines.append(out["timeline"])
-        return {"timelines": timelines}
+        return timed_steps(chunks, mbs, dims, "1f1b", steps)
     finally:
         tpzoo.destroy_parallel()
 
@@ -114,10 +100,7 @@ def main(argv=None) -> None:
     from tpzoo.testing import run_on_ranks, shutdown_pools
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, default=4)
-    parser.add_argument("--microbatches", "-m", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per split (after one warm-up step)")
-    parser.add_argument("--write", type=pathlib.Path, help="markdown file whose section to (re)write")
+    add_arguments(parser, "split")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     cfg = bench_config()

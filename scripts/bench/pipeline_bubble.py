@@ -36,32 +36,52 @@ def bench_config():
 
 def run_schedule(schedule: str, v: int, pp: int, m: int, steps: int) -> dict:
     """On every rank: warm-up step, then `steps` timed steps; this rank's timelines and peak in-flight."""
-    import torch.distributed as dist
-
     import tpzoo
-    from tpzoo.pipeline import build_model_chunks, forward_backward
+    from tpzoo.pipeline import build_model_chunks
 
     cfg = bench_config()
-    g = torch.Generator().manual_seed(0)
-    mbs = []
-    for _ in range(m):
-        ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
-        mbs.append({"input_ids": ids, "labels": torch.roll(ids, -1, dims=1)})
+    mbs = random_microbatches(cfg.vocab_size, m, B, S)
     dims = tpzoo.init_parallel(pp=pp)
     try:
         chunks = build_model_chunks(cfg, dims, virtual_stages=v)
-        timelines, peak = [], 0
-        for step in range(steps + 1):
-            for c in chunks:
-                c.zero_grad(set_to_none=True)
-            dist.barrier()  # start together: the span is measured across ranks (one machine, one clock)
-            out = forward_backward(chunks, mbs, dims, schedule=schedule, loss_scale=1.0 / (m * B * S))
-            if step:  # the first step pays one-off allocation costs
-                timelines.append(out["timeline"])
-            peak = out["peak_inflight"]
-        return {"timelines": timelines, "peak": peak}
+        return timed_steps(chunks, mbs, dims, schedule, steps)
     finally:
         tpzoo.destroy_parallel()
+
+
+def random_microbatches(vocab: int, m: int, batch: int, seq: int) -> list[dict]:
+    """m micro-batches of random tokens (seeded: the same on every rank), labels the next token."""
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(m)]
+    return [{"input_ids": x, "labels": torch.roll(x, -1, dims=1)} for x in ids]
+
+
+def timed_steps(chunks, mbs: list, dims, schedule: str, steps: int) -> dict:
+    """One warm-up step (it pays one-off allocation costs), then `steps` timed ones: this rank's timelines and peak
+    in-flight micro-batches. The loss is the mean over every token of the step."""
+    import torch.distributed as dist
+
+    from tpzoo.pipeline import forward_backward
+
+    tokens = sum(mb["labels"].numel() for mb in mbs)
+    timelines, peak = [], 0
+    for step in range(steps + 1):
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+        dist.barrier()  # start together: the span is measured across ranks (one machine, one clock)
+        out = forward_backward(chunks, mbs, dims, schedule=schedule, loss_scale=1.0 / tokens)
+        if step:
+            timelines.append(out["timeline"])
+        peak = out["peak_inflight"]
+    return {"timelines": timelines, "peak": peak}
+
+
+def add_arguments(parser, per: str) -> None:
+    """The options both pipeline benches take (this one and pipeline_balance.py)."""
+    parser.add_argument("--pp", type=int, default=4)
+    parser.add_argument("--microbatches", "-m", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3, help=f"timed steps per {per} (after one warm-up step)")
+    parser.add_argument("--write", type=pathlib.Path, help="markdown file whose section to (re)write")
 
 
 def summarize(schedule: str, v: int, pp: int, m: int, per_rank: list[dict]) -> dict:
@@ -98,10 +118,7 @@ def main(argv=None) -> None:
     from tpzoo.testing import run_on_ranks, shutdown_pools
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, default=4)
-    parser.add_argument("--microbatches", "-m", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per schedule (after one warm-up step)")
-    parser.add_argument("--write", type=pathlib.Path, help="markdown file whose section to (re)write")
+    add_arguments(parser, "schedule")
     args = parser.parse_args(argv)
     pp, m = args.pp, args.microbatches
     rows = []
