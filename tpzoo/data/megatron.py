@@ -120,7 +120,7 @@ class MegatronStore:
     """A Megatron indexed dataset opened read-only with the `TokenStore` interface that training uses:
     ``tokens`` (a memmap of ``PREFIX.bin``), ``doc_offsets`` (`DocOffsets`), ``num_tokens``, ``num_docs``,
     ``dtype``, ``len``, slicing, ``doc(i)``. It records no tokenizer (``vocab_size`` is None): the run's
-    tokenizer is checked against the ids instead (`check_ids`)."""
+    tokenizer is checked against the ids instead (`check_tokenizer`)."""
 
     vocab_size = None
     metadata = {"format": "megatron-indexed-dataset"}
@@ -189,8 +189,9 @@ class MegatronStore:
             raise IndexError(f"document {i} out of range ({self.num_docs} documents)")
         return np.asarray(self.tokens[self.doc_offsets[i]:self.doc_offsets[i + 1]])
 
-    def check_ids(self, tokenizer, sample_tokens: int = 1 << 26) -> None:
-        """Refuse a tokenizer whose vocabulary the ids do not fit, in one line naming both. The whole dataset is
+    def check_tokenizer(self, tokenizer, sample_tokens: int = 1 << 26) -> None:
+        """Refuse a tokenizer whose vocabulary the ids do not fit, in one line naming both (TokenStore's check:
+        the format records no tokenizer, so the ids are what is checked). The whole dataset is
         scanned when it has at most ``sample_tokens`` tokens, else its first and last ``sample_tokens // 2``
         (training also checks every window it reads: `PackedDataset(vocab_size=...)`)."""
         n, half = self.num_tokens, sample_tokens // 2

@@ -55,10 +55,7 @@ def token_store_for(sources: list[str], tokenizer, cache_dir: str, text_field: s
     tokenizer is known to match the run's (a one-line error naming both otherwise)."""
     if len(sources) == 1 and is_token_store(sources[0]):
         store = open_store(sources[0])
-        if isinstance(store, MegatronStore):
-            store.check_ids(tokenizer)
-        else:
-            store.check_tokenizer(tokenizer)
+        store.check_tokenizer(tokenizer)  # a tpzoo store: its recorded tokenizer; a Megatron dataset: its ids
         return store
     name = "stdlib" if not sources else Path(sources[0]).stem or "data"
     files = [str(p) for p in default_corpus()] if not sources else list(sources)
