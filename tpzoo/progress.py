@@ -1,4 +1,5 @@
-"""Progress bars: every bar tpzoo draws comes from `progress_bar`, so every one follows the same switches.
+"""Progress bars and the counts printed as they go: every bar tpzoo draws comes from `progress_bar`, so every one
+follows the same switches; `human_count` writes a count as 1.2M.
 
 tqdm reads TQDM_DISABLE (and the other TQDM_* variables) only for the arguments its caller leaves out, so a bar
 created with an explicit `disable=` ignores it; here the environment always has the last word: TQDM_DISABLE=1
@@ -21,3 +22,11 @@ def progress_bar(enabled: bool = True, **kw):
     from tqdm import tqdm
 
     return tqdm(disable=not enabled or bars_disabled(), **kw)
+
+
+def human_count(n: float, digits: int = 2) -> str:
+    """A count with a K / M / B suffix (`digits` decimals), below a thousand as a whole number: 1.24B, 869.50K."""
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= size:
+            return f"{n / size:.{digits}f}{unit}"
+    return f"{n:.0f}"

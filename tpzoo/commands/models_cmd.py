@@ -4,17 +4,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from tpzoo.progress import human_count
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--family", help="only this family (gpt2, llama, mistral, qwen2, ...)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
-
-
-def _count(n: int) -> str:
-    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= div:
-            return f"{n / div:.2f}{unit}"
-    return str(n)
 
 
 def run(args) -> int:
@@ -31,8 +26,8 @@ def run(args) -> int:
     print(f"{'name':16s} {'family':9s} {'params':>8s} {'active':>8s} {'layers':>6s} {'hidden':>6s} {'heads':>5s} {'kv':>3s} "
           f"{'vocab':>7s}  hf source")
     for name, cfg in rows:
-        active = _count(cfg.num_parameters(active=True)) if cfg.num_experts else "="
-        print(f"{name:16s} {cfg.family:9s} {_count(cfg.num_parameters()):>8s} {active:>8s} {cfg.num_layers:>6d} "
+        active = human_count(cfg.num_parameters(active=True)) if cfg.num_experts else "="
+        print(f"{name:16s} {cfg.family:9s} {human_count(cfg.num_parameters()):>8s} {active:>8s} {cfg.num_layers:>6d} "
               f"{cfg.hidden_size:>6d} {cfg.num_heads:>5d} {cfg.num_kv_heads:>3d} {cfg.vocab_size:>7d}  "
               f"{cfg.hf_source or '-'}")
     return 0

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tpzoo.progress import bars_disabled, progress_bar
+from tpzoo.progress import bars_disabled, human_count, progress_bar
 
 # Dense peak TFLOP/s per device (no sparsity), by a substring of torch.cuda.get_device_name(); first match wins,
 # so more specific names come first. bf16 = tensor-core bf16; fp32 = what fp32 matmuls get by default (TF32
@@ -97,7 +97,7 @@ def format_line(m: dict) -> str:
         parts.append(f"sync {m['sync_bytes'] / 1e6:.3f} MB {m['sync_s']:.3f}s")
     seen = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("tokens_seen/")}
     if seen:  # a mixture's tokens per source so far
-        parts.append("seen " + " ".join(f"{name} {_count(v)}" for name, v in seen.items()))
+        parts.append("seen " + " ".join(f"{name} {human_count(v, 1)}" for name, v in seen.items()))
     if m.get("skipped"):
         parts.append(f"SKIPPED({m['skipped']})")
     return " | ".join(parts)
@@ -109,13 +109,6 @@ WINDOW_MEANS = ("loss", "sync_bytes", "sync_s")
 def window_means(window: list[dict]) -> dict:
     """The metrics a log line averages over its interval (the others are the last step's)."""
     return {k: sum(w[k] for w in window) / len(window) for k in WINDOW_MEANS if k in window[-1]}
-
-
-def _count(n: float) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f}{unit}"
-    return f"{n:.0f}"
 
 
 def eval_text(m: dict) -> str:
