@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from tpzoo.errors import ConfigError
 
-from .config import AttentionConfig, MLPConfig, ModelConfig
+from ..config import AttentionConfig, MLPConfig, ModelConfig
 from .hf_common import head_maps
-from .hf_mapping import concatenated, same
-from .registry import Family, register_family
+from ..hf_mapping import concatenated, same
+from ..registry import Family, register_family
 
 
 def _rope(hf: dict) -> tuple[float, dict | None]:

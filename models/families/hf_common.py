@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from tpzoo.errors import ConfigError
 
-from .config import LAYER_TYPES, ModelConfig
-from .hf_mapping import concatenated, same
-from .kinds.rotary import ROPE_TYPES  # what the rotary tables implement
+from ..config import LAYER_TYPES, ModelConfig
+from ..hf_mapping import concatenated, same
+from ..kinds.rotary import ROPE_TYPES  # what the rotary tables implement
 
 
 def refuse(family: str, field: str, value, supported) -> ConfigError:

@@ -5,11 +5,11 @@ and scaling (YaRN on OLMo-3-7B's, with its attention factor), the sliding layers
 """
 from __future__ import annotations
 
-from .config import AttentionConfig, MLPConfig, ModelConfig
+from ..config import AttentionConfig, MLPConfig, ModelConfig
 from .hf_common import (check, common_attention, common_fields, common_to_hf, decoder_tensor_map, read_layer_types,
                         read_rope, refuse, rope_to_hf)
 from .olmo2 import NORMS
-from .registry import Family, register_family
+from ..registry import Family, register_family
 
 
 def _layer_types(hf: dict) -> list:

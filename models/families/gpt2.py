@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from tpzoo.errors import ConfigError
 
-from .config import AttentionConfig, MLPConfig, ModelConfig
-from .hf_mapping import same, transposed
-from .registry import Family, register_family
+from ..config import AttentionConfig, MLPConfig, ModelConfig
+from ..hf_mapping import same, transposed
+from ..registry import Family, register_family
 
 
 def config_from_hf(hf: dict) -> ModelConfig:

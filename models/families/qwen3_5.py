@@ -17,13 +17,13 @@ position rows are the token's position), so they are kept for the round trip and
 """
 from __future__ import annotations
 
-from .config import AttentionConfig, GatedDeltaNetConfig, MLPConfig, ModelConfig, MoEConfig
-from .gated_deltanet_hf import gated_deltanet_tensor_maps
+from ..config import AttentionConfig, GatedDeltaNetConfig, MLPConfig, ModelConfig, MoEConfig
+from ..kinds.gated_deltanet_hf import gated_deltanet_tensor_maps
 from .hf_common import (LINEAR_ATTENTION, check, common_attention, common_fields, common_to_hf, decoder_tensor_map,
                         read_layer_types, read_rope, token_mixers_of)
-from .hf_mapping import concatenated, same
+from ..hf_mapping import concatenated, same
 from .moe_families import _expert_maps
-from .registry import Family, register_family
+from ..registry import Family, register_family
 
 NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 TYPES = ("full_attention", LINEAR_ATTENTION)

@@ -6,10 +6,10 @@ and, with `attention_bias`, biases on q, k and v (not on o_proj). Its multi-toke
 imported (one line says so)."""
 from __future__ import annotations
 
-from .config import AttentionConfig, ModelConfig
+from ..config import AttentionConfig, ModelConfig
 from .deepseek_v3 import NORMS, deepseek_moe, deepseek_moe_to_hf, moe_maps, mtp_notes
 from .hf_common import common_attention, common_fields, common_to_hf, decoder_tensor_map, read_rope, rope_to_hf
-from .registry import Family, register_family
+from ..registry import Family, register_family
 
 
 def config_from_hf(hf: dict) -> ModelConfig:

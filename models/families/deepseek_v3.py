@@ -13,11 +13,11 @@ DeepSeek-V3) that transformers drops; tpzoo imports nothing of them and refuses 
 """
 from __future__ import annotations
 
-from .config import AttentionConfig, MLAConfig, MLPConfig, ModelConfig, MoEConfig
+from ..config import AttentionConfig, MLAConfig, MLPConfig, ModelConfig, MoEConfig
 from .hf_common import check, common_fields, common_to_hf, head_maps, read_rope, rope_to_hf
-from .hf_mapping import concatenated, same
+from ..hf_mapping import concatenated, same
 from .moe_families import stacked, stacked_gate_up
-from .registry import Family, register_family
+from ..registry import Family, register_family
 
 NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 

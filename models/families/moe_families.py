@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from .config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig
+from ..config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig
 from .hf_common import check, common_attention, common_fields, common_to_hf, decoder_tensor_map, read_rope, rope_to_hf
-from .hf_mapping import TensorMap, same
-from .registry import Family, register_family
+from ..hf_mapping import TensorMap, same
+from ..registry import Family, register_family
 
 NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 

@@ -4,10 +4,10 @@ partial rotary (Phi-4-mini: the first 3/4 of each head). LongRoPE (`rope_type` "
 checkpoints and Phi-4-mini) is not implemented: such configs are refused naming the rope type."""
 from __future__ import annotations
 
-from .config import AttentionConfig, MLPConfig, ModelConfig
+from ..config import AttentionConfig, MLPConfig, ModelConfig
 from .hf_common import check, common_attention, common_fields, common_to_hf, head_maps, read_rope, refuse, rope_to_hf
-from .hf_mapping import same
-from .registry import Family, register_family
+from ..hf_mapping import same
+from ..registry import Family, register_family
 
 
 def config_from_hf(hf: dict) -> ModelConfig:

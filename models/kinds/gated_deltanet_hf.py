@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import GatedDeltaNetConfig
-from .hf_mapping import TensorMap, concatenated, same
+from ..config import GatedDeltaNetConfig
+from ..hf_mapping import TensorMap, concatenated, same
 
 LAYOUTS = ("qwen3_5", "qwen3_next")
 

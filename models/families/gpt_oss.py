@@ -12,12 +12,12 @@ to bf16 on import by the HF reader (tpzoo/checkpoint/hf.py, one line says so); e
 """
 from __future__ import annotations
 
-from .config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig
+from ..config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig
 from .hf_common import (check, common_attention, common_fields, common_to_hf, decoder_tensor_map, read_layer_types,
                         read_rope, rope_to_hf)
-from .hf_experts import halves_to_interleaved, interleaved_to_halves
-from .hf_mapping import TensorMap, same
-from .registry import Family, register_family
+from ..hf_experts import halves_to_interleaved, interleaved_to_halves
+from ..hf_mapping import TensorMap, same
+from ..registry import Family, register_family
 
 NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 
