@@ -35,54 +35,8 @@ Either may have `aux_rules` (models/aux.py: auxiliary outputs the model gathers,
 """
 from __future__ import annotations
 
-from tpzoo.errors import ConfigError
+from ..registry import (CHANNEL_MIXERS, TOKEN_MIXERS, channel_mixer_kind, layer_kinds,  # noqa: F401 (the API here)
+                        register_channel_mixer, register_token_mixer, token_mixer_kind)
 
-TOKEN_MIXERS: dict[str, type] = {}
-CHANNEL_MIXERS: dict[str, type] = {}
-
-
-def _register(table: dict, what: str, name: str, cls):
-    def add(cls):
-        if name in table and table[name] is not cls:
-            raise ConfigError(f"{what} kind {name!r} is already registered ({table[name].__qualname__})")
-        table[name] = cls
-        cls.kind = name
-        return cls
-    return add(cls) if cls is not None else add
-
-
-def register_token_mixer(name: str, cls=None):
-    """Register a token-mixer class under `name` (usable as a decorator)."""
-    return _register(TOKEN_MIXERS, "token mixer", name, cls)
-
-
-def register_channel_mixer(name: str, cls=None):
-    """Register a channel-mixer class under `name` (usable as a decorator)."""
-    return _register(CHANNEL_MIXERS, "channel mixer", name, cls)
-
-
-def token_mixer_kind(name: str) -> type:
-    return _lookup(TOKEN_MIXERS, "token mixer", name)
-
-
-def channel_mixer_kind(name: str) -> type:
-    return _lookup(CHANNEL_MIXERS, "channel mixer", name)
-
-
-def _lookup(table: dict, what: str, name: str) -> type:
-    _load_builtin()
-    if name not in table:
-        raise ConfigError(f"unknown {what} kind {name!r}; registered: {sorted(table)}")
-    return table[name]
-
-
-_LOADED = False
-
-
-def _load_builtin() -> None:
-    """Import the built-in kinds (they register themselves), on first lookup: importing this package stays light,
-    so the modules the kinds use may import it."""
-    global _LOADED
-    if not _LOADED:
-        _LOADED = True
-        from . import attention, gated_deltanet, mla, mlp, moe  # noqa: F401
+# The built-in kinds, each listed once (a module registers its classes when imported):
+from . import attention, gated_deltanet, mla, mlp, moe  # noqa: E402,F401

@@ -11,15 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tpzoo.models.config import ModelConfig
+from tpzoo.models.registry import distinct_kinds, layer_kinds
 
-from .kinds import COSTS, Collective, Weights, cost_of
+from .costs import COSTS, Collective, Weights, cost_of
 from .spec import RankLayout
-
-
-def kinds_of(cfg: ModelConfig, layer: int) -> tuple[type, type]:
-    from tpzoo.models.kinds import channel_mixer_kind, token_mixer_kind
-
-    return token_mixer_kind(cfg.token_mixer(layer)), channel_mixer_kind(cfg.channel_mixer(layer))
 
 
 def signature(cfg: ModelConfig, layer: int) -> tuple:
@@ -97,7 +92,7 @@ def replayed(cfg: ModelConfig, item, channel: bool) -> bool:
 
 
 def _layer_cost(cfg: ModelConfig, layer: int, at: RankLayout) -> LayerCost:
-    token, channel = (cost_of(k) for k in kinds_of(cfg, layer))
+    token, channel = (cost_of(k) for k in layer_kinds(cfg, layer))
     h, n = cfg.hidden_size, block_norms(cfg)
     norm = h * (2 if cfg.norm == "layernorm" else 1)
     weights = (Weights(numel=n * norm, tensors=n * (2 if cfg.norm == "layernorm" else 1), partial_sp=n * norm)
@@ -110,7 +105,7 @@ def _layer_cost(cfg: ModelConfig, layer: int, at: RankLayout) -> LayerCost:
 def layer_collectives(cfg: ModelConfig, layer: int, at: RankLayout, tokens: int) -> list[tuple[Collective, bool]]:
     """The layer's collectives for one micro-batch of `tokens` tokens, each with whether full recomputation
     replays it."""
-    token, channel = (cost_of(k) for k in kinds_of(cfg, layer))
+    token, channel = (cost_of(k) for k in layer_kinds(cfg, layer))
     return ([(c, replayed(cfg, c, False)) for c in token.collectives(cfg, layer, at, tokens)]
             + [(c, replayed(cfg, c, True)) for c in channel.collectives(cfg, layer, at, tokens)])
 
@@ -120,7 +115,7 @@ def layer_activation_bytes(cfg: ModelConfig, layer: int, at: RankLayout, micro_b
     at at.recompute: its norms' and its kinds', or under full recomputation the checkpoint's input and what the
     kinds keep beyond it."""
     def compute() -> int:
-        token, channel = (cost_of(k) for k in kinds_of(cfg, layer))
+        token, channel = (cost_of(k) for k in layer_kinds(cfg, layer))
         tokens, e = micro_batch * seq_len, at.act_bytes
         if at.recompute == "full":
             block = e * cfg.hidden_size * tokens // at.sp_div
@@ -134,7 +129,7 @@ def layer_activation_bytes(cfg: ModelConfig, layer: int, at: RankLayout, micro_b
 
 def layer_flops(cfg: ModelConfig, layer: int, at: RankLayout, seq_len: int) -> float:
     """Forward FLOPs per token of the layer's parameterless cores (attention, a recurrence) on this rank."""
-    token, channel = (cost_of(k) for k in kinds_of(cfg, layer))
+    token, channel = (cost_of(k) for k in layer_kinds(cfg, layer))
     return token.mixing_flops(cfg, layer, at, seq_len) + channel.mixing_flops(cfg, layer, at, seq_len)
 
 
@@ -143,7 +138,7 @@ def rotary_tables_bytes(cfg: ModelConfig, layers, seq_len: int) -> int:
     layers read, seq_len x dim/2 fp32 each."""
     tables = {}
     for i in layers:
-        for kind in kinds_of(cfg, i):
+        for kind in layer_kinds(cfg, i):
             spec = cost_of(kind).rotary(cfg, i)
             if spec is not None:
                 tables[spec[0]] = spec[1]
@@ -152,18 +147,14 @@ def rotary_tables_bytes(cfg: ModelConfig, layers, seq_len: int) -> int:
 
 def cache_bytes(cfg: ModelConfig, layer: int, at: RankLayout, batch: int, length: int) -> int:
     """Generation state of the layer on this rank for `batch` sequences of up to `length` tokens."""
-    token, channel = (cost_of(k) for k in kinds_of(cfg, layer))
+    token, channel = (cost_of(k) for k in layer_kinds(cfg, layer))
     return (token.cache_bytes(cfg, layer, at, batch, length) + channel.cache_bytes(cfg, layer, at, batch, length))
 
 
 def check_kinds(cfg: ModelConfig, at: RankLayout) -> None:
     """Every kind of the model can split at `at` (raises the kind's ParallelLayoutError)."""
-    seen = set()
-    for i in range(cfg.num_layers):
-        for kind in kinds_of(cfg, i):
-            if kind not in seen:
-                seen.add(kind)
-                cost_of(kind).check(cfg, i, at)
+    for i, kind in distinct_kinds(cfg):
+        cost_of(kind).check(cfg, i, at)
 
 
 def has_experts(cfg: ModelConfig) -> bool:
