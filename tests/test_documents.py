@@ -181,11 +181,11 @@ def short_docs(tmp_path_factory):
 def _per_document_reference(cfg, steps: int) -> tuple[list, list]:
     """Losses and gradient norms of one process training each window's document pieces alone (lr 0)."""
     from tpzoo.data import ResumableLoader
-    from tpzoo.train.checkpointing import resolve_model_config
-    from tpzoo.train.data import build_datasets, resolve_tokenizer
+    from tpzoo.train.data import build_datasets
+    from tpzoo.train.run_model import resolve_run_model
 
-    tok = resolve_tokenizer(cfg)
-    net = Transformer(resolve_model_config(cfg, tok), seed=cfg.seed)
+    run = resolve_run_model(cfg, resume=None)
+    tok, net = run.tokenizer, Transformer(run.config, seed=cfg.seed)
     train_ds, _, _ = build_datasets(cfg, tok)
     loader = ResumableLoader(train_ds, cfg.global_batch_size, seed=cfg.seed, prefetch=0)
     losses, norms, pieces = [], [], 0

@@ -123,11 +123,11 @@ def _dense_first_grad_norm(cfg) -> float:
     """The reference: one process, a plain Transformer, the first global batch, torch's norm of every gradient."""
     from tpzoo.data import ResumableLoader
     from tpzoo.models import Inputs, Transformer
-    from tpzoo.train.checkpointing import resolve_model_config
-    from tpzoo.train.data import build_datasets, resolve_tokenizer
+    from tpzoo.train.data import build_datasets
+    from tpzoo.train.run_model import resolve_run_model
 
-    tok = resolve_tokenizer(cfg)
-    model = Transformer(resolve_model_config(cfg, tok), seed=cfg.seed)
+    run = resolve_run_model(cfg, resume=None)
+    tok, model = run.tokenizer, Transformer(run.config, seed=cfg.seed)
     train_ds, _, _ = build_datasets(cfg, tok)
     batch = next(ResumableLoader(train_ds, cfg.global_batch_size, seed=cfg.seed, prefetch=0))
     loss = model(Inputs(batch["input_ids"], labels=batch["labels"]))

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from tpzoo.checkpoint.atomic import temp_dirs, writer_gone
-from tpzoo.checkpoint.format import CheckpointError, atomic_dir, is_checkpoint, read_manifest
+from tpzoo.checkpoint.format import CheckpointError, atomic_dir, is_checkpoint
 from tpzoo.checkpoint.lora_io import is_lora_param, lora_info
 from tpzoo.errors import ConfigError
 
@@ -224,7 +224,7 @@ def check_resumable(cfg, state: dict, path) -> None:
                           f"from its weights (--base {path}) in another --save directory")
 
 
-# -- model config, tokenizer, weights -------------------------------------------------------------------------------
+# -- the train state, the weights ------------------------------------------------------------------------------------
 
 def read_train_state(path) -> dict:
     f = Path(path) / STATE_FILE
@@ -237,61 +237,6 @@ def read_train_state(path) -> dict:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{f}: not a tpzoo training state")
     return state
-
-
-def model_config_of(path):
-    """The ModelConfig of a tpzoo checkpoint or a Hugging Face model directory."""
-    from tpzoo.models import ModelConfig, from_hf_config
-
-    if is_checkpoint(path):
-        return ModelConfig.from_dict(read_manifest(path)["model_config"])
-    return from_hf_config(path)
-
-
-def model_label(cfg, model_cfg, resume=None) -> str:
-    """What a run's messages call its model (the header, the preflight's errors): the named config, else the model
-    of --base or of the checkpoint resumed, by its name or family, with the path it comes from."""
-    kind = model_cfg.name or model_cfg.family
-    if resume is not None:
-        return f"model {kind} from checkpoint {resume}"
-    if cfg.base:
-        return f"model {kind} from --base {cfg.base}"
-    return f"model {cfg.model}"
-
-
-def resolve_model_config(cfg, tokenizer):
-    """--base's config, else the named config with the vocabulary set to the tokenizer's (unless --vocab-size)."""
-    from tpzoo.models import get_config
-
-    if cfg.base:
-        return model_config_of(cfg.base)
-    model_cfg = get_config(cfg.model)
-    return model_cfg.replace(vocab_size=cfg.vocab_size or tokenizer.vocab_size)
-
-
-def router_settings(cfg, model_cfg):
-    """The run's --router-bias-update-rate and --router-aux-loss-coef on a mixture of experts with the sigmoid
-    router (DeepSeek-V3, GLM-4.5); other models keep their config (a sequence-wise loss asked of one is refused)."""
-    import dataclasses
-
-    moe = model_cfg.moe
-    if moe.router != "sigmoid":
-        if cfg.router_aux_loss_coef:
-            raise ConfigError(f"--router-aux-loss-coef {cfg.router_aux_loss_coef:g}: the sequence-wise auxiliary loss "
-                              f"is the sigmoid router's (DeepSeek-V3, GLM-4.5); this model has none")
-        return model_cfg
-    if cfg.replicas > 1 and cfg.router_bias_update_rate > 0:  # (the loads are summed over the world every step)
-        raise ConfigError(f"--replicas {cfg.replicas} with --router-bias-update-rate {cfg.router_bias_update_rate:g}: "
-                          f"the selection bias's update is not made per DiLoCo replica yet; pass "
-                          f"--router-bias-update-rate 0")
-    return model_cfg.replace(moe=dataclasses.replace(moe, bias_update_rate=cfg.router_bias_update_rate,
-                                                     router_aux_loss_coef=cfg.router_aux_loss_coef))
-
-
-def load_tokenizer_of(path):
-    from tpzoo.data import load_tokenizer
-
-    return load_tokenizer(path)
 
 
 def load_weights(chunks, path) -> None:
