@@ -32,6 +32,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from tpzoo import kernels
 from tpzoo.errors import brief
 
 from ..documents import Documents
@@ -46,8 +47,6 @@ def flex_available(q: torch.Tensor) -> bool:
     """The fused path applies: a CUDA tensor, the kernels backend not forced to "torch", FlexAttention present."""
     if q.device.type != "cuda":
         return False
-    from tpzoo import kernels
-
     if kernels.get_backend() == "torch":
         return False
     try:
