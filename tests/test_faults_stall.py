@@ -139,7 +139,8 @@ def _alive(pids) -> list[int]:
 
 def _rank_processes(proc: subprocess.Popen, torchrun: bool) -> dict[int, int]:
     """{rank: pid} of the job's rank processes: torchrun's workers (their environment says RANK), or the
-    processes tpzoo's launcher spawned (its children, started in rank order)."""
+    processes tpzoo's launcher started in rank order: its forkserver's children (tpzoo.commands.launch), or its
+    own children where it spawns them."""
     ranks = {}
     procs = _processes()
     for pid in _descendants(proc.pid):
@@ -152,8 +153,11 @@ def _rank_processes(proc: subprocess.Popen, torchrun: bool) -> dict[int, int]:
             continue
         if torchrun and "RANK" in env and "tpzoo" in cmd:
             ranks[int(env["RANK"])] = pid
-        elif not torchrun and "spawn_main" in cmd and procs.get(pid, ("", 0))[1] == proc.pid:
-            ranks[len(ranks)] = pid
+        elif not torchrun:
+            parent = procs.get(pid, ("", 0))[1]
+            forked = "forkserver" in cmd and procs.get(parent, ("", 0))[1] == proc.pid  # the server's children
+            if forked or ("spawn_main" in cmd and parent == proc.pid):
+                ranks[len(ranks)] = pid
     return ranks
 
 
