@@ -9,7 +9,9 @@ per layer from the config (ModelConfig.token_mixer(i) / channel_mixer(i)) throug
                     "moe"        a mixture of experts (moe.py)
 
 Each kind lives in its own file whose opening comment states its TP split, what crosses ranks and what its cache
-holds. Adding a kind is one registration (a test file can do it):
+holds, with its Hugging Face tensor names in `<kind>_hf.py`. The tables are models/registry.py's (a leaf); the
+built-in kinds are the import list at the end of this file. Adding a kind is one registration (a test file can do
+it) and, for a built-in one, one line in that list:
 
     @register_token_mixer("my_mixer")
     class MyMixer(nn.Module): ...
@@ -30,8 +32,16 @@ A token mixer class:
     num_parameters(cfg, layer, active) -> int   (static: the model's count without building it)
     sequence_flops(cfg, layer, seq_len) -> int   (static: forward FLOPs per token beyond its matmuls)
 A channel mixer class: the same __init__, forward(x, ctx) -> y, and num_parameters.
-Either may have `aux_rules` (models/aux.py: auxiliary outputs the model gathers, e.g. a router's statistics) and
-`after_optimizer_step()` (non-gradient state updated after each optimizer step).
+Either may have (all static but the last):
+    check_parallel(cfg, layer, tp, cp=1, ep=1) -> None   raise ParallelLayoutError where it cannot split: the one copy
+                                 of its checks, which its build, the preflight and the plan (tpzoo/plan) ask
+    hf_tensor_maps(cfg, layer, ours, theirs, style=None) -> [TensorMap]   its Hugging Face names (<kind>_hf.py:
+                                 `ours` e.g. "layers.3.attn", `theirs` the HF layer "model.layers.3.", `style` one of
+                                 the HF layouts it knows); what families/hf_common.decoder_tensor_map asks
+    run_settings(cfg, run) -> ModelConfig   cfg with a training run's options of this kind (every registered kind
+                                 is asked: tpzoo/train/run_model.py), or refuses one the model cannot take
+    aux_rules                    (models/aux.py) auxiliary outputs the model gathers, e.g. a router's statistics
+    after_optimizer_step()       non-gradient state updated after each optimizer step
 """
 from __future__ import annotations
 
