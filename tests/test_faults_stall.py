@@ -239,7 +239,8 @@ def test_a_stopped_rank_is_named_and_the_self_spawned_job_exits(tmp_path):
     print(f"self-spawned, --dist-timeout {DIST_TIMEOUT}: named {named:.1f} s after SIGSTOP, exit after {took:.1f} s")
 
 
-def test_a_stopped_rank_is_named_under_torchrun(tmp_path):
+@pytest.mark.slow  # ~50 s, most of it torchrun's 30 s grace before it SIGKILLs the stopped worker; the default tier
+def test_a_stopped_rank_is_named_under_torchrun(tmp_path):  # names a stopped rank of a self-spawned job (above)
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
             "-m", "tpzoo", *_pretrain_args(100000, tmp_path / "logs")]
     proc = _start(argv, tmp_path)
