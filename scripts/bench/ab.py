@@ -100,10 +100,11 @@ def main() -> None:
     head = (f"Command: `python scripts/bench/ab.py --before {args.before} --repeats {args.repeats} --steps {args.steps}"
             f" --write docs/benchmarks.md{'' if args.section == 'ab_kinds' else ' --section ' + args.section}`. "
             f"scripts/bench/train.py's tpzoo training step (float32, batch 4 x 256, one "
-            f"torch thread per process) at revision {args.before} (before) and at this checkout (after), each "
-            f"revision's own script in a fresh process, alternating {args.repeats} times; each run reports its median "
-            f"of {args.steps} steps after {args.warmup} warm-up, the table the median over runs. Load average when "
-            f"it started: {load:.1f} (a shared 2-core machine: the spread of the after runs' steps is in the fifth column; the CPU time of a whole run varies less).")
+            f"torch thread per process) at revision {args.before} (before) and at this checkout (after), this "
+            f"checkout's script on each revision's code in a fresh process, alternating {args.repeats} times; each run "
+            f"reports its median of {args.steps} steps after {args.warmup} warm-up (wall and the process's CPU time), "
+            f"the table the median over runs. Load average when it started: {load:.1f} (a shared 2-core machine: the "
+            f"spread of the after runs' steps is in the fifth column; CPU times vary less).")
     rows = ["| case | step before | step after | after / before | steps after (min-max) | step CPU before | "
             "step CPU after | after / before | run CPU before | run CPU after | after / before |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
