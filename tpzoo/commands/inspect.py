@@ -54,9 +54,12 @@ def run(args) -> int:
             print("aux files: " + ", ".join(m["aux_files"]))
         if not args.no_tensors:
             print(f"tensors: {len(m['tensors'])}")
-            for name, t in m["tensors"].items():
-                split = "replicated" if t["split"] is None else f"split dim {t['split']['dim']}"
-                print(f"  {name:40s} {str(tuple(t['shape'])):18s} {t['dtype']:5s} {split:12s} pp {t['pp_rank']}")
+            from ._common import aligned
+
+            rows = [[name, str(tuple(t["shape"])), t["dtype"], "replicated" if t["split"] is None
+                     else f"split dim {t['split']['dim']}", f"pp {t['pp_rank']}"] for name, t in m["tensors"].items()]
+            for line in aligned(rows, indent="  "):
+                print(line)
     return _check(args.ckpt, m, checksum=args.verify, out=sys.stderr if args.json else sys.stdout)
 
 

@@ -124,7 +124,9 @@ class Trainer:
             self.train_state = None
             self.tokenizer = resolve_tokenizer(cfg)
             model_cfg = ckpt.resolve_model_config(cfg, self.tokenizer)
-        self.model_cfg = model_cfg = ckpt.router_settings(cfg, model_cfg)
+        # LoRA: the base frozen in the model dtype (it has no fp32 master), the adapters trained.
+        self.lora, self.lora_base = lora_setup.lora_of_run(cfg, self.resume_dir)
+        self.model_cfg = model_cfg = ckpt.router_settings(cfg, model_cfg, lora=self.lora is not None)
         if self.tokenizer.vocab_size > model_cfg.vocab_size:
             raise ConfigError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary is "
                              f"{model_cfg.vocab_size}")
@@ -135,8 +137,6 @@ class Trainer:
         # Built on meta, then materialized on the device: initialized there, or filled straight from the
         # checkpoint (each rank reads only its slices). In fp32, so that a bf16 run's fp32 master weights start
         # from the exact initial (or loaded) values.
-        # LoRA: the base frozen in the model dtype (it has no fp32 master), the adapters trained.
-        self.lora, self.lora_base = lora_setup.lora_of_run(cfg, self.resume_dir)
         # What every LoRA checkpoint of the run records: the adapter config and the base as it was at the start
         # (fingerprinted once here, not at every save).
         self.lora_meta = lora_metadata(self.lora, self.lora_base) if self.lora else None
