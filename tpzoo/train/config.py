@@ -113,8 +113,8 @@ class ParallelSection:
                                               "the fp32 main gradients in the backward matmul (no 16-bit .grad, no "
                                               "separate add; Megatron's gradient_accumulation_fusion)")
     compile: bool = _f(False, "regional torch.compile: each transformer block compiled on its own (graph breaks "
-                              "only at the TP collectives and FP8 projections; the first step compiles, reported "
-                              "once; not with --zero 3; docs/training.md)")
+                              "only at the TP collectives, FP8 projections and MoE's expert dispatch; the first step "
+                              "compiles, reported once; not with --zero 3; docs/training.md)")
     device: str = _f("auto", "where each rank computes: auto (cuda:LOCAL_RANK when CUDA is available, else cpu), "
                              "cpu, cuda or cuda:N", nonempty=True)
     dist_timeout: float = _f(600.0, "seconds a rank may wait on another (a collective, a stalled or dead rank) before "

@@ -40,7 +40,7 @@ from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward,
 from . import checkpointing as ckpt
 from . import diloco, diloco_state, lora_setup
 from . import rundir
-from .compile import compile_blocks, compile_report, graph_breaks
+from .compile import compile_blocks, compile_report, graph_breaks, recompiles
 from .compile import eager as compile_eager
 from .config import TrainConfig
 from .data import build_datasets, data_metrics, held_out_losses, make_loader, resolve_tokenizer
@@ -361,7 +361,8 @@ class Trainer:
                   "fp8": {"recipe": self.fp8_report.recipe, "layers": len(self.fp8_report.fp8_layers),
                           "fallbacks": [name for name, _, _ in self.fp8_report.fallbacks]},
                   "compile": {"blocks": self.compiled_blocks,
-                              "graph_breaks": dict(graph_breaks()) if self.compiled_blocks else {}}}
+                              "graph_breaks": dict(graph_breaks()) if self.compiled_blocks else {},
+                              "recompiles": dict(recompiles()) if self.compiled_blocks else {}}}
         if history:
             self.logger.print(f"loss: first {history[0]['loss']:.4f} (step {history[0]['step']}) -> last "
                               f"{history[-1]['loss']:.4f} (step {history[-1]['step']})")
