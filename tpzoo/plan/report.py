@@ -33,7 +33,8 @@ def stages(est: Estimate) -> list[str]:
     return lines
 
 
-def header(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, considered: int, fitting: int) -> str:
+def header(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, considered: int, fitting: int,
+           ruled_out: int = 0) -> str:
     name = cfg.name or "custom config"
     tokens = training.global_batch_size * training.seq_len
     active = (f", {cfg.num_parameters(active=True) / 1e9:.2f} B active: {cfg.num_experts} experts, top-"
@@ -49,7 +50,8 @@ def header(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, consi
             f"{'fused' if training.fused_linear_cross_entropy else 'unfused'} head and loss, "
             f"{f'FP8 {training.fp8} projections, ' if training.fp8 != 'none' else ''}"
             f"efficiency {cluster.efficiency:g}, reserve {cluster.reserve_gib:g} GiB; "
-            f"{considered} layouts, {fitting} fit")
+            f"{considered} layouts, {fitting} fit"
+            + (f" ({ruled_out:,} ruled out by their memory floor, not estimated)" if ruled_out else ""))
 
 
 def _state_text(training: TrainingSpec) -> str:
@@ -89,7 +91,7 @@ def table(estimates: list[Estimate], top: int = 10, rejected: int = 5, with_stag
     lines = ["  ".join(cell.ljust(w) if cols[c] in left else cell.rjust(w)
                        for c, (cell, w) in enumerate(zip(r, widths))) for r in rows]
     if not fitting:
-        lines.append("(no layout fits: see the rejected ones below; try a higher --zero level, more GPUs or a shorter sequence)")
+        lines.append("(no layout fits: see the rejected ones below, and the line after them)")
     lines.append("memory in GiB per GPU on the fullest pipeline stage; total = params + grads + optim (fp32 master"
                  " + AdamW) + acts + backward working set + reserve")
     if any(e.layout.boundaries is not None for e in fitting):
