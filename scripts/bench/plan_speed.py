@@ -35,11 +35,17 @@ def readme_examples() -> list[list[str]]:
     return out
 
 
+def checkout_of(python: str) -> Path:
+    """The checkout whose venv holds `python` (CHECKOUT/.venv/bin/python): `python -m` imports from the working
+    directory first, so each command runs there."""
+    return Path(python).absolute().parents[2]
+
+
 def run(python: str, args: list[str], timeout: float) -> dict:
     """One command: wall and CPU seconds, exit status, the header's 'N layouts, M fit'."""
     start = time.perf_counter()
     proc = subprocess.Popen([python, "-m", "tpzoo", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT, env={**os.environ, "TQDM_DISABLE": "1"})
+                            text=True, cwd=checkout_of(python), env={**os.environ, "TQDM_DISABLE": "1"})
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -62,7 +68,8 @@ def cpu_seconds(python: str, args: list[str], timeout: float) -> tuple[float, di
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--before", help="another checkout's python (its tpzoo), run side by side")
+    p.add_argument("--before", help="another checkout's python (CHECKOUT/.venv/bin/python), run side by side")
+    p.add_argument("--before-label", default="main", help="what --before is, for the table")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--write", help="put the table in this markdown file (section plan-speed)")
     args = p.parse_args(argv)
@@ -75,15 +82,15 @@ def main(argv=None) -> None:
                 old += ["--seq-len", "4096", "--global-batch-size", "1024"]
             cpu, r = cpu_seconds(args.before, old, args.timeout)
             line["before"] = {**r, "cpu": cpu, "defaults_given": old != example}
-        cpu, r = cpu_seconds(sys.executable, example, args.timeout)
+        cpu, r = cpu_seconds(str(ROOT / ".venv" / "bin" / "python"), example, args.timeout)
         line["after"] = {**r, "cpu": cpu}
         rows.append(line)
         print(line, flush=True)
     lines = ["## `tpzoo plan`: the README's examples (issue 48)", "",
              f"Command: `python scripts/bench/plan_speed.py{' --before PYTHON' if args.before else ''}` (one process "
              f"per example, start included; CPU = user + system seconds of the process, wall on a shared machine "
-             f"whose load varies; before: main at cd9eaf3, given `--seq-len 4096 --global-batch-size 1024` where "
-             f"the example relies on the defaults it lacked).", "",
+             f"whose load varies; before: {args.before_label}, given `--seq-len 4096 --global-batch-size 1024` "
+             f"where the example relies on the defaults it lacked).", "",
              "| example | " + ("before: CPU s (wall s) | " if args.before else "") + "after: CPU s (wall s) | layouts |",
              "|---|" + ("---|" if args.before else "") + "---|---|"]
     for r in rows:
