@@ -53,8 +53,13 @@ def _hf_model(kind: str):
     return frontier_models.make_hf_model(kind)  # deepseek_v3 (+ _noq), glm4_moe: a dense first layer; gpt_oss
 
 
-KINDS = ("qwen3_moe", "qwen3_next", "olmoe", "mixtral", "deepseek_v3", "deepseek_v3_noq", "glm4_moe", "gpt_oss",
-         "qwen3_5_moe")
+# Every MoE family; the default run takes one of each outcome and router (Qwen3-MoE's and DeepSeek-V3's refusals,
+# Mixtral's and gpt-oss's adapters loaded), the slow tier the rest (Qwen3-Next and Qwen3.5-MoE: Gated DeltaNet
+# forwards are the slow ones on CPU).
+SLOW = pytest.mark.slow
+KINDS = ("qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss", pytest.param("olmoe", marks=SLOW),
+         pytest.param("qwen3_next", marks=SLOW), pytest.param("deepseek_v3_noq", marks=SLOW),
+         pytest.param("glm4_moe", marks=SLOW), pytest.param("qwen3_5_moe", marks=SLOW))
 
 
 def _lora_checkpoint(base, path, targets=None):

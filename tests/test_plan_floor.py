@@ -4,7 +4,9 @@
   context parallelism) it is at most what estimate() finds, and the search that leaves out the layouts over their
   floor finds exactly the layouts that fit of the search that estimates them all.
 - `tpzoo plan` as typed with only --model, --gpus and --gpu-memory runs (4096-token sequences, 4M-token batches),
-  and when nothing fits says which flag would: that flag, run, fits.
+  and when nothing fits says which flag would: that flag, run, fits; with --replicas it says that nothing is left
+  to compare across them.
+- The pipeline schedules' replay, cut at their steady state, gives the full replay's peaks.
 - A long search draws a progress bar."""
 import re
 
@@ -53,6 +55,10 @@ def test_plan_as_typed_says_which_flag_would_fit(capsys):
     assert main(["plan", "--model", "llama-3-8b", "--gpus", "1", "--gpu-memory", "80", *flags, "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"layouts, [1-9]\d* fit", out), out
+    # replicas of one GPU each: nothing fits, and the replicas' section says so instead of vanishing
+    assert main(["plan", "--model", "llama-3-8b", "--gpus", "2", "--gpu-memory", "80", "--replicas", "2",
+                 "--replica-link-gbps", "1"]) == 0
+    assert "across 2 replicas: nothing to compare, no layout of one replica fits" in capsys.readouterr().out
 
 
 def test_a_long_search_draws_a_progress_bar(monkeypatch, capsys):

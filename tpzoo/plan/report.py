@@ -128,7 +128,8 @@ def to_json(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, esti
         "model": cfg.name or "custom", "num_parameters": cfg.num_parameters(),
         **({"active_parameters": cfg.num_parameters(active=True)} if cfg.num_experts else {}),
         "cluster": dataclasses.asdict(cluster), "training": dataclasses.asdict(training),
-        "layouts_considered": len(estimates), "layouts_fitting": sum(e.fits for e in estimates),
+        "layouts_considered": getattr(estimates, "considered", len(estimates)),
+        "layouts_fitting": sum(e.fits for e in estimates),
         "recommended": [e.to_dict() for e in estimates if e.fits][:top],
         "rejected": [e.to_dict() for e in rejected_summary(estimates)][:rejected],
     }, indent=2)
