@@ -1,0 +1,36 @@
+"""Quantized weights as published checkpoints ship them: block-wise FP8 (DeepSeek's) and compressed-tensors int4.
+
+formats.py   the formats: their quantization_config, the dequantization and FP8 quantization arithmetic
+hf_read.py   reading a quantized HF checkpoint, checked, dequantized or kept (`convert from-hf --keep-quantized`)
+maps.py      the HF tensor map of a kept model (stored names, the scales' own maps)
+layout.py    the scales' shard specs, whole-block tensor-parallel splits
+modules.py   a kept model's frozen projections, dequantized per use (LoRA on a quantized base)
+gemm.py      the block-scaled FP8 GEMM on a GPU
+export.py    `convert to-hf` of a kept checkpoint (byte-identical) and `--quantize fp8-block`
+"""
+from __future__ import annotations
+
+
+def stored_names(cfg) -> set:
+    """The tpzoo tensors of a kept-quantized model whose bytes are stored as they are (the quantized weights and
+    their scales): conversions never cast them to another dtype."""
+    record = getattr(cfg, "quantization", None)
+    if not record:
+        return set()
+    from .formats import format_of
+
+    suffix = format_of(record).scale_suffix
+    return {n for name in record["tensors"] for n in (name, name + suffix)}
+
+
+def describe(cfg) -> str:
+    """One line: what a kept-quantized model stores quantized (empty for any other)."""
+    record = getattr(cfg, "quantization", None)
+    if not record:
+        return ""
+    from .formats import format_of
+
+    fmt = format_of(record)
+    how = (f"e4m3, {fmt.block[0]}x{fmt.block[1]} blocks, float32 scale_inv" if fmt.name == "fp8_block" else
+           f"int4 packed in int32, groups of {fmt.group}, {fmt.scale_type} scales")
+    return f"quantized: {len(record['tensors'])} weights kept in {fmt.name} ({how}; `<name>{fmt.scale_suffix}`)"
