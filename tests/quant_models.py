@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-VOCAB = 61
+VOCAB = 259  # the byte tokenizer's (the training tests use it)
 BLOCK = 128
 
 

@@ -34,3 +34,24 @@ def describe(cfg) -> str:
     how = (f"e4m3, {fmt.block[0]}x{fmt.block[1]} blocks, float32 scale_inv" if fmt.name == "fp8_block" else
            f"int4 packed in int32, groups of {fmt.group}, {fmt.scale_type} scales")
     return f"quantized: {len(record['tensors'])} weights kept in {fmt.name} ({how}; `<name>{fmt.scale_suffix}`)"
+
+
+def refuse_full_training(cfg, what: str = "the base") -> None:
+    """A kept-quantized model trains adapters only: one line saying so, and what to do."""
+    record = getattr(cfg, "quantization", None)
+    if record:
+        from tpzoo.errors import ConfigError
+
+        raise ConfigError(f"{what} is kept quantized ({record['format']}, convert from-hf --keep-quantized): its "
+                          f"weights are frozen; fine-tune it with LoRA (--lora-rank R), or convert the HF checkpoint "
+                          f"again without --keep-quantized to train every weight")
+
+
+def check_split(cfg, tp: int) -> None:
+    """A kept-quantized model at tensor-parallel size tp: every quantized tensor cut along whole blocks (else the
+    ParallelLayoutError naming it), checked on a meta build."""
+    if getattr(cfg, "quantization", None) and tp > 1:
+        from tpzoo.models import ModelLayout, Transformer
+        from tpzoo.parallel import ParallelDims
+
+        Transformer(cfg, ModelLayout(ParallelDims.for_rank(tp=tp), device="meta"))
