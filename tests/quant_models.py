@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import torch
@@ -93,11 +94,24 @@ def _saved(model, path: Path) -> dict:
     return out
 
 
+_WRITTEN: dict = {}  # (writer, kind, seed) -> (a directory written earlier in this process, its tensors)
+
+
+def _cached(key, path: Path):
+    """A copy of an identical checkpoint written earlier by this process (the tests share them), or None."""
+    if key in _WRITTEN and _WRITTEN[key][0].is_dir():
+        shutil.copytree(_WRITTEN[key][0], path)
+        return _WRITTEN[key][1]
+    return None
+
+
 def write_fp8(kind: str, path, seed: int = 0) -> dict:
     """A block-FP8 checkpoint of the tiny `kind` model in `path` (two shards and an index); returns its tensors."""
     from safetensors.torch import save_file
 
     path = Path(path)
+    if (done := _cached(("fp8", kind, seed), path)) is not None:
+        return done
     state = {k: v.to(torch.bfloat16) for k, v in _saved(hf_model(kind, seed), path).items()}
     out = {}
     for name, w in state.items():
@@ -120,6 +134,7 @@ def write_fp8(kind: str, path, seed: int = 0) -> dict:
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                   "weight_block_size": [128, 128]}
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    _WRITTEN[("fp8", kind, seed)] = (path, out)
     return out
 
 
@@ -131,6 +146,8 @@ def write_int4(path, seed: int = 0, group: int = 32) -> dict:
     from safetensors.torch import save_file
 
     path = Path(path)
+    if (done := _cached(("int4", group, seed), path)) is not None:
+        return done
     state = _saved(hf_model("deepseek_int4", seed), path)
     args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
@@ -156,6 +173,7 @@ def write_int4(path, seed: int = 0, group: int = 32) -> dict:
     cfg["dtype"] = "bfloat16"
     cfg["quantization_config"] = {**qcfg.model_dump(exclude_none=True), "quant_method": "compressed-tensors"}
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    _WRITTEN[("int4", group, seed)] = (path, out)
     return out
 
 

@@ -23,23 +23,14 @@ from .maps import kept_maps
 
 
 def quantizable(cfg) -> list[str]:
-    """The tpzoo tensors `--quantize` quantizes: the weights of the blocks' parallel linear layers (not a one-output
-    gate) and the experts' stacked weights, found on a meta build of the model."""
+    """The tpzoo tensors `--quantize` quantizes (modules.quantizable_tensors), found on a meta build of the model."""
     from tpzoo.checkpoint.layout import build_chunk
     from tpzoo.parallel.dims import ParallelDims
 
+    from .modules import quantizable_tensors
+
     stage = {"pp_rank": 0, "layers": [0, cfg.num_layers], "pre_process": True, "post_process": True}
-    chunk = build_chunk(cfg, stage, ParallelDims.for_rank(tp=1))
-    out = []
-    for name, m in chunk.named_modules():
-        if not name.startswith("layers."):
-            continue
-        if getattr(type(m), "fp8_kind", None) and m.weight.shape[0] > 1:
-            out.append(name + ".weight")
-        for attr in ("gate_up", "down"):
-            if isinstance(getattr(m, attr, None), torch.nn.Parameter):
-                out.append(f"{name}.{attr}")
-    return out
+    return quantizable_tensors(build_chunk(cfg, stage, ParallelDims.for_rank(tp=1)))
 
 
 def _full_logical(source, name: str) -> tuple:

@@ -178,6 +178,52 @@ def apply_quantization(chunk: nn.Module, record: dict, compute_dtype: torch.dtyp
             module.quantized = {**getattr(module, "quantized", {}), attr: QuantizedWeight(*args)}
 
 
-def is_quantized(model_or_chunks) -> bool:
-    chunks = model_or_chunks if isinstance(model_or_chunks, (list, tuple)) else [model_or_chunks]
-    return any(getattr(c.cfg, "quantization", None) for c in chunks)
+@torch.no_grad()
+def dequantize_model(chunk: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Replace a kept-quantized chunk's quantized tensors by their dequantized values in `dtype` (frozen, same specs),
+    drop the scales: an ordinary model again, whose adapters `--merge` can fold in (its config loses `quantization`)."""
+    for module in list(chunk.modules()):
+        weights = dict(getattr(module, "quantized", {}))
+        if isinstance(getattr(module, "fp8", None), QuantizedGemm):
+            weights["weight"] = module.fp8
+            module.fp8 = None
+        for attr, qw in weights.items():
+            old = getattr(module, attr)
+            n = old.shape[0] if attr != "weight" else None
+            dense = (qw.dequantized(dtype) if n is None else
+                     torch.stack([qw.dequantized(dtype, e) for e in range(n)]))
+            new = _frozen(dense, old)
+            new.tp_spec = old.tp_spec
+            delattr(module, attr + qw.fmt.scale_suffix)
+            setattr(module, attr, new)
+        if hasattr(module, "quantized"):
+            del module.quantized
+    chunk.cfg = chunk.cfg.replace(quantization=None)
+    return chunk
+
+
+def merge_dtype(ckpt) -> torch.dtype | None:
+    """The dtype `--merge` writes a LoRA checkpoint's base in: the run's (its adapters' dtype) when the base is kept
+    quantized, else None (the base's own)."""
+    from tpzoo.checkpoint.format import is_checkpoint, read_manifest
+    from tpzoo.checkpoint.lora_io import lora_info, resolve_base
+    from tpzoo.checkpoint.safetensors_io import DTYPES
+
+    base = resolve_base(lora_info(ckpt), ckpt)
+    if not is_checkpoint(base) or not read_manifest(base)["model_config"].get("quantization"):
+        return None
+    return DTYPES[next(iter(read_manifest(ckpt)["tensors"].values()))["dtype"]]
+
+
+def quantizable_tensors(chunk: nn.Module) -> list[str]:
+    """The chunk's tensors a quantized base stores quantized (what the published FP8 checkpoints quantize): the
+    weights of the blocks' parallel linear layers (not a one-output gate) and the experts' stacked weights; never the
+    embeddings, the head, norms, routers or biases."""
+    out = []
+    for name, m in chunk.named_modules():
+        if not name.startswith("layers."):
+            continue
+        if getattr(type(m), "fp8_kind", None) and m.weight.shape[0] > 1:
+            out.append(name + ".weight")
+        out += [f"{name}.{attr}" for attr in ("gate_up", "down") if isinstance(getattr(m, attr, None), nn.Parameter)]
+    return out
