@@ -7,6 +7,7 @@ dequantization they are checked against (written out loop by loop, independent o
                   sizes split over tp 2 along whole blocks. Written as two shards whose index puts some weights and
                   their scales in different files.
     qwen3         block FP8 with every dim a multiple of 128 (what transformers' own CPU loader dequantizes right)
+    minimax_m2    block FP8 likewise: MiniMax-M2 (full-width q/k norms, partial rotary, sigmoid router with bias)
     deepseek_int4 Kimi K2 Thinking's layout: the routed experts int4 (compressed-tensors pack-quantized, group 32,
                   written by the compressed-tensors package), everything else bf16 and in the `ignore` list
 """
@@ -33,6 +34,11 @@ def hf_model(kind: str, seed: int = 0):
         cfg = tf.Qwen3Config(**common, hidden_size=128, intermediate_size=256, num_attention_heads=2,
                              num_key_value_heads=1, head_dim=128)
         model = tf.Qwen3ForCausalLM(cfg)
+    elif kind == "minimax_m2":  # every dim a multiple of 128 too; partial rotary, full-width q/k norms
+        cfg = tf.MiniMaxM2Config(**common, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                 num_key_value_heads=1, head_dim=128, rotary_dim=64, num_local_experts=4,
+                                 num_experts_per_tok=2)
+        model = tf.MiniMaxM2ForCausalLM(cfg)
     else:  # deepseek_v3, deepseek_int4
         cfg = tf.DeepseekV3Config(**common, hidden_size=192, intermediate_size=256, moe_intermediate_size=256,
                                   n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -45,9 +51,9 @@ def hf_model(kind: str, seed: int = 0):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.2)
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith(("mlp.gate.weight", "router.weight")) or "gate.weight" in name and "experts" not in name:
                 p.normal_(std=1.0)  # confident routing
-            elif name.endswith("proj.weight") or "embed" in name or name == "lm_head.weight":
+            elif p.dim() >= 2:  # projections, experts, embeddings, head
                 p.normal_(std=0.08)
                 p.mul_(torch.exp(torch.randn(p.shape[-2] // 32 + 1, 1).repeat_interleave(32, 0)[:p.shape[-2]]))
         for name, b in model.named_buffers():
@@ -79,8 +85,9 @@ def dequant_fp8_reference(q: torch.Tensor, scale: torch.Tensor, dtype=torch.floa
     return out
 
 
-def _quantized_fp8(name: str) -> bool:
-    return name.endswith(("proj.weight", "proj_with_mqa.weight"))  # every projection; not the router, norms, head
+def _quantized_fp8(name: str, t: torch.Tensor) -> bool:
+    """Every linear weight of the blocks (projections, experts); not the embeddings, head, norms, routers."""
+    return t.dim() == 2 and ".layers." in name and not name.endswith(("gate.weight", "norm.weight"))
 
 
 def _saved(model, path: Path) -> dict:
@@ -115,7 +122,7 @@ def write_fp8(kind: str, path, seed: int = 0) -> dict:
     state = {k: v.to(torch.bfloat16) for k, v in _saved(hf_model(kind, seed), path).items()}
     out = {}
     for name, w in state.items():
-        if _quantized_fp8(name):
+        if _quantized_fp8(name, w):
             out[name], out[name + "_scale_inv"] = fp8_blocks(w)
         else:
             out[name] = w
@@ -184,3 +191,45 @@ def dequant_int4_reference(packed: torch.Tensor, scale: torch.Tensor, shape, gro
 
     q = unpack_from_int32(packed, 4, torch.Size(shape))
     return (q.float() * scale.float().repeat_interleave(group, dim=-1)[..., :shape[-1]]).to(dtype)
+
+
+# -- evaluation against transformers (tests/test_quant_parallel.py, test_minimax_m2.py) ------------------------------
+SEQ, BATCH = 16, 2
+STREAM = torch.randint(0, VOCAB, (3 * SEQ + 5,), generator=torch.Generator().manual_seed(3))
+
+
+def hf_loss(path) -> float:
+    """transformers' loss over STREAM's evaluation windows (tpzoo.evaluation's), fp32."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from tpzoo.evaluation import batches, token_windows
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    total = n = 0
+    for b in batches(token_windows(STREAM, SEQ), BATCH):
+        with torch.no_grad():
+            logits = model(b[:, :-1]).logits
+        total += F.cross_entropy(logits.flatten(0, 1).float(), b[:, 1:].flatten(), reduction="sum").item()
+        n += b[:, 1:].numel()
+    return total / n
+
+
+def evaluate_kept(cases):
+    """On every rank (run_on_ranks): for each (checkpoint, tp, ep, sequence parallel), tpzoo's evaluation loss of
+    STREAM and the dtypes the model's weights are stored in (the quantized ones)."""
+    import tpzoo
+    from tpzoo.checkpoint import load_model
+    from tpzoo.evaluation import evaluate
+
+    out = []
+    for path, tp, ep, sp in cases:
+        tpzoo.init_parallel(tp=tp, ep=ep)
+        try:
+            model = load_model(path, sequence_parallel=sp, dtype=torch.float32).eval()
+            stored = {str(p.dtype) for n, p in model.named_parameters() if n.endswith((".weight", "gate_up", "down"))
+                      and p.dtype != torch.float32}
+            out.append((evaluate(model, STREAM, SEQ, batch_size=BATCH)["loss"], sorted(stored)))
+        finally:
+            tpzoo.destroy_parallel()
+    return out

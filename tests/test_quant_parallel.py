@@ -17,33 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from checkpoint_helpers import safetensors_dir
-from quant_models import VOCAB, dequant_fp8_reference, dequant_int4_reference, write_fp8, write_int4
+from quant_models import (dequant_fp8_reference, dequant_int4_reference, evaluate_kept, hf_loss, write_fp8,
+                          write_int4)
 
-import tpzoo
-from tpzoo.checkpoint import convert_from_hf, load_model
-from tpzoo.evaluation import batches, evaluate, token_windows
+from tpzoo.checkpoint import convert_from_hf
 from tpzoo.testing import run_on_ranks
 
 pytest.importorskip("compressed_tensors")
-SEQ, BATCH = 16, 2
-STREAM = torch.randint(0, VOCAB, (3 * SEQ + 5,), generator=torch.Generator().manual_seed(3))
-
-
-def _hf_loss(path) -> float:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    total = n = 0
-    for b in batches(token_windows(STREAM, SEQ), BATCH):
-        with torch.no_grad():
-            logits = model(b[:, :-1]).logits
-        total += F.cross_entropy(logits.flatten(0, 1).float(), b[:, 1:].flatten(), reduction="sum").item()
-        n += b[:, 1:].numel()
-    return total / n
-
-
 def _dense_copy(src: Path, dst: Path, tensors: dict) -> Path:
     """`src` with its quantized weights replaced by the reference dequantization (fp32), unquantized."""
     from safetensors.torch import save_file
@@ -81,23 +62,9 @@ def kept(tmp_path_factory):
             tensors = writer(src)
             convert_from_hf(src, root / (name + "-kept"), tp=tp, keep_quantized=True, progress=False)
             oracle = src if name == "qwen3_fp8" else _dense_copy(src, root / (name + "-dense"), tensors)
-            out[name] = (str(root / (name + "-kept")), _hf_loss(oracle))
+            out[name] = (str(root / (name + "-kept")), hf_loss(oracle))
         return out[name]
     return get
-
-
-def _evaluate(cases):
-    out = []
-    for path, tp, ep, sp in cases:
-        tpzoo.init_parallel(tp=tp, ep=ep)
-        try:
-            model = load_model(path, sequence_parallel=sp, dtype=torch.float32).eval()
-            stored = {str(p.dtype) for n, p in model.named_parameters() if n.endswith((".weight", "gate_up", "down"))
-                      and p.dtype not in (torch.float32,)}
-            out.append((evaluate(model, STREAM, SEQ, batch_size=BATCH)["loss"], sorted(stored)))
-        finally:
-            tpzoo.destroy_parallel()
-    return out
 
 
 SLOW = pytest.mark.slow
@@ -109,7 +76,7 @@ SLOW = pytest.mark.slow
 def test_kept_checkpoints_evaluate_as_transformers_at_tp2_and_ep2(kept, cases):
     """(the Qwen3's oracle is transformers' own FP8 loader; the others', transformers on the reference
     dequantization)"""
-    results = run_on_ranks(2, _evaluate, [(kept(n)[0], tp, ep, sp) for n, tp, ep, sp in cases])[0]
+    results = run_on_ranks(2, evaluate_kept, [(kept(n)[0], tp, ep, sp) for n, tp, ep, sp in cases])[0]
     for (name, tp, ep, _), (loss, stored) in zip(cases, results):
         assert stored == (["torch.float8_e4m3fn"] if name.endswith("fp8") else ["torch.int32"]), (name, stored)
         assert abs(loss - kept(name)[1]) < 1e-4, (name, tp, ep, loss, kept(name)[1])

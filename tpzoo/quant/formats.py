@@ -182,7 +182,7 @@ def read_quantization_config(quant: dict, where: str):
     if method == "mxfp4":
         return None
     if method == "fp8":
-        if quant.get("fmt", "e4m3") != "e4m3":
+        if quant.get("fmt", "e4m3") not in ("e4m3", "float8_e4m3fn"):  # (MiniMax-M2 spells it out)
             raise QuantError(f"{field}.fmt={quant.get('fmt')!r} is not supported (tpzoo reads e4m3)")
         block = quant.get("weight_block_size")
         if block is None or list(block) != [128, 128]:
