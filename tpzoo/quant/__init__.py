@@ -5,7 +5,6 @@ hf_read.py   reading a quantized HF checkpoint, checked, dequantized or kept (`c
 maps.py      the HF tensor map of a kept model (stored names, the scales' own maps)
 layout.py    the scales' shard specs, whole-block tensor-parallel splits
 modules.py   a kept model's frozen projections, dequantized per use (LoRA on a quantized base)
-gemm.py      the block-scaled FP8 GEMM on a GPU
 export.py    `convert to-hf` of a kept checkpoint (byte-identical) and `--quantize fp8-block`
 """
 from __future__ import annotations

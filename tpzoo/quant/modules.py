@@ -12,8 +12,9 @@ sequence-parallel gathered matmul) holds a `QuantizedGemm`: y = x W^T with W deq
 and scales into the activations' dtype at each use, in the forward and again in the backward for the input
 gradient; nothing of W in 16 bits outlives the call, so a step holds the quantized bytes plus one layer's weight.
 Mixtures of experts dequantize one expert at a time (`expert_mlp`). The frozen weights get no gradient; only LoRA's
-adapters (beside them) train. On CUDA, an FP8 weight with bf16 activations runs DeepSeek's block-scaled FP8 GEMM
-where torch has it (tpzoo.quant.gemm); elsewhere the dequantized matmul (its CPU twin).
+adapters (beside them) train. The same path runs on a GPU (the dequantization is elementwise, then the matmul in
+the activations' dtype); DeepSeek's block-scaled FP8 GEMM (torch.nn.functional.scaled_mm with BlockWise1x128 /
+BlockWise128x128 scales, Hopper) would skip the 16-bit copy there: not built, since no GPU has measured it yet.
 """
 from __future__ import annotations
 
@@ -48,11 +49,11 @@ class QuantizedWeight:
     def scales(self) -> torch.Tensor:
         return getattr(self._module(), self.attr + self.fmt.scale_suffix)
 
-    def _rows_cols(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """This shard's row and column -> block index in this shard's scales (built once per device)."""
+    def _rows(self, device) -> torch.Tensor:
+        """This shard's row -> the row of its block in this shard's scales (built once per device). Columns need no
+        map: a shard's columns start on a block boundary (tpzoo.quant.layout), so column c is in block c // unit."""
         if device not in self._index:
-            self._index[device] = tuple(block_index(self.fmt, self.spec, self.full, self.rank, self.tp, a).to(device)
-                                        for a in (0, 1))
+            self._index[device] = block_index(self.fmt, self.spec, self.full, self.rank, self.tp, 0).to(device)
         return self._index[device]
 
     def dequantized(self, dtype: torch.dtype, expert: int | None = None) -> torch.Tensor:
@@ -60,11 +61,18 @@ class QuantizedWeight:
         q, s = self.values.detach(), self.scales.detach()
         if expert is not None:
             q, s = q[expert], s[expert]
-        rows, cols = self._rows_cols(q.device)
         if self.fmt.pack > 1:
-            q = self.fmt.unpack(q, cols.numel())
-        s = s.to(torch.float32).index_select(-2, rows).index_select(-1, cols)
-        return (q.to(torch.float32) * s).to(dtype)
+            q = self.fmt.unpack(q, q.shape[-1] * self.fmt.pack)
+        s = s.to(torch.float32).index_select(-2, self._rows(q.device))  # [rows, column blocks]
+        unit, cols = self.fmt.units()[1], q.shape[-1]
+        whole = cols // unit * unit
+        out = torch.empty(q.shape, dtype=dtype, device=q.device)
+        if whole:  # whole column blocks: their scale broadcast over the block
+            out[..., :whole] = (q[..., :whole].to(torch.float32).unflatten(-1, (-1, unit))
+                                * s[..., :whole // unit, None]).flatten(-2)
+        if whole < cols:  # a partial last block
+            out[..., whole:] = q[..., whole:].to(torch.float32) * s[..., whole // unit:]
+        return out
 
 
 class _DequantLinear(torch.autograd.Function):
@@ -83,11 +91,7 @@ class _DequantLinear(torch.autograd.Function):
 
 def dequant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
                    expert: int | None = None) -> torch.Tensor:
-    from .gemm import block_fp8_linear  # the GPU FP8 GEMM where it applies, else None
-
-    y = block_fp8_linear(x, weight, expert)
-    if y is None:
-        y = _DequantLinear.apply(x, weight, expert)
+    y = _DequantLinear.apply(x, weight, expert)
     return y + bias if bias is not None else y
 
 
