@@ -29,6 +29,7 @@ import torch
 from tpzoo.errors import UserError
 
 E4M3_MAX = 448.0
+_E4M3_TABLE: dict = {}  # device -> the 256 e4m3 values in bf16
 
 
 class QuantError(UserError, ValueError):
@@ -64,6 +65,15 @@ class Fp8Block:
     def units(self) -> tuple[int, int]:
         """The row and column counts a tensor-parallel cut must be a multiple of (whole blocks)."""
         return self.block
+
+    def values(self, q: torch.Tensor) -> torch.Tensor:
+        """The e4m3 values as bf16 (every e4m3 number is one), through a 256-entry table: several times faster on
+        a CPU than torch's element-by-element fp8 conversion."""
+        table = _E4M3_TABLE.get(q.device)
+        if table is None:
+            table = _E4M3_TABLE[q.device] = torch.arange(256, dtype=torch.uint8, device=q.device).view(
+                torch.float8_e4m3fn).to(torch.bfloat16)
+        return table.index_select(0, q.contiguous().view(torch.uint8).reshape(-1).int()).view(q.shape)
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rows: int = 0,
                    cols: int = 0) -> torch.Tensor:
@@ -130,6 +140,9 @@ class Int4Pack:
 
     def units(self) -> tuple[int, int]:
         return (1, math.lcm(self.group, 8))
+
+    def values(self, packed: torch.Tensor) -> torch.Tensor:
+        return self.unpack(packed, packed.shape[-1] * 8)
 
     def unpack(self, packed: torch.Tensor, cols: int) -> torch.Tensor:
         """int32 words [..., r, w] -> int8 values [..., r, cols] in [-8, 7] (low nibble first, little-endian)."""

@@ -61,17 +61,16 @@ class QuantizedWeight:
         q, s = self.values.detach(), self.scales.detach()
         if expert is not None:
             q, s = q[expert], s[expert]
-        if self.fmt.pack > 1:
-            q = self.fmt.unpack(q, q.shape[-1] * self.fmt.pack)
+        q = self.fmt.values(q)  # exact (bf16 / int8): the products below are fp32, rounded once into `out`
         s = s.to(torch.float32).index_select(-2, self._rows(q.device))  # [rows, column blocks]
         unit, cols = self.fmt.units()[1], q.shape[-1]
         whole = cols // unit * unit
         out = torch.empty(q.shape, dtype=dtype, device=q.device)
         if whole:  # whole column blocks: their scale broadcast over the block
-            out[..., :whole] = (q[..., :whole].to(torch.float32).unflatten(-1, (-1, unit))
-                                * s[..., :whole // unit, None]).flatten(-2)
+            torch.mul(q[..., :whole].unflatten(-1, (-1, unit)), s[..., :whole // unit, None],
+                      out=out[..., :whole].unflatten(-1, (-1, unit)))
         if whole < cols:  # a partial last block
-            out[..., whole:] = q[..., whole:].to(torch.float32) * s[..., whole // unit:]
+            torch.mul(q[..., whole:], s[..., whole // unit:], out=out[..., whole:])
         return out
 
 
