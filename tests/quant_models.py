@@ -34,6 +34,10 @@ def hf_model(kind: str, seed: int = 0):
         cfg = tf.Qwen3Config(**common, hidden_size=128, intermediate_size=256, num_attention_heads=2,
                              num_key_value_heads=1, head_dim=128)
         model = tf.Qwen3ForCausalLM(cfg)
+    elif kind == "qwen3_ragged":  # fused q|k|v and gate|up whose parts end in partial blocks (tp 1 only)
+        cfg = tf.Qwen3Config(**common, hidden_size=160, intermediate_size=200, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=80)
+        model = tf.Qwen3ForCausalLM(cfg)
     elif kind == "minimax_m2":  # every dim a multiple of 128 too; partial rotary, full-width q/k norms
         cfg = tf.MiniMaxM2Config(**common, hidden_size=128, intermediate_size=256, num_attention_heads=2,
                                  num_key_value_heads=1, head_dim=128, rotary_dim=64, num_local_experts=4,

@@ -123,6 +123,22 @@ def test_kept_checkpoints_hold_the_source_bytes_and_export_them_byte_identical(f
                 == json.loads((tmp_path / f"{name}-hf" / "config.json").read_text()))
 
 
+def test_kept_fused_weights_with_ragged_parts_compute_as_the_fp32_import(tmp_path):
+    """q|k|v (160, 80, 80 rows) and gate|up (200 each): every part ends in a partial block of its own, which the
+    fused scales keep apart; the kept model's logits equal the fp32 import's exactly."""
+    from tpzoo.checkpoint import convert_from_hf, load_model
+    from tpzoo.models import Inputs
+
+    write_fp8("qwen3_ragged", tmp_path / "hf")
+    convert_from_hf(tmp_path / "hf", tmp_path / "kept", keep_quantized=True, progress=False)
+    convert_from_hf(tmp_path / "hf", tmp_path / "fp32", dtype="fp32", progress=False)
+    assert read_manifest(tmp_path / "kept")["tensors"]["layers.0.attn.qkv.weight_scale_inv"]["shape"] == [4, 2]
+    ids = torch.randint(0, 259, (2, 9), generator=torch.Generator().manual_seed(0))
+    kept, full = (load_model(tmp_path / n, dtype=torch.float32, device="cpu") for n in ("kept", "fp32"))
+    with torch.no_grad():
+        assert torch.equal(kept(Inputs(ids)), full(Inputs(ids)))
+
+
 def _expect_error(args, match, capsys, parent):
     before = sorted(os.listdir(parent))
     assert cli(args) == 2

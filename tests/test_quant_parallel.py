@@ -124,6 +124,10 @@ def test_lora_on_a_kept_base_equals_lora_on_the_fp32_import(lora_bases, tp, ep, 
     full, full_ckpt = _lora_losses(root, store, "fp32", tp, ep, sp)
     assert max(abs(a - b) for a, b in zip(kept, full)) < 1e-5, (kept, full)
     assert kept[-1] < kept[0] - 0.1  # the adapters trained
+    from tpzoo.checkpoint.peft import export_peft  # (what `convert to-hf` does with a LoRA checkpoint)
+
+    a, b = (safetensors_dir(export_peft(c, tmp_path / n)) for c, n in ((kept_ckpt, "pk"), (full_ckpt, "pf")))
+    assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() < 1e-5 for k in a)
     if tp == 1 and ep == 1:  # --merge onto the kept base: the merged weights at the run's dtype
         from tpzoo.cli import main as cli
 

@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from convert import llama_tensors, timed_command  # noqa: E402 (a sibling script)
+from convert import fsync_tree, llama_tensors  # noqa: E402 (a sibling script)
 
 from tpzoo.checkpoint.st_writer import SafetensorsWriter  # noqa: E402
 from tpzoo.quant.formats import Fp8Block  # noqa: E402
@@ -97,6 +97,26 @@ def write_checkpoint(path: Path, args, fp8: bool) -> int:
     return total
 
 
+# The command runs in a child whose own peak resident set it reports at exit (VmHWM of its address space, fresh at
+# exec): os.wait4's ru_maxrss would include this parent's resident set at the fork.
+_CHILD = ("import sys\nfrom tpzoo.cli import main\nrc = main(sys.argv[1:])\n"
+          "hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM:')).split()[1]\n"
+          "sys.stderr.write(f'VMHWM {hwm}\\n')\nsys.exit(rc)\n")
+
+
+def timed_tpzoo(argv: list[str], out: Path) -> tuple[float, float, int]:
+    """(seconds until `tpzoo *argv` exits, seconds until its output is on disk, its own peak RSS in bytes)."""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _CHILD, *argv], cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+    returned = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"tpzoo {' '.join(argv)} failed:\n{proc.stderr}")
+    fsync_tree(out)
+    hwm = int(proc.stderr.rsplit("VMHWM ", 1)[1].split()[0]) * 1024
+    return returned, time.perf_counter() - start, hwm
+
+
 def part_convert(args, work: Path) -> dict:
     sizes = {"fp8": write_checkpoint(work / "fp8", args, True), "bf16": write_checkpoint(work / "bf16", args, False)}
     os.sync()
@@ -106,9 +126,8 @@ def part_convert(args, work: Path) -> dict:
     for _ in range(args.repeat):
         for case, (src, extra) in cases.items():
             out = work / "out"
-            cmd = [sys.executable, "-m", "tpzoo", "convert", "from-hf", str(src), str(out), "--tp", "2", "--quiet",
-                   "--force", *extra]
-            seconds, durable, rss = timed_command(cmd, out)
+            cmd = ["convert", "from-hf", str(src), str(out), "--tp", "2", "--quiet", "--force", *extra]
+            seconds, durable, rss = timed_tpzoo(cmd, out)
             out_bytes = sum(f.stat().st_size for f in out.iterdir() if f.suffix == ".safetensors")
             runs[case].append((seconds, durable, rss, out_bytes))
             shutil.rmtree(out)

@@ -82,9 +82,9 @@ class Fp8Block:
         br, bc = self.block
         r, c = q.shape[-2:]
         ri = (torch.arange(rows, rows + r, device=q.device) // br) - rows // br
-        ci = (torch.arange(cols, cols + c, device=q.device) // bc) - cols // bc
-        s = scale.to(torch.float32).index_select(-2, ri).index_select(-1, ci)
-        return (q.to(torch.float32) * s).to(dtype)
+        s = scale.to(torch.float32).index_select(-2, ri).repeat_interleave(bc, dim=-1)[..., cols % bc: cols % bc + c]
+        # the exact values (bf16) times the fp32 scales, computed in fp32 and rounded once into `dtype`
+        return torch.mul(self.values(q), s, out=torch.empty(q.shape, dtype=dtype, device=q.device))
 
     def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(e4m3 values, float32 scale_inv = block amax / 448) of a weight; an all-zero block gets scale 0."""
@@ -163,9 +163,9 @@ class Int4Pack:
                    cols: int = 0) -> torch.Tensor:
         """`q` int8 values (unpacked) of a box starting at column `cols`, `scale` the groups covering it (from
         group cols // group): the box dequantized (q x scale in fp32, rounded once)."""
-        c = q.shape[-1]
-        gi = (torch.arange(cols, cols + c, device=q.device) // self.group) - cols // self.group
-        return (q.to(torch.float32) * scale.to(torch.float32).index_select(-1, gi)).to(dtype)
+        c, g = q.shape[-1], self.group
+        s = scale.to(torch.float32).repeat_interleave(g, dim=-1)[..., cols % g: cols % g + c]
+        return torch.mul(q, s, out=torch.empty(q.shape, dtype=dtype, device=q.device))
 
     def hf_config(self) -> dict:
         raise QuantError("int4 (compressed-tensors) is exported as the source's own quantization_config only")
