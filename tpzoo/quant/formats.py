@@ -80,11 +80,8 @@ class Fp8Block:
         """`q` a box of a weight whose top-left corner is (rows, cols) in it (a multiple of nothing: any box),
         `scale` the blocks covering the box (from block rows // 128, cols // 128): the box dequantized."""
         br, bc = self.block
-        r, c = q.shape[-2:]
-        ri = (torch.arange(rows, rows + r, device=q.device) // br) - rows // br
-        s = scale.to(torch.float32).index_select(-2, ri).repeat_interleave(bc, dim=-1)[..., cols % bc: cols % bc + c]
-        # the exact values (bf16) times the fp32 scales, computed in fp32 and rounded once into `dtype`
-        return torch.mul(self.values(q), s, out=torch.empty(q.shape, dtype=dtype, device=q.device))
+        ri = (torch.arange(rows, rows + q.shape[-2], device=q.device) // br) - rows // br
+        return apply_scales(self.values(q), scale.to(torch.float32).index_select(-2, ri), bc, cols, dtype)
 
     def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(e4m3 values, float32 scale_inv = block amax / 448) of a weight; an all-zero block gets scale 0."""
@@ -163,15 +160,35 @@ class Int4Pack:
                    cols: int = 0) -> torch.Tensor:
         """`q` int8 values (unpacked) of a box starting at column `cols`, `scale` the groups covering it (from
         group cols // group): the box dequantized (q x scale in fp32, rounded once)."""
-        c, g = q.shape[-1], self.group
-        s = scale.to(torch.float32).repeat_interleave(g, dim=-1)[..., cols % g: cols % g + c]
-        return torch.mul(q, s, out=torch.empty(q.shape, dtype=dtype, device=q.device))
+        return apply_scales(q, scale.to(torch.float32), self.group, cols, dtype)
 
     def hf_config(self) -> dict:
         raise QuantError("int4 (compressed-tensors) is exported as the source's own quantization_config only")
 
 
 FORMATS = {"fp8_block": Fp8Block, "int4_pack": Int4Pack}
+
+
+def apply_scales(values: torch.Tensor, scale: torch.Tensor, unit: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """values [..., c] (exact: bf16 e4m3 values, int8 int4 values) of the columns starting at `cols` of a weight,
+    times the fp32 scale [..., blocks] of the column blocks of `unit` covering them (from block cols // unit): each
+    product formed in fp32 and rounded once into `dtype`. The whole blocks broadcast their scale (no expanded scale
+    tensor); a partial block at either end takes its own. (Same-dtype in-place multiplies: torch's CPU kernels for a
+    mixed-dtype multiply are several times slower.)"""
+    out = values.to(torch.float32)
+    c = out.shape[-1]
+    head = min(c, -cols % unit)  # columns before the first block boundary
+    first = 1 if head else 0     # the scale of the first whole block
+    whole = (c - head) // unit * unit
+    if head:
+        out[..., :head].mul_(scale[..., :1])
+    if whole:
+        n = whole // unit
+        out[..., head:head + whole].unflatten(-1, (n, unit)).mul_(scale[..., first:first + n, None])
+    if head + whole < c:
+        last = first + whole // unit
+        out[..., head + whole:].mul_(scale[..., last:last + 1])
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
 def _module(hf_name: str) -> str:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from tpzoo.errors import ConfigError
 
-from .formats import format_of
+from .formats import apply_scales, format_of
 from .layout import block_index, check_whole_blocks, full_logical_shape, scale_full_shape, scale_spec
 
 
@@ -61,17 +61,8 @@ class QuantizedWeight:
         q, s = self.values.detach(), self.scales.detach()
         if expert is not None:
             q, s = q[expert], s[expert]
-        q = self.fmt.values(q)  # exact (bf16 / int8): the products below are fp32, rounded once into `out`
         s = s.to(torch.float32).index_select(-2, self._rows(q.device))  # [rows, column blocks]
-        unit, cols = self.fmt.units()[1], q.shape[-1]
-        whole = cols // unit * unit
-        out = torch.empty(q.shape, dtype=dtype, device=q.device)
-        if whole:  # whole column blocks: their scale broadcast over the block
-            torch.mul(q[..., :whole].unflatten(-1, (-1, unit)), s[..., :whole // unit, None],
-                      out=out[..., :whole].unflatten(-1, (-1, unit)))
-        if whole < cols:  # a partial last block
-            torch.mul(q[..., whole:], s[..., whole // unit:], out=out[..., whole:])
-        return out
+        return apply_scales(self.fmt.values(q), s, self.fmt.units()[1], 0, dtype)
 
 
 class _DequantLinear(torch.autograd.Function):
