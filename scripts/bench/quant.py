@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from convert import fsync_tree, llama_tensors  # noqa: E402 (a sibling script)
+from convert import fsync_tree, llama_tensors, write_from_pool  # noqa: E402 (a sibling script)
 
 from tpzoo.checkpoint.st_writer import SafetensorsWriter  # noqa: E402
 from tpzoo.quant.formats import Fp8Block  # noqa: E402
@@ -71,16 +71,10 @@ def write_checkpoint(path: Path, args, fp8: bool) -> int:
         fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         w = SafetensorsWriter(path / fname, group, {"format": "pt"})
         for name, dtype, shape in group:
-            left = torch.Size(shape).numel()
-            src = pool8 if dtype == torch.float8_e4m3fn else (pool if dtype == torch.bfloat16 else None)
-            if src is None:  # scales
+            if dtype == torch.float32:  # scales
                 w.write(name, torch.full(shape, 0.02 / 448, dtype=dtype))
-                left = 0
-            while left:
-                take = min(left, src.numel() // 2)
-                k = (k + 7919) % (src.numel() // 2)
-                w.write(name, src[k: k + take])
-                left -= take
+            else:
+                k = write_from_pool(w, name, torch.Size(shape).numel(), pool8 if dtype.itemsize == 1 else pool, k)
             weight_map[name] = fname
         total += w.close()[0]
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
@@ -151,8 +145,9 @@ def lora_case(args) -> None:
     from tpzoo.checkpoint.lora_io import is_base_param
     from tpzoo.checkpoint.sources import CheckpointSource
     from tpzoo.models.lora import LoRAConfig, add_lora, init_lora
-    from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward, materialize_chunks
+    from tpzoo.pipeline import build_model_chunks, materialize_chunks
     from tpzoo.train.optim import DistributedAdamW
+    from train import timed_steps  # (a sibling script: the step scripts/bench/train.py times)
 
     torch.set_num_threads(args.threads)
     base_rss = _rss("VmRSS")
@@ -173,22 +168,9 @@ def lora_case(args) -> None:
     opt = DistributedAdamW([p for c in chunks for p in c.parameters() if p.requires_grad], dims,
                            model_dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(0)
-    times = []
-    for _ in range(args.warmup + args.steps):
-        ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), generator=g)
-        batch = {"input_ids": ids[:, :-1].to(dims.device), "labels": ids[:, 1:].to(dims.device)}
-        if dims.device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        forward_backward(chunks, [batch], dims, loss_scale=1.0 / batch["labels"].numel())
-        finalize_grads(chunks, dims)
-        opt.reduce_grads()
-        norm, _ = opt.global_grad_norm()
-        opt.step(1e-4, min(1.0, 1.0 / (norm + 1e-6)))
-        if dims.device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    batches = [torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), generator=g)
+               for _ in range(args.warmup + args.steps)]
+    times = timed_steps(chunks, opt, dims, batches)
     peak = (torch.cuda.max_memory_allocated() if dims.device.type == "cuda" else (_rss("VmHWM") - base_rss))
     print("RESULT " + json.dumps({"step_s_median": statistics.median(times[args.warmup:]),
                                   "weight_bytes": frozen, "projection_bytes": projections, "peak_bytes": peak}),
