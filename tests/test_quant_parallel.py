@@ -52,8 +52,8 @@ def _dense_copy(src: Path, dst: Path, tensors: dict) -> Path:
 def kept(tmp_path_factory):
     """kept(name) -> (kept checkpoint, transformers' loss), built on first use."""
     root, out = tmp_path_factory.mktemp("quant"), {}
-    writers = {"deepseek_fp8": (lambda p: write_fp8("deepseek_v3", p), 2), "qwen3_fp8": (lambda p: write_fp8("qwen3", p), 1),
-               "deepseek_int4": (write_int4, 2)}
+    writers = {"deepseek_fp8": (lambda p: write_fp8("deepseek_v3", p), 2),
+               "qwen3_fp8": (lambda p: write_fp8("qwen3", p), 1), "deepseek_int4": (write_int4, 2)}
 
     def get(name):
         if name not in out:

@@ -128,7 +128,8 @@ def part_convert(args, work: Path) -> dict:
             os.sync()
     result = {"part": "convert", "layers": args.layers, "source_bytes": sizes, "cases": {}}
     for case, r in runs.items():
-        result["cases"][case] = {"seconds": [round(x[0], 2) for x in r], "median_s": round(statistics.median(x[0] for x in r), 2),
+        result["cases"][case] = {"seconds": [round(x[0], 2) for x in r],
+                                 "median_s": round(statistics.median(x[0] for x in r), 2),
                                  "durable_median_s": round(statistics.median(x[1] for x in r), 2),
                                  "peak_rss_MiB": round(max(x[2] for x in r) / 2**20, 1), "output_bytes": r[0][3]}
     kept, bf16 = result["cases"]["fp8 kept"], result["cases"]["bf16"]

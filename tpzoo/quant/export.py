@@ -42,7 +42,7 @@ def _full_logical(source, name: str) -> tuple:
 
 def export_maps(source, maps: list) -> list:
     """The maps convert_to_hf writes: the family's, with a kept-quantized model's stored names and scales (and an
-    int4 model's `weight_shape` tensors, served by ShapeTensors)."""
+    int4 model's `weight_shape` tensors, which QuantizingSource serves)."""
     record = source.cfg.quantization
     if not record:
         return maps
@@ -54,16 +54,19 @@ def export_maps(source, maps: list) -> list:
             for h, t in zip(m.hf, m.to_hf(torch.empty(_full_logical(source, m.name), device="meta"))):
                 logical[h] = tuple(t.shape)
     out = kept_maps(fmt, maps, quantized, logical.__getitem__)
-    if fmt.pack > 1:
+    if fmt.pack > 1:  # int4: each module's `weight_shape` [out, in] (int64), as compressed-tensors writes it
         from tpzoo.models.hf_mapping import TensorMap
+
+        def unstack(x, n):
+            if x.device.type == "meta":
+                return [torch.empty(x.shape[1:], dtype=x.dtype, device="meta")] * n
+            return [t.clone() for t in x.unbind(0)]
 
         for m in maps:
             if m.name in quantized:
                 shapes = [logical[h] for h in m.hf]
                 out.append(TensorMap(m.name + "_shape", tuple(fmt.hf_shape(h) for h in m.hf),
-                                     lambda ts: torch.stack(ts),
-                                     lambda x, n=len(shapes): [t.clone() for t in x.unbind(0)] if x.device.type != "meta"
-                                     else [torch.empty(x.shape[1:], dtype=x.dtype, device="meta")] * n))
+                                     lambda ts: torch.stack(ts), lambda x, n=len(shapes): unstack(x, n)))
                 source.shapes[m.name + "_shape"] = torch.tensor(shapes, dtype=torch.int64)
     return out
 

@@ -166,9 +166,6 @@ class Int4Pack:
         raise QuantError("int4 (compressed-tensors) is exported as the source's own quantization_config only")
 
 
-FORMATS = {"fp8_block": Fp8Block, "int4_pack": Int4Pack}
-
-
 def apply_scales(values: torch.Tensor, scale: torch.Tensor, unit: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
     """values [..., c] (exact: bf16 e4m3 values, int8 int4 values) of the columns starting at `cols` of a weight,
     times the fp32 scale [..., blocks] of the column blocks of `unit` covering them (from block cols // unit): each

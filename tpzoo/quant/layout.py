@@ -9,8 +9,6 @@ blocks); otherwise the layout is refused, naming the tensor. Expert parallelism 
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from tpzoo.parallel.dims import ParallelLayoutError
@@ -98,11 +96,3 @@ def full_logical_shape(local: tuple, spec: ShardSpec, tp: int) -> tuple:
         d = spec.dim % len(full)
         full[d] = sum(spec.parts) if spec.parts else local[d] * tp
     return tuple(full)
-
-
-def stored_local(fmt, local: tuple) -> tuple:
-    return tuple(fmt.stored_shape(local))
-
-
-def nbytes(shape, dtype: torch.dtype) -> int:
-    return math.prod(shape) * dtype.itemsize

@@ -55,15 +55,3 @@ def kept_maps(fmt, maps: list, quantized: set, hf_logical_shape) -> list:
                           _inverse(m.to_tpzoo, shapes, m.name), layer=m.layer, export=m.export)
         out += [weight, scale]
     return out
-
-
-def logical_shapes_of(maps: list, full_logical) -> dict:
-    """{HF weight name: its unquantized shape} of every map, from the tpzoo tensors' full logical shapes
-    (`full_logical(name)`), through the maps' own to_hf on meta tensors."""
-    out = {}
-    for m in maps:
-        full = full_logical(m.name)
-        if full is not None:
-            for h, t in zip(m.hf, m.to_hf(torch.empty(full, device="meta"))):
-                out[h] = tuple(t.shape)
-    return out

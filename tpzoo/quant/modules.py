@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tpzoo.errors import ConfigError
+from tpzoo.parallel.eager import eager
 
 from .formats import apply_scales, format_of
 from .layout import block_index, check_whole_blocks, full_logical_shape, scale_full_shape, scale_spec
@@ -79,6 +80,7 @@ class _DequantLinear(torch.autograd.Function):
         return dy.matmul(ctx.weight.dequantized(dy.dtype, ctx.expert)), None, None
 
 
+@eager  # a weight cache and weak references: Python state, a graph break under torch.compile
 def dequant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
                    expert: int | None = None) -> torch.Tensor:
     y = _DequantLinear.apply(x, weight, expert)
