@@ -20,36 +20,24 @@ import os
 import shutil
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from convert import ROOT, timed_command, write_hf_checkpoint  # noqa: E402 (sibling script modules)
+from convert import add_model_arguments, fresh_dir, timed_command, write_hf_checkpoint  # noqa: E402
 from mdsection import write_section  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", default="/tmp/tpzoo-bench-megatron", help="scratch directory (deleted afterwards)")
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
-    p.add_argument("--hidden", type=int, default=1536)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=4096)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--shard-gb", type=float, default=2.0, help="HF input shard size (GB)")
+    add_model_arguments(p, dir="/tmp/tpzoo-bench-megatron", dtype="bf16", hidden=1536, layers=16, heads=12, kv_heads=4,
+                        ffn=4096)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--write", metavar="MD", help="write the result table into this markdown file's section")
-    p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     args = p.parse_args()
 
-    work = Path(args.dir)
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
+    work = fresh_dir(args.dir)
     tpzoo = [sys.executable, "-m", "tpzoo", "convert"]
     try:
         size = write_hf_checkpoint(work / "hf", args)

@@ -20,17 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="direction", metavar="{from-hf,to-hf,from-megatron,to-megatron}", required=True)
     a = sub.add_parser("from-hf", help="Hugging Face checkpoint -> tpzoo sharded checkpoint")
     a.add_argument("src", help="HF model directory, a weights file in one, or a hub id (tried only if not a path)")
-    a.add_argument("dst", help="output checkpoint directory")
-    a.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the output (default 1)")
-    a.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the output (default 1)")
-    a.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (default 1)")
-    a.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="weights dtype (auto: keep the source's)")
-    a.add_argument("--vocab-multiple", type=int, default=1,
-                   help="pad the vocabulary to a multiple of tp * this (default 1)")
-    a.add_argument("--checksum", default="crc32", choices=["crc32", "sha256"], help="shard file checksum")
-    a.add_argument("--force", action="store_true", help="replace DST if it exists")
-    a.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_tpzoo_output(a)
     b = sub.add_parser("to-hf", help="tpzoo checkpoint (any layout) -> directory transformers loads")
     b.add_argument("src", help="tpzoo checkpoint directory")
     b.add_argument("dst", help="output HF model directory")
@@ -44,6 +34,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a LoRA checkpoint: write the base with the adapters merged in (default: a PEFT adapter "
                         "directory)")
     convert_megatron.add_parsers(sub)
+
+
+def add_tpzoo_output(a: argparse.ArgumentParser) -> None:
+    """DST and the options of a conversion that writes a tpzoo checkpoint (from-hf, from-megatron)."""
+    a.add_argument("dst", help="output checkpoint directory")
+    a.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the output (default 1)")
+    a.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the output (default 1)")
+    a.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (default 1)")
+    a.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="weights dtype (auto: keep the source's)")
+    a.add_argument("--vocab-multiple", type=int, default=1,
+                   help="pad the vocabulary to a multiple of tp * this (default 1)")
+    a.add_argument("--checksum", default="crc32", choices=["crc32", "sha256"], help="shard file checksum")
+    a.add_argument("--force", action="store_true", help="replace DST if it exists")
+    a.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def run(args) -> int:

@@ -9,26 +9,18 @@ DIRECTIONS = ("from-megatron", "to-megatron")
 
 
 def add_parsers(sub) -> None:
+    from .convert import add_tpzoo_output
+
     a = sub.add_parser("from-megatron", help="Megatron-LM checkpoint (torch_dist or legacy) -> tpzoo sharded checkpoint")
     a.add_argument("src", help="Megatron-LM save directory (with latest_checkpointed_iteration.txt) or one iter_* "
                                "directory")
-    a.add_argument("dst", help="output checkpoint directory")
-    a.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the output (default 1)")
-    a.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the output (default 1)")
+    add_tpzoo_output(a)
     a.add_argument("--ep", type=int, default=1, help="check that the experts split over this many expert-parallel "
                    "ranks (a tpzoo checkpoint holds every expert and loads at any ep)")
-    a.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (default 1)")
     a.add_argument("--megatron-args", metavar="FILE", help="JSON or YAML of Megatron-LM argument names (num_layers, "
                    "hidden_size, num_attention_heads, ...): needed when the checkpoint saved none; overrides the saved")
     a.add_argument("--tokenizer", help="tokenizer to save with the weights (a directory, 'byte', ...): Megatron "
                    "checkpoints carry none; its size is the vocabulary when the arguments do not give vocab_size")
-    a.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="weights dtype (auto: keep the source's)")
-    a.add_argument("--vocab-multiple", type=int, default=1,
-                   help="pad the vocabulary to a multiple of tp * this (default 1)")
-    a.add_argument("--checksum", default="crc32", choices=["crc32", "sha256"], help="shard file checksum")
-    a.add_argument("--force", action="store_true", help="replace DST if it exists")
-    a.add_argument("--quiet", action="store_true", help="no progress bar")
     b = sub.add_parser("to-megatron", help="tpzoo (any layout) or HF checkpoint -> Megatron-LM torch_dist checkpoint")
     b.add_argument("src", help="tpzoo checkpoint directory (or a Hugging Face model directory)")
     b.add_argument("dst", help="output directory: Megatron-LM's --load directory")

@@ -120,6 +120,4 @@ def open_dist(d: Path, is_model_key) -> MegatronStore:
         state = {}
     if not isinstance(state, dict):
         raise CheckpointError(f"{d}: the common state is a {type(state).__name__}, not a dict")
-    store = MegatronStore(d, "torch_dist", tensors, state, {}, files, chunk_files.close, ignored)
-    store.check_coverage()
-    return store
+    return MegatronStore(d, "torch_dist", tensors, state, {}, files, chunk_files.close, ignored)

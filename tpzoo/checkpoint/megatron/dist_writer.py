@@ -33,8 +33,6 @@ class DistWriter:
     """Chunks and byte objects appended to per-rank files, then `finish()` writes the index."""
 
     def __init__(self, out_dir: Path):
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: F401 - fail early
-
         self.dir = Path(out_dir)
         self.files: dict[int, object] = {}
         self.state_md: dict = {}

@@ -7,6 +7,8 @@ Megatron's global tensor it maps to (mapping.py), each read from just the chunks
 """
 from __future__ import annotations
 
+import re
+
 import torch
 
 from ..format import CheckpointError
@@ -85,6 +87,10 @@ class MegatronSource:
         self.cfg = config_from_args(self.args, _inferred(store), vocab_size, what)
         self.padded = self.args.get("padded_vocab_size") or _inferred(store)["padded_vocab_size"]
         self.expected = full_shapes(self.cfg)
+        per_layer = sorted(k for k in store.tensors if re.match(r"decoder\.layers\.\d+\.", k))
+        if per_layer:  # Megatron-Core's non-homogeneous layers (each its own keys): not the stacked layout
+            raise CheckpointError(f"{store.root}: per-layer keys such as {per_layer[0]} are not read; tpzoo reads "
+                                  f"Megatron-Core's stacked decoder.layers.* tensors")
         self.maps, self.keys = {}, {}
         used = set()
         for entry in megatron_tensors(self.cfg):
@@ -98,6 +104,12 @@ class MegatronSource:
                 hint = next((v for k, v in _SHAPE_ARGS.items() if k in key), "the model arguments")
                 raise CheckpointError(f"{what}: {key} has shape {list(got)}, but the arguments imply {list(want)} "
                                       f"(check {hint})")
+            box = [(entry.layer, 1)] + [(0, n) for n in want[1:]] if entry.layer is not None else [(0, n) for n in want]
+            gap = store.missing(key, box)
+            if gap:
+                where = f" layer {entry.layer}" if entry.layer is not None else ""
+                raise CheckpointError(f"{store.root}: no chunk holds {gap} elements of {key}{where} "
+                                      f"(a rank's file missing, or an index that does not match the files)")
             self.maps[entry.name], self.keys[entry.name] = entry, key
             used.add(key)
         if self.cfg.tie_embeddings:
