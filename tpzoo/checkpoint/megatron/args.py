@@ -20,7 +20,6 @@ import math
 from pathlib import Path
 
 from ..format import CheckpointError
-from .pickles import plain
 
 DEFAULTS = {"normalization": "LayerNorm", "norm_epsilon": 1e-5, "position_embedding_type": "learned_absolute",
             "rotary_base": 10000, "rotary_percent": 1.0, "add_bias_linear": True, "add_qkv_bias": False,
@@ -117,7 +116,8 @@ def config_from_args(args: dict, inferred: dict, vocab_size: int | None, what: s
     if position is None:
         _refuse(what, f"position_embedding_type={a['position_embedding_type']!r} (tpzoo reads learned_absolute and "
                       f"rope)")
-    ffn = a.get("ffn_hidden_size") or 4 * h
+    # Megatron-LM's default: 4 h, or for SwiGLU 2/3 of it rounded down to a multiple of 64
+    ffn = a.get("ffn_hidden_size") or (int(4 * h * 2 / 3 / 64) * 64 if a["swiglu"] else 4 * h)
     padded = a.get("padded_vocab_size")
     vocab = a.get("vocab_size") or vocab_size or padded
     if vocab > padded:
@@ -276,3 +276,15 @@ def args_from_config(cfg, *, tp: int, pp: int, ep: int, padded: int, divisible_b
 def recorded_args(args: dict) -> dict:
     """The arguments as JSON-safe values (kept in the tpzoo checkpoint's metadata for the way back)."""
     return {k: v for k, v in ((k, plain(v)) for k, v in sorted(args.items())) if v is not None}
+
+
+def plain(value):
+    """A JSON-safe copy of an argument value: numbers, strings, lists, dicts; None for anything else (an enum,
+    a Megatron class, a path: kept out rather than written back as something it was not)."""
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    if type(value) in (list, tuple):
+        return [plain(v) for v in value]
+    if type(value) is dict:
+        return {str(k): plain(v) for k, v in value.items()}
+    return None

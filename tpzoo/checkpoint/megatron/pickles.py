@@ -153,22 +153,6 @@ def load_weights_only(src, what: str, mmap: bool = False):
                               f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
 
 
-def plain(value):
-    """A JSON-safe copy of an argument value: numbers, strings, lists, dicts; None for anything else (a Megatron
-    enum keeps its value)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, MegatronValue) and len(value.args) == 1:
-        return plain(value.value)
-    if isinstance(value, torch.dtype):
-        return str(value).replace("torch.", "")
-    return None
-
-
 # --- one tensor's torch.save archive inside a .distcp file ---------------------------------------------------------
 
 class _FileSlice(io.RawIOBase):
