@@ -43,9 +43,9 @@ class _ChunkFiles:
             if getattr(info, "transform_descriptors", None):
                 raise CheckpointError(f"{self.root / info.relative_path}: chunk of {key} is stored with "
                                       f"transforms {info.transform_descriptors} (compressed?), which tpzoo does not read")
-            dtype, shape, start = tensor_layout(tf.fd, info.offset, info.length,
-                                                f"{self.root / info.relative_path} (chunk of {key} at byte {info.offset})")
-            tf.tensors[name] = (dtype, shape, start, start + torch.Size(shape).numel() * dtype.itemsize)
+            loc = tensor_layout(tf.fd, info.offset, info.length,
+                                f"{self.root / info.relative_path} (chunk of {key} at byte {info.offset})")
+            tf.tensors[name] = (loc.dtype, loc.shape, loc.start, loc.start + loc.nbytes)
         return tf, name
 
     def read_bytes(self, info) -> bytes:

@@ -3,9 +3,11 @@
 `mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt` holds {"args", "iteration", "checkpoint_version", "model" (or
 "model0", "model1", ... one per virtual pipeline chunk), "optimizer", "rng_state", ...}; "model" is
 `state_dict_for_save_checkpoint()` of that rank's GPTModel: local shards under local names, its decoder layers
-numbered from 0 on every pipeline stage. Loaded with torch.load(weights_only=True, mmap=True)
-(pickles.load_weights_only), then every local tensor is placed in the global tensor torch_dist would store
-(store.py), so that everything downstream sees one format:
+numbered from 0 on every pipeline stage. Each file is loaded with torch.load(weights_only=True, mmap=True)
+(pickles.load_weights_only: the safety check, and the arguments), its tensors located in the file
+(pickles.archive_layout) and read with positioned reads, like torch_dist's chunks: a memory map would keep every
+page read resident (the whole checkpoint, measured: docs/benchmarks.md). Every local tensor is placed in the
+global tensor torch_dist would store (store.py), so that everything downstream sees one format:
 
 - decoder layers stack on a leading axis (a stage's layer j is global layer offset + j; the offsets are the layer
   counts of the chunks before it, in model order chunk = virtual index * pp + pp rank, which is how Megatron
@@ -18,14 +20,14 @@ numbered from 0 on every pipeline stage. Loaded with torch.load(weights_only=Tru
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
-import torch
-
 from ..format import CheckpointError
+from ..safetensors_io import TensorFile
 from .locate import LEGACY_FILE, legacy_rank_dirs
-from .pickles import load_weights_only
+from .pickles import TensorLoc, archive_layout, load_weights_only
 from .store import Chunk, GlobalTensor, MegatronStore
 
 COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight",
@@ -86,24 +88,48 @@ def _place(key: str, args: dict, ep_rank: int, experts_per_rank: int):
     return f"decoder.layers.{rest}", j, expert, rest
 
 
-def _view(t: torch.Tensor, lead: int):
+def _piece(tf: TensorFile, name: str, lead: int, row0: int) -> tuple:
+    """(read, runs) of a chunk that is rows row0.. of the local tensor `name` of rank file `tf`, behind `lead`
+    leading axes of size 1 (layer, expert) in the global picture."""
+    def local(box):
+        inner = list(box[lead:])
+        if inner:
+            inner[0] = (inner[0][0] + row0, inner[0][1])
+        return inner
+
     def read(box):
-        inner = t[tuple(slice(s, s + n) for s, n in box[lead:])]
-        return inner.reshape([n for _, n in box]).clone()
-    return read
+        return tf.read_box(name, local(box)).reshape([n for _, n in box])
+
+    def runs(box):
+        return [(tf.fd, off, n) for off, n in tf.byte_runs(name, local(box))]
+
+    return read, runs
 
 
 def open_legacy(d: Path, overrides: dict, is_model_key) -> MegatronStore:
     dirs = legacy_rank_dirs(d)
-    loaded = {}
+    loaded, files = {}, {}
 
     def state_of(path: Path) -> dict:
+        """The file's state, loaded with weights_only (its check and its arguments; the tensors it maps are never
+        touched: their bytes are read through `layout_of`)."""
         if path not in loaded:
             state = load_weights_only(str(path / LEGACY_FILE), str(path / LEGACY_FILE), mmap=True)
             if not isinstance(state, dict):
                 raise CheckpointError(f"{path / LEGACY_FILE}: not a state dict")
             loaded[path] = state
         return loaded[path]
+
+    def layout_of(path: Path) -> tuple[TensorFile, dict]:
+        """The same state with every tensor a TensorLoc: positioned reads of exactly the bytes wanted, where a
+        memory map would leave every page read resident."""
+        tf = files[path] = TensorFile(path / LEGACY_FILE, {})
+        return tf, archive_layout(tf.fd, 0, os.fstat(tf.fd).st_size, str(path / LEGACY_FILE))
+
+    def close():
+        loaded.clear()
+        for tf in files.values():
+            tf.close()
 
     first = state_of(dirs[min(dirs)])
     saved = first.get("args")
@@ -120,18 +146,22 @@ def open_legacy(d: Path, overrides: dict, is_model_key) -> MegatronStore:
                               f"expert shards are then not placed by their directory; use the torch_dist format")
     experts = args.get("num_experts") or args.get("num_moe_experts") or 0
     gated = bool(args.get("swiglu") or args.get("gated_linear_unit"))
-    models = {r: _model_dicts(state_of(path), str(path / LEGACY_FILE)) for r, path in sorted(ranks.items())}
+    models = {}
+    for r, path in sorted(ranks.items()):
+        _model_dicts(state_of(path), str(path / LEGACY_FILE))  # checked as loaded by torch
+        tf, layout = layout_of(path)
+        models[r] = [(tf, m) for m in _model_dicts(layout, str(path / LEGACY_FILE))]
     vp = len(models[(0, 0, 0)])
-    counts = {(v, p): _layer_count(models[(0, p, 0)][v]) for p in range(pp) for v in range(vp)}
+    counts = {(v, p): _layer_count(models[(0, p, 0)][v][1]) for p in range(pp) for v in range(vp)}
     offsets, total = {}, 0
     for v in range(vp):  # model order: chunk v * pp + p
         for p in range(pp):
             offsets[(v, p)], total = total, total + counts[(v, p)]
     tensors, ignored = {}, []
     for (t, p, e), dicts in models.items():
-        for v, model in enumerate(dicts):
+        for v, (tf, model) in enumerate(dicts):
             for key, value in model.items():
-                if key.endswith("_extra_state") or not isinstance(value, torch.Tensor):
+                if key.endswith("_extra_state") or not isinstance(value, TensorLoc):
                     continue
                 gkey, j, expert, rest = _place(key, args, e, experts // ep if experts else 0)
                 if not is_model_key(gkey):
@@ -144,12 +174,15 @@ def open_legacy(d: Path, overrides: dict, is_model_key) -> MegatronStore:
                 lead = [(offsets[(v, p)] + j, total)] if j is not None else []
                 if expert is not None:
                     lead.append((expert, experts))
-                pieces = [(value, 0)]
+                name = f"{v}:{key}"
+                tf.tensors[name] = (value.dtype, value.shape, value.start, value.start + value.nbytes)
+                rows = value.shape[0] if value.shape else 1
+                pieces = [(0, rows, 0)]  # (first local row, rows, global start along the split dim)
                 if split == 0 and gated and short.endswith(("linear_fc1.weight", "linear_fc1.bias")):
-                    half = value.shape[0] // 2  # [its gate | its up] -> rows t*half and F + t*half of [gates | ups]
-                    pieces = [(value[:half], t * half), (value[half:], tp * half + t * half)]
+                    half = rows // 2  # [its gate | its up] -> rows t*half and F + t*half of [gates | ups]
+                    pieces = [(0, half, t * half), (half, half, tp * half + t * half)]
                 elif split is not None:
-                    pieces = [(value, t * value.shape[split])]
+                    pieces = [(0, rows, t * value.shape[split])]
                 shape = [n for _, n in lead] + list(value.shape)
                 if split is not None:
                     shape[len(lead) + split] *= tp
@@ -158,12 +191,15 @@ def open_legacy(d: Path, overrides: dict, is_model_key) -> MegatronStore:
                     raise CheckpointError(f"{d}: {key} of rank (tp={t}, pp={p}, ep={e}) is {value.dtype} "
                                           f"{list(value.shape)}, which does not fit {gkey} {list(g.shape)} {g.dtype} "
                                           f"of the other ranks")
-                for piece, start in pieces:
-                    offs = [i for i, _ in lead] + [0] * piece.dim()
+                for row0, n, start in pieces:
+                    sizes = list(value.shape)
+                    if sizes:
+                        sizes[0] = n
+                    offs = [i for i, _ in lead] + [0] * len(sizes)
                     if split is not None:
                         offs[len(lead) + split] = start
-                    g.chunks.append(Chunk(tuple(offs), tuple([1] * len(lead) + list(piece.shape)),
-                                          _view(piece, len(lead))))
-    files = [(str(path.relative_to(d) / LEGACY_FILE), (path / LEGACY_FILE).stat().st_size) for path in ranks.values()]
+                    read, runs = _piece(tf, name, len(lead), row0)
+                    g.chunks.append(Chunk(tuple(offs), tuple([1] * len(lead) + sizes), read, runs))
+    listing = [(str(path.relative_to(d) / LEGACY_FILE), (path / LEGACY_FILE).stat().st_size) for path in ranks.values()]
     layout = {"tp": tp, "pp": pp, "ep": ep, "virtual_stages": vp}
-    return MegatronStore(d, "legacy", tensors, first, layout, files, loaded.clear, sorted(set(ignored)))
+    return MegatronStore(d, "legacy", tensors, first, layout, listing, close, sorted(set(ignored)))

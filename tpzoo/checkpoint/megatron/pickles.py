@@ -23,6 +23,7 @@ import pickle
 import struct
 import zipfile
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
@@ -182,17 +183,43 @@ class _FileSlice(io.RawIOBase):
         return len(data)
 
 
-class _TensorUnpickler(pickle.Unpickler):
-    """data.pkl of a torch.save'd tensor, read as its layout: (dtype, storage key, storage offset, shape, stride)."""
+@dataclass(frozen=True)
+class TensorLoc:
+    """Where a contiguous tensor's elements are in a file: its dtype, shape and the offset of its first element."""
+    dtype: torch.dtype
+    shape: tuple
+    start: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class _Stub:
+    """Whatever a global other than a tensor names, while locating tensors: nothing of it is looked up or run."""
+
+    def __init__(self, *args):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+class _LayoutUnpickler(pickle.Unpickler):
+    """data.pkl of a torch.save archive, with each tensor read as (dtype, storage key, storage offset, shape,
+    stride) and every other global a _Stub: so it resolves nothing and runs nothing of the file (the file's
+    safety is weights_only's business: load_weights_only)."""
 
     def find_class(self, module, name):
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda storage, offset, size, stride, *rest: (*storage, offset, tuple(size), tuple(stride))
+            return lambda storage, offset, size, stride, *rest: ("tensor", *storage, offset, tuple(size), tuple(stride))
+        if (module, name) == ("torch._utils", "_rebuild_parameter"):
+            return lambda data, *rest: data
         if module == "torch" and name in STORAGE_DTYPES:
             return STORAGE_DTYPES[name]
         if (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
-        raise pickle.UnpicklingError(f"{module}.{name} in a tensor chunk")
+        return type(name, (_Stub,), {})
 
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
@@ -200,9 +227,10 @@ class _TensorUnpickler(pickle.Unpickler):
         return pid[1], pid[2]  # (dtype, key)
 
 
-def tensor_layout(fd: int, offset: int, length: int, what: str) -> tuple[torch.dtype, tuple, int]:
-    """(dtype, shape, absolute file offset of its first element) of the contiguous tensor that torch.save wrote
-    at [offset, offset + length) of the open file `fd`."""
+def archive_layout(fd: int, offset: int, length: int, what: str):
+    """The object torch.save wrote at [offset, offset + length) of the open file `fd` (a whole file: 0 and its
+    size), with every contiguous tensor in it replaced by its TensorLoc (other values: what the stubbed unpickling
+    gives, not to be used)."""
     try:
         z = zipfile.ZipFile(_FileSlice(fd, offset, length))
         names = z.namelist()
@@ -210,21 +238,38 @@ def tensor_layout(fd: int, offset: int, length: int, what: str) -> tuple[torch.d
         order = [n for n in names if n.endswith("/byteorder")]
         if order and z.read(order[0]) != b"little":
             raise ValueError("big-endian data")
-        dtype, key, start, shape, stride = _TensorUnpickler(io.BytesIO(z.read(pkl))).load()
-        info = z.getinfo(pkl.rsplit("/", 1)[0] + f"/data/{key}")
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise ValueError("compressed tensor data")
-        header = os.pread(fd, 30, offset + info.header_offset)
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        expect = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-        if shape and stride != expect:
-            raise ValueError(f"a non-contiguous tensor (stride {stride})")
-        data = offset + info.header_offset + 30 + name_len + extra_len + start * dtype.itemsize
-        nbytes = math.prod(shape) * dtype.itemsize
-        if data + nbytes > offset + length:
-            raise ValueError("tensor data past the end of its archive")
+        records = pkl.rsplit("/", 1)[0] + "/data/"
+
+        def locate(value):
+            if isinstance(value, tuple) and len(value) == 6 and value[0] == "tensor":
+                _, dtype, key, start, shape, stride = value
+                if shape and stride != tuple(math.prod(shape[i + 1:]) for i in range(len(shape))):
+                    raise ValueError(f"a non-contiguous tensor (stride {stride})")
+                info = z.getinfo(records + str(key))
+                if info.compress_type != zipfile.ZIP_STORED:
+                    raise ValueError("compressed tensor data")
+                name_len, extra_len = struct.unpack("<HH", os.pread(fd, 4, offset + info.header_offset + 26))
+                loc = TensorLoc(dtype, shape, offset + info.header_offset + 30 + name_len + extra_len
+                                + start * dtype.itemsize)
+                if loc.start + loc.nbytes > offset + info.header_offset + 30 + name_len + extra_len + info.file_size:
+                    raise ValueError("tensor data past the end of its record")
+                return loc
+            if isinstance(value, dict):
+                return type(value)((k, locate(v)) for k, v in value.items())
+            if isinstance(value, list):
+                return [locate(v) for v in value]
+            return value
+
+        return locate(_LayoutUnpickler(io.BytesIO(z.read(pkl))).load())
     except (zipfile.BadZipFile, pickle.UnpicklingError, StopIteration, KeyError, ValueError, TypeError,
             EOFError, struct.error) as e:
-        raise CheckpointError(f"{what}: not a readable tensor archive (truncated or corrupt?): "
+        raise CheckpointError(f"{what}: not a readable torch.save archive (truncated or corrupt?): "
                               f"{type(e).__name__}: {e}") from None
-    return dtype, tuple(shape), data
+
+
+def tensor_layout(fd: int, offset: int, length: int, what: str) -> TensorLoc:
+    """The TensorLoc of the one tensor torch.save wrote at [offset, offset + length) (a torch_dist chunk)."""
+    loc = archive_layout(fd, offset, length, what)
+    if not isinstance(loc, TensorLoc):
+        raise CheckpointError(f"{what}: not a tensor chunk")
+    return loc
