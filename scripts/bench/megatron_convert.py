@@ -149,29 +149,33 @@ def runs_of(r: dict) -> list[str]:
 
 
 def _table(r: dict, args) -> str:
-    rows = "\n".join(f"| `convert {k}` | {', '.join(map(str, r[k]['seconds']))} | {r[k]['median_seconds']} | "
-                     f"{r[k]['peak_rss_MiB']} MiB | {r[k]['above_baseline_MiB']} MiB |" for k in runs_of(r))
+    names = {"from-megatron": "`convert from-megatron` (torch_dist)", "from-megatron (legacy)":
+             "`convert from-megatron` (legacy: mp_rank_*/model_optim_rng.pt)", "from-hf": "`convert from-hf`"}
+    rows = "\n".join(f"| {names[k]} | {', '.join(map(str, r[k]['seconds']))} | {r[k]['median_seconds']} | "
+                     f"{r[k]['peak_rss_MiB']} MiB |" for k in runs_of(r))
     return f"""## Megatron-LM conversion: `convert from-megatron` vs `convert from-hf` of the same model
 
-Command: `python scripts/bench/megatron_convert.py --repeat {args.repeat} --write docs/benchmarks.md` (a Llama-like
-model, hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} kv, ffn {args.ffn}, vocabulary
-{args.vocab}, random {args.dtype} weights: a {r['hf_bytes'] / 1e9:.2f} GB Hugging Face checkpoint; `convert to-megatron
---tp {args.tp}` of it gives the {r['megatron_bytes'] / 1e9:.2f} GB torch_dist checkpoint, in {r['to_megatron_seconds']} s
-with a peak RSS of {r['to_megatron_peak_rss_MiB']} MiB; then each conversion to a tpzoo checkpoint at tp {args.tp} in a
-subprocess, process start included, alternating; peak RSS from `os.wait4`). Machine: 2 CPU cores, shared with
-other jobs (load average {', '.join(map(str, r['load_average']))} at the end).
+Command: `python scripts/bench/megatron_convert.py --repeat {args.repeat} --write docs/benchmarks.md`. A Llama-like
+model (hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} kv, ffn {args.ffn}, vocabulary
+{args.vocab}, random {args.dtype} weights) written as a {r['hf_bytes'] / 1e9:.2f} GB Hugging Face checkpoint; `convert
+to-megatron --tp {args.tp}` of it gives the same model as a {r['megatron_bytes'] / 1e9:.2f} GB torch_dist checkpoint
+({r['to_megatron_seconds']} s, peak RSS {r['to_megatron_peak_rss_MiB']} MiB), rewritten by the script in the legacy
+per-rank form ({r['legacy_bytes'] / 1e9:.2f} GB). Then each conversion to a tpzoo checkpoint at tp {args.tp} in a
+subprocess, process start included, alternating, {args.repeat} runs each; peak RSS is the converter's own (VmHWM at
+exit). Machine: 2 CPU cores, shared with other jobs (load average {', '.join(map(str, r['load_average']))} at the
+end: the seconds vary by 2-3x from run to run, compare medians).
 
-| conversion | seconds ({args.repeat} runs) | median s | peak RSS | above the imports' {r['baseline_rss_MiB']} MiB |
-|---|---|---|---|---|
+| conversion | seconds | median s | peak RSS |
+|---|---|---|---|
 {rows}
 
-from-megatron / from-hf: time {r['time_ratio']}x, peak memory {r['rss_ratio']}x. Both stream: the resident set is
-the process's imports (Python, torch, tpzoo: measured alone, `python -c "import ..."`) plus a few 16 MiB pieces,
-whatever the checkpoint's size. from-megatron reads the .distcp files as from-hf reads safetensors: each chunk's
-torch.save archive is located once (its zip directory and data.pkl), then the byte ranges a shard takes unchanged
-are copied by the kernel (`copy_file_range`: runs of rows; linear_qkv's come per query group, a row-parallel
-weight's one per row), the rest read with positioned reads of exactly its bytes."""
-
-
-if __name__ == "__main__":
-    main()
+from-megatron (torch_dist) / from-hf: time {r['time_ratio']}x, peak memory {r['rss_ratio']}x. Python, torch and
+both converters' imports alone take {r['baseline_rss_MiB']} MiB (torch.distributed.checkpoint, which the torch_dist
+reader uses, is the difference): every conversion streams, a few 16 MiB pieces above its imports whatever the
+checkpoint's size. from-megatron reads the .distcp files as from-hf reads safetensors: each chunk's torch.save
+archive is located once (its zip directory and data.pkl), then the byte ranges a shard takes unchanged are copied by
+the kernel (`copy_file_range`: runs of rows; linear_qkv's come per query group, a row-parallel weight's one per
+row), the rest read with positioned reads of exactly its bytes. The legacy files likewise, after their
+torch.load(weights_only=True) check: reading their tensors through torch.load's memory map instead (the first
+version) kept every page read resident: 1279 MiB peak and 30.4 s for the same checkpoint (one run, load average
+about 50)."""

@@ -15,8 +15,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
 from ..format import CheckpointError
 from ..safetensors_io import TensorFile
 from .pickles import load_weights_only, read_dcp_metadata, tensor_layout

@@ -15,8 +15,6 @@ from typing import Callable
 
 import torch
 
-from ..format import CheckpointError
-
 Box = list  # [(start, length)] per dim
 
 
