@@ -112,6 +112,9 @@ def mc(tmp_path_factory):
 
 
 def test_from_megatron_torch_dist_and_legacy_evaluate_to_megatron_core_loss(mc, tmp_path, capsys):
+    import sys
+
+    assert "megatron.core" not in sys.modules  # its classes are not in torch.load's allowlist here: the reader's own
     root = mc.root
     assert cli(["convert", "from-megatron", str(root / "dist"), str(tmp_path / "a"), "--pp", "2", "--tokenizer",
                 "byte", "--quiet"]) == 0
@@ -185,7 +188,7 @@ def _expect_error(args, match, capsys, parent: Path):
     capsys.readouterr()
     assert cli(args) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("tpzoo convert from-megatron: error:") and match in err, err
+    assert len(err.splitlines()) == 1 and err.startswith(f"tpzoo convert {args[1]}: error:") and match in err, err
     assert sorted(p.name for p in parent.iterdir()) == before  # no DST, no temporary directory
 
 
@@ -223,6 +226,9 @@ def test_bad_megatron_inputs_fail_in_one_line_writing_nothing(mc, tmp_path, caps
     rank = cut_legacy / "mp_rank_01" / "model_optim_rng.pt"
     rank.write_bytes(rank.read_bytes()[:-5000])
     _expect_error(["convert", "from-megatron", str(cut_legacy), dst], "mp_rank_01", capsys, out)
+    # and the way out: a layout Megatron cannot run (2 query groups at tp 4)
+    _expect_error(["convert", "to-megatron", str(mc.root / "tz"), dst, "--tp", "4"],
+                  "2 kv heads at tp=4: Megatron needs num_query_groups divisible by tp", capsys, out)
 
 
 # --- the other shapes and layouts (slow tier): GPT-style at tp 2 x pp 2, Mixtral-style experts at ep 2 ------------
@@ -259,7 +265,8 @@ def layouts(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_layouts")
     hf_ids = torch.randint(0, VOCAB, (13,), generator=torch.Generator().manual_seed(3))
     refs, jobs = {}, []
-    for kind, hf, layout in (("gpt2", None, ("--tp", "2", "--pp", "2")), ("mixtral", _mixtral, ("--ep", "2"))):
+    for kind, hf, layout in (("gpt2", None, ("--tp", "2", "--pp", "2")), ("mixtral", _mixtral, ("--ep", "2")),
+                             ("qwen2", None, ())):  # qwen2: q/k/v biases only (add_qkv_bias), one kv head
         model = hf(root / kind) if hf else save_hf_model(kind, root / kind)
         with torch.no_grad():
             refs[kind] = model(input_ids=hf_ids[None, :-1]).logits[0]
@@ -273,7 +280,9 @@ def layouts(tmp_path_factory):
             dict(args=MOE, tp=1, ep=2, seed=3, dist=str(root / "moe_dist" / "iter_0000030"),
                  legacy=str(root / "moe_legacy" / "iter_0000030"), windows=windows),
             dict(args=megatron_args(root / "mixtral_mc" / "release" / "common.pt"), tp=1, ep=2,
-                 load=str(root / "mixtral_mc" / "release"), windows=[hf_ids])]
+                 load=str(root / "mixtral_mc" / "release"), windows=[hf_ids]),
+            dict(args=megatron_args(root / "qwen2_mc" / "release" / "common.pt"), tp=1,
+                 load=str(root / "qwen2_mc" / "release"), windows=[hf_ids])]
     out = first_result(run_on_ranks(4, session, jobs, pool_env=POOL_ENV))
     return SimpleNamespace(root=root, windows=windows, out=out, refs=refs)
 
@@ -297,6 +306,6 @@ def test_gpt_and_moe_layouts_from_megatron(layouts, kind, job, family, tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, job", [("gpt2", 1), ("mixtral", 3)])
+@pytest.mark.parametrize("kind, job", [("gpt2", 1), ("mixtral", 3), ("qwen2", 4)])
 def test_gpt_and_moe_layouts_to_megatron(layouts, kind, job):
     torch.testing.assert_close(layouts.out[job][0][:, :VOCAB], layouts.refs[kind], rtol=1e-4, atol=1e-4)
