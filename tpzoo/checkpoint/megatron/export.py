@@ -129,6 +129,7 @@ def convert_to_megatron(src, dst, *, tp: int = 1, pp: int = 1, ep: int = 1, iter
 
 def _write(writer, source, entries, expected, cfg, tp, pp, ep, padded, out_dtype, progress) -> None:
     experts, per_stage = cfg.moe.num_experts, cfg.num_layers // pp
+    first_stage = ("embed.weight", "pos_embed.weight")  # every other tensor outside the layers is the last stage's
     shapes = {e.name: megatron_shape(e, expected[e.name], cfg.num_layers, padded) for e in entries}
     total = sum(math.prod(shapes[e.name][int(e.layer is not None):]) * out_dtype[e.name].itemsize for e in entries)
     with _progress(total, f"writing Megatron tp={tp} pp={pp}" + (f" ep={ep}" if ep > 1 else ""), progress) as bar:
@@ -136,8 +137,7 @@ def _write(writer, source, entries, expected, cfg, tp, pp, ep, padded, out_dtype
             key, shape = e.keys[0], shapes[e.name]
             if key not in writer.state_md:
                 writer.declare(key, shape, out_dtype[e.name])
-            ends = {"embed.weight": 0, "pos_embed.weight": 0}
-            stage = e.layer // per_stage if e.layer is not None else ends.get(e.name, pp - 1)
+            stage = e.layer // per_stage if e.layer is not None else 0 if e.name in first_stage else pp - 1
             for r, er, offsets, sizes in _chunks(e, shape, tp, ep, experts):
                 data = _chunk_data(source, e, offsets, sizes, cfg.vocab_size, out_dtype[e.name])
                 bar.update(writer.chunk(r + tp * (er + ep * stage), key, offsets, data))
