@@ -5,7 +5,8 @@
 - LoRA's reference (the adapters switched off) equals a frozen copy of the base, bit for bit;
 - a pair whose chosen and rejected responses sit in different micro-batches is refused on every rank;
 - end to end: `finetune --objective dpo --lora-rank` (tp 2 + SP) starts at log 2 with zero rewards, logs TRL's
-  metrics, and `tpzoo eval --objective dpo` on the held-out pairs reports the trainer's held-out loss and rewards.
+  metrics, and `tpzoo eval --objective dpo` (at tp 1) on the held-out pairs reports the trainer's held-out loss
+  and rewards.
 """
 import json
 import math
@@ -199,9 +200,11 @@ def write_prefs(path, n: int = 24) -> list:
     return records
 
 
-def _finetune(*argv, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tpzoo", *map(str, argv)], capture_output=True, text=True,
-                          timeout=timeout)
+def _cli_on_rank(argv: list) -> int:
+    """`tpzoo ARGS` on this pooled rank, as under torchrun (RANK and WORLD_SIZE are set)."""
+    from tpzoo.cli import main
+
+    return main([str(a) for a in argv])
 
 
 def test_finetune_dpo_with_lora_logs_trl_metrics_and_eval_agrees(hf_base, tmp_path):
@@ -210,24 +213,27 @@ def test_finetune_dpo_with_lora_logs_trl_metrics_and_eval_agrees(hf_base, tmp_pa
     prefs = tmp_path / "prefs.jsonl"
     records = write_prefs(prefs)
     save = tmp_path / "run"
-    out = _finetune("finetune", "--base", hf_base, "--data", prefs, "--objective", "dpo", "--lora-rank", 4,
-                    "--tp", 2, "--sequence-parallel", "--seq-len", 32, "--global-batch-size", 8,
-                    "--micro-batch-size", 4, "--steps", 3, "--lr", 1e-2, "--warmup-steps", 0, "--eval-fraction", 0.25, "--dpo-beta", 0.5,
-                    "--save", save, "--no-progress")
-    assert out.returncode == 0, out.stdout + out.stderr
+    argv = ["finetune", "--base", hf_base, "--data", prefs, "--objective", "dpo", "--lora-rank", 4, "--tp", 2,
+            "--sequence-parallel", "--seq-len", 32, "--global-batch-size", 8, "--micro-batch-size", 4, "--steps", 3,
+            "--lr", 1e-2, "--warmup-steps", 0, "--eval-fraction", 0.25, "--dpo-beta", 0.5, "--save", save]
+    assert run_on_ranks(2, _cli_on_rank, argv) == [0, 0]
     rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference before the first step
     assert rows[0]["rewards/margins"] == 0 and rows[0]["rewards/accuracies"] == 0 and rows[0]["pairs"] == 8
     for k in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
         assert k in rows[-1]
     assert rows[-1]["rewards/margins"] > 0 and rows[-1]["loss"] < math.log(2)
-    assert "acc " in out.stdout and "margin " in out.stdout
+    from tpzoo.train.metrics import format_line
+
+    line = format_line(rows[-1])  # the step line
+    assert f"| acc {rows[-1]['rewards/accuracies']:.3f} margin {rows[-1]['rewards/margins']:.4f}" in line
 
     _, held = split_records(records, 0.25, 1234)  # the trainer's held-out pairs (seed: the default)
     held_file = tmp_path / "held.jsonl"
     held_file.write_text("".join(json.dumps(r) + "\n" for r in held))
-    ev = _finetune("eval", save / "step_00000003", "--objective", "dpo", "--data", held_file, "--seq-len", 32,
-                   "--dpo-beta", 0.5, "--batch-size", 3)
+    ev = subprocess.run([sys.executable, "-m", "tpzoo", "eval", str(save / "step_00000003"), "--objective", "dpo",
+                         "--data", str(held_file), "--seq-len", "32", "--dpo-beta", "0.5", "--batch-size", "3"],
+                        capture_output=True, text=True, timeout=300)  # at tp 1: another layout than the run's
     assert ev.returncode == 0, ev.stdout + ev.stderr
     got = json.loads(ev.stdout.strip().splitlines()[-1])
     assert got["pairs"] == len(held)

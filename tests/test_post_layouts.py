@@ -111,3 +111,30 @@ def test_resume_is_exact(data, tmp_path):
         assert resumed["losses"] == straight["losses"][2:], name
         if name == "precompute":
             assert (Path(save) / "step_00000002" / "dpo_reference.safetensors").is_file()
+
+
+def _cli_on_rank(argv: list) -> int:
+    from tpzoo.cli import main
+
+    return main([str(a) for a in argv])
+
+
+def test_distill_cache_at_tp2_and_dp2_equals_one_rank(data, tmp_path):
+    """`tpzoo distill-cache` on 2 ranks, as tp 2 (the vocabulary split) and as dp 2 (each rank every other packed
+    sequence, both writing into the same arrays): the same ids and log-probabilities as one rank."""
+    import numpy as np
+
+    common = ["distill-cache", "--teacher", data["tiny-llama"], "--data", data["sft"], "--distill-topk", 5,
+              "--seq-len", 64, "--micro-batch-size", 2]
+    assert run_on_ranks(1, _cli_on_rank, [*common, "--out", tmp_path / "one"]) == [0]
+    assert run_on_ranks(2, _cli_on_rank, [*common, "--out", tmp_path / "tp2", "--tp", 2]) == [0, 0]
+    assert run_on_ranks(2, _cli_on_rank, [*common, "--out", tmp_path / "dp2"]) == [0, 0]
+    want = {f: np.load(tmp_path / "one" / f) for f in ("ids.npy", "logprobs.npy", "offsets.npy", "hashes.npy")}
+    assert want["offsets.npy"][-1] > 0 and (want["logprobs.npy"] < 0).all()
+    for other in ("tp2", "dp2"):
+        for f, a in want.items():
+            b = np.load(tmp_path / other / f)
+            if f == "logprobs.npy":
+                np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=other)
+            else:
+                assert np.array_equal(a, b), (other, f)
