@@ -1,7 +1,7 @@
 """DPO (tpzoo.post.dpo) against a plain-torch reference written from the formulas on transformers' model.
 
-- the sigmoid, IPO and conservative losses, TRL's rewards/accuracies and margins, and every gradient, at tp 2 + SP,
-  pp 2, dp 2 and cp 2 (float64 models, fp32 main gradients: 1e-5);
+- the sigmoid loss, TRL's rewards/accuracies and margins, and every gradient, at tp 2 + SP, pp 2, dp 2 and cp 2
+  (float64 models, fp32 main gradients: 1e-5); IPO at tp 2 + SP and conservative DPO at cp 2 the same way;
 - LoRA's reference (the adapters switched off) equals a frozen copy of the base, bit for bit;
 - a pair whose chosen and rejected responses sit in different micro-batches is refused on every rank;
 - end to end: `finetune --objective dpo --lora-rank` (tp 2 + SP) starts at log 2 with zero rewards, logs TRL's
@@ -31,6 +31,8 @@ from post_helpers import (assert_grads, at_layout, backward_and_gather, grads_in
 SEQ = 24
 SETTINGS = {"sigmoid": DPOSettings(0.5), "ipo": DPOSettings(0.5, "ipo"), "cdpo": DPOSettings(0.5, "sigmoid", 0.2)}
 LAYOUTS = [dict(tp=2, sp=True), dict(pp=2), dict(dp=2), dict(cp=2)]
+# the sigmoid loss at every layout; IPO and conservative DPO (another formula on the same sums) at one each
+CASES = [(lay, "sigmoid") for lay in LAYOUTS] + [(LAYOUTS[0], "ipo"), (LAYOUTS[3], "cdpo")]
 
 
 def make_pairs(n: int = 8, seed: int = 3) -> list:
@@ -47,39 +49,53 @@ def make_pairs(n: int = 8, seed: int = 3) -> list:
     return pairs
 
 
-def hf_dpo(policy, reference, pairs, s: DPOSettings) -> dict:
-    """The DPO loss over `pairs` written from the formulas, on transformers' models (backward into `policy`)."""
-    def logp(model, ids, mask):
-        ids, mask = torch.tensor(ids), torch.tensor(mask)
-        lp = torch.log_softmax(model(ids[None]).logits[0, :-1].double(), -1).gather(-1, ids[1:, None])[:, 0]
-        return (lp * mask[1:]).sum(), mask[1:].sum()
+def hf_logps(model, pairs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probabilities [n, 2] of each pair's (chosen, rejected) trained tokens, their numbers [n, 2]) under
+    a transformers model: every response in one right-padded batch."""
+    seqs = [side for pair in pairs for side in pair]
+    width = max(len(ids) for ids, _ in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask, attend = torch.zeros(len(seqs), width, dtype=torch.bool), torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, (tokens, trained) in enumerate(seqs):
+        ids[i, :len(tokens)], mask[i, :len(tokens)], attend[i, :len(tokens)] = (torch.tensor(tokens),
+                                                                              torch.tensor(trained), 1)
+    logits = model(input_ids=ids, attention_mask=attend).logits[:, :-1].double()
+    lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0] * mask[:, 1:]
+    return lp.sum(1).view(-1, 2), mask[:, 1:].sum(1).view(-1, 2).double()
 
-    losses, rewards = [], []
-    for c, r in pairs:
-        (pc, nc), (pr, nr) = logp(policy, *c), logp(policy, *r)
-        with torch.no_grad():
-            (rc, _), (rr, _) = logp(reference, *c), logp(reference, *r)
+
+def hf_dpo(policy, reference, pairs) -> dict:
+    """Each setting's DPO loss over `pairs`, written from the formulas, on transformers' models: {name: (metrics,
+    the policy's gradients in parameter order)}."""
+    pi, n = hf_logps(policy, pairs)
+    with torch.no_grad():
+        ref, _ = hf_logps(reference, pairs)
+    rho = pi - ref  # log-ratios (chosen, rejected)
+    out = {}
+    for name, s in SETTINGS.items():
         if s.loss == "ipo":  # IPO (Azar et al.), each log-ratio averaged over its response tokens (TRL)
-            losses.append(((pc - rc) / nc - (pr - rr) / nr - 1 / (2 * s.beta)) ** 2)
+            losses = ((rho[:, 0] / n[:, 0] - rho[:, 1] / n[:, 1]) - 1 / (2 * s.beta)) ** 2
         else:  # DPO (Rafailov et al.); conservative DPO (Mitchell) with label smoothing
-            z = s.beta * ((pc - rc) - (pr - rr))
-            losses.append(-(1 - s.label_smoothing) * F.logsigmoid(z) - s.label_smoothing * F.logsigmoid(-z))
-        rewards.append((s.beta * (pc - rc).item(), s.beta * (pr - rr).item()))
-    loss = torch.stack(losses).mean()
-    loss.backward()
-    chosen, rejected = torch.tensor(rewards).double().unbind(1)
-    return {"loss": loss.item(), "rewards/chosen": chosen.mean().item(), "rewards/rejected": rejected.mean().item(),
-            "rewards/accuracies": (chosen > rejected).double().mean().item(),
-            "rewards/margins": (chosen - rejected).mean().item()}
+            z = s.beta * (rho[:, 0] - rho[:, 1])
+            losses = -(1 - s.label_smoothing) * F.logsigmoid(z) - s.label_smoothing * F.logsigmoid(-z)
+        loss = losses.mean()
+        grads = torch.autograd.grad(loss, list(policy.parameters()), retain_graph=True)
+        chosen, rejected = (s.beta * rho.detach()).unbind(1)
+        out[name] = ({"loss": loss.item(), "rewards/chosen": chosen.mean().item(),
+                      "rewards/rejected": rejected.mean().item(),
+                      "rewards/accuracies": (chosen > rejected).double().mean().item(),
+                      "rewards/margins": (chosen - rejected).mean().item()}, grads)
+    return out
 
 
-def _dpo_layouts(dirs, pairs, layouts, settings) -> list:
+def _dpo_layouts(dirs, pairs, cases) -> list:
     dataset = PreferenceDataset(pairs, SEQ, pad_id=0)
 
     def run(dims, lay):
         out = []
         ref = load(dirs[1], dims, lay, frozen=True)
-        for name, s in settings.items():
+        for name in [name for layout, name in cases if layout == lay]:
+            s = SETTINGS[name]
             chunks = load(dirs[0], dims, lay)
             batches = rank_batches(dataset, dims, lay.get("sp", False))
             totals = {}
@@ -94,7 +110,7 @@ def _dpo_layouts(dirs, pairs, layouts, settings) -> list:
                         "coords": (dims.tp_rank, dims.pp_rank, dims.dp_rank, dims.cp_rank),
                         **{k: totals[k] for k in (*METRICS, "pairs")}})
         return out
-    return [r for lay in layouts for r in at_layout(lay, run)]
+    return [r for lay in LAYOUTS for r in at_layout(lay, run)]
 
 
 def _lora_reference(dirs, pairs) -> dict:
@@ -127,12 +143,13 @@ def models(tmp_path_factory):
 
 def test_dpo_loss_rewards_and_gradients_match_transformers_at_every_layout(models, tmp_path):
     pairs = make_pairs()
-    results = run_on_ranks(2, _dpo_layouts, models, pairs, LAYOUTS, SETTINGS)
-    for name, s in SETTINGS.items():
-        policy, reference = hf_model(models[0]), hf_model(models[1])
-        want = hf_dpo(policy, reference, pairs, s)
+    results = run_on_ranks(2, _dpo_layouts, models, pairs, CASES)
+    policy = hf_model(models[0])
+    for name, (want, grads) in hf_dpo(policy, hf_model(models[1]), pairs).items():
+        for p, g in zip(policy.parameters(), grads):
+            p.grad = g
         want_grads = grads_in_tpzoo_names(policy, tmp_path / name)
-        for lay in LAYOUTS:
+        for lay in [layout for layout, case in CASES if case == name]:
             ranks = [r for per_rank in results for r in per_rank if r["layout"] == lay and r["settings"] == name]
             what = f"{name} at {lay}"
             for r in ranks:
