@@ -138,3 +138,27 @@ def test_distill_cache_at_tp2_and_dp2_equals_one_rank(data, tmp_path):
                 np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=other)
             else:
                 assert np.array_equal(a, b), (other, f)
+
+
+def test_every_tensor_is_on_the_runtime_device(data, tmp_path):
+    """Under `torch.set_default_device("meta")` with the runtime's device cpu (tests/test_device_placement.py's
+    proof), DPO with LoRA and a precomputed reference at tp 2 + SP, DPO with a frozen copy at pp 2, distillation
+    from a live teacher at pp 2 and a teacher cache written at tp 2 give exactly a normal run's results."""
+    from test_device_placement import _under_meta
+
+    runs = [_cfg(base=data["nano-llama"], data=[data["prefs"]], objective="dpo", lora_rank=4, tp=2,
+                 sequence_parallel=True, dpo_precompute_ref=True, steps=2, eval_fraction=0.25),
+            _cfg(base=data["nano-llama"], data=[data["prefs"]], objective="dpo", pp=2, steps=2),
+            _cfg(base=data["nano-llama"], data=[data["sft"]], objective="distill", teacher=data["tiny-llama"], pp=2,
+                 steps=2, seq_len=64)]
+    normal, meta = (run_on_ranks(2, _under_meta, m, _runs, runs)[0] for m in (False, True))
+    for a, b in zip(normal, meta):
+        assert a["losses"] == b["losses"] and a["grad_norms"] == b["grad_norms"]
+    cache = ["distill-cache", "--teacher", data["tiny-llama"], "--data", data["sft"], "--distill-topk", 4,
+             "--seq-len", 64, "--tp", 2]
+    import numpy as np
+
+    for m, out in ((False, "normal"), (True, "meta")):
+        assert run_on_ranks(2, _under_meta, m, _cli_on_rank, [*cache, "--out", tmp_path / out]) == [0, 0]
+    for f in ("ids.npy", "logprobs.npy"):
+        assert np.array_equal(np.load(tmp_path / "normal" / f), np.load(tmp_path / "meta" / f))
