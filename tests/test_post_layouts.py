@@ -14,7 +14,6 @@ over 3 AdamW steps, so the objective's gradients, not only its first loss, agree
   the run's own.
 """
 import json
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -45,17 +44,25 @@ def _runs(cfgs) -> list:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """Briefly pretrained nano-llama, tiny-llama (4 layers: interleaving; a teacher, also saved at tp 2) and
-    nano-mixtral bases; preference pairs and SFT records in their byte tokenizer's reach."""
+    """Seeded nano-llama, tiny-llama (4 layers: interleaving; a teacher, resharded to tp 2) and nano-mixtral
+    checkpoints with the byte tokenizer; preference pairs and SFT records in its reach."""
+    import torch
+
+    from tpzoo.checkpoint import reshard, save_model_shards
+    from tpzoo.data import load_tokenizer
+    from tpzoo.models import ModelLayout, Transformer, get_config
+
     root = tmp_path_factory.mktemp("post")
-    lib = Path(sysconfig.get_paths()["stdlib"])
     bases = {}
-    for model, tp in (("nano-llama", 1), ("tiny-llama", 2), ("nano-mixtral", 1)):
-        save = root / model
-        run_on_ranks(tp, train, _cfg(task="pretrain", model=model, data=[str(lib / "textwrap.py")], steps=1,
-                                     save=str(save), data_cache=str(root / "cache"), tp=tp, seq_len=64,
-                                     global_batch_size=2))
-        bases[model] = str(save / "step_00000001")
+    for model in ("nano-llama", "tiny-llama", "nano-mixtral"):
+        cfg = get_config(model).replace(vocab_size=259)
+        path = root / model
+        path.mkdir()
+        save_model_shards(Transformer(cfg, ModelLayout(dtype=torch.float32), seed=3), path, cfg,
+                          tokenizer=load_tokenizer("byte"))
+        bases[model] = str(path)
+    reshard(bases["tiny-llama"], root / "tiny-llama-tp2", tp=2, pp=1, progress=False)
+    bases["tiny-llama"] = str(root / "tiny-llama-tp2")  # a teacher saved at another layout than the student's
     prefs, sft = root / "prefs.jsonl", root / "sft.jsonl"
     with prefs.open("w") as f, sft.open("w") as g:
         for i in range(32):
