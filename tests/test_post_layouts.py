@@ -8,10 +8,11 @@ over 3 AdamW steps, so the objective's gradients, not only its first loss, agree
   policy in 2 chunks per rank, the reference in one); --dpo-precompute-ref gives the frozen copy's losses; a
   mixture of experts at dp 2 with ep 2;
 - distillation from a live teacher of another size (saved at tp 2, loaded at the student's layout) at tp 2 + SP,
-  pp 2 with zero-bubble, dp 2 with ZeRO-1, cp 2;
-- resuming is exact: DPO with LoRA at tp 2 and DPO with a precomputed reference at dp 2 (read back from the
-  checkpoint: the model resumed is no longer the reference), steps 3 and 4 of a run resumed at step 2 equal
-  the run's own.
+  pp 2 with zero-bubble, dp 2 with ZeRO-1, cp 2; a LoRA student at dp 2 with ZeRO-2; a mixture-of-experts
+  student at dp 2 with ep 2;
+- resuming is exact: DPO with LoRA at tp 2, DPO with a precomputed reference at dp 2 (read back from the
+  checkpoint: the model resumed is no longer the reference) and distillation at pp 2: steps 3 and 4 of a run
+  resumed at step 2 equal the run's own.
 """
 import json
 from pathlib import Path
@@ -105,13 +106,18 @@ def test_distillation_from_a_live_teacher_at_every_layout(data):
     ref = dict(base=data["nano-llama"], data=[data["sft"]], objective="distill", teacher=data["tiny-llama"],
                distill_topk=4, distill_temperature=2.0, distill_alpha=0.7, seq_len=64)
     _matrix(ref, [dict(tp=2, sequence_parallel=True), dict(pp=2, schedule="zb"), dict(dp=2, zero=1), dict(cp=2)])
+    _matrix({**ref, "lora_rank": 4}, [dict(dp=2, zero=2)])  # a LoRA student
+    _matrix({**ref, "base": data["nano-mixtral"], "teacher": data["nano-llama"]}, [dict(dp=2, ep=2)])  # experts
 
 
 def test_resume_is_exact(data, tmp_path):
+    distill = dict(objective="distill", data=[data["sft"]], teacher=data["tiny-llama"], seq_len=64, pp=2)
     for name, kw, world in (("lora", dict(lora_rank=4, tp=2), 2),
-                            ("precompute", dict(dpo_precompute_ref=True, dp=2, zero=1), 2)):
+                            ("precompute", dict(dpo_precompute_ref=True, dp=2, zero=1), 2),
+                            ("distill", distill, 2)):
         save = str(tmp_path / name)
-        base = dict(base=data["nano-llama"], data=[data["prefs"]], objective="dpo", steps=4, save=save, **kw)
+        base = dict(base=data["nano-llama"], data=[data["prefs"]], objective="dpo", steps=4, save=save)
+        base.update(kw)
         straight = run_on_ranks(world, _runs, [_cfg(**base, save_every=2)])[0][0]
         # a new run resumes from step 2's checkpoint
         resumed = run_on_ranks(world, _runs, [_cfg(**base, resume=f"{save}/step_00000002")])[0][0]
