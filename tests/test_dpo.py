@@ -194,6 +194,40 @@ def test_a_pair_split_across_micro_batches_is_refused(models):
         dpo_pass(chunks, split, dims, DPOSettings(), zeros)
 
 
+def test_preference_data_rows_and_masks():
+    """A pair's row (chosen, rejected, padding as three documents); the chat form trains only the completions (a
+    shared assistant turn of the prompt is not trained); a pair too long is cut from its longer side; the held-out
+    rows are numbered after the training rows."""
+    from tpzoo.data.sft import encode_sft_example
+    from tpzoo.post.dpo_data import build_preference_datasets, encode_pair
+
+    tok = "byte"
+    rec = {"prompt": "hi", "chosen": "yes", "rejected": "no!"}
+    (c_ids, c_mask), (r_ids, r_mask) = encode_pair(rec, tok, "fallback")
+    assert (c_ids, c_mask) == encode_sft_example({"prompt": "hi", "response": "yes"}, tok, template="fallback")
+    row = PreferenceDataset([((c_ids, c_mask), (r_ids, r_mask))], 64, pad_id=0)[0]
+    a, b = len(c_ids) - 1, len(r_ids) - 1
+    assert row["dpo_seq"].tolist() == [1] * a + [2] * b + [0] * (64 - a - b)
+    assert row["doc_ids"].tolist() == [0] * a + [1] * b + [2] * (64 - a - b)
+    assert row["position_ids"][a] == 0 and (row["labels"][:a] != -100).sum() == sum(c_mask[1:]) == len("yes") + 1
+
+    shared = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "bb"},
+              {"role": "user", "content": "c"}]
+    chat = {"chosen": shared + [{"role": "assistant", "content": "ddd"}],
+            "rejected": shared + [{"role": "assistant", "content": "e"}]}
+    (ids, mask), (ids_r, mask_r) = encode_pair(chat, tok, "fallback")
+    trained = bytes(i for i, m in zip(ids, mask) if m and i < 256)
+    assert trained == b"ddd" and sum(mask) == 4 and sum(mask_r) == 2  # the completion and its EOS only
+
+    sides = ((list(range(40)), [False] * 10 + [True] * 30), (list(range(9)), [False, True] * 4 + [True]))
+    long = PreferenceDataset([sides], 24, pad_id=0)
+    c, r = long.pairs[0]
+    assert (len(c[0]) - 1, len(r[0]) - 1) == (16, 8)  # the longer side cut, the shorter kept
+    records = [dict(rec, chosen=f"yes{i}") for i in range(10)]
+    train, held = build_preference_datasets(records, tok, 64, eval_fraction=0.2, template="fallback")
+    assert (len(train), len(held)) == (8, 2) and held[0]["dpo_row"] == 8 and held[1]["dpo_row"] == 9
+
+
 # -- end to end --------------------------------------------------------------------------------------------------
 
 WORDS = "the quick brown fox jumps over the lazy dog".split()

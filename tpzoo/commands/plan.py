@@ -156,8 +156,9 @@ def run(args) -> int:
                                 grad_accumulation_fusion=args.grad_accumulation_fusion,
                                 lora_rank=args.lora_rank,
                                 vocab_padding_multiple=args.vocab_padding_multiple,
-                                kernels=args.kernels,
-                                fused_linear_cross_entropy=args.fused_linear_cross_entropy and args.objective != "distill",
+                                kernels=args.kernels,  # distillation's student computes its logits unfused
+                                fused_linear_cross_entropy=(args.fused_linear_cross_entropy
+                                                            and args.objective != "distill"),
                                 fp8=args.fp8, compile=args.compile, frozen=frozen_models(args, cfg))
     except ValueError as exc:  # the specs check their own fields
         raise ConfigError(str(exc)) from None

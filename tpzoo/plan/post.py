@@ -27,5 +27,6 @@ def frozen_text(training: TrainingSpec) -> str:
     """', frozen beside it: NAME (N B params, dtype)' for the plan's header, '' without."""
     if not training.frozen:
         return ""
-    names = ", ".join(f"{cfg.name or cfg.family} ({cfg.num_parameters() / 1e9:.2f} B params)" for cfg in training.frozen)
+    names = ", ".join(f"{cfg.name or cfg.family} ({cfg.num_parameters() / 1e9:.2f} B params)"
+                      for cfg in training.frozen)
     return f", frozen beside it in {training.dtype}: {names}"

@@ -52,8 +52,8 @@ def check_pair_record(record, where: str) -> dict:
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     missing = [k for k in ("chosen", "rejected") if k not in record]
     if missing:
-        raise DataError(f"{where}: a preference pair needs 'chosen' and 'rejected'; no {' or '.join(map(repr, missing))}"
-                        f" (keys: {sorted(record)})")
+        raise DataError(f"{where}: a preference pair needs 'chosen' and 'rejected'; no "
+                        f"{' or '.join(map(repr, missing))} (keys: {sorted(record)})")
     chosen, rejected = record["chosen"], record["rejected"]
     if isinstance(chosen, str) and isinstance(rejected, str):
         if not isinstance(record.get("prompt"), str):
@@ -145,7 +145,8 @@ class PreferenceDataset:
 
     def __init__(self, pairs: list[tuple[tuple, tuple]], seq_len: int, pad_id: int, row_offset: int = 0):
         if pad_id is None:
-            raise ConfigError("DPO pads each sequence's tail and needs a pad id (the tokenizer has neither pad nor eos)")
+            raise ConfigError("DPO pads each sequence's tail and needs a pad id (the tokenizer has neither pad nor "
+                              "eos)")
         if seq_len < 2:
             raise ConfigError(f"seq_len {seq_len} cannot hold a pair (two responses of at least one token)")
         self.seq_len, self.pad_id, self.row_offset = seq_len, pad_id, row_offset

@@ -144,7 +144,8 @@ def cached_sft_datasets(cfg, tokenizer, cache: TeacherCache):
     train, held = split_records(list(range(len(records))), cfg.eval_fraction, cfg.seed)
     train_ds = _dataset(records, train, cache, tokenizer, cfg)
     held_ds = _dataset(records, held, cache, tokenizer, cfg) if held else None
-    desc = f"SFT {cfg.data[0]} ({'packed' if cfg.packing else 'padded'}), teacher top {cfg.distill_topk} from {cache.path}"
+    desc = (f"SFT {cfg.data[0]} ({'packed' if cfg.packing else 'padded'}), teacher top {cfg.distill_topk} from "
+            f"{cache.path}")
     return train_ds, held_ds, desc
 
 

@@ -268,7 +268,8 @@ FOLLOWS: dict[str, Callable[["TrainConfig"], Any]] = {"min_lr": lambda cfg: floa
 
 SECTIONS = {"run": RunSection, "model": ModelSection, "parallel": ParallelSection, "replicas": ReplicaSection,
             "data": DataSection,
-            "lora": LoraSection, "post": PostSection, "optim": OptimSection, "checkpoint": CheckpointSection, "log": LogSection}
+            "lora": LoraSection, "post": PostSection, "optim": OptimSection, "checkpoint": CheckpointSection,
+            "log": LogSection}
 
 # Where a value came from, for error messages: one text for every key, or a function of the key.
 Where = str | Callable[[str], str] | None
