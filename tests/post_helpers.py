@@ -18,6 +18,19 @@ from hf_models import save_hf_model
 MICRO = 2  # rows per micro-batch
 
 
+def cli_on_rank(argv: list) -> tuple[int, str]:
+    """`tpzoo ARGS` on this pooled rank, as under torchrun (RANK and WORLD_SIZE are set): (exit status, stdout)."""
+    import contextlib
+    import io
+
+    from tpzoo.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main([str(a) for a in argv])
+    return rc, out.getvalue()
+
+
 def hf_pair(kind: str, root, noise: float = 0.05):
     """(policy dir, other dir): the tiny HF `kind` model and a copy with its weights moved by seeded noise."""
     from transformers import AutoModelForCausalLM

@@ -4,8 +4,6 @@ vocabulary split: only the K ids and their log-probabilities cross ranks), pp 2 
 family (Qwen2 teaching Llama); the vocabulary-parallel top K and log-softmax at ids alone at tp 2; a cache written by
 `tpzoo distill-cache` gives the live teacher's loss; bad input is one line with nothing written."""
 import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -17,8 +15,8 @@ from tpzoo.post.distill import LiveTeacher, distill_pass
 from tpzoo.testing import run_on_ranks
 
 from hf_models import VOCAB, save_hf_model
-from post_helpers import (assert_grads, at_layout, backward_and_gather, grads_in_tpzoo_names, hf_model, load,
-                          rank_batches)
+from post_helpers import (assert_grads, at_layout, backward_and_gather, cli_on_rank, grads_in_tpzoo_names, hf_model,
+                          load, rank_batches)
 from preflight_helpers import cli, one_error_line
 
 SEQ, K, T, ALPHA = 24, 5, 2.0, 0.7
@@ -155,21 +153,20 @@ def tokenized(tmp_path_factory):
     return root
 
 
-def _step_loss(cfg):
+def _step_losses(cfgs) -> list:
     from tpzoo.train import train
 
-    return train(cfg)["losses"][0]
+    return [train(cfg)["losses"][0] for cfg in cfgs]
 
 
 def test_the_cached_teacher_gives_the_live_teachers_loss(tokenized, tmp_path):
     from tpzoo.train import load_config
 
     cache = tmp_path / "top8"
-    out = subprocess.run([sys.executable, "-m", "tpzoo", "distill-cache", "--teacher", str(tokenized / "teacher"),
-                          "--data", str(tokenized / "sft.jsonl"), "--out", str(cache), "--distill-topk", "8",
-                          "--seq-len", "40", "--tokenizer", str(tokenized / "student")],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
+    argv = ["distill-cache", "--teacher", tokenized / "teacher", "--data", tokenized / "sft.jsonl", "--out", cache,
+            "--distill-topk", 8, "--seq-len", 40, "--tokenizer", tokenized / "student", "--tp", 2]
+    (rc, out), _ = run_on_ranks(2, cli_on_rank, argv)  # the teacher's vocabulary split over 2 ranks
+    assert rc == 0 and json.loads(out)["positions"] > 0
     meta = json.loads((cache / "index.json").read_text())
     assert meta["bytes_per_position"] == 64 and meta["records"] == 20
     import numpy as np
@@ -183,9 +180,9 @@ def test_the_cached_teacher_gives_the_live_teachers_loss(tokenized, tmp_path):
                            micro_batch_size=2, lr=0.0, steps=1, save="", sample_prompt="", quiet=True,
                            eval_fraction=0.0, prefetch=1, distill_topk=6, **kw))
 
-    live = run_on_ranks(1, _step_loss, cfg(tokenized / "teacher", tp=1))[0]
-    cached = run_on_ranks(2, _step_loss, cfg(cache, tp=2, sequence_parallel=True))
-    assert cached[0] == cached[1] == pytest.approx(live, rel=1e-6)
+    live, cached = run_on_ranks(2, _step_losses, [cfg(tokenized / "teacher", tp=1, pp=2),
+                                                  cfg(cache, tp=2, sequence_parallel=True)])[0]
+    assert cached == pytest.approx(live, rel=1e-6)
 
 
 def test_bad_input_is_one_line_and_writes_nothing(tokenized, tmp_path, monkeypatch, capsys):

@@ -5,13 +5,11 @@
 - LoRA's reference (the adapters switched off) equals a frozen copy of the base, bit for bit;
 - a pair whose chosen and rejected responses sit in different micro-batches is refused on every rank;
 - end to end: `finetune --objective dpo --lora-rank` (tp 2 + SP) starts at log 2 with zero rewards, logs TRL's
-  metrics, and `tpzoo eval --objective dpo` (at tp 1) on the held-out pairs reports the trainer's held-out loss
+  metrics, and `tpzoo eval --objective dpo` (at pp 2) on the held-out pairs reports the trainer's held-out loss
   and rewards.
 """
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,8 +23,8 @@ from tpzoo.post.reference import adapters_disabled
 from tpzoo.testing import run_on_ranks
 
 from hf_models import VOCAB
-from post_helpers import (assert_grads, at_layout, backward_and_gather, grads_in_tpzoo_names, hf_model, hf_pair,
-                          load, rank_batches)
+from post_helpers import (assert_grads, at_layout, backward_and_gather, cli_on_rank, grads_in_tpzoo_names, hf_model,
+                          hf_pair, load, rank_batches)
 
 SEQ = 24
 SETTINGS = {"sigmoid": DPOSettings(0.5), "ipo": DPOSettings(0.5, "ipo"), "cdpo": DPOSettings(0.5, "sigmoid", 0.2)}
@@ -251,13 +249,6 @@ def write_prefs(path, n: int = 24) -> list:
     return records
 
 
-def _cli_on_rank(argv: list) -> int:
-    """`tpzoo ARGS` on this pooled rank, as under torchrun (RANK and WORLD_SIZE are set)."""
-    from tpzoo.cli import main
-
-    return main([str(a) for a in argv])
-
-
 def test_finetune_dpo_with_lora_logs_trl_metrics_and_eval_agrees(hf_base, tmp_path):
     from tpzoo.data.sft import split_records
 
@@ -267,7 +258,7 @@ def test_finetune_dpo_with_lora_logs_trl_metrics_and_eval_agrees(hf_base, tmp_pa
     argv = ["finetune", "--base", hf_base, "--data", prefs, "--objective", "dpo", "--lora-rank", 4, "--tp", 2,
             "--sequence-parallel", "--seq-len", 32, "--global-batch-size", 8, "--micro-batch-size", 4, "--steps", 3,
             "--lr", 1e-2, "--warmup-steps", 0, "--eval-fraction", 0.25, "--dpo-beta", 0.5, "--save", save]
-    assert run_on_ranks(2, _cli_on_rank, argv) == [0, 0]
+    assert [rc for rc, _ in run_on_ranks(2, cli_on_rank, argv)] == [0, 0]
     rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference before the first step
     assert rows[0]["rewards/margins"] == 0 and rows[0]["rewards/accuracies"] == 0 and rows[0]["pairs"] == 8
@@ -282,11 +273,11 @@ def test_finetune_dpo_with_lora_logs_trl_metrics_and_eval_agrees(hf_base, tmp_pa
     _, held = split_records(records, 0.25, 1234)  # the trainer's held-out pairs (seed: the default)
     held_file = tmp_path / "held.jsonl"
     held_file.write_text("".join(json.dumps(r) + "\n" for r in held))
-    ev = subprocess.run([sys.executable, "-m", "tpzoo", "eval", str(save / "step_00000003"), "--objective", "dpo",
-                         "--data", str(held_file), "--seq-len", "32", "--dpo-beta", "0.5", "--batch-size", "3"],
-                        capture_output=True, text=True, timeout=300)  # at tp 1: another layout than the run's
-    assert ev.returncode == 0, ev.stdout + ev.stderr
-    got = json.loads(ev.stdout.strip().splitlines()[-1])
+    (rc, out), _ = run_on_ranks(2, cli_on_rank, ["eval", save / "step_00000003", "--objective", "dpo", "--data",
+                                                 held_file, "--seq-len", 32, "--dpo-beta", 0.5, "--batch-size", 3,
+                                                 "--pp", 2])  # another layout than the run's
+    assert rc == 0
+    got = json.loads(out.strip().splitlines()[-1])
     assert got["pairs"] == len(held)
     assert got["loss"] == pytest.approx(rows[-1]["eval_loss"], rel=1e-5)
     for k in ("rewards/accuracies", "rewards/margins"):

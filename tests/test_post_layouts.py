@@ -22,6 +22,8 @@ import pytest
 from tpzoo.testing import run_on_ranks
 from tpzoo.train import load_config, train
 
+from post_helpers import cli_on_rank
+
 pytestmark = pytest.mark.slow
 
 W = ["apple", "river", "stone", "cloud", "green", "tiger", "piano", "lemon", "north", "sugar"]
@@ -126,12 +128,6 @@ def test_resume_is_exact(data, tmp_path):
             assert (Path(save) / "step_00000002" / "dpo_reference.safetensors").is_file()
 
 
-def _cli_on_rank(argv: list) -> int:
-    from tpzoo.cli import main
-
-    return main([str(a) for a in argv])
-
-
 def test_distill_cache_at_tp2_and_dp2_equals_one_rank(data, tmp_path):
     """`tpzoo distill-cache` on 2 ranks, as tp 2 (the vocabulary split) and as dp 2 (each rank every other packed
     sequence, both writing into the same arrays): the same ids and log-probabilities as one rank."""
@@ -139,9 +135,11 @@ def test_distill_cache_at_tp2_and_dp2_equals_one_rank(data, tmp_path):
 
     common = ["distill-cache", "--teacher", data["tiny-llama"], "--data", data["sft"], "--distill-topk", 5,
               "--seq-len", 64, "--micro-batch-size", 2]
-    assert run_on_ranks(1, _cli_on_rank, [*common, "--out", tmp_path / "one"]) == [0]
-    assert run_on_ranks(2, _cli_on_rank, [*common, "--out", tmp_path / "tp2", "--tp", 2]) == [0, 0]
-    assert run_on_ranks(2, _cli_on_rank, [*common, "--out", tmp_path / "dp2"]) == [0, 0]
+    def ok(world, *argv):
+        return [rc for rc, _ in run_on_ranks(world, cli_on_rank, [*common, *argv])] == [0] * world
+
+    assert ok(1, "--out", tmp_path / "one") and ok(2, "--out", tmp_path / "tp2", "--tp", 2)
+    assert ok(2, "--out", tmp_path / "dp2")
     want = {f: np.load(tmp_path / "one" / f) for f in ("ids.npy", "logprobs.npy", "offsets.npy", "hashes.npy")}
     assert want["offsets.npy"][-1] > 0 and (want["logprobs.npy"] < 0).all()
     for other in ("tp2", "dp2"):
@@ -172,6 +170,7 @@ def test_every_tensor_is_on_the_runtime_device(data, tmp_path):
     import numpy as np
 
     for m, out in ((False, "normal"), (True, "meta")):
-        assert run_on_ranks(2, _under_meta, m, _cli_on_rank, [*cache, "--out", tmp_path / out]) == [0, 0]
+        assert [rc for rc, _ in run_on_ranks(2, _under_meta, m, cli_on_rank, [*cache, "--out", tmp_path / out])] \
+            == [0, 0]
     for f in ("ids.npy", "logprobs.npy"):
         assert np.array_equal(np.load(tmp_path / "normal" / f), np.load(tmp_path / "meta" / f))
