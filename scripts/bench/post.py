@@ -1,18 +1,18 @@
-"""Post-training step time: DPO and distillation against SFT, at the CPU bench size, through `tpzoo finetune`.
+"""Post-training step time: DPO and distillation against SFT, side by side, at the CPU bench size.
 
     python scripts/bench/post.py                              # prints the markdown section
     python scripts/bench/post.py --write docs/benchmarks.md   # and (re)writes its section there
 
-Every case is the command a user types (`python -m tpzoo finetune ... --tp 1`, one fresh process each, 1 torch
-thread), on the same random bench-llama (scripts/bench/train.py's 15.7 M-parameter LLaMA, saved once as a Hugging
-Face directory: the --base), the byte tokenizer, and the same tensor shapes: --seq-len 256, micro-batch = global
-batch = 4 rows. An SFT row holds one example of 256 tokens; a DPO row holds one pair (its chosen and rejected
-responses, 128 tokens each, document-masked), so both objectives compute on the same tokens per step and the ratio is
-what DPO adds: the reference pass (the base without adapters with LoRA; a frozen copy, or nothing with
---dpo-precompute-ref, for the full model). Distillation: the teacher is the same bench-llama, live (one more
-forward) or read from a `tpzoo distill-cache` directory (K = 8), whose bytes per trained position are reported.
-Step time = the median of the steps after the warm-up (metrics.jsonl's step_time); cases interleaved, each run
---repeats times, the fastest median kept.
+The trainers are `tpzoo finetune`'s (tpzoo.train.loop.Trainer: what each rank runs), one per case, built in one
+process (1 torch thread) on the same random bench-llama (scripts/bench/train.py's 15.7 M-parameter LLaMA, saved
+once as a Hugging Face directory: the --base) with the byte tokenizer and the same tensor shapes: seq_len 256,
+micro-batch = global batch = 4 rows. Their steps alternate (step 1 of every case, then step 2, ...), so every case
+sees the same load of a shared machine, and each case's step time is the median of its steps after the warm-up.
+An SFT row holds one example of 256 tokens; a DPO row one pair (chosen and rejected, 128 tokens each,
+document-masked): both objectives compute on the same tokens per step, and the ratio is what DPO adds: the
+reference pass (the base without adapters with LoRA; a frozen copy, or nothing with --dpo-precompute-ref, for the
+full model). Distillation: the teacher is the same bench-llama, live (one more forward) or read from a
+`tpzoo distill-cache` directory (K = 8), whose bytes per trained position are reported.
 """
 from __future__ import annotations
 
@@ -23,11 +23,23 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 from mdsection import write_section  # noqa: E402 (a sibling script module)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHARS = "abcdefghijklmnopqrstuvwxyz "
+
+# name: (data, config overrides, the SFT case it is compared with)
+CASES = {
+    "sft, LoRA": ("sft", {"lora_rank": 16}, None),
+    "dpo, LoRA (reference: adapters off)": ("prefs", {"objective": "dpo", "lora_rank": 16}, "sft, LoRA"),
+    "sft, full": ("sft", {}, None),
+    "dpo, full (frozen reference copy)": ("prefs", {"objective": "dpo"}, "sft, full"),
+    "dpo, full (--dpo-precompute-ref)": ("prefs", {"objective": "dpo", "dpo_precompute_ref": True}, "sft, full"),
+    "distill, full (live teacher)": ("sft", {"objective": "distill", "teacher": "{hf}"}, "sft, full"),
+    "distill, full (teacher cache, K = 8)": ("sft", {"objective": "distill", "teacher": "{cache}"}, "sft, full"),
+}
 
 
 def _text(rng, n: int) -> str:
@@ -49,34 +61,8 @@ def write_data(root: str, n: int = 64) -> tuple[str, str]:
     return sft, prefs
 
 
-CASES = {  # name: (data, extra flags)
-    "sft, LoRA": ("sft", ["--lora-rank", "16"]),
-    "dpo, LoRA (reference: adapters off)": ("prefs", ["--objective", "dpo", "--lora-rank", "16"]),
-    "sft, full": ("sft", []),
-    "dpo, full (frozen reference copy)": ("prefs", ["--objective", "dpo"]),
-    "dpo, full (--dpo-precompute-ref)": ("prefs", ["--objective", "dpo", "--dpo-precompute-ref"]),
-    "distill, full (live teacher)": ("sft", ["--objective", "distill", "--teacher", "{hf}"]),
-    "distill, full (teacher cache, K = 8)": ("sft", ["--objective", "distill", "--teacher", "{cache}"]),
-}
-BASELINE = {"dpo, LoRA (reference: adapters off)": "sft, LoRA"}  # the others: "sft, full"
-
-
-def run_case(name: str, files: dict, args) -> float | None:
-    data, extra = CASES[name]
-    log = tempfile.mkdtemp(prefix="tpzoo-bench-post-")
-    cmd = [sys.executable, "-m", "tpzoo", "finetune", "--base", files["hf"], "--data", files[data], "--tp", "1",
-           "--seq-len", "256", "--global-batch-size", "4", "--micro-batch-size", "4", "--steps",
-           str(args.steps + args.warmup), "--eval-fraction", "0", "--save", "", "--log-dir", log, "--no-progress",
-           "--quiet", "--template", "fallback", "--lr", "1e-4"] + [x.format(**files) for x in extra]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if out.returncode != 0:
-        print(f"{name} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}", file=sys.stderr)
-        return None
-    rows = [json.loads(line) for line in open(os.path.join(log, "metrics.jsonl"))]
-    return statistics.median(r["step_time"] for r in rows[args.warmup:])
-
-
-def cache_bytes(files: dict, args) -> dict:
+def write_cache(files: dict) -> dict:
+    """`tpzoo distill-cache --distill-topk 8` of the SFT file; its bytes per trained position."""
     out = subprocess.run([sys.executable, "-m", "tpzoo", "distill-cache", "--teacher", files["hf"], "--data",
                           files["sft"], "--out", files["cache"], "--distill-topk", "8", "--seq-len", "256",
                           "--template", "fallback", "--tokenizer", "byte"], capture_output=True, text=True,
@@ -89,11 +75,42 @@ def cache_bytes(files: dict, args) -> dict:
             "on_disk": total / meta["positions"]}
 
 
+def step_times(files: dict, names: list, steps: int) -> dict:
+    """Every case's trainer in this process, their steps alternating: {name: [seconds per step]}."""
+    import torch
+
+    import tpzoo
+    from tpzoo.train import load_config
+    from tpzoo.train.loop import Trainer
+
+    torch.set_num_threads(1)
+    dims = tpzoo.init_parallel(tp=1, device="cpu")
+    trainers, times = {}, {name: [] for name in names}
+    try:
+        for name in names:
+            data, extra = CASES[name][:2]
+            cfg = load_config(None, {"task": "sft", "base": files["hf"], "data": [files[data]], "tp": 1,
+                                     "seq_len": 256, "global_batch_size": 4, "micro_batch_size": 4, "steps": steps,
+                                     "eval_fraction": 0.0, "save": "", "quiet": True, "progress": False,
+                                     "template": "fallback", "lr": 1e-4, "warmup_steps": 0, "sample_prompt": "",
+                                     **{k: v.format(**files) if isinstance(v, str) else v for k, v in extra.items()}})
+            trainers[name] = Trainer(cfg, dims)
+        for step in range(1, steps + 1):
+            for name, trainer in trainers.items():
+                t0 = time.perf_counter()
+                trainer.train_step(step)
+                times[name].append(time.perf_counter() - t0)
+    finally:
+        for trainer in trainers.values():
+            trainer.close()
+        tpzoo.destroy_parallel()
+    return times
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=8, help="timed steps per case")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per case")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--write", metavar="MD")
     args = p.parse_args()
     load = os.getloadavg()[0]
@@ -104,27 +121,19 @@ def main() -> None:
     files = {"hf": os.path.join(root, "hf"), "cache": os.path.join(root, "cache")}
     make_hf_model(argparse.Namespace(model="bench-llama"), files["hf"])
     files["sft"], files["prefs"] = write_data(root)
-    cache = cache_bytes(files, args)
-    best: dict = {}
-    for _ in range(args.repeats):
-        for name in CASES:
-            t = run_case(name, files, args)
-            print(f"{name}: {t}", file=sys.stderr, flush=True)
-            if t is not None and (name not in best or t < best[name]):
-                best[name] = t
-    lines = [f"Command: `python scripts/bench/post.py --write docs/benchmarks.md` (every case `python -m tpzoo "
-             f"finetune --base BENCH_LLAMA_HF_DIR --tp 1 --seq-len 256 --global-batch-size 4 --micro-batch-size 4 "
-             f"--template fallback ...` in a fresh process, 1 torch thread, {args.steps} timed steps after "
-             f"{args.warmup} warm-up, cases interleaved, {args.repeats} runs each, the fastest median step kept). "
-             f"bench-llama: 15.7 M parameters; an SFT row is one 256-token example, a DPO row one pair of two "
-             f"128-token responses (the same tokens per step). Load average of the machine when the run started: "
-             f"{load:.1f} (other jobs share the cores).", "",
-             "| case | step (median) | over SFT |", "|---|---|---|"]
-    for name in CASES:
-        base = BASELINE.get(name, "sft, full" if "LoRA" not in name else "sft, LoRA")
-        t = best.get(name)
-        ratio = f"{t / best[base]:.2f}x" if t and best.get(base) else "-"
-        lines.append(f"| {name} | {f'{t:.3f} s' if t else 'failed'} | {ratio} |")
+    cache = write_cache(files)
+    times = step_times(files, list(CASES), args.warmup + args.steps)
+    median = {name: statistics.median(t[args.warmup:]) for name, t in times.items()}
+    lines = [f"Command: `python scripts/bench/post.py --write docs/benchmarks.md` (one process, 1 torch thread: a "
+             f"`tpzoo finetune` trainer per case at tp 1, their steps alternating so that every case sees the same "
+             f"load; {args.steps} timed steps each after {args.warmup} warm-up, the median reported). bench-llama: "
+             f"15.7 M parameters, fp32, batch 4 x 256 tokens; an SFT row is one 256-token example, a DPO row one "
+             f"pair of two 128-token responses (the same tokens per step); LoRA rank 16 on every linear layer. Load "
+             f"average of the machine when the run started: {load:.1f} (other jobs share the cores).", "",
+             "| case | step (median) | over its SFT |", "|---|---|---|"]
+    for name, (_, _, base) in CASES.items():
+        ratio = f"{median[name] / median[base]:.2f}x" if base else "1.00x"
+        lines.append(f"| {name} | {median[name]:.3f} s | {ratio} |")
     lines += ["", f"Teacher cache at K = 8 (`tpzoo distill-cache --distill-topk 8`): {cache['positions']:,} trained "
                   f"positions of {cache['records']} records; {cache['arrays']} bytes per position in its arrays "
                   f"(int32 ids + fp32 log-probabilities), {cache['on_disk']:.1f} bytes per position on disk with "

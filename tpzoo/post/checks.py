@@ -54,15 +54,12 @@ def check_distill(cfg, model_cfg, tp: int, pp: int) -> None:
         raise ConfigError(f"--distill-topk {cfg.distill_topk}: {what} holds the top {k_max}")
 
 
-def check_objective(cfg, model_cfg) -> bool:
-    """Check a DPO / distillation run's data and teacher; False for the next-token objective (nothing checked)."""
+def check_objective(cfg, model_cfg) -> None:
+    """A DPO / distillation run's data and teacher (the next-token objective's data: tpzoo.train.preflight)."""
     if cfg.objective == "dpo":
         check_dpo(cfg)
     elif cfg.objective == "distill":
         check_distill(cfg, model_cfg, cfg.tp, cfg.pp)
-    else:
-        return False
-    return True
 
 
 def check_dpo_eval(args) -> None:

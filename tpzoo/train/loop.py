@@ -3,10 +3,10 @@
 One optimizer step: the step's micro-batches (global batch / (micro batch * dp) per dp rank) go through the run's
 objective (tpzoo.post: `tpzoo.pipeline.forward_backward` for the next-token loss; DPO, distillation) with loss scale
 1 / (non-ignored tokens, DPO: pairs, of the whole global batch), so the summed gradients are those of the global
-mean loss at every layout; `finalize_grads` does the TP and tied-embedding
-reductions, the optimizer the fp32 data-parallel reduction (all-reduce, or reduce-scatter under ZeRO-1; by default each
-gradient bucket starts reducing during the backward passes and the optimizer waits for what is still in
-flight), the global norm, clipping and AdamW.
+mean loss at every layout; `finalize_grads` does the TP and tied-embedding reductions, the optimizer the fp32
+data-parallel reduction (all-reduce, or reduce-scatter under ZeRO-1; by default each gradient bucket starts reducing
+during the backward passes and the optimizer waits for what is still in flight), the global norm, clipping and
+AdamW.
 
 Device. The trainer owns it: `init_parallel(device=cfg.device)` picks it once (cuda:LOCAL_RANK when CUDA is
 available, else cpu; --device overrides), the model chunks are built on meta and materialized there (then
