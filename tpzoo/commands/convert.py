@@ -1,4 +1,5 @@
-"""`tpzoo convert from-hf SRC DST --tp N --pp M` and `tpzoo convert to-hf SRC DST` (docs/checkpoint-format.md).
+"""`tpzoo convert from-hf SRC DST --tp N --pp M` and `tpzoo convert to-hf SRC DST` (docs/checkpoint-format.md);
+`from-megatron` / `to-megatron` (Megatron-LM checkpoints) live in convert_megatron.py.
 
 Streaming (bounded memory, progress bar on stderr), atomic (a temporary directory renamed into place when
 complete; an existing DST is refused unless --force, and replaced only once the new one is complete; what a killed
@@ -14,23 +15,15 @@ import time
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="direction", metavar="{from-hf,to-hf}", required=True)
+    from . import convert_megatron
+
+    sub = p.add_subparsers(dest="direction", metavar="{from-hf,to-hf,from-megatron,to-megatron}", required=True)
     a = sub.add_parser("from-hf", help="Hugging Face checkpoint -> tpzoo sharded checkpoint")
     a.add_argument("src", help="HF model directory, a weights file in one, or a hub id (tried only if not a path)")
-    a.add_argument("dst", help="output checkpoint directory")
-    a.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the output (default 1)")
-    a.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the output (default 1)")
-    a.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (default 1)")
-    a.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="weights dtype (auto: keep the source's; a quantized source is dequantized to it)")
+    add_tpzoo_output(a)
     a.add_argument("--keep-quantized", action="store_true",
                    help="a block-FP8 or int4 source: store its quantized weights and their scales as they are "
                         "(sharded along whole blocks), for LoRA on the quantized base and a byte-identical export")
-    a.add_argument("--vocab-multiple", type=int, default=1,
-                   help="pad the vocabulary to a multiple of tp * this (default 1)")
-    a.add_argument("--checksum", default="crc32", choices=["crc32", "sha256"], help="shard file checksum")
-    a.add_argument("--force", action="store_true", help="replace DST if it exists")
-    a.add_argument("--quiet", action="store_true", help="no progress bar")
     b = sub.add_parser("to-hf", help="tpzoo checkpoint (any layout) -> directory transformers loads")
     b.add_argument("src", help="tpzoo checkpoint directory")
     b.add_argument("dst", help="output HF model directory")
@@ -46,14 +39,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument("--merge", action="store_true",
                    help="a LoRA checkpoint: write the base with the adapters merged in (default: a PEFT adapter "
                         "directory)")
+    convert_megatron.add_parsers(sub)
+
+
+def add_tpzoo_output(a: argparse.ArgumentParser) -> None:
+    """DST and the options of a conversion that writes a tpzoo checkpoint (from-hf, from-megatron)."""
+    a.add_argument("dst", help="output checkpoint directory")
+    a.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the output (default 1)")
+    a.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the output (default 1)")
+    a.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (default 1)")
+    a.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="weights dtype (auto: keep the source's)")
+    a.add_argument("--vocab-multiple", type=int, default=1,
+                   help="pad the vocabulary to a multiple of tp * this (default 1)")
+    a.add_argument("--checksum", default="crc32", choices=["crc32", "sha256"], help="shard file checksum")
+    a.add_argument("--force", action="store_true", help="replace DST if it exists")
+    a.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def run(args) -> int:
     from tpzoo.checkpoint import convert_from_hf, convert_to_hf
     from tpzoo.errors import ConfigError
 
+    from . import convert_megatron
+
     start = time.time()
-    if args.direction == "from-hf":
+    if args.direction in convert_megatron.DIRECTIONS:
+        summary = convert_megatron.run(args)
+    elif args.direction == "from-hf":
         m = convert_from_hf(args.src, args.dst, tp=args.tp, pp=args.pp, dtype=args.dtype, force=args.force,
                             vocab_padding_multiple=args.vocab_multiple, virtual_stages=args.virtual_stages,
                             progress=not args.quiet, checksum=args.checksum, keep_quantized=args.keep_quantized)

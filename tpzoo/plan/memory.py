@@ -326,5 +326,8 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
     per_use = training.zero_level >= 3
     casts = fp8_transient_bytes(cfg, at, b * s, ids, per_use) if training.fp8 != "none" else 0
     fp8_weights = fp8_weight_bytes(cfg, t, ids) if training.fp8 != "none" and not per_use else 0
-    return MemoryBreakdown(stage, st.params + fp8_weights, st.grads, st.master, st.optimizer, held,
+    from .post import frozen_stage_bytes  # DPO's reference copy, a distillation teacher (plan/post.py)
+
+    frozen = frozen_stage_bytes(training, layout, stage)
+    return MemoryBreakdown(stage, st.params + fp8_weights + frozen, st.grads, st.master, st.optimizer, held,
                            backward + recv + staging + gathered + casts, reserve_bytes)

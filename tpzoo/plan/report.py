@@ -8,6 +8,7 @@ from tpzoo.models.config import ModelConfig
 
 from .estimate import GIB, Estimate
 from .memory import state_bytes_per_param
+from .post import frozen_text
 from .spec import ClusterSpec, TrainingSpec
 
 
@@ -48,6 +49,7 @@ def header(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, consi
             f"{' (blocks compiled)' if training.compile else ''}, "
             f"{'fused' if training.fused_linear_cross_entropy else 'unfused'} head and loss, "
             f"{f'FP8 {training.fp8} projections, ' if training.fp8 != 'none' else ''}"
+            f"{frozen_text(training)[2:] + ', ' if training.frozen else ''}"
             f"efficiency {cluster.efficiency:g}, reserve {cluster.reserve_gib:g} GiB; "
             f"{considered} layouts, {fitting} fit")
 

@@ -9,7 +9,7 @@ multiple of 2 * cp, times tp under sequence parallelism); the gradients are redu
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tpzoo.models.config import ModelConfig
 from tpzoo.parallel.dims import ParallelLayoutError
@@ -67,6 +67,9 @@ class TrainingSpec:
     grad_accumulation_fusion: bool = True  # weight gradients accumulated into the fp32 main grads by the matmul
     compile: bool = False              # regional torch.compile of the blocks (`--compile`): a block's saved tensors
                                        # counted as the fused kernels' (inductor fuses the references the same way)
+    frozen: tuple = field(default=(), hash=False)  # ModelConfigs of frozen models held beside the trained one at
+                                       # its layout, in `dtype`: DPO's reference copy, a distillation teacher
+                                       # (tpzoo.post; plan/post.py)
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:

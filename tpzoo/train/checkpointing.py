@@ -195,7 +195,7 @@ def remove_stale_temp_dirs(save_dir) -> list[Path]:
 # sequences of this data, cut this way, in this order, this many per step. Everything else may change on resume:
 # the layout (tp, cp, pp, dp, ep, ZeRO, schedule), the micro-batch size, --steps, the optimizer, logging and saving.
 RESUME_KEEPS = ("task", "data", "text_field", "seq_len", "eval_fraction", "seed", "global_batch_size")
-RESUME_KEEPS_SFT = ("packing", "template")  # fine-tuning: how the records become sequences
+RESUME_KEEPS_SFT = ("packing", "template", "objective")  # fine-tuning: how the records become sequences
 
 
 def _same_data(a: list, b: list) -> bool:
@@ -363,6 +363,7 @@ def save_checkpoint(trainer, step: int) -> str:
                 save_model_shards(trainer.chunks, tmp / "optim" / kind, trainer.model_cfg, **lora)
             del full
         outer = diloco_state.save(trainer, tmp, lora)  # DiLoCo: the other replicas and the outer optimizer
+        trainer.objective.save(trainer, tmp)  # DPO's precomputed reference (tpzoo.post)
         (tmp / "rng").mkdir(exist_ok=True)
         (tmp / "rng" / f"rank-{trainer.rank:05d}.json").write_text(json.dumps(_rng_state(trainer.device)))
         if trainer.rank == 0:

@@ -157,8 +157,8 @@ class DataSection:
                             "tokenizer, else 'byte'")
     seq_len: int = _f(256, "tokens per training sequence", ge=1)
     global_batch_size: int = _f(16, "sequences per optimizer step, over all data-parallel ranks (a multiple of "
-                                    "micro_batch_size * dp)", ge=1)
-    micro_batch_size: int = _f(8, "sequences per forward/backward; gradient accumulation runs "
+                                    "micro_batch_size * dp); DPO: preference pairs (one pair per sequence)", ge=1)
+    micro_batch_size: int = _f(8, "sequences per forward/backward (DPO: pairs); gradient accumulation runs "
                                   "global / (micro * dp) micro-batches per step", ge=1)
     data_cache: str = _f("runs/data", "where corpora are tokenized once into token stores (reused by later runs)",
                          nonempty=True)
@@ -185,6 +185,28 @@ class LoraSection:
                                             "all-linear", type=str, nonempty=True)
     lora_from: str = _f("", "start the adapters from this PEFT adapter directory (its rank, alpha, dropout and "
                             "targets replace the --lora-* values); any tp/pp")
+
+
+@dataclass
+class PostSection:
+    objective: str = _f("lm", "what the fine-tune optimizes: 'lm' (next-token loss on the response tokens), 'dpo' "
+                              "(preference pairs: --data JSONL of prompt/chosen/rejected; tpzoo.post.dpo) or 'distill' "
+                              "(a --teacher's top-K log-probabilities; tpzoo.post.distill)",
+                        choices=("lm", "dpo", "distill"))
+    dpo_beta: float = _f(0.1, "DPO: beta, the strength of the reference's pull (the reward is beta x the log-ratio)",
+                         gt=0)
+    dpo_loss: str = _f("sigmoid", "DPO loss: 'sigmoid' (the paper's) or 'ipo' (TRL's IPO: log-ratios averaged over "
+                                  "the response tokens)", choices=("sigmoid", "ipo"))
+    dpo_label_smoothing: float = _f(0.0, "DPO: conservative DPO's label smoothing eps (the sigmoid loss, Mitchell's "
+                                         "formula: -(1-eps) log sig(z) - eps log sig(-z))", ge=0, lt=0.5)
+    dpo_precompute_ref: bool = _f(False, "DPO: compute every pair's reference log-probabilities once, before the "
+                                         "first step (no reference model held; kept in the checkpoints)")
+    teacher: str = _f("", "distill: the teacher, a tpzoo checkpoint or Hugging Face directory loaded at this run's "
+                          "layout, or a cache written by `tpzoo distill-cache`")
+    distill_topk: int = _f(8, "distill: the teacher's most likely tokens per position the KL runs over", ge=1)
+    distill_temperature: float = _f(1.0, "distill: softmax temperature T of teacher and student (the KL term is "
+                                         "scaled by T^2)", gt=0)
+    distill_alpha: float = _f(0.5, "distill: weight A of the KL term; 1 - A weighs the next-token loss", ge=0, le=1)
 
 
 @dataclass
@@ -246,7 +268,8 @@ FOLLOWS: dict[str, Callable[["TrainConfig"], Any]] = {"min_lr": lambda cfg: floa
 
 SECTIONS = {"run": RunSection, "model": ModelSection, "parallel": ParallelSection, "replicas": ReplicaSection,
             "data": DataSection,
-            "lora": LoraSection, "optim": OptimSection, "checkpoint": CheckpointSection, "log": LogSection}
+            "lora": LoraSection, "post": PostSection, "optim": OptimSection, "checkpoint": CheckpointSection,
+            "log": LogSection}
 
 # Where a value came from, for error messages: one text for every key, or a function of the key.
 Where = str | Callable[[str], str] | None
@@ -355,10 +378,25 @@ class TrainConfig:
             parse_mixture(self.data, self.mix)  # weights and paths pair, weights are positive numbers
         elif self.mix:
             raise ConfigError("a [data] mix table is for pretraining; fine-tuning takes one JSONL file (--data)")
+        self._validate_objective()
         if self.task == "sft" and len(self.data) != 1:
             raise ConfigError(f"task 'sft' needs exactly one SFT JSONL file (--data PATH.jsonl), got "
                               f"{len(self.data)}: {self.data}")
         return self
+
+    def _validate_objective(self) -> None:
+        """--objective against the task and the objective's own settings (tpzoo.post)."""
+        if self.objective != "lm" and self.task != "sft":
+            raise ConfigError(f"--objective {self.objective} fine-tunes: use `tpzoo finetune` (task 'sft')")
+        if self.objective == "distill" and not self.teacher:
+            raise ConfigError("--objective distill needs --teacher (a checkpoint, a Hugging Face directory or a "
+                              "`tpzoo distill-cache` directory)")
+        if self.teacher and self.objective != "distill":
+            raise ConfigError(f"--teacher is for --objective distill (the objective is {self.objective!r})")
+        if self.dpo_precompute_ref and self.objective != "dpo":
+            raise ConfigError(f"--dpo-precompute-ref is for --objective dpo (the objective is {self.objective!r})")
+        if self.dpo_loss == "ipo" and self.dpo_label_smoothing:
+            raise ConfigError("--dpo-label-smoothing is conservative DPO, a form of the sigmoid loss, not of ipo")
 
     def _validate_sync(self) -> None:
         """DiLoCo's schedule: fragments fit the interval, the overlap fits a fragment's share of it."""

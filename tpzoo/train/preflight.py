@@ -236,7 +236,11 @@ def check_train(cfg, world_size: int | None = None):
                           f"{label}")
     check_tokenizer(tokenizer, model_cfg.vocab_size if fixed_vocab else None, label)
     check_lora(cfg, model_cfg)
-    if cfg.task == "sft":
+    if cfg.objective != "lm":  # DPO's pairs, a distillation teacher (tpzoo.post)
+        from tpzoo.post.checks import check_objective
+
+        check_objective(cfg, model_cfg)
+    elif cfg.task == "sft":
         _check_sft_data(cfg)
     else:
         _check_pretrain_data(cfg)
@@ -299,7 +303,14 @@ def _check_checkpoint(args, world_size: int | None):
 
 def check_eval(args, world_size: int | None = None) -> None:
     _positive(args, "batch_size", "seq_len", "max_tokens")
-    check_text_file(args.text_file, "--text-file")  # before the checkpoint: it is the cheaper of the two
+    if getattr(args, "objective", "lm") == "dpo":  # preference pairs (tpzoo.post.checks)
+        from tpzoo.post.checks import check_dpo_eval
+
+        check_dpo_eval(args)
+    elif not args.text_file:
+        raise ConfigError("--text-file is required (or --objective dpo --data PAIRS.jsonl)")
+    else:
+        check_text_file(args.text_file, "--text-file")  # before the checkpoint: it is the cheaper of the two
     model_cfg, what = _check_checkpoint(args, world_size)
     if args.seq_len:
         check_positions(model_cfg, args.seq_len, what)
