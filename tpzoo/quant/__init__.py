@@ -22,7 +22,7 @@ def stored_names(cfg) -> set:
     return {n for name in record["tensors"] for n in (name, name + suffix)}
 
 
-def describe(cfg) -> str:
+def quantization_line(cfg) -> str:
     """One line: what a kept-quantized model stores quantized (empty for any other)."""
     record = getattr(cfg, "quantization", None)
     if not record:
