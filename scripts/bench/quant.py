@@ -26,7 +26,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,7 +33,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from convert import fsync_tree, llama_tensors, write_from_pool  # noqa: E402 (a sibling script)
+from convert import add_model_arguments, fresh_dir, llama_tensors, write_from_pool  # noqa: E402 (sibling scripts)
+from megatron_convert import timed_command  # noqa: E402
 
 from tpzoo.checkpoint.st_writer import SafetensorsWriter  # noqa: E402
 from tpzoo.quant.formats import Fp8Block  # noqa: E402
@@ -91,26 +91,6 @@ def write_checkpoint(path: Path, args, fp8: bool) -> int:
     return total
 
 
-# The command runs in a child whose own peak resident set it reports at exit (VmHWM of its address space, fresh at
-# exec): os.wait4's ru_maxrss would include this parent's resident set at the fork.
-_CHILD = ("import sys\nfrom tpzoo.cli import main\nrc = main(sys.argv[1:])\n"
-          "hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM:')).split()[1]\n"
-          "sys.stderr.write(f'VMHWM {hwm}\\n')\nsys.exit(rc)\n")
-
-
-def timed_tpzoo(argv: list[str], out: Path) -> tuple[float, float, int]:
-    """(seconds until `tpzoo *argv` exits, seconds until its output is on disk, its own peak RSS in bytes)."""
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _CHILD, *argv], cwd=ROOT, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
-    returned = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"tpzoo {' '.join(argv)} failed:\n{proc.stderr}")
-    fsync_tree(out)
-    hwm = int(proc.stderr.rsplit("VMHWM ", 1)[1].split()[0]) * 1024
-    return returned, time.perf_counter() - start, hwm
-
-
 def part_convert(args, work: Path) -> dict:
     sizes = {"fp8": write_checkpoint(work / "fp8", args, True), "bf16": write_checkpoint(work / "bf16", args, False)}
     os.sync()
@@ -121,7 +101,7 @@ def part_convert(args, work: Path) -> dict:
         for case, (src, extra) in cases.items():
             out = work / "out"
             cmd = ["convert", "from-hf", str(src), str(out), "--tp", "2", "--quiet", "--force", *extra]
-            seconds, durable, rss = timed_tpzoo(cmd, out)
+            seconds, durable, rss = timed_command(cmd, out)  # (the converter's own peak RSS)
             out_bytes = sum(f.stat().st_size for f in out.iterdir() if f.suffix == ".safetensors")
             runs[case].append((seconds, durable, rss, out_bytes))
             shutil.rmtree(out)
@@ -233,13 +213,8 @@ def part_lora(args, work: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=["convert", "lora", "both"], default="both")
-    p.add_argument("--dir", default="/tmp/tpzoo-bench-quant", help="scratch directory (deleted afterwards)")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=44)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=5632)
-    p.add_argument("--vocab", type=int, default=32000)
+    add_model_arguments(p, dir="/tmp/tpzoo-bench-quant", dtype="bf16", hidden=2048, layers=44, heads=32, kv_heads=4,
+                        ffn=5632)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -253,15 +228,14 @@ def main() -> None:
     args = p.parse_args()
     if args.lora_case:
         return lora_case(args)
-    work = Path(args.dir)
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    work = fresh_dir(args.dir)
     try:
         for part in (("convert", "lora") if args.part == "both" else (args.part,)):
             (work / part).mkdir()
             print(json.dumps((part_convert if part == "convert" else part_lora)(args, work / part)), flush=True)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
