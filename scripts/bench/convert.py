@@ -50,6 +50,17 @@ def llama_tensors(h: int, layers: int, heads: int, kv: int, ffn: int, vocab: int
     return out + [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
 
 
+def write_from_pool(writer, name: str, numel: int, pool: torch.Tensor, k: int) -> int:
+    """Stream `numel` values of tensor `name` from slices of `pool` at varying offsets (random-looking weights at
+    disk speed); returns the next offset seed."""
+    while numel:
+        take = min(numel, pool.numel() // 2)
+        k = (k + 7919) % (pool.numel() // 2)
+        writer.write(name, pool[k: k + take])
+        numel -= take
+    return k
+
+
 def write_hf_checkpoint(path: Path, args) -> int:
     """Random weights streamed into model-0000k-of-0000n.safetensors files of about --shard-gb each."""
     dtype = DTYPES[args.dtype]
@@ -72,12 +83,7 @@ def write_hf_checkpoint(path: Path, args) -> int:
         fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         w = SafetensorsWriter(path / fname, [(n, dtype, s) for n, s in group], {"format": "pt"})
         for name, shape in group:
-            left = torch.Size(shape).numel()
-            while left:
-                take = min(left, pool.numel() // 2)
-                k = (k + 7919) % (pool.numel() // 2)
-                w.write(name, pool[k: k + take])
-                left -= take
+            k = write_from_pool(w, name, torch.Size(shape).numel(), pool, k)
             weight_map[name] = fname
         total += w.close()[0]
     index = {"metadata": {"total_size": sum(esize * torch.Size(s).numel() for _, s in tensors)},

@@ -21,10 +21,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a = sub.add_parser("from-hf", help="Hugging Face checkpoint -> tpzoo sharded checkpoint")
     a.add_argument("src", help="HF model directory, a weights file in one, or a hub id (tried only if not a path)")
     add_tpzoo_output(a)
+    a.add_argument("--keep-quantized", action="store_true",
+                   help="a block-FP8 or int4 source: store its quantized weights and their scales as they are "
+                        "(sharded along whole blocks), for LoRA on the quantized base and a byte-identical export")
     b = sub.add_parser("to-hf", help="tpzoo checkpoint (any layout) -> directory transformers loads")
     b.add_argument("src", help="tpzoo checkpoint directory")
     b.add_argument("dst", help="output HF model directory")
     b.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    b.add_argument("--quantize", choices=["fp8-block"],
+                   help="write the weights of the linear layers in DeepSeek's block FP8 (e4m3, 128x128 blocks; "
+                        "embeddings, head, norms, routers, biases as --dtype)")
     b.add_argument("--max-shard-size", default="5GB", help="split model.safetensors above this (default 5GB)")
     b.add_argument("--no-verify", action="store_true",
                    help="skip the shard files' checksums (the header checks always run)")
@@ -53,6 +59,7 @@ def add_tpzoo_output(a: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from tpzoo.checkpoint import convert_from_hf, convert_to_hf
+    from tpzoo.errors import ConfigError
 
     from . import convert_megatron
 
@@ -62,7 +69,7 @@ def run(args) -> int:
     elif args.direction == "from-hf":
         m = convert_from_hf(args.src, args.dst, tp=args.tp, pp=args.pp, dtype=args.dtype, force=args.force,
                             vocab_padding_multiple=args.vocab_multiple, virtual_stages=args.virtual_stages,
-                            progress=not args.quiet, checksum=args.checksum)
+                            progress=not args.quiet, checksum=args.checksum, keep_quantized=args.keep_quantized)
         summary = {"dst": args.dst, "tp": m["tp"], "pp": m["pp"], "dtype": m["dtype"],
                    "files": len(m["files"]), "bytes": sum(f["bytes"] for f in m["files"])}
         for note in m["metadata"].get("notes", []):  # what the import left out or changed, one line each
@@ -72,12 +79,14 @@ def run(args) -> int:
         from tpzoo.checkpoint.peft import export_merged, export_peft
 
         kw = dict(force=args.force, max_shard_size=args.max_shard_size, dtype=args.dtype, verify=not args.no_verify,
-                  progress=not args.quiet)
+                  progress=not args.quiet, quantize=args.quantize)
         if lora_info(args.src) is None:
             files = convert_to_hf(args.src, args.dst, **kw)
         elif args.merge:
             files = export_merged(args.src, args.dst, **kw)
         else:  # the adapters as PEFT writes them
+            if args.quantize:
+                raise ConfigError("--quantize applies to full weights: a LoRA checkpoint exports them with --merge")
             files = [str(p) for p in sorted(export_peft(args.src, args.dst, force=args.force).iterdir())]
         summary = {"dst": args.dst, "files": files}
     print(json.dumps({**summary, "seconds": round(time.time() - start, 3)}))

@@ -30,6 +30,7 @@ def run(args) -> int:
     from tpzoo.checkpoint import is_checkpoint, read_manifest
     from tpzoo.checkpoint.megatron import describe, is_megatron_checkpoint
     from tpzoo.models.config import ModelConfig
+    from tpzoo.quant import quantization_line, stored_names
 
     if not is_checkpoint(args.ckpt) and is_megatron_checkpoint(args.ckpt):
         print("\n".join(describe(args.ckpt, tensors=not args.no_tensors)))
@@ -45,6 +46,8 @@ def run(args) -> int:
         print(f"model: {cfg.family} {cfg.name or ''} layers={cfg.num_layers} hidden={cfg.hidden_size} "
               f"heads={cfg.num_heads} kv_heads={cfg.num_kv_heads} ffn={cfg.ffn_hidden_size} vocab={v['size']} "
               f"(padded {v['padded']}) parameters={cfg.num_parameters():,} dtype={m.get('dtype')}")
+        if quantization_line(cfg):  # a kept-quantized checkpoint (convert from-hf --keep-quantized)
+            print(quantization_line(cfg))
         print(f"layout: tp={m['tp']} pp={m['pp']} virtual_stages={m.get('virtual_stages', 1)}")
         for st in m["stages"]:
             ends = [n for n, flag in (("embedding", st["pre_process"]), ("head", st["post_process"])) if flag]
@@ -59,9 +62,11 @@ def run(args) -> int:
             print("aux files: " + ", ".join(m["aux_files"]))
         if not args.no_tensors:
             print(f"tensors: {len(m['tensors'])}")
+            kept = stored_names(cfg)
             for name, t in m["tensors"].items():
                 split = "replicated" if t["split"] is None else f"split dim {t['split']['dim']}"
-                print(f"  {name:40s} {str(tuple(t['shape'])):18s} {t['dtype']:5s} {split:12s} pp {t['pp_rank']}")
+                tag = f"  {cfg.quantization['format']}" if name in kept else ""
+                print(f"  {name:40s} {str(tuple(t['shape'])):18s} {t['dtype']:5s} {split:12s} pp {t['pp_rank']}{tag}")
     return _check(args.ckpt, m, checksum=args.verify, out=sys.stderr if args.json else sys.stdout)
 
 

@@ -56,8 +56,11 @@ def header(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, consi
 
 def _state_text(training: TrainingSpec) -> str:
     if training.lora_rank:
-        return (f"LoRA rank {training.lora_rank} on every linear layer: frozen base {training.act_bytes} B/param, "
-                f"adapters {state_bytes_per_param(training)}")
+        base = ({"fp8": "block FP8 (1 B/param + scales)", "int4": "int4 (0.5 B/param + scales)"}[training.base_dtype]
+                + f" projections and experts, the rest {training.act_bytes} B/param" if training.base_dtype
+                else f"{training.act_bytes} B/param")
+        return f"LoRA rank {training.lora_rank} on every linear layer: frozen base {base}, adapters " \
+               f"{state_bytes_per_param(training)}"
     return f"training state {state_bytes_per_param(training)}"
 
 

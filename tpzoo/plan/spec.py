@@ -56,6 +56,7 @@ class TrainingSpec:
     vocab_padding_multiple: int = 1    # as Transformer(vocab_padding_multiple=...); the vocab pads to tp * this
     kernels: str = "fused"
     lora_rank: int = 0                 # > 0: LoRA on every linear layer of a frozen base (tpzoo.plan.lora)
+    base_dtype: str | None = None      # "fp8" / "int4": that frozen base kept quantized (tpzoo.plan.quant)
     zero: int = 0                      # 1: master + AdamW moments sharded over dp (Megatron distributed
                                        # optimizer); 2: the fp32 gradients too (reduce-scattered per micro-batch);
                                        # 3: the weights too (each layer all-gathered when used)
@@ -84,6 +85,8 @@ class TrainingSpec:
         if self.zero_level == 3 and self.compile:
             raise ValueError("--compile with --zero 3 is not supported (the per-layer gathers are not composed with "
                              "compilation): use --zero 2")
+        if self.base_dtype is not None and (self.base_dtype not in ("fp8", "int4") or not self.lora_rank):
+            raise ValueError(f"base dtype {self.base_dtype!r}: fp8 or int4, for a LoRA run's frozen base (--lora-rank)")
         if self.zero_level == 3 and self.lora_rank:
             raise ValueError("ZeRO-3 with LoRA is not supported (the frozen base is not sharded): use --zero 2")
 
@@ -216,6 +219,9 @@ def check_layout(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, trainin
         raise ParallelLayoutError(f"global batch {training.global_batch_size} is not divisible by "
                                   f"dp*mbs = {d}*{layout.micro_batch_size}")
     check_experts(cfg, layout, training)
+    from .quant import check_base  # a quantized base splits along whole blocks
+
+    check_base(cfg, t, layout.ep, training.base_dtype)
     if layout.recompute not in RECOMPUTE:
         raise ParallelLayoutError(f"recompute must be one of {RECOMPUTE}")
     if layout.sequence_parallel and (t == 1 or training.seq_len % t):

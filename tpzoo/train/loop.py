@@ -38,6 +38,7 @@ from tpzoo.parallel.fp8 import hardware_problem as fp8_hardware_problem
 from tpzoo.parallel.state import get_dims, is_initialized, job_world_size
 from tpzoo.pipeline import build_model_chunks, finalize_grads, materialize_chunks
 from tpzoo.post.objective import objective_of
+from tpzoo.quant import refuse_full_training
 
 from . import checkpointing as ckpt
 from . import diloco, diloco_state, lora_setup
@@ -139,6 +140,8 @@ class Trainer:
         # from the exact initial (or loaded) values.
         # LoRA: the base frozen in the model dtype (it has no fp32 master), the adapters trained.
         self.lora, self.lora_base = lora_setup.lora_of_run(cfg, self.resume_dir)
+        if not self.lora:  # a kept-quantized base trains adapters only (preflight says so first)
+            refuse_full_training(model_cfg, f"--base {cfg.base}" if cfg.base else "the model")
         # What every LoRA checkpoint of the run records: the adapter config and the base as it was at the start
         # (fingerprinted once here, not at every save).
         self.lora_meta = lora_metadata(self.lora, self.lora_base) if self.lora else None

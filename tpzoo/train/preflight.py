@@ -37,6 +37,7 @@ def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str
     world size is tpzoo.parallel.dims.check_layout's (TrainConfig.data_parallel_size, _check_checkpoint)."""
     from tpzoo.parallel.dims import ParallelLayoutError
     from tpzoo.pipeline import partition_layers
+    from tpzoo.quant import check_split
     from tpzoo.pipeline.partition import PartitionError
 
     nh, nkv, ffn = model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.ffn_hidden_size
@@ -47,6 +48,7 @@ def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str
     if ffn % tp:
         raise ParallelLayoutError(f"{what}: tp={tp} does not divide ffn_hidden_size={ffn}")
     check_experts(model_cfg, tp, ep, what)
+    check_split(model_cfg, tp)  # a kept-quantized model: along whole blocks
     try:
         partition_layers(model_cfg, pp, boundaries or None, virtual_stages=virtual_stages)
     except PartitionError as e:
@@ -251,13 +253,16 @@ def check_lora(cfg, model_cfg) -> None:
     from tpzoo.models import ModelLayout, Transformer
     from tpzoo.models.lora import check_targets
     from tpzoo.parallel import ParallelDims
+    from tpzoo.quant import refuse_full_training
 
     from .lora_setup import lora_of_run
     from .checkpointing import resolve_resume
 
     resume = resolve_resume(cfg, say=lambda *_: None) if cfg.resume else None
     lcfg, _ = lora_of_run(cfg, resume)
-    if lcfg is not None:
+    if lcfg is None:
+        refuse_full_training(model_cfg, f"--base {cfg.base}" if cfg.base else "the model")
+    else:
         check_targets(Transformer(model_cfg, ModelLayout(ParallelDims.for_rank(), device="meta")), lcfg)
 
 

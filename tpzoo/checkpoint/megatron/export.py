@@ -94,6 +94,9 @@ def convert_to_megatron(src, dst, *, tp: int = 1, pp: int = 1, ep: int = 1, iter
     source = open_source(src, verify=verify)
     try:
         cfg = source.cfg
+        if cfg.quantization:  # (Megatron-LM reads unquantized weights)
+            raise CheckpointError(f"{src} is kept quantized ({cfg.quantization['format']}): to-megatron writes "
+                                  f"unquantized weights; convert its Hugging Face source without --keep-quantized")
         recorded = (source.manifest.get("metadata", {}).get("megatron") or {}) \
             if isinstance(source, CheckpointSource) else {}
         base = dict(recorded.get("args") or {})
