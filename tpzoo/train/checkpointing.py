@@ -193,7 +193,8 @@ def remove_stale_temp_dirs(save_dir) -> list[Path]:
 
 # The settings that define a run's stream of training sequences: the loader position a checkpoint keeps counts
 # sequences of this data, cut this way, in this order, this many per step. Everything else may change on resume:
-# the layout (tp, cp, pp, dp, ep, ZeRO, schedule), the micro-batch size, --steps, the optimizer, logging and saving.
+# the layout (tp, cp, pp, dp, ep, ZeRO, schedule), the micro-batch size, --steps, the optimizer's settings (not the
+# optimizer itself: its state is AdamW's or Muon's, check_resumable), logging and saving.
 RESUME_KEEPS = ("task", "data", "text_field", "seq_len", "eval_fraction", "seed", "global_batch_size")
 RESUME_KEEPS_SFT = ("packing", "template")  # fine-tuning: how the records become sequences
 
@@ -217,6 +218,10 @@ def check_resumable(cfg, state: dict, path) -> None:
         then, now = saved[key], getattr(cfg, key)
         if then != now and not (key == "data" and _same_data(then, now)):
             changed.append(f"{key} {now!r} (the checkpoint's run: {then!r})")
+    then = saved.get("optimizer", "adamw")  # a checkpoint from before --optimizer: AdamW's
+    if then != cfg.optimizer:
+        raise ConfigError(f"cannot resume from {path} with --optimizer {cfg.optimizer}: its optimizer state is "
+                          f"{then}'s; start a new run from its weights (--base {path}) in another --save directory")
     if changed:
         raise ConfigError(f"cannot resume from {path} with {'; '.join(changed)}: a resumed run keeps "
                           f"{', '.join(keys)} (its data position counts those sequences); the layout, micro-batch "
@@ -360,7 +365,8 @@ def save_checkpoint(trainer, step: int) -> str:
             full = opt.full_state(kind)  # all-gather over dp under ZeRO-1 (every rank, same order)
             (tmp / "optim" / kind).mkdir(parents=True, exist_ok=True)
             with opt.params_viewing(full):
-                save_model_shards(trainer.chunks, tmp / "optim" / kind, trainer.model_cfg, **lora)
+                save_model_shards(trainer.chunks, tmp / "optim" / kind, trainer.model_cfg,
+                                  **_state_select(lora, opt.state_select(kind)))
             del full
         outer = diloco_state.save(trainer, tmp, lora)  # DiLoCo: the other replicas and the outer optimizer
         (tmp / "rng").mkdir(exist_ok=True)
@@ -391,6 +397,15 @@ def save_checkpoint(trainer, step: int) -> str:
     return str(final)
 
 
+def _state_select(lora: dict, covers) -> dict:
+    """save_model_shards' keywords for one optimizer state: a LoRA run's adapters, and of them (or of all) the
+    parameters the state covers (Muon's momentum, AdamW's moments: DistributedMuon.state_select)."""
+    if covers is None:
+        return lora
+    select = lora.get("select")
+    return {**lora, "select": covers if select is None else (lambda n: select(n) and covers(n))}
+
+
 # -- optimizer state on resume --------------------------------------------------------------------------------------
 
 def load_optimizer(opt, path, state: dict, chunks) -> None:
@@ -398,8 +413,9 @@ def load_optimizer(opt, path, state: dict, chunks) -> None:
     A bf16 run resumed from an fp32 one takes its master weights from the (fp32) weights."""
     from tpzoo.checkpoint import load_weights_into
 
-    select = is_lora_param if lora_info(path) else None  # a LoRA run's state covers its adapters only
+    lora = {"select": is_lora_param} if lora_info(path) else {}  # a LoRA run's state covers its adapters only
     for kind in opt.state_kinds():
+        select = _state_select(lora, opt.state_select(kind)).get("select")
         d = Path(path) / "optim" / kind
         if not d.is_dir():
             if kind == "master":

@@ -93,6 +93,8 @@ def format_line(m: dict) -> str:
     parts = [f"step {m['step']:>6d}", f"loss {m['loss']:.4f}", f"grad_norm {m['grad_norm']:.3f}",
              f"lr {m['lr']:.2e}", f"tok/s {m['tokens_per_s']:,.0f}", f"TFLOP/s/dev {m['tflops_per_device']:.3f}",
              f"MFU {mfu}", f"mem {m['peak_mem_gb']:.2f}GB", f"data_wait {100 * m['data_wait']:.1f}%"]
+    if m.get("max_attn_logit") is not None:  # MuonClip (tpzoo.train.qk_clip): the step's largest logit
+        parts.append(f"max_logit {m['max_attn_logit']:.2f}")
     if "sync_bytes" in m:  # replicas (tpzoo.train.diloco): sent across them by this rank, seconds blocked on it
         parts.append(f"sync {m['sync_bytes'] / 1e6:.3f} MB {m['sync_s']:.3f}s")
     seen = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("tokens_seen/")}
@@ -151,7 +153,7 @@ class MetricsLogger:
         if self.jsonl:
             self.jsonl.write_row({k: _jsonable(v) for k, v in m.items()})
         if self.tb:
-            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "eval_loss",
+            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "eval_loss", "max_attn_logit",
                       *(k for k in m if k.startswith(("eval_loss/", "tokens_seen/")))):
                 if m.get(k) is not None and isinstance(m[k], (int, float)) and math.isfinite(m[k]):
                     self.tb.add_scalar(_tb_tag(k), m[k], m["step"])

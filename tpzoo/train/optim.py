@@ -293,8 +293,12 @@ class DistributedAdamW:
         """One AdamW update of the owned range with gradients multiplied by `grad_scale` (clipping, loss-scale
         unscaling), then publish the new weights to every rank's parameters. Fused: two multi-tensor kernels
         (decayed and not), the gradient scale folded in (the kernel divides by its reciprocal)."""
-        g = self.grad_owned
         self.step_count += 1
+        self._adamw_update(self.grad_owned, lr, grad_scale)
+        self.publish()
+
+    def _adamw_update(self, g: torch.Tensor, lr: float, grad_scale: float) -> None:
+        """AdamW on the runs of `_update_lists` (every owned element here; Muon's AdamW share in its subclass)."""
         if _FUSED is None:
             if grad_scale != 1.0:
                 g.mul_(grad_scale)  # the gradients are consumed by this step: scale in place, no temporary
@@ -307,7 +311,6 @@ class DistributedAdamW:
                 _FUSED(*lists, [], [step] * len(lists[0]), lr=lr, beta1=self.betas[0], beta2=self.betas[1],
                        weight_decay=self.weight_decay if decay else 0.0, eps=self.eps, amsgrad=False,
                        maximize=False, grad_scale=unscale)
-        self.publish()
 
     def _step_reference(self, lr: float, g: torch.Tensor) -> None:
         """torch.optim.AdamW's arithmetic in multi-tensor ops (its foreach implementation's sequence; torch without
@@ -373,6 +376,10 @@ class DistributedAdamW:
     def state_kinds(self) -> list[str]:
         """The parameter-shaped state tensors a checkpoint must keep (fp32 weights are their own master)."""
         return ["exp_avg", "exp_avg_sq"] + ([] if self.master_is_flat else ["master"])
+
+    def state_select(self, kind: str):
+        """Which parameters (by name) state `kind` covers in a checkpoint: None, all of them (Muon's differ)."""
+        return None
 
     def full_state(self, kind: str) -> torch.Tensor:
         """State `kind` over the whole flat layout (fp32, padded size), on every dp rank: collective over dp
