@@ -77,7 +77,7 @@ class DistributedMuon(DistributedAdamW):
                         adamw.append((pos + a - lo, pos + b - lo, p.dim() >= 2, a, n_adamw))
                     n_adamw += b - a
                     continue
-                for la, lb, factor in _factor_runs(u, self.dims.tp):
+                for la, lb, factor in _piece_runs(u, self.dims.tp):
                     fa, fb = max(o + la, a), min(o + lb, b)
                     if fa < fb:
                         muon.append((pos + fa - lo, pos + fb - lo, fa, factor))
@@ -182,24 +182,30 @@ class DistributedMuon(DistributedAdamW):
                 self.exp_avg_sq[c:c + b - a] = owned[a:b]
 
 
-def _factor_runs(u: Unit, tp: int) -> list[tuple[int, int, float]]:
-    """(start, end, lr factor) over the elements of this rank's shard of unit `u`: one run when every piece has the
-    same factor, else one per part block (a fused weight's parts split along the rows of each matrix)."""
+def _piece_runs(u: Unit, tp: int) -> list[tuple[int, int, float]]:
+    """(start, end, lr factor) of every piece's block in this rank's shard of unit `u`: a fused weight's parts split
+    along the rows of each matrix (q, k, v; gate, up), each expert on its own. Elementwise work runs per block, as
+    torch.optim.Muon runs it per matrix (so tp 1 matches it bit for bit: a kernel's vectorized body and scalar tail
+    fall on the same elements)."""
     m: Matrices = u.matrices
     factors = m.lr_factors(u.shape)
-    if len(set(factors)) == 1:
-        return [(0, u.numel, factors[0])]
-    spec, shape = m.spec, u.param.shape
-    along = spec.dim % len(shape) - (len(shape) - 2)
-    if along != 0:
-        raise NotImplementedError("parts of different shapes along a matrix's columns")
-    reps = spec.replicas or (1,) * len(spec.parts)
+    shape = u.param.shape
+    spec = m.spec
     cols = shape[-1]
+    matrices = shape[0] if m.experts else 1
+    per_matrix = u.numel // matrices
+    along = spec.dim % len(shape) - (len(shape) - 2) if spec.dim is not None else None
+    if len(factors) > 1 and along != 0:
+        if len(set(factors)) > 1:
+            raise NotImplementedError("parts of different shapes along a matrix's columns")
+        factors = factors[:1]  # blocks along the columns are not contiguous: one run per matrix
+    if len(factors) == 1:
+        return [(k * per_matrix, (k + 1) * per_matrix, factors[0]) for k in range(matrices)]
+    reps = spec.replicas or (1,) * len(spec.parts)
     rows = [part * rep // tp for part, rep in zip(spec.parts, reps)]
     runs, at = [], 0
-    for _ in range(shape[0] if m.experts else 1):
+    for _ in range(matrices):
         for r, f in zip(rows, factors):
             runs.append((at, at + r * cols, f))
             at += r * cols
     return runs
-
