@@ -365,8 +365,7 @@ def save_checkpoint(trainer, step: int) -> str:
             full = opt.full_state(kind)  # all-gather over dp under ZeRO-1 (every rank, same order)
             (tmp / "optim" / kind).mkdir(parents=True, exist_ok=True)
             with opt.params_viewing(full):
-                save_model_shards(trainer.chunks, tmp / "optim" / kind, trainer.model_cfg,
-                                  **_state_select(lora, opt.state_select(kind)))
+                save_model_shards(trainer.chunks, tmp / "optim" / kind, trainer.model_cfg, **lora)
             del full
         outer = diloco_state.save(trainer, tmp, lora)  # DiLoCo: the other replicas and the outer optimizer
         (tmp / "rng").mkdir(exist_ok=True)
@@ -397,15 +396,6 @@ def save_checkpoint(trainer, step: int) -> str:
     return str(final)
 
 
-def _state_select(lora: dict, covers) -> dict:
-    """save_model_shards' keywords for one optimizer state: a LoRA run's adapters, and of them (or of all) the
-    parameters the state covers (Muon's momentum, AdamW's moments: DistributedMuon.state_select)."""
-    if covers is None:
-        return lora
-    select = lora.get("select")
-    return {**lora, "select": covers if select is None else (lambda n: select(n) and covers(n))}
-
-
 # -- optimizer state on resume --------------------------------------------------------------------------------------
 
 def load_optimizer(opt, path, state: dict, chunks) -> None:
@@ -413,9 +403,8 @@ def load_optimizer(opt, path, state: dict, chunks) -> None:
     A bf16 run resumed from an fp32 one takes its master weights from the (fp32) weights."""
     from tpzoo.checkpoint import load_weights_into
 
-    lora = {"select": is_lora_param} if lora_info(path) else {}  # a LoRA run's state covers its adapters only
+    select = is_lora_param if lora_info(path) else None  # a LoRA run's state covers its adapters only
     for kind in opt.state_kinds():
-        select = _state_select(lora, opt.state_select(kind)).get("select")
         d = Path(path) / "optim" / kind
         if not d.is_dir():
             if kind == "master":

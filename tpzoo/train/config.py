@@ -194,8 +194,8 @@ class OptimSection:
     min_lr: float = _f(None, "learning rate at the end of the cosine decay (at most lr; unset, it is lr / 10 and "
                              "follows --lr, so --lr 0 runs at 0 throughout)", ge=0)
     warmup_steps: int = _f(15, "linear warmup steps", ge=0)
-    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (matrices and embeddings; not norms or biases)",
-                             ge=0)
+    weight_decay: float = _f(0.1, "decoupled weight decay (AdamW: matrices and embeddings, not norms or biases; "
+                                  "Muon: its matrices)", ge=0)
     beta1: float = _f(0.9, "AdamW beta1", ge=0, lt=1)
     beta2: float = _f(0.95, "AdamW beta2", ge=0, lt=1)
     eps: float = _f(1e-8, "AdamW epsilon", gt=0)
@@ -490,7 +490,8 @@ def _flatten(d: dict, where: str, lines: dict | None = None) -> dict:
                             else _did_you_mean(kk, k))
                     raise ConfigError(f"{at(k, kk)}: [{k}] has no key {kk!r}{hint}")
                 flat[kk] = vv
-        elif isinstance(v, dict) and k not in _FIELD_SECTION:
+        elif isinstance(v, dict) and (k not in _FIELD_SECTION or _field_type(_FIELDS[k]) is not dict):
+            # a table: a section (a field that takes a table, [mix], aside), even when a field has its name
             best = suggest(k, SECTIONS)
             hint = f" (did you mean [{best}]?)" if best else f"; sections: {', '.join(SECTIONS)}"
             raise ConfigError(f"{at(None, k)}: unknown section [{k}]{hint}")

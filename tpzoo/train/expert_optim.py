@@ -68,9 +68,6 @@ class ExpertParallelAdamW:
         kinds = self.dense.state_kinds()
         return kinds + [k for k in self.experts.state_kinds() if k not in kinds]
 
-    def state_select(self, kind: str):
-        return self.dense.state_select(kind)  # a rule by name, the same for both parts
-
     def full_state(self, kind: str) -> torch.Tensor:
         return torch.cat([o.full_state(kind) for o in self.parts])
 

@@ -14,9 +14,10 @@ One step (torch.optim.Muon's rule, nesterov, adjust_lr_fn="match_rms_adamw", on 
     W = W (1 - lr wd) - lr 0.2 sqrt(max(rows, cols)) O                          the fp32 master of owned elements
 then MuonClip's row scaling of the attention projections (when given) and the publication of the new weights.
 
-Checkpoints: state `momentum` (Muon's parameters), `exp_avg` and `exp_avg_sq` (AdamW's), `master` (16-bit runs),
-each a model-format directory of the parameters it covers (state_select), resharded on load like the weights: a
-run resumes at another tp / pp / dp / ZeRO level.
+Checkpoints: the same model-format state directories as AdamW's, resharded on load like the weights (a run resumes
+at another tp / pp / dp / ZeRO level): `exp_avg` holds every parameter's first moment (Muon's momentum for its
+matrices), `exp_avg_sq` AdamW's second moment (zeros at Muon's matrices; absent when Muon has them all, as in a
+LoRA run), `master` the fp32 weights of a 16-bit run.
 """
 from __future__ import annotations
 
@@ -47,7 +48,6 @@ class DistributedMuon(DistributedAdamW):
                 m, shape = matrices[id(p)][1], full_shape(p, dims.tp)
                 units.append(Unit(p, o, m, shape, m.flops(shape, ns_steps)))
         self.units = units
-        self.muon_names = {name for name, _ in matrices.values()}  # the whole model's: a checkpoint's select
         self._offset = {id(p): o for p, o in zip(self.params, self.offsets)}
         self._split_owned({id(u.param): u for u in units})
         self.exp_avg_sq = torch.zeros(self.n_adamw, dtype=torch.float32, device=self.device)
@@ -149,18 +149,11 @@ class DistributedMuon(DistributedAdamW):
 
     # -- state ----------------------------------------------------------------------------------------------
     def state_kinds(self) -> list[str]:
-        kinds = (["momentum"] if self.units else []) + (["exp_avg", "exp_avg_sq"] if self.n_adamw else [])
-        return kinds + ([] if self.master_is_flat else ["master"])
-
-    def state_select(self, kind: str):
-        if kind == "master":
-            return None
-        names = self.muon_names
-        return (lambda n: n in names) if kind == "momentum" else (lambda n: n not in names)
+        """exp_avg (every parameter's first moment: AdamW's, and Muon's momentum buffer, the same running average),
+        exp_avg_sq when AdamW has parameters here (zeros at Muon's), master with 16-bit weights."""
+        return ["exp_avg"] + (["exp_avg_sq"] if self.n_adamw else []) + ([] if self.master_is_flat else ["master"])
 
     def full_state(self, kind: str) -> torch.Tensor:
-        if kind in ("momentum", "exp_avg"):
-            return self.full_of(self.exp_avg)
         if kind == "exp_avg_sq":
             owned = torch.zeros_like(self.exp_avg)
             for a, b, _, _, c in self.adamw_runs:
@@ -169,17 +162,11 @@ class DistributedMuon(DistributedAdamW):
         return super().full_state(kind)
 
     def load_full_state(self, kind: str, full: torch.Tensor) -> None:
-        if kind == "master":
+        if kind != "exp_avg_sq":
             return super().load_full_state(kind, full)
         owned = self.owned_of(full)
-        if kind == "momentum":
-            for a, b, _, _ in self.muon_runs:
-                self.exp_avg[a:b] = owned[a:b]
-        for a, b, _, _, c in self.adamw_runs if kind != "momentum" else ():
-            if kind == "exp_avg":
-                self.exp_avg[a:b] = owned[a:b]
-            else:
-                self.exp_avg_sq[c:c + b - a] = owned[a:b]
+        for a, b, _, _, c in self.adamw_runs:
+            self.exp_avg_sq[c:c + b - a] = owned[a:b]
 
 
 def _piece_runs(u: Unit, tp: int) -> list[tuple[int, int, float]]:

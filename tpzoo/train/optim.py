@@ -377,10 +377,6 @@ class DistributedAdamW:
         """The parameter-shaped state tensors a checkpoint must keep (fp32 weights are their own master)."""
         return ["exp_avg", "exp_avg_sq"] + ([] if self.master_is_flat else ["master"])
 
-    def state_select(self, kind: str):
-        """Which parameters (by name) state `kind` covers in a checkpoint: None, all of them (Muon's differ)."""
-        return None
-
     def full_state(self, kind: str) -> torch.Tensor:
         """State `kind` over the whole flat layout (fp32, padded size), on every dp rank: collective over dp
         under ZeRO (each bucket all-gathered from the ranks' segments), so what is saved does not depend on dp or
