@@ -296,6 +296,10 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
         adapters = state_bytes(ParamCount(sum(lora_layer_params(cfg, i, t, r) for i in ids), 0, 0, 0, 0, 0),
                                training, replicas, sum(lora_layer_late(cfg, i, t, r) for i in ids))
         st = StateBytes(e * count.numel + adapters.params, adapters.grads, adapters.master, adapters.optimizer)
+    if training.optimizer == "muon":  # one moment for Muon's matrices (plan/muon.py, which reads this module)
+        from .muon import muon_state
+
+        st = muon_state(cfg, layout, training, stage, st)
     m = num_micro_batches(layout, training)
     acts, grads = [], []
     for c, (lo, hi) in enumerate(stage_chunks(cfg, layout, stage)):

@@ -53,6 +53,9 @@ def header(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, consi
 
 
 def _state_text(training: TrainingSpec) -> str:
+    if training.optimizer == "muon":  # per-parameter figures are AdamW's; Muon's matrices keep 4 bytes less
+        return (f"Muon ({training.muon_ns_steps} Newton-Schulz steps) for the hidden layers' matrices: 4 B/param "
+                f"less optimizer state than AdamW's {state_bytes_per_param(training)}")
     if training.lora_rank:
         return (f"LoRA rank {training.lora_rank} on every linear layer: frozen base {training.act_bytes} B/param, "
                 f"adapters {state_bytes_per_param(training)}")

@@ -18,6 +18,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved", "zb", "gpipe")
 KERNELS = ("fused", "reference")
+OPTIMIZERS = ("adamw", "muon")  # TrainConfig's --optimizer choices
 FP8_RECIPES = ("none", "tensorwise", "rowwise")  # tpzoo.parallel.fp8.FP8_RECIPES (a test keeps them equal)
 
 
@@ -66,6 +67,8 @@ class TrainingSpec:
     grad_accumulation_fusion: bool = True  # weight gradients accumulated into the fp32 main grads by the matmul
     compile: bool = False              # regional torch.compile of the blocks (`--compile`): a block's saved tensors
                                        # counted as the fused kernels' (inductor fuses the references the same way)
+    optimizer: str = "adamw"           # "muon": Muon for the hidden layers' matrices (plan/muon.py)
+    muon_ns_steps: int = 5             # its Newton-Schulz iterations
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -76,6 +79,8 @@ class TrainingSpec:
             raise ValueError(f"lora rank must be >= 0, got {self.lora_rank}")
         if self.zero_level not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.fp8 not in FP8_RECIPES:
             raise ValueError(f"fp8 must be one of {', '.join(FP8_RECIPES)}, got {self.fp8!r}")
         if self.zero_level == 3 and self.compile:

@@ -53,7 +53,7 @@ class DistributedMuon(DistributedAdamW):
         self.exp_avg_sq = torch.zeros(self.n_adamw, dtype=torch.float32, device=self.device)
         sharded = self.zero1 and self.dp_size > 1
         dp, buckets = self.dp_size, self.buckets
-        self.exchange = MuonExchange(units, dims=dims, dp_group=self.dp_group if sharded else None,
+        self.exchange = MuonExchange(units, dims=dims, group=self.group_name,
                                      dp_size=dp, dp_rank=self.dp_rank, sharded=sharded, owned=self.owned,
                                      segments_of=lambda r: shard_segments(buckets, dp, r), ns_steps=ns_steps,
                                      wave_elems=wave_elems, ns_dtype=ns_dtype)

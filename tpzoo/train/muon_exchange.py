@@ -76,9 +76,9 @@ class MuonExchange:
     position) owned segments (the whole buffer without ZeRO); `segments_of(r)`: dp rank r's owned (start, end) flat
     ranges, ordered; `sharded`: ZeRO with dp > 1 (the dp hop)."""
 
-    def __init__(self, units: list[Unit], *, dims, dp_group, dp_size: int, dp_rank: int, sharded: bool, owned,
+    def __init__(self, units: list[Unit], *, dims, group: str, dp_size: int, dp_rank: int, sharded: bool, owned,
                  segments_of, ns_steps: int, wave_elems: int, ns_dtype=torch.bfloat16):
-        self.units, self.dp_group, self.tp_group, self.ns_steps = units, dp_group, dims.tp_group, ns_steps
+        self.units, self.dims, self.group, self.ns_steps = units, dims, group, ns_steps
         self.ns_dtype = ns_dtype
         self.tp, self.tp_rank, self.sharded = dims.tp, dims.tp_rank, sharded
         tp = self.tp
@@ -108,6 +108,15 @@ class MuonExchange:
             self.ubuf_at = {i: units[i].offset for i in mine}  # the owned vector is the whole flat buffer
             self.ubuf_size = None
         self.mine = set(mine)
+
+    # groups looked up when used: an optimizer can be built for a virtual rank (memory planning) without them
+    @property
+    def dp_group(self):
+        return self.dims.group(self.group)
+
+    @property
+    def tp_group(self):
+        return self.dims.tp_group
 
     # -- routes -----------------------------------------------------------------------------------------------
     def _dp_routes(self, owned, segments_of, dp: int, me: int) -> None:
