@@ -217,6 +217,9 @@ class OptimSection:
                                  "(docs/training.md)", choices=("adamw", "muon"))
     muon_momentum: float = _f(0.95, "Muon's (Nesterov) momentum", ge=0, lt=1)
     muon_ns_steps: int = _f(5, "Muon's Newton-Schulz iterations", ge=1, le=99)
+    muon_ns_dtype: str = _f("bf16", "dtype of Muon's Newton-Schulz iteration and of the matrices' exchange: 'bf16' "
+                                    "(torch.optim.Muon's) or 'fp32' (Megatron-Core's default; faster on CPUs "
+                                    "without bf16 matmul units, twice the bytes)", choices=("bf16", "fp32"))
     qk_clip: float = _f(0.0, "MuonClip (Kimi K2): after each step, scale the q and k projection rows of every "
                              "attention head whose largest pre-softmax logit of the step exceeded this by "
                              "sqrt(qk_clip / logit) (0 = off; needs --optimizer muon)", ge=0)

@@ -21,6 +21,7 @@ LoRA run), `master` the fp32 weights of a 16-bit run.
 """
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import torch
@@ -110,6 +111,7 @@ class DistributedMuon(DistributedAdamW):
         weights; then the new weights are published."""
         g = self.grad_owned
         self.step_count += 1
+        t0 = time.perf_counter()
         if grad_scale != 1.0:
             g.mul_(grad_scale)  # consumed by this step: scaled once for both rules
         spans = [(a, b) for a, b, _, _ in self.muon_runs]
@@ -122,7 +124,9 @@ class DistributedMuon(DistributedAdamW):
             torch._foreach_copy_([vec[a:b] for a, b in spans], update)
             del update
             self.exchange.start(vec)
+        t1 = time.perf_counter()
         self._adamw_update(g, lr, 1.0)  # while the first hop travels
+        t2 = time.perf_counter()
         if spans:
             ortho = self.exchange.finish()
             masters = [self.master_range(a, b, f) for a, b, f, _ in self.muon_runs]
@@ -131,6 +135,8 @@ class DistributedMuon(DistributedAdamW):
             for factor, ks in self.by_factor.items():
                 torch._foreach_add_([masters[k] for k in ks], [ortho[spans[k][0]:spans[k][1]] for k in ks],
                                     alpha=-lr * factor)
+        # host seconds of Muon's part of the step (momentum, exchange, Newton-Schulz, update): benchmarks
+        self.muon_seconds = time.perf_counter() - t0 - (t2 - t1)
         if clip_rows:
             self.scale_rows(clip_rows)
         self.publish()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from . import diloco
 from .expert_optim import ExpertParallelAdamW, is_expert
 from .muon import DistributedMuon
@@ -20,7 +22,8 @@ def build_optimizer(cfg, dims, chunks, trainable: list, model_dtype):
     inner = DistributedAdamW
     if cfg.optimizer == "muon":
         inner = functools.partial(DistributedMuon, matrices=place(chunks), momentum=cfg.muon_momentum,
-                                  ns_steps=cfg.muon_ns_steps)
+                                  ns_steps=cfg.muon_ns_steps,
+                                  ns_dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.muon_ns_dtype])
     if dims.ep > 1 and any(is_expert(p) for p in trainable):  # expert weights reduce over their own group
         return ExpertParallelAdamW(trainable, dims, inner=inner, **kw)
     kw.pop("expert_group", None)
