@@ -88,20 +88,8 @@ class DistributedMuon(DistributedAdamW):
             by_factor[run[3]].append(k)
         self.by_factor = dict(by_factor)
 
-    def _update_lists(self, g: torch.Tensor) -> list[tuple[bool, list]]:
-        """AdamW's multi-tensor lists over its runs (exp_avg_sq packed)."""
-        key = (g.data_ptr(), g.numel())
-        if self._lists_key != key:
-            self._lists = []
-            for decay in (True, False):
-                runs = [r for r in self.adamw_runs if r[2] == decay]
-                if runs:
-                    self._lists.append((decay, [[self.master_range(a, b, f) for a, b, _, f, _ in runs],
-                                                [g[a:b] for a, b, *_ in runs],
-                                                [self.exp_avg[a:b] for a, b, *_ in runs],
-                                                [self.exp_avg_sq[c:c + b - a] for a, b, _, _, c in runs]]))
-            self._lists_key = key
-        return self._lists
+    def _adamw_runs(self) -> list[tuple[int, int, bool, int, int]]:
+        return self.adamw_runs
 
     # -- one step -------------------------------------------------------------------------------------------
     @torch.no_grad()

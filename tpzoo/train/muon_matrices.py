@@ -148,7 +148,7 @@ def newton_schulz(g: torch.Tensor, steps: int, dtype=torch.bfloat16, coefficient
     x = g.to(dtype)
     tall = g.size(-2) > g.size(-1)
     if tall:
-        x = x.mT
+        x = x.mT.contiguous()  # a transposed view would take the batched matmul's slow strided path on CPU
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
     for _ in range(steps):
         gram = x @ x.mT

@@ -280,13 +280,19 @@ class DistributedAdamW:
         if self._lists_key != key:
             self._lists = []
             for decay in (True, False):
-                runs = [r for r in self.ranges if r[2] == decay]
+                runs = [r for r in self._adamw_runs() if r[2] == decay]
                 if runs:
-                    lists = [[self.master_range(a, b, f) for a, b, _, f in runs]]
-                    lists += [[t[a:b] for a, b, _, _ in runs] for t in (g, self.exp_avg, self.exp_avg_sq)]
-                    self._lists.append((decay, lists))
+                    self._lists.append((decay, [[self.master_range(a, b, f) for a, b, _, f, _ in runs],
+                                                [g[a:b] for a, b, *_ in runs],
+                                                [self.exp_avg[a:b] for a, b, *_ in runs],
+                                                [self.exp_avg_sq[c:c + b - a] for a, b, _, _, c in runs]]))
             self._lists_key = key
         return self._lists
+
+    def _adamw_runs(self) -> list[tuple[int, int, bool, int, int]]:
+        """(start, end, decayed, flat start, position in exp_avg_sq) of the owned runs AdamW updates: all of them
+        here (Muon takes its matrices' runs and packs exp_avg_sq: tpzoo.train.muon)."""
+        return [(a, b, decay, f, a) for a, b, decay, f in self.ranges]
 
     @torch.no_grad()
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
