@@ -107,10 +107,9 @@ class DistributedMuon(DistributedAdamW):
         if spans:
             grads, bufs = [g[a:b] for a, b in spans], [self.exp_avg[a:b] for a, b in spans]
             torch._foreach_lerp_(bufs, grads, 1.0 - self.momentum)
-            update = torch._foreach_lerp(grads, bufs, self.momentum)  # Nesterov
+            torch._foreach_lerp_(grads, bufs, self.momentum)  # Nesterov, in place: the gradients are consumed
             vec = torch.empty(self.exp_avg.numel(), dtype=self.ns_dtype, device=self.device)
-            torch._foreach_copy_([vec[a:b] for a, b in spans], update)
-            del update
+            torch._foreach_copy_([vec[a:b] for a, b in spans], grads)
             self.exchange.start(vec)
         t1 = time.perf_counter()
         self._adamw_update(g, lr, 1.0)  # while the first hop travels

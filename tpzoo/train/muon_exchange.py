@@ -204,8 +204,10 @@ class MuonExchange:
         return self.vec
 
     def _tp_gather(self, w: int):
-        """Start sending this dp rank's shards of wave w to their tp owners."""
+        """Start sending this dp rank's shards of wave w to their tp owners (tp 1: nothing to send)."""
         to, mine = self._tp_lists(self.waves[w])
+        if self.tp == 1:
+            return None, mine, [], 0
         ubuf = self.ubufs[w]
         runs = [[(self.ubuf_at[i], self.ubuf_at[i] + self.units[i].numel) for i in ids] for ids in to]
         payload = torch.cat([_cat(ubuf, r) for r in runs])
@@ -218,14 +220,22 @@ class MuonExchange:
 
     def _orthogonalize(self, w: int, pending, mine: list[int], mine_split: list[int], per_rank: int):
         """Wave w's units of this rank orthogonalized; start sending each tp rank its shard of the results."""
-        received = pending.wait().view(self.tp, per_rank) if self.tp > 1 else pending.wait().view(1, -1)
+        ubuf = self.ubufs[w]
+        if pending is None:  # tp 1: the matrices are whole in place, and their results go back there
+            views = [ubuf[self.ubuf_at[i]:self.ubuf_at[i] + self.units[i].numel].view(self.units[i].shape)
+                     for i in mine]
+            pieces = [p for i, v in zip(mine, views) for p in self.units[i].matrices.pieces(v)]
+            if pieces:
+                results = orthogonalize(pieces, self.ns_steps, self.ns_dtype)  # (its inputs stacked first)
+                torch._foreach_copy_(pieces, results)
+            return None, []
+        received = pending.wait().view(self.tp, per_rank)
         fulls, at = {}, 0
         for i in mine_split:
             u = self.units[i]
             shards = [received[r, at:at + u.numel].view(u.param.shape) for r in range(self.tp)]
             fulls[i] = unshard(shards, u.matrices.spec, reduce="first")
             at += u.numel
-        ubuf = self.ubufs[w]
         for i in mine:
             if self.units[i].replicated:
                 u = self.units[i]
@@ -252,6 +262,8 @@ class MuonExchange:
 
     def _tp_deliver(self, w: int, back) -> None:
         pending, expect = back
+        if pending is None:
+            return
         received, ubuf = pending.wait(), self.ubufs[w]
         runs = [(self.ubuf_at[i], self.ubuf_at[i] + self.units[i].numel) for ids in expect for i in ids]
         _deliver(received, ubuf, runs)
