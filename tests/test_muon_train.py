@@ -1,7 +1,7 @@
 """--optimizer muon through the trainer (tpzoo.train.train): checkpoints hold Muon's momentum (in exp_avg, beside
 AdamW's moments of the other parameters); a run resumes bit for bit, and at another dp / ZeRO level with exactly
 the saved state (tp and LoRA in the slow tier); MuonClip logs max_attn_logit; bad input ends in one line before any
-rank starts."""
+rank starts; every tensor on the runtime's device."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from preflight_helpers import cli, one_error_line
+from test_device_placement import _under_meta
 from test_train import _train, _train_capturing_state, store, tiny  # noqa: F401 (store: the fixture)
 from tpzoo.testing import run_on_ranks
 
@@ -26,6 +27,10 @@ def test_muon_checkpoint_resumes_exactly_and_at_another_dp_and_zero_level(store,
     assert kinds == ["exp_avg", "exp_avg_sq", "master"]  # exp_avg: Muon's momentum for its matrices
     rows = [json.loads(line) for line in (Path(save) / "metrics.jsonl").read_text().splitlines()]
     assert all(r["max_attn_logit"] > 0 for r in rows)
+    # every tensor Muon and MuonClip create is on the runtime's device: under a meta default device (which holds
+    # no data) the same run gives the same losses (tests/test_device_placement.py's proof)
+    meta = run_on_ranks(2, _under_meta, True, _train, tiny(store, steps=3, dp=2, zero=1, **MUON))[0]
+    assert meta["losses"] == straight["losses"][:3]
     resumed = run_on_ranks(2, _train, tiny(store, steps=6, dp=2, zero=1, save=save, resume=f"{save}/step_00000003",
                                            **MUON))[0]
     assert resumed["start_step"] == 3 and resumed["losses"] == straight["losses"][3:]
