@@ -4,8 +4,9 @@ The reference trains in one process with the same Muon and, after each step, tak
 from the whole score matrices (scale * q k^T of each micro-batch's q and k as the attention core received them,
 under the causal mask, every token, no blocks) and scales the rows itself: grouped queries by their kv group's
 smallest eta = min(1, tau / logit), square-rooted, on the query and key rows; latent attention per head, q_nope and
-k_nope by sqrt(eta), q_rope by eta. tp 2 with sequence parallelism, cp 2 (the keys of both cp ranks) and pp 2
-(each stage its own layers) must give the same step maxima and the same weights; tau is chosen so that some heads
+k_nope by sqrt(eta), q_rope by eta. tp 2 with sequence parallelism, cp 2 (the keys of both cp ranks), pp 2
+(each stage its own layers), MLA at tp 2 and a kv head replicated over tp 2 must give the same step maxima and the
+same weights; tau is chosen so that some heads
 are clipped and some not, and without clipping the weights would differ.
 """
 from __future__ import annotations
@@ -22,7 +23,9 @@ from tpzoo.testing import run_on_ranks
 
 from test_muon import LR, MODELS, SEED, STEPS, local_batches, make_muon, reference, run_layouts
 
-TAU = {"gqa": 0.035, "mla": 0.04}  # between the heads' first-step maxima (0.028-0.037, 0.022-0.048)
+# between the first step's largest logits of the heads or kv groups (gqa 0.028-0.037, mla 0.022-0.048; llama's one
+# kv group per layer: 0.048 and 0.037)
+TAU = {"gqa": 0.035, "mla": 0.04, "llama": 0.04}
 
 
 def full_logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
@@ -87,7 +90,8 @@ def clip_reference(model: str) -> dict:
 
 
 LAYOUTS = [dict(model="gqa", tp=2, sp=True, qk_clip=TAU["gqa"]), dict(model="gqa", cp=2, qk_clip=TAU["gqa"]),
-           dict(model="gqa", pp=2, qk_clip=TAU["gqa"]), dict(model="mla", tp=2, qk_clip=TAU["mla"])]
+           dict(model="gqa", pp=2, qk_clip=TAU["gqa"]), dict(model="mla", tp=2, qk_clip=TAU["mla"]),
+           dict(model="llama", tp=2, qk_clip=TAU["llama"])]  # its one kv head on both tp ranks
 
 
 def test_qk_clip_equals_the_full_logits_reference_at_tp_cp_pp():
