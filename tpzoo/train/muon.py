@@ -102,22 +102,22 @@ class DistributedMuon(DistributedAdamW):
         t0 = time.perf_counter()
         if grad_scale != 1.0:
             g.mul_(grad_scale)  # consumed by this step: scaled once for both rules
-        spans = [(a, b) for a, b, _, _ in self.muon_runs]
-        vec = None
-        if spans:
-            grads, bufs = [g[a:b] for a, b in spans], [self.exp_avg[a:b] for a, b in spans]
-            torch._foreach_lerp_(bufs, grads, 1.0 - self.momentum)
-            torch._foreach_lerp_(grads, bufs, self.momentum)  # Nesterov, in place: the gradients are consumed
+        spans = [(a, b) for a, b, _, _ in self.muon_runs]  # this rank's elements (none is possible under ZeRO)
+        if self.units:  # every rank of the groups takes part in the exchange, with elements or without
             vec = torch.empty(self.exp_avg.numel(), dtype=self.ns_dtype, device=self.device)
-            torch._foreach_copy_([vec[a:b] for a, b in spans], grads)
+            if spans:
+                grads, bufs = [g[a:b] for a, b in spans], [self.exp_avg[a:b] for a, b in spans]
+                torch._foreach_lerp_(bufs, grads, 1.0 - self.momentum)
+                torch._foreach_lerp_(grads, bufs, self.momentum)  # Nesterov, in place: the gradients are consumed
+                torch._foreach_copy_([vec[a:b] for a, b in spans], grads)
             self.exchange.start(vec)
         t1 = time.perf_counter()
         self._adamw_update(g, lr, 1.0)  # while the first hop travels
         t2 = time.perf_counter()
-        if spans:
+        if self.units:
             ortho = self.exchange.finish()
             masters = [self.master_range(a, b, f) for a, b, f, _ in self.muon_runs]
-            if self.weight_decay:
+            if self.weight_decay and masters:
                 torch._foreach_mul_(masters, 1.0 - lr * self.weight_decay)
             for factor, ks in self.by_factor.items():
                 torch._foreach_add_([masters[k] for k in ks], [ortho[spans[k][0]:spans[k][1]] for k in ks],
