@@ -2,11 +2,14 @@
 
 tp 1: DistributedMuon's update equals torch.optim.Muon's (adjust_lr_fn="match_rms_adamw", Nesterov, bfloat16
 Newton-Schulz) on the same gradients, given to torch per Hugging Face projection by this file's own split (q_proj,
-k_proj, v_proj, gate_proj, up_proj, each expert, MLA's five projections, a LoRA adapter's A and B), and AdamW's
-for the rest; orthogonalizing q|k|v or gate|up fused would give another update (checked to be far off).
+k_proj, v_proj, gate_proj, up_proj, each expert, MLA's five projections, Gated DeltaNet's q, k, v, z, b, a, a LoRA
+adapter's A and B), and AdamW's for the rest; orthogonalizing q|k|v or gate|up fused would give another update
+(checked to be far off).
 
 Layouts: 3 steps at tp 2 + SP (kv heads replicated), pp 2, dp 2 at ZeRO 1 and 3, cp 2, ep 2 (a mixture of
-experts), MLA + experts at tp 2 and Gated DeltaNet at tp 2 equal one process (1e-5 of each tensor's largest entry).
+experts), MLA + experts at tp 2 and LoRA at tp 2 equal one process (1e-5 of each tensor's largest entry); the slow
+tier adds tp x dp at every ZeRO level, tp x pp, pp x dp, tp x cp, experts at tp 2 and at ZeRO-2, Gated DeltaNet at
+tp 2 x dp 2, and a rank that owns no Muon element.
 These run the Newton-Schulz iteration in float32: in bfloat16 the summation-order noise of two layouts' gradients
 (1e-7) flips whole bfloat16 ulps of the update (1e-3 relative), so layouts could only be compared loosely; the
 routing, the pieces and the arithmetic around the iteration are the same in both dtypes.
@@ -317,7 +320,7 @@ LAYOUTS = {
     2: [dict(model="llama", tp=2, sp=True, wave=3000), dict(model="llama", pp=2),
         dict(model="llama", dp=2, zero=1, wave=200), dict(model="llama", dp=2, zero=3),
         dict(model="llama", cp=2), dict(model="moe", dp=2, ep=2, zero=1),
-        dict(model="mla", tp=2, sp=True), dict(model="gdn", tp=2), dict(model="llama", tp=2, lora=True)],
+        dict(model="mla", tp=2, sp=True), dict(model="llama", tp=2, lora=True)],
 }
 SLOW_LAYOUTS = {
     4: [dict(model="llama", tp=2, dp=2, sp=True, zero=z) for z in (0, 1, 2, 3)]
