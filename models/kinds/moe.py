@@ -113,6 +113,7 @@ class MoE(nn.Module):
             self.shared_experts = MLP(cfg, layer, layout, ffn=moe.shared_expert_ffn)
             if moe.shared_expert_gate:
                 self.shared_expert_gate = ReplicatedLinear(h, 1, layout, std=cfg.initializer_range)
+                self.shared_expert_gate.weight.muon = False  # a gate: AdamW's under --optimizer muon
         # auxiliary-loss-free balancing: this rank's loads of the step (only one tp rank counts replicated tokens)
         self.balancing = self.step_sums_size(cfg, layer) > 0
         self.counts_loads = layout.split_sequence or dims.tp_rank == 0

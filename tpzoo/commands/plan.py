@@ -57,6 +57,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "set in memory), as `tpzoo pretrain --fp8` runs them")
     p.add_argument("--compile", action="store_true", help="the blocks compiled (regional torch.compile, as "
                         "`tpzoo pretrain --compile`): their saved tensors counted as the fused kernels'")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
+                   help="muon: one fp32 momentum for the hidden layers' matrices instead of two moments, and the "
+                        "orthogonalization (FLOPs and its bf16 exchange over tp and dp) in the step time, as "
+                        "`tpzoo pretrain --optimizer muon` runs it")
+    p.add_argument("--muon-ns-steps", type=int, default=5, help="Muon's Newton-Schulz iterations")
     p.add_argument("--vocab-padding-multiple", type=int, default=1)
     p.add_argument("--max-micro-batch", type=int, default=64)
     p.add_argument("--tp", type=int, help="only layouts with this tp")
@@ -162,7 +167,8 @@ def run(args) -> int:
                                 kernels=args.kernels,  # distillation's student computes its logits unfused
                                 fused_linear_cross_entropy=(args.fused_linear_cross_entropy
                                                             and args.objective != "distill"),
-                                fp8=args.fp8, compile=args.compile, frozen=frozen_models(args, cfg))
+                                fp8=args.fp8, compile=args.compile, frozen=frozen_models(args, cfg),
+                                optimizer=args.optimizer, muon_ns_steps=args.muon_ns_steps)
     except ValueError as exc:  # the specs check their own fields
         raise ConfigError(str(exc)) from None
     estimates = search(cfg, cluster, training, args.max_micro_batch, tp=args.tp, pp=args.pp,

@@ -298,6 +298,10 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
                                training, replicas, sum(lora_layer_late(cfg, i, t, r) for i in ids))
         base = base_bytes(cfg, count.numel, ids, t, layout.ep, e, training.base_dtype)  # (plan/quant.py)
         st = StateBytes(base + adapters.params, adapters.grads, adapters.master, adapters.optimizer)
+    if training.optimizer == "muon":  # one moment for Muon's matrices (plan/muon.py, which reads this module)
+        from .muon import muon_state
+
+        st = muon_state(cfg, layout, training, stage, st)
     m = num_micro_batches(layout, training)
     acts, grads = [], []
     for c, (lo, hi) in enumerate(stage_chunks(cfg, layout, stage)):

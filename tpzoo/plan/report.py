@@ -55,6 +55,9 @@ def header(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, consi
 
 
 def _state_text(training: TrainingSpec) -> str:
+    if training.optimizer == "muon":  # per-parameter figures are AdamW's; Muon's matrices keep 4 bytes less
+        return (f"Muon ({training.muon_ns_steps} Newton-Schulz steps) for the hidden layers' matrices: 4 B/param "
+                f"less optimizer state than AdamW's {state_bytes_per_param(training)}")
     if training.lora_rank:
         base = ({"fp8": "block FP8 (1 B/param + scales)", "int4": "int4 (0.5 B/param + scales)"}[training.base_dtype]
                 + f" projections and experts, the rest {training.act_bytes} B/param" if training.base_dtype

@@ -18,6 +18,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved", "zb", "gpipe")
 KERNELS = ("fused", "reference")
+OPTIMIZERS = ("adamw", "muon")  # TrainConfig's --optimizer choices
 FP8_RECIPES = ("none", "tensorwise", "rowwise")  # tpzoo.parallel.fp8.FP8_RECIPES (a test keeps them equal)
 
 
@@ -70,6 +71,8 @@ class TrainingSpec:
     frozen: tuple = field(default=(), hash=False)  # ModelConfigs of frozen models held beside the trained one at
                                        # its layout, in `dtype`: DPO's reference copy, a distillation teacher
                                        # (tpzoo.post; plan/post.py)
+    optimizer: str = "adamw"           # "muon": Muon for the hidden layers' matrices (plan/muon.py)
+    muon_ns_steps: int = 5             # its Newton-Schulz iterations
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -80,6 +83,8 @@ class TrainingSpec:
             raise ValueError(f"lora rank must be >= 0, got {self.lora_rank}")
         if self.zero_level not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.fp8 not in FP8_RECIPES:
             raise ValueError(f"fp8 must be one of {', '.join(FP8_RECIPES)}, got {self.fp8!r}")
         if self.zero_level == 3 and self.compile:

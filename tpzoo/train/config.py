@@ -216,8 +216,8 @@ class OptimSection:
     min_lr: float = _f(None, "learning rate at the end of the cosine decay (at most lr; unset, it is lr / 10 and "
                              "follows --lr, so --lr 0 runs at 0 throughout)", ge=0)
     warmup_steps: int = _f(15, "linear warmup steps", ge=0)
-    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (matrices and embeddings; not norms or biases)",
-                             ge=0)
+    weight_decay: float = _f(0.1, "decoupled weight decay (AdamW: matrices and embeddings, not norms or biases; "
+                                  "Muon: its matrices)", ge=0)
     beta1: float = _f(0.9, "AdamW beta1", ge=0, lt=1)
     beta2: float = _f(0.95, "AdamW beta2", ge=0, lt=1)
     eps: float = _f(1e-8, "AdamW epsilon", gt=0)
@@ -233,6 +233,20 @@ class OptimSection:
                                           "routers' load-balancing loss keeps the model config's)", ge=0)
     z_loss: float = _f(0.0, "z-loss weight: adds z_loss * logsumexp(logits)^2 to each trained token's loss (PaLM "
                             "used 1e-4, OLMo 2's pretraining 1e-5; 0 = off; the eval loss never has it)", ge=0)
+    optimizer: str = _f("adamw", "'adamw', or 'muon': Muon (torch.optim.Muon's rule, lr x 0.2 x sqrt(max(rows, "
+                                 "cols)), so --lr and --weight-decay carry over) for the hidden layers' matrices, "
+                                 "each projection and expert orthogonalized whole, AdamW for the rest "
+                                 "(docs/training.md)", choices=("adamw", "muon"))
+    muon_momentum: float = _f(0.95, "Muon's (Nesterov) momentum", ge=0, lt=1)
+    muon_ns_steps: int = _f(5, "Muon's Newton-Schulz iterations", ge=1, le=99)
+    muon_ns_dtype: str = _f("bf16", "dtype of Muon's Newton-Schulz iteration and of the matrices' exchange: 'bf16' "
+                                    "(torch.optim.Muon's) or 'fp32' (Megatron-Core's default; faster on CPUs "
+                                    "without bf16 matmul units, twice the bytes)", choices=("bf16", "fp32"))
+    qk_clip: float = _f(0.0, "MuonClip (Kimi K2): after each step, scale the q and k projection rows of every "
+                             "attention head whose largest pre-softmax logit of the step exceeded this by "
+                             "sqrt(qk_clip / logit) (0 = off; needs --optimizer muon)", ge=0)
+    log_max_attn_logit: bool = _f(False, "log the step's largest pre-softmax attention logit as max_attn_logit "
+                                         "(always on with --qk-clip; costs an extra q k^T per attention layer)")
 
 
 @dataclass
@@ -367,6 +381,14 @@ class TrainConfig:
         if self.compile and self.zero_level == 3:
             raise ConfigError("--compile with --zero 3: the per-layer gathers (hooks on the compiled blocks) are not "
                               "composed with compilation; use --zero 2")
+        if self.qk_clip > 0 and self.optimizer != "muon":
+            raise ConfigError(f"--qk-clip {self.qk_clip:g} is MuonClip: it needs --optimizer muon (to watch the "
+                              f"logits with AdamW: --log-max-attn-logit)")
+        if self.optimizer == "muon" and self.replicas > 1:
+            raise ConfigError(f"--optimizer muon with --replicas {self.replicas}: not implemented yet (DiLoCo's "
+                              f"replicas and their checkpoints keep AdamW's state); use --optimizer adamw")
+        if self.qk_clip > 0 and (self.lora_rank or self.lora_from):
+            raise ConfigError(f"--qk-clip {self.qk_clip:g} with LoRA: the q and k projections are frozen")
         if self.zero3_gather_per_step and self.zero_level != 3:
             raise ConfigError(f"zero3_gather_per_step needs --zero 3 (zero = {self.zero_level})")
         if self.task == "sft" and self.document_masking:
@@ -509,7 +531,8 @@ def _flatten(d: dict, where: str, lines: dict | None = None) -> dict:
                             else _did_you_mean(kk, k))
                     raise ConfigError(f"{at(k, kk)}: [{k}] has no key {kk!r}{hint}")
                 flat[kk] = vv
-        elif isinstance(v, dict) and k not in _FIELD_SECTION:
+        elif isinstance(v, dict) and (k not in _FIELD_SECTION or _field_type(_FIELDS[k]) is not dict):
+            # a table: a section (a field that takes a table, [mix], aside), even when a field has its name
             best = suggest(k, SECTIONS)
             hint = f" (did you mean [{best}]?)" if best else f"; sections: {', '.join(SECTIONS)}"
             raise ConfigError(f"{at(None, k)}: unknown section [{k}]{hint}")

@@ -41,7 +41,7 @@ from tpzoo.post.objective import objective_of
 from tpzoo.quant import refuse_full_training
 
 from . import checkpointing as ckpt
-from . import diloco, diloco_state, lora_setup
+from . import diloco, diloco_state, lora_setup, qk_clip
 from . import rundir
 from .compile import compile_blocks, compile_report, graph_breaks
 from .compile import eager as compile_eager
@@ -53,8 +53,7 @@ from .loss_scale import DynamicLossScaler
 from .lr import lr_at
 from .metrics import MetricsLogger, Throughput, eval_text, format_line, peak_memory_gb, window_means
 from .oom import OOM_ERRORS, out_of_memory
-from .expert_optim import ExpertParallelAdamW
-from .optim import DistributedAdamW
+from .optimizers import build_optimizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -172,15 +171,11 @@ class Trainer:
                 ckpt.load_weights(self.chunks, weights_from)
         # Regional torch.compile (tpzoo.train.compile): each block, in place, once its weights are in place
         self.compiled_blocks = compile_blocks(self.chunks) if cfg.compile else 0
-        # Expert weights under ep > 1 reduce over their own group: a second AdamW (tpzoo.train.expert_optim).
+        # AdamW or Muon; expert weights under ep > 1 reduce over their own group (tpzoo.train.optimizers).
         trainable = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
-        experts = dims.ep > 1 and any(getattr(p, "expert_parallel", False) for p in trainable)
-        self.optimizer = (ExpertParallelAdamW if experts else DistributedAdamW)(  # all parameters, or the adapters
-            trainable, dims,
-            model_dtype=DTYPES[cfg.dtype], zero=cfg.zero_level, overlap=cfg.overlap_grad_reduce,
-            bucket_elems=cfg.grad_bucket_elems, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-            weight_decay=cfg.weight_decay, modules=self.chunks, keep_gathered=cfg.zero3_gather_per_step,
-            grad_accumulation_fusion=cfg.grad_accumulation_fusion, **diloco.optimizer_groups(cfg, dims))
+        self.optimizer = build_optimizer(cfg, dims, self.chunks, trainable, DTYPES[cfg.dtype])
+        # MuonClip's logits (--qk-clip, --log-max-attn-logit): recorded in the step's forwards
+        self.logits = qk_clip.create(cfg, dims, self.chunks)
 
         # What the step computes (tpzoo.post: the next-token loss, DPO, distillation) and, for some, their data
         self.objective = objective_of(cfg)
@@ -245,6 +240,8 @@ class Trainer:
         if step in cfg.inject_nan_steps:
             scale = float("nan")
         self.optimizer.zero_grad()
+        if self.logits is not None:
+            self.logits.begin()
         out = self.objective.forward_backward(self, batches, scale)
         finalize_grads(self.chunks, self.dims)
         self.optimizer.reduce_grads()
@@ -254,6 +251,7 @@ class Trainer:
         grad_norm /= loss_scale  # the norm of the true (unscaled) gradients
         lr = lr_at(step - 1, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
         skipped = bad > 0 or not math.isfinite(grad_norm)
+        logits = self.logits.finish(clip=not skipped) if self.logits is not None else None
         # fp16 with a finite loss: the gradients overflowed at this loss scale. Expected now and then: skip the
         # step and let the scaler back off, without counting it as divergence (until the scale cannot shrink).
         overflow = skipped and bad == 0 and self.scaler is not None and loss_scale > self.scaler.min_scale
@@ -268,7 +266,8 @@ class Trainer:
         else:
             self.skips = 0
             clip = cfg.clip_grad / (grad_norm + 1e-6) if cfg.clip_grad > 0 and grad_norm > cfg.clip_grad else 1.0
-            self.optimizer.step(lr, clip / loss_scale)  # unscale and clip in the update's one pass
+            extra = {"clip_rows": logits.rows} if logits is not None and logits.rows else {}  # MuonClip
+            self.optimizer.step(lr, clip / loss_scale, **extra)  # unscale and clip in the update's one pass
             if self.scaler:
                 self.scaler.update(False)
         # non-gradient state updated from the step (a router's selection bias; dropped on a skipped step)
@@ -283,6 +282,8 @@ class Trainer:
         m.update({k: v / max(tokens, 1.0) for k, v in zip(out["metrics"], sums)})  # DPO's rewards/..., ...
         if self.scaler:
             m["loss_scale"] = loss_scale
+        if logits is not None:
+            m["max_attn_logit"] = logits.max_logit
         if self.replica_sync is not None:
             m.update(m_sync)
         return m
@@ -401,6 +402,8 @@ class Trainer:
             if self.replica_sync is not None:
                 self.replica_sync.close()
             self.objective.close()
+            if self.logits is not None:
+                self.logits.close()
             self.loader.close()
             self.logger.close()
         finally:

@@ -25,6 +25,8 @@ from pathlib import Path
 
 from tpzoo.errors import ConfigError, DataError
 
+from . import optimizers
+
 __all__ = ["check_train", "check_eval", "check_generate", "check_layout"]
 
 
@@ -236,6 +238,7 @@ def check_train(cfg, world_size: int | None = None):
                           f"{label}")
     check_tokenizer(tokenizer, model_cfg.vocab_size if fixed_vocab else None, label)
     check_lora(cfg, model_cfg)
+    optimizers.check(cfg, model_cfg, label)  # --optimizer muon, --qk-clip
     if cfg.objective != "lm":  # DPO's pairs, a distillation teacher (tpzoo.post)
         from tpzoo.post.checks import check_objective
 
