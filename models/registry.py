@@ -117,5 +117,5 @@ def _load_builtin() -> None:
     if _LOADED:
         return
     _LOADED = True
-    from . import (deepseek_v3, gemma, glm4_moe, gpt2, gpt_oss, llama, moe_families, olmo2, olmo3, phi3,  # noqa: F401
-                   qwen3, qwen3_5, smollm3, zoo)
+    from . import (deepseek_v3, gemma, glm4_moe, gpt2, gpt_oss, llama, minimax_m2, moe_families, olmo2,  # noqa: F401
+                   olmo3, phi3, qwen3, qwen3_5, smollm3, zoo)

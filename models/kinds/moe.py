@@ -58,7 +58,7 @@ from ..inputs import Context
 from ..layout import ModelLayout
 from ..recompute import is_recomputing
 from . import register_channel_mixer
-from .experts import clamped_swiglu, expert_mlp
+from .experts import _activation, clamped_swiglu, expert_mlp
 from .mlp import MLP
 from .moe_aux import RouterStatistics, SequenceAuxLoss, router_stats
 from .replicated import ReplicatedLinear
@@ -114,6 +114,7 @@ class MoE(nn.Module):
             self.shared_experts = MLP(cfg, layer, layout, ffn=moe.shared_expert_ffn)
             if moe.shared_expert_gate:
                 self.shared_expert_gate = ReplicatedLinear(h, 1, layout, std=cfg.initializer_range)
+                self.shared_expert_gate.weight.muon = False  # a gate: AdamW's under --optimizer muon
         # auxiliary-loss-free balancing: this rank's loads of the step (only one tp rank counts replicated tokens)
         self.balancing = self.step_sums_size(cfg, layer) > 0
         self.counts_loads = layout.split_sequence or dims.tp_rank == 0
@@ -251,6 +252,12 @@ class MoE(nn.Module):
 
     def _experts(self, rows: torch.Tensor, counts) -> torch.Tensor:
         """The local experts over their contiguous row groups (counts: a device tensor or host ints)."""
+        if hasattr(self, "quantized"):  # kept-quantized experts: dequantized one at a time (tpzoo.quant)
+            from tpzoo.quant.modules import expert_mlp as quantized_expert_mlp
+
+            q = self.quantized
+            return quantized_expert_mlp(rows, counts, q.get("gate_up", self.gate_up), q.get("down", self.down),
+                                        _activation(self.activation))
         return expert_mlp(rows, counts, self.gate_up, self.down, self.activation, self.expert_gemm,
                           getattr(self, "gate_up_bias", None))
 

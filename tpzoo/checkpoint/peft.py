@@ -186,7 +186,12 @@ def export_merged(ckpt, dst, **to_hf_kw) -> list:
     from .convert import convert_to_hf
     from .model_io import load_model, save_model_shards
 
-    model = load_model(ckpt, ParallelDims.for_rank(tp=1), device="cpu")
+    from tpzoo.quant.modules import dequantize_model, merge_dtype
+
+    dtype = merge_dtype(ckpt)  # a kept-quantized base: dequantized to the run's dtype, then merged
+    model = load_model(ckpt, ParallelDims.for_rank(tp=1), device="cpu", dtype=dtype)
+    if dtype is not None:
+        dequantize_model(model, dtype)
     merge_adapters(model)
     with tempfile.TemporaryDirectory(prefix=".tpzoo-merge-", dir=Path(dst).resolve().parent) as tmp:
         save_model_shards(model, tmp, model.cfg, tokenizer=ckpt)

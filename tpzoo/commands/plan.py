@@ -47,6 +47,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model the 16-bit weight gradients autograd holds without gradient-accumulation fusion")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="LoRA fine-tuning of a frozen base at this adapter rank (all-linear targets)")
+    p.add_argument("--base-dtype", choices=["fp8", "int4"],
+                   help="with --lora-rank: the frozen base kept quantized (convert from-hf --keep-quantized): its "
+                        "projections and experts in block FP8 or int4 with their scales, the rest in --dtype")
+    p.add_argument("--objective", default="lm", choices=["lm", "dpo", "distill"],
+                   help="fine-tuning objective (tpzoo.post): dpo holds a frozen reference copy of the model (not "
+                        "with --lora-rank, whose reference is the base without adapters, nor with "
+                        "--dpo-precompute-ref); distill holds --teacher and computes the student's logits unfused")
+    p.add_argument("--dpo-precompute-ref", action="store_true",
+                   help="DPO with the reference log-probabilities computed before training (no reference model held)")
+    p.add_argument("--teacher", help="distill: the teacher (registry name, ModelConfig JSON or HF config.json); "
+                   "omitted: a `tpzoo distill-cache` (no teacher held)")
     p.add_argument("--kernels", default="fused", choices=["fused", "reference"],
                    help="fused = Triton (CUDA), reference = torch (what CPU runs)")
     p.add_argument("--no-fused-linear-cross-entropy", dest="fused_linear_cross_entropy", action="store_false",
@@ -56,6 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "set in memory), as `tpzoo pretrain --fp8` runs them")
     p.add_argument("--compile", action="store_true", help="the blocks compiled (regional torch.compile, as "
                         "`tpzoo pretrain --compile`): their saved tensors counted as the fused kernels'")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
+                   help="muon: one fp32 momentum for the hidden layers' matrices instead of two moments, and the "
+                        "orthogonalization (FLOPs and its bf16 exchange over tp and dp) in the step time, as "
+                        "`tpzoo pretrain --optimizer muon` runs it")
+    p.add_argument("--muon-ns-steps", type=int, default=5, help="Muon's Newton-Schulz iterations")
     p.add_argument("--vocab-padding-multiple", type=int, default=1)
     p.add_argument("--max-micro-batch", type=int, default=64)
     p.add_argument("--tp", type=int, help="only layouts with this tp")
@@ -103,6 +119,19 @@ def load_model(spec: str):
     return cfg
 
 
+def frozen_models(args, cfg) -> tuple:
+    """The frozen models a post-training objective holds beside the trained one (tpzoo.plan.post)."""
+    from tpzoo.errors import ConfigError
+
+    if args.teacher and args.objective != "distill":
+        raise ConfigError(f"--teacher is for --objective distill (the objective is {args.objective!r})")
+    if args.objective == "dpo" and not args.lora_rank and not args.dpo_precompute_ref:
+        return (cfg,)  # a frozen copy of the model
+    if args.objective == "distill" and args.teacher:
+        return (load_model(args.teacher),)
+    return ()
+
+
 def parse_boundaries(text: str | None) -> tuple[int, ...] | None:
     """--pp-boundaries 0,3,8 as integers (checked against the model by the search)."""
     from tpzoo.errors import ConfigError
@@ -145,10 +174,13 @@ def run(args) -> int:
                                 zero=max(args.zero, int(args.zero1)),
                                 overlap_grad_reduce=args.overlap_grad_reduce,
                                 grad_accumulation_fusion=args.grad_accumulation_fusion,
-                                lora_rank=args.lora_rank,
+                                lora_rank=args.lora_rank, base_dtype=args.base_dtype,
                                 vocab_padding_multiple=args.vocab_padding_multiple,
-                                kernels=args.kernels, fused_linear_cross_entropy=args.fused_linear_cross_entropy,
-                                fp8=args.fp8, compile=args.compile)
+                                kernels=args.kernels,  # distillation's student computes its logits unfused
+                                fused_linear_cross_entropy=(args.fused_linear_cross_entropy
+                                                            and args.objective != "distill"),
+                                fp8=args.fp8, compile=args.compile, frozen=frozen_models(args, cfg),
+                                optimizer=args.optimizer, muon_ns_steps=args.muon_ns_steps)
     except ValueError as exc:  # the specs check their own fields
         raise ConfigError(str(exc)) from None
     only = dict(tp=args.tp, pp=args.pp, recompute=args.recompute, cp=args.cp, ep=args.ep,

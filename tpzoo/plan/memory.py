@@ -38,6 +38,7 @@ from tpzoo.models.config import ModelConfig
 from .head import head_activation_bytes, head_output_grad_bytes, head_transient_bytes, local_vocab
 from .layers import layer_activation_bytes, layer_cost, memo, norm_saved, rotary_tables_bytes
 from .lora import lora_chunk_activation_delta, lora_layer_late, lora_layer_params
+from .quant import base_bytes
 from .schedule import held_states, peak_bytes
 from .spec import DTYPE_BYTES, Layout, RankLayout, TrainingSpec, local_seq_len, num_micro_batches, stage_chunks
 
@@ -301,7 +302,12 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
         r = training.lora_rank
         adapters = state_bytes(ParamCount(sum(lora_layer_params(cfg, i, t, r) for i in ids), 0, 0, 0, 0, 0),
                                training, replicas, sum(lora_layer_late(cfg, i, t, r) for i in ids))
-        st = StateBytes(e * count.numel + adapters.params, adapters.grads, adapters.master, adapters.optimizer)
+        base = base_bytes(cfg, count.numel, ids, t, layout.ep, e, training.base_dtype)  # (plan/quant.py)
+        st = StateBytes(base + adapters.params, adapters.grads, adapters.master, adapters.optimizer)
+    if training.optimizer == "muon":  # one moment for Muon's matrices (plan/muon.py, which reads this module)
+        from .muon import muon_state
+
+        st = muon_state(cfg, layout, training, stage, st)
     m = num_micro_batches(layout, training)
     acts, grads = [], []
     for c, (lo, hi) in enumerate(stage_chunks(cfg, layout, stage)):
@@ -330,5 +336,8 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
     per_use = training.zero_level >= 3
     casts = fp8_transient_bytes(cfg, at, b * s, ids, per_use) if training.fp8 != "none" else 0
     fp8_weights = fp8_weight_bytes(cfg, t, ids) if training.fp8 != "none" and not per_use else 0
-    return MemoryBreakdown(stage, st.params + fp8_weights, st.grads, st.master, st.optimizer, held,
+    from .post import frozen_stage_bytes  # DPO's reference copy, a distillation teacher (plan/post.py)
+
+    frozen = frozen_stage_bytes(training, layout, stage)
+    return MemoryBreakdown(stage, st.params + fp8_weights + frozen, st.grads, st.master, st.optimizer, held,
                            backward + recv + staging + gathered + casts, reserve_bytes)

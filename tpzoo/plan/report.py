@@ -8,6 +8,7 @@ from tpzoo.models.config import ModelConfig
 
 from .estimate import GIB, Estimate
 from .memory import state_bytes_per_param
+from .post import frozen_text
 from .spec import ClusterSpec, TrainingSpec
 
 
@@ -49,15 +50,22 @@ def header(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, consi
             f"{' (blocks compiled)' if training.compile else ''}, "
             f"{'fused' if training.fused_linear_cross_entropy else 'unfused'} head and loss, "
             f"{f'FP8 {training.fp8} projections, ' if training.fp8 != 'none' else ''}"
+            f"{frozen_text(training)[2:] + ', ' if training.frozen else ''}"
             f"efficiency {cluster.efficiency:g}, reserve {cluster.reserve_gib:g} GiB; "
             f"{considered} layouts, {fitting} fit"
             + (f" ({ruled_out:,} ruled out by their memory floor, not estimated)" if ruled_out else ""))
 
 
 def _state_text(training: TrainingSpec) -> str:
+    if training.optimizer == "muon":  # per-parameter figures are AdamW's; Muon's matrices keep 4 bytes less
+        return (f"Muon ({training.muon_ns_steps} Newton-Schulz steps) for the hidden layers' matrices: 4 B/param "
+                f"less optimizer state than AdamW's {state_bytes_per_param(training)}")
     if training.lora_rank:
-        return (f"LoRA rank {training.lora_rank} on every linear layer: frozen base {training.act_bytes} B/param, "
-                f"adapters {state_bytes_per_param(training)}")
+        base = ({"fp8": "block FP8 (1 B/param + scales)", "int4": "int4 (0.5 B/param + scales)"}[training.base_dtype]
+                + f" projections and experts, the rest {training.act_bytes} B/param" if training.base_dtype
+                else f"{training.act_bytes} B/param")
+        return f"LoRA rank {training.lora_rank} on every linear layer: frozen base {base}, adapters " \
+               f"{state_bytes_per_param(training)}"
     return f"training state {state_bytes_per_param(training)}"
 
 

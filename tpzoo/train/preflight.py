@@ -25,6 +25,8 @@ from pathlib import Path
 
 from tpzoo.errors import ConfigError, DataError
 
+from . import optimizers
+
 __all__ = ["check_train", "check_eval", "check_generate", "check_layout"]
 
 
@@ -37,6 +39,7 @@ def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str
     world size is tpzoo.parallel.dims.check_layout's (TrainConfig.data_parallel_size, _check_checkpoint)."""
     from tpzoo.parallel.dims import ParallelLayoutError
     from tpzoo.pipeline import partition_layers
+    from tpzoo.quant import check_split
     from tpzoo.pipeline.partition import PartitionError
 
     nh, nkv, ffn = model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.ffn_hidden_size
@@ -47,6 +50,7 @@ def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str
     if ffn % tp:
         raise ParallelLayoutError(f"{what}: tp={tp} does not divide ffn_hidden_size={ffn}")
     check_experts(model_cfg, tp, ep, what)
+    check_split(model_cfg, tp)  # a kept-quantized model: along whole blocks
     try:
         partition_layers(model_cfg, pp, boundaries or None, virtual_stages=virtual_stages)
     except PartitionError as e:
@@ -236,7 +240,12 @@ def check_train(cfg, world_size: int | None = None):
     from .checkpointing import router_settings
 
     router_settings(cfg, model_cfg, lora=check_lora(cfg, model_cfg))  # (what the ranks would refuse)
-    if cfg.task == "sft":
+    optimizers.check(cfg, model_cfg, label)  # --optimizer muon, --qk-clip
+    if cfg.objective != "lm":  # DPO's pairs, a distillation teacher (tpzoo.post)
+        from tpzoo.post.checks import check_objective
+
+        check_objective(cfg, model_cfg)
+    elif cfg.task == "sft":
         _check_sft_data(cfg)
     else:
         _check_pretrain_data(cfg)
@@ -249,13 +258,16 @@ def check_lora(cfg, model_cfg) -> bool:
     from tpzoo.models import ModelLayout, Transformer
     from tpzoo.models.lora import check_targets
     from tpzoo.parallel import ParallelDims
+    from tpzoo.quant import refuse_full_training
 
     from .lora_setup import lora_of_run
     from .checkpointing import resolve_resume
 
     resume = resolve_resume(cfg, say=lambda *_: None) if cfg.resume else None
     lcfg, _ = lora_of_run(cfg, resume)
-    if lcfg is not None:
+    if lcfg is None:
+        refuse_full_training(model_cfg, f"--base {cfg.base}" if cfg.base else "the model")
+    else:
         check_targets(Transformer(model_cfg, ModelLayout(ParallelDims.for_rank(), device="meta")), lcfg)
     return lcfg is not None
 
@@ -297,7 +309,14 @@ def _check_checkpoint(args, world_size: int | None):
 
 def check_eval(args, world_size: int | None = None) -> None:
     _positive(args, "batch_size", "seq_len", "max_tokens")
-    check_text_file(args.text_file, "--text-file")  # before the checkpoint: it is the cheaper of the two
+    if getattr(args, "objective", "lm") == "dpo":  # preference pairs (tpzoo.post.checks)
+        from tpzoo.post.checks import check_dpo_eval
+
+        check_dpo_eval(args)
+    elif not args.text_file:
+        raise ConfigError("--text-file is required (or --objective dpo --data PAIRS.jsonl)")
+    else:
+        check_text_file(args.text_file, "--text-file")  # before the checkpoint: it is the cheaper of the two
     model_cfg, what = _check_checkpoint(args, world_size)
     if args.seq_len:
         check_positions(model_cfg, args.seq_len, what)
