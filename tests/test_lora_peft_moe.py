@@ -3,7 +3,7 @@
 PEFT with transformers 5 reads the MLP projection names of an adapter (`gate_proj`, `up_proj`, `down_proj`) as the
 fused routed experts for the Qwen2-MoE-style model types, so an adapter on a dense layer's MLP (Qwen3-MoE's
 mlp_only_layers, the dense first layers of DeepSeek-V3 and GLM-4.5) or on the shared experts (Qwen3-Next) was
-dropped with a warning: PEFT ran the base weights there. Per family, on a tiny model transformers wrote, adapters on
+dropped with a warning: PEFT ran the base weights there. Per family (MiniMax-M2 too), on a tiny model transformers wrote, adapters on
 every layer tpzoo can adapt (`all-linear`, or every valid name where all-linear is refused), random B:
 - `convert to-hf` (export_peft) either writes an adapter that peft.PeftModel.from_pretrained loads with tpzoo's
   logits and loss, or refuses in one line (naming the projections and --merge) with nothing written; a refusal is
@@ -50,16 +50,15 @@ def _hf_model(kind: str):
         return hf_models.make_hf_model(kind)
     if kind == "olmoe":
         return _olmoe()
+    if kind == "minimax_m2":  # (Mixtral-style experts to PEFT: w1 / w3 / w2)
+        from quant_models import hf_model
+
+        return hf_model("minimax_m2")
     return frontier_models.make_hf_model(kind)  # deepseek_v3 (+ _noq), glm4_moe: a dense first layer; gpt_oss
 
 
-# Every MoE family; the default run takes one of each outcome and router (Qwen3-MoE's and DeepSeek-V3's refusals,
-# Mixtral's and gpt-oss's adapters loaded), the slow tier the rest (Qwen3-Next and Qwen3.5-MoE: Gated DeltaNet
-# forwards are the slow ones on CPU).
-SLOW = pytest.mark.slow
-KINDS = ("qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss", pytest.param("olmoe", marks=SLOW),
-         pytest.param("qwen3_next", marks=SLOW), pytest.param("deepseek_v3_noq", marks=SLOW),
-         pytest.param("glm4_moe", marks=SLOW), pytest.param("qwen3_5_moe", marks=SLOW))
+KINDS = ("qwen3_moe", "qwen3_next", "olmoe", "mixtral", "deepseek_v3", "deepseek_v3_noq", "glm4_moe", "gpt_oss",
+         "qwen3_5_moe", "minimax_m2")  # (about 0.3 s each)
 
 
 def _lora_checkpoint(base, path, targets=None):
