@@ -7,7 +7,9 @@ tpzoo weight made of several HF tensors (q|k|v, gate|up) gets one adapter per HF
 part of the weight. An HF projection may cover several consecutive parts of a tpzoo weight (Qwen3.5's
 `in_proj_qkv`: q|k|v of the Gated DeltaNet's in_proj): its adapter spans those parts, sharded like them. A weight
 whose HF tensors are a permutation of its rows, not a concatenation (Qwen3-Next's `in_proj_qkvz` / `in_proj_ba`,
-grouped per key head), cannot take adapters: targeting it is refused with one line.
+grouped per key head), cannot take adapters: targeting it is refused with one line. Whether Hugging Face PEFT loads
+the adapters as written (with transformers 5 it reads the MLP names of Qwen2-MoE-style model types as the fused
+routed experts) is asked of PEFT itself when they are exported (tpzoo/checkpoint/peft_check.py), not decided here.
 """
 from __future__ import annotations
 

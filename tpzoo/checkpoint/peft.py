@@ -4,7 +4,9 @@ any (tp, pp).
 
 Names: PEFT keys are `base_model.model.<HF module>.lora_A.weight` / `.lora_B.weight`, the HF module being the one
 the family's tensor map names for that part of the tpzoo weight (tpzoo.models.lora.peft_key_map). Shapes are the
-full ones ([r, in] and [out, r]), so a rank reads only its shard from the dict, as from any checkpoint.
+full ones ([r, in] and [out, r]), so a rank reads only its shard from the dict, as from any checkpoint. Before an
+adapter is written, PEFT is asked whether it loads it as written (peft_check.py); what it would drop is refused in
+one line.
 """
 from __future__ import annotations
 
