@@ -51,6 +51,7 @@ import torch.nn as nn
 from tpzoo.parallel import (ParallelLayoutError, ShardSpec, copy_to_tp, gather_from_sequence, mark_parallel,
                             reduce_from_tp, reduce_scatter_to_sequence, shard)
 from tpzoo.parallel import comm
+from tpzoo.parallel.eager import eager
 
 from ..config import ModelConfig
 from ..inputs import Context
@@ -175,10 +176,14 @@ class MoE(nn.Module):
                                  ctx.token_mask, groups=groups)
             ctx.record(self.layer, SequenceAuxLoss.key, share.reshape(1))
         if self.balancing and self.training and torch.is_grad_enabled() and not is_recomputing():
-            if self.step_load is None:
-                self.step_load = torch.zeros(self.num_experts, dtype=torch.float32, device=logits.device)
-            if self.counts_loads:
-                self.step_load += expert_load(index.detach(), self.num_experts, ctx.token_mask)
+            self._count_loads(index.detach(), ctx.token_mask)
+
+    @eager  # Python state across calls (None, then the step's sum): a compiled block would recompile on it
+    def _count_loads(self, index: torch.Tensor, token_mask) -> None:
+        if self.step_load is None:
+            self.step_load = torch.zeros(self.num_experts, dtype=torch.float32, device=index.device)
+        if self.counts_loads:
+            self.step_load += expert_load(index, self.num_experts, token_mask)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared experts' output (gated by sigmoid(shared_expert_gate(x)) where the config says)."""
@@ -220,6 +225,7 @@ class MoE(nn.Module):
         return (router + expert * (moe.num_experts_per_tok if active else moe.num_experts) + shared
                 + (h if moe.shared_expert_gate else 0))
 
+    @eager  # the rows per expert are data (a host sync, or all-to-all sizes): compiled, each count would recompile
     def _dispatch_compute_return(self, tokens: torch.Tensor, expert_of: torch.Tensor) -> torch.Tensor:
         """Rows of `tokens` repeated for each of their k experts (assignment a = token * k + j), sent to the rank
         of the expert, computed, returned, in assignment order."""

@@ -4,11 +4,14 @@ any (tp, pp).
 
 Names: PEFT keys are `base_model.model.<HF module>.lora_A.weight` / `.lora_B.weight`, the HF module being the one
 the family's tensor map names for that part of the tpzoo weight (tpzoo.models.lora.peft_key_map). Shapes are the
-full ones ([r, in] and [out, r]), so a rank reads only its shard from the dict, as from any checkpoint.
+full ones ([r, in] and [out, r]), so a rank reads only its shard from the dict, as from any checkpoint. Before an
+adapter is written, PEFT is asked whether it loads it as written (peft_check.py); what it would drop is refused in
+one line.
 """
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -133,11 +136,27 @@ def export_peft(ckpt, dst, force: bool = False) -> Path:
               "fan_in_fan_out": source.cfg.family == "gpt2",  # HF GPT-2's Conv1D stores weights [in, out]
               "base_model_name_or_path": base, "inference_mode": True, "use_rslora": False, "use_dora": False,
               "init_lora_weights": True, "modules_to_save": None}
+    check_peft_loads(source.cfg, config, {key: t.shape for key, t in tensors.items()})
     dst = Path(dst)
     with atomic_dir(dst, force=force) as tmp:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return dst
+
+
+def check_peft_loads(cfg, config: dict, shapes: dict) -> None:
+    """Refuse (CheckpointError, one line) an adapter that PEFT would not load as written (checkpoint/peft_check.py);
+    without peft installed, say that it went unchecked."""
+    from .peft_check import peft_refusal
+
+    try:
+        refusal = peft_refusal(cfg, config, shapes)
+    except ImportError:
+        print("note: peft is not installed here: not checked that PEFT loads this adapter onto transformers' "
+              f"{cfg.family} model", file=sys.stderr)
+        return
+    if refusal:
+        raise CheckpointError(refusal)
 
 
 def merge_adapters(model) -> None:

@@ -81,7 +81,7 @@ def _worker(args) -> None:
         result = evaluate(model, ids, seq_len, args.batch_size, dims)
         if dims.rank == 0:
             print(json.dumps({**result, "seq_len": seq_len, "tp": args.tp, "cp": args.cp, "pp": args.pp, "dp": dims.dp,
-                              "checkpoint": str(args.ckpt)}), flush=True)
+                              "ep": dims.ep, "checkpoint": str(args.ckpt)}), flush=True)
     finally:
         tpzoo.destroy_parallel()
 

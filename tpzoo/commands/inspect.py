@@ -62,11 +62,14 @@ def run(args) -> int:
             print("aux files: " + ", ".join(m["aux_files"]))
         if not args.no_tensors:
             print(f"tensors: {len(m['tensors'])}")
+            from ._common import aligned
+
             kept = stored_names(cfg)
-            for name, t in m["tensors"].items():
-                split = "replicated" if t["split"] is None else f"split dim {t['split']['dim']}"
-                tag = f"  {cfg.quantization['format']}" if name in kept else ""
-                print(f"  {name:40s} {str(tuple(t['shape'])):18s} {t['dtype']:5s} {split:12s} pp {t['pp_rank']}{tag}")
+            rows = [[name, str(tuple(t["shape"])), t["dtype"], "replicated" if t["split"] is None
+                     else f"split dim {t['split']['dim']}", f"pp {t['pp_rank']}"
+                     + (f"  {cfg.quantization['format']}" if name in kept else "")] for name, t in m["tensors"].items()]
+            for line in aligned(rows, indent="  "):
+                print(line)
     return _check(args.ckpt, m, checksum=args.verify, out=sys.stderr if args.json else sys.stdout)
 
 

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from tpzoo.models.config import ModelConfig
 
 from .fp8 import at_fp8_rate, fp8_flops
-from .layers import layer_cost, layer_flops, signature
+from .layers import layer_cost, layer_flops, memo, signature
 from .lora import lora_layer_params
 from .memory import MemoryBreakdown, ParamCount, bucket_size, late_params, stage_layer_ids, stage_memory, stage_params
 from .muon import muon_time
@@ -271,7 +271,8 @@ def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: T
     step_tokens = training.global_batch_size * training.seq_len
     tokens_per_s = step_tokens / tb.total
     # LoRA computes no weight gradients of the base: its model FLOPs are forward + input gradients, 2/3 of these.
-    model_flops = cfg.flops_per_token(training.seq_len) * (2 / 3 if training.lora_rank else 1)
+    per_token = memo(cfg, ("flops_per_token", training.seq_len), lambda: cfg.flops_per_token(training.seq_len))
+    model_flops = per_token * (2 / 3 if training.lora_rank else 1)
     mfu = model_flops * tokens_per_s / (cluster.gpus * cluster.gpu_tflops * 1e12)
     fits = worst.total <= cluster.gpu_memory_gib * GIB
     states = worst.params + worst.grads + worst.master + worst.optimizer

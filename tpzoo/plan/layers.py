@@ -17,9 +17,16 @@ from .spec import RankLayout
 
 
 def kinds_of(cfg: ModelConfig, layer: int) -> tuple[type, type]:
+    return memo(cfg, ("kinds",), lambda: _kinds(cfg))[layer]
+
+
+def _kinds(cfg: ModelConfig) -> tuple:
+    """(token mixer kind, channel mixer kind) of every layer (looked up once per config: the search asks millions
+    of times)."""
     from tpzoo.models.kinds import channel_mixer_kind, token_mixer_kind
 
-    return token_mixer_kind(cfg.token_mixer(layer)), channel_mixer_kind(cfg.channel_mixer(layer))
+    return tuple((token_mixer_kind(cfg.token_mixer(i)), channel_mixer_kind(cfg.channel_mixer(i)))
+                 for i in range(cfg.num_layers))
 
 
 def signature(cfg: ModelConfig, layer: int) -> tuple:
@@ -76,7 +83,7 @@ def memo(cfg: ModelConfig, key: tuple, compute):
     hit = _CACHE.get(full)
     if hit is not None and hit[0] is cfg:
         return hit[1]
-    if len(_CACHE) > 20000:
+    if len(_CACHE) > 1 << 18:  # (a large search holds tens of thousands)
         _CACHE.clear()
     value = compute()
     _CACHE[full] = (cfg, value)
@@ -107,12 +114,15 @@ def _layer_cost(cfg: ModelConfig, layer: int, at: RankLayout) -> LayerCost:
     return LayerCost(weights, matmuls, token.context_features(cfg, layer, at) + channel.context_features(cfg, layer, at))
 
 
-def layer_collectives(cfg: ModelConfig, layer: int, at: RankLayout, tokens: int) -> list[tuple[Collective, bool]]:
+def layer_collectives(cfg: ModelConfig, layer: int, at: RankLayout, tokens: int) -> tuple[tuple[Collective, bool], ...]:
     """The layer's collectives for one micro-batch of `tokens` tokens, each with whether full recomputation
-    replays it."""
-    token, channel = (cost_of(k) for k in kinds_of(cfg, layer))
-    return ([(c, replayed(cfg, c, False)) for c in token.collectives(cfg, layer, at, tokens)]
-            + [(c, replayed(cfg, c, True)) for c in channel.collectives(cfg, layer, at, tokens)])
+    replays it (computed once per signature)."""
+    def compute() -> tuple:
+        token, channel = (cost_of(k) for k in kinds_of(cfg, layer))
+        return tuple([(c, replayed(cfg, c, False)) for c in token.collectives(cfg, layer, at, tokens)]
+                     + [(c, replayed(cfg, c, True)) for c in channel.collectives(cfg, layer, at, tokens)])
+
+    return memo(cfg, ("collectives", signature(cfg, layer), at, tokens), compute)
 
 
 def layer_activation_bytes(cfg: ModelConfig, layer: int, at: RankLayout, micro_batch: int, seq_len: int) -> int:
@@ -141,13 +151,16 @@ def layer_flops(cfg: ModelConfig, layer: int, at: RankLayout, seq_len: int) -> f
 def rotary_tables_bytes(cfg: ModelConfig, layers, seq_len: int) -> int:
     """The rotary tables a chunk holding `layers` computes once per forward: cos and sin of each distinct table its
     layers read, seq_len x dim/2 fp32 each."""
-    tables = {}
-    for i in layers:
-        for kind in kinds_of(cfg, i):
-            spec = cost_of(kind).rotary(cfg, i)
-            if spec is not None:
-                tables[spec[0]] = spec[1]
-    return sum(4 * seq_len * dim for dim in tables.values())
+    def compute() -> int:
+        tables = {}
+        for i in layers:
+            for kind in kinds_of(cfg, i):
+                spec = cost_of(kind).rotary(cfg, i)
+                if spec is not None:
+                    tables[spec[0]] = spec[1]
+        return sum(4 * seq_len * dim for dim in tables.values())
+
+    return memo(cfg, ("rope", tuple(layers), seq_len), compute)
 
 
 def cache_bytes(cfg: ModelConfig, layer: int, at: RankLayout, batch: int, length: int) -> int:
@@ -157,16 +170,27 @@ def cache_bytes(cfg: ModelConfig, layer: int, at: RankLayout, batch: int, length
 
 
 def check_kinds(cfg: ModelConfig, at: RankLayout) -> None:
-    """Every kind of the model can split at `at` (raises the kind's ParallelLayoutError)."""
-    seen = set()
-    for i in range(cfg.num_layers):
-        for kind in kinds_of(cfg, i):
-            if kind not in seen:
-                seen.add(kind)
-                cost_of(kind).check(cfg, i, at)
+    """Every kind of the model can split at `at` (raises the kind's ParallelLayoutError; decided once per `at`)."""
+    from tpzoo.parallel.dims import ParallelLayoutError
+
+    def compute() -> str:
+        seen = set()
+        try:
+            for i in range(cfg.num_layers):
+                for kind in kinds_of(cfg, i):
+                    if kind not in seen:
+                        seen.add(kind)
+                        cost_of(kind).check(cfg, i, at)
+        except ParallelLayoutError as exc:
+            return str(exc)
+        return ""
+
+    problem = memo(cfg, ("check", at), compute)
+    if problem:
+        raise ParallelLayoutError(problem)
 
 
 def has_experts(cfg: ModelConfig) -> bool:
     """Whether any layer holds expert-parallel weights."""
     at = RankLayout()
-    return any(layer_cost(cfg, i, at).weights.expert for i in range(cfg.num_layers))
+    return memo(cfg, ("experts",), lambda: any(layer_cost(cfg, i, at).weights.expert for i in range(cfg.num_layers)))

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from tpzoo.models.config import ModelConfig
 
 from .head import head_activation_bytes, head_output_grad_bytes, head_transient_bytes, local_vocab
-from .layers import layer_activation_bytes, layer_cost, norm_saved, rotary_tables_bytes
+from .layers import layer_activation_bytes, layer_cost, memo, norm_saved, rotary_tables_bytes
 from .lora import lora_chunk_activation_delta, lora_layer_late, lora_layer_params
 from .quant import base_bytes
 from .schedule import held_states, peak_bytes
@@ -73,7 +73,13 @@ def stage_layer_ids(cfg: ModelConfig, layout: Layout, stage: int) -> list[int]:
 
 def stage_params(cfg: ModelConfig, layout: Layout, stage: int, vocab_padding_multiple: int = 1) -> ParamCount:
     """Exactly the parameters of pipeline stage `stage` on one tp rank (all its model chunks) at `layout`'s tp, pp,
-    virtual stages, ep and pipeline boundaries."""
+    virtual stages, ep and pipeline boundaries (computed once per those: every variant of a layout shares them)."""
+    key = ("stage_params", layout.tp, layout.pp, layout.virtual_stages, layout.ep, layout.boundaries, stage,
+           vocab_padding_multiple)
+    return memo(cfg, key, lambda: _stage_params(cfg, layout, stage, vocab_padding_multiple))
+
+
+def _stage_params(cfg: ModelConfig, layout: Layout, stage: int, vocab_padding_multiple: int) -> ParamCount:
     h, p, at = cfg.hidden_size, layout.pp, RankLayout(tp=layout.tp, ep=layout.ep)
     counts = [layer_params(cfg, i, at) for i in stage_layer_ids(cfg, layout, stage)]
     numel, tensors, sp, matmul, replicated, expert, partial = (

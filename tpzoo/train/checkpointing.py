@@ -206,10 +206,15 @@ def _same_data(a: list, b: list) -> bool:
 
 
 def check_resumable(cfg, state: dict, path) -> None:
-    """The run being resumed from `path` (its train_state.json `state`) keeps every RESUME_KEEPS setting of
-    `cfg`; else one line naming each one that changed with both values, and what may change instead."""
+    """The run being resumed from `path` (its train_state.json `state`) keeps its --model (a run without --base) and
+    every RESUME_KEEPS setting of `cfg`; else one line naming each one that changed with both values, and what may
+    change instead."""
     saved = {k: v for section in (state.get("config") or {}).values() if isinstance(section, dict)
              for k, v in section.items()}
+    if not (cfg.base or saved.get("base")) and saved.get("model") not in (None, cfg.model):
+        raise ConfigError(f"cannot resume from {path} with --model {cfg.model}: that run trains {saved['model']} "
+                          f"(resume with --model {saved['model']}, or start the new model in another --save "
+                          f"directory)")
     keys = RESUME_KEEPS + (RESUME_KEEPS_SFT if cfg.task == "sft" else ())
     changed = []
     for key in keys:
@@ -274,22 +279,34 @@ def resolve_model_config(cfg, tokenizer):
     return model_cfg.replace(vocab_size=cfg.vocab_size or tokenizer.vocab_size)
 
 
-def router_settings(cfg, model_cfg):
+def router_settings(cfg, model_cfg, lora: bool = False):
     """The run's --router-bias-update-rate and --router-aux-loss-coef on a mixture of experts with the sigmoid
-    router (DeepSeek-V3, GLM-4.5); other models keep their config (a sequence-wise loss asked of one is refused)."""
+    router (DeepSeek-V3, GLM-4.5); other models keep their config (a selection-bias update or a sequence-wise loss
+    asked of one is refused). `lora`: the run trains adapters on a frozen base, whose selection biases stay frozen
+    too unless a rate is given, which is refused (its checkpoints and PEFT adapters hold only the adapters)."""
     import dataclasses
 
-    moe = model_cfg.moe
+    from .config import ROUTER_BIAS_UPDATE_RATE
+
+    moe, given = model_cfg.moe, cfg.is_set("router_bias_update_rate")
+    rate = cfg.router_bias_update_rate if given else (0.0 if lora else ROUTER_BIAS_UPDATE_RATE)
     if moe.router != "sigmoid":
         if cfg.router_aux_loss_coef:
             raise ConfigError(f"--router-aux-loss-coef {cfg.router_aux_loss_coef:g}: the sequence-wise auxiliary loss "
                               f"is the sigmoid router's (DeepSeek-V3, GLM-4.5); this model has none")
+        if given and rate:
+            raise ConfigError(f"--router-bias-update-rate {rate:g}: auxiliary-loss-free balancing moves the sigmoid "
+                              f"router's selection bias (DeepSeek-V3, GLM-4.5); this model's router has none")
         return model_cfg
-    if cfg.replicas > 1 and cfg.router_bias_update_rate > 0:  # (the loads are summed over the world every step)
-        raise ConfigError(f"--replicas {cfg.replicas} with --router-bias-update-rate {cfg.router_bias_update_rate:g}: "
-                          f"the selection bias's update is not made per DiLoCo replica yet; pass "
-                          f"--router-bias-update-rate 0")
-    return model_cfg.replace(moe=dataclasses.replace(moe, bias_update_rate=cfg.router_bias_update_rate,
+    if lora and rate:
+        raise ConfigError(f"--router-bias-update-rate {rate:g} with LoRA: a LoRA run keeps the base frozen, its "
+                          f"selection biases included (its checkpoints and PEFT adapters hold only the adapters); "
+                          f"leave the rate unset (0 under LoRA), or fine-tune every weight to rebalance the experts")
+    if cfg.replicas > 1 and cfg.sync_every > 1 and rate:  # (synchronous: the loads are summed over the world)
+        raise ConfigError(f"--replicas {cfg.replicas} --sync-every {cfg.sync_every} (DiLoCo) with "
+                          f"--router-bias-update-rate {rate:g}: the selection bias's update is not made per DiLoCo "
+                          f"replica yet; pass --router-bias-update-rate 0, or --sync-every 1")
+    return model_cfg.replace(moe=dataclasses.replace(moe, bias_update_rate=rate,
                                                      router_aux_loss_coef=cfg.router_aux_loss_coef))
 
 

@@ -113,8 +113,8 @@ class ParallelSection:
                                               "the fp32 main gradients in the backward matmul (no 16-bit .grad, no "
                                               "separate add; Megatron's gradient_accumulation_fusion)")
     compile: bool = _f(False, "regional torch.compile: each transformer block compiled on its own (graph breaks "
-                              "only at the TP collectives and FP8 projections; the first step compiles, reported "
-                              "once; not with --zero 3; docs/training.md)")
+                              "only at the TP collectives, FP8 projections and MoE's expert dispatch; the first step "
+                              "compiles, reported once; not with --zero 3; docs/training.md)")
     device: str = _f("auto", "where each rank computes: auto (cuda:LOCAL_RANK when CUDA is available, else cpu), "
                              "cpu, cuda or cuda:N", nonempty=True)
     dist_timeout: float = _f(600.0, "seconds a rank may wait on another (a collective, a stalled or dead rank) before "
@@ -223,11 +223,12 @@ class OptimSection:
     eps: float = _f(1e-8, "AdamW epsilon", gt=0)
     clip_grad: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)", ge=0)
     label_smoothing: float = _f(0.0, "cross-entropy label smoothing", ge=0, lt=1)
-    router_bias_update_rate: float = _f(1e-3, "mixtures of experts with the sigmoid router (DeepSeek-V3, GLM-4.5): "
+    router_bias_update_rate: float = _f(None, "mixtures of experts with the sigmoid router (DeepSeek-V3, GLM-4.5): "
                                               "auxiliary-loss-free balancing, each layer's selection bias moves by "
                                               "this times sign(mean load - expert load) after every optimizer "
-                                              "step, the loads of the whole step on every rank (0 freezes it)",
-                                        ge=0)
+                                              "step, the loads of the whole step on every rank (0 freezes it; "
+                                              "unset, 1e-3, and 0 for LoRA, whose base stays frozen, selection "
+                                              "biases included)", ge=0)
     router_aux_loss_coef: float = _f(0.0, "mixtures of experts with the sigmoid router: weight of Megatron-Core's "
                                           "sequence-wise auxiliary loss (0 = off, as HF's configs; the softmax "
                                           "routers' load-balancing loss keeps the model config's)", ge=0)
@@ -277,8 +278,13 @@ class LogSection:
 
 # Fields whose unset default (None) is computed from other fields, so that it follows them: the value a run uses
 # (cfg.min_lr, to_dict, --print-config) is always a number. lr / 10 is rounded to 15 significant digits, so that
-# 3e-3 gives 3e-4 (the number written in a config), not 3.0000000000000003e-4.
-FOLLOWS: dict[str, Callable[["TrainConfig"], Any]] = {"min_lr": lambda cfg: float(f"{cfg.lr / 10:.15g}")}
+# 3e-3 gives 3e-4 (the number written in a config), not 3.0000000000000003e-4. router_bias_update_rate: 0 for LoRA,
+# whose base stays frozen, the routers' selection biases included (a LoRA checkpoint and a PEFT adapter hold only the
+# adapters); tpzoo.train.checkpointing.router_settings also knows a resumed LoRA run given without --lora-rank.
+ROUTER_BIAS_UPDATE_RATE = 1e-3  # DeepSeek-V3's gamma
+FOLLOWS: dict[str, Callable[["TrainConfig"], Any]] = {
+    "min_lr": lambda cfg: float(f"{cfg.lr / 10:.15g}"),
+    "router_bias_update_rate": lambda cfg: 0.0 if (cfg.lora_rank or cfg.lora_from) else ROUTER_BIAS_UPDATE_RATE}
 
 SECTIONS = {"run": RunSection, "model": ModelSection, "parallel": ParallelSection, "replicas": ReplicaSection,
             "data": DataSection,
@@ -312,7 +318,12 @@ class TrainConfig:
         return f"TrainConfig({self.to_dict()})"
 
     def __getstate__(self) -> dict:
-        return self.to_dict()
+        """to_dict without the FOLLOWS fields left unset: on the other side (a rank) they still follow."""
+        out = self.to_dict()
+        for name in FOLLOWS:
+            if not self.is_set(name):
+                del out[_FIELD_SECTION[name]][name]
+        return out
 
     def __setstate__(self, state: dict) -> None:
         object.__setattr__(self, "_sections", {name: cls() for name, cls in SECTIONS.items()})
@@ -320,6 +331,10 @@ class TrainConfig:
 
     def section(self, name: str):
         return self._sections[name]
+
+    def is_set(self, name: str) -> bool:
+        """Whether field `name` was given a value (a FOLLOWS field left unset follows the others)."""
+        return getattr(self._sections[_FIELD_SECTION[name]], name) is not None
 
     def set(self, name: str, value: Any, where: str = "") -> None:
         """Set one field, checked (type, range, choices); `where` (a file:line, a flag) prefixes any error."""

@@ -43,7 +43,7 @@ from tpzoo.quant import refuse_full_training
 from . import checkpointing as ckpt
 from . import diloco, diloco_state, lora_setup, qk_clip
 from . import rundir
-from .compile import compile_blocks, compile_report, graph_breaks
+from .compile import compile_blocks, compile_report, graph_breaks, recompiles
 from .compile import eager as compile_eager
 from .config import TrainConfig
 from .data import build_datasets, data_metrics, held_out_losses, make_loader, resolve_tokenizer
@@ -126,7 +126,9 @@ class Trainer:
             self.train_state = None
             self.tokenizer = resolve_tokenizer(cfg)
             model_cfg = ckpt.resolve_model_config(cfg, self.tokenizer)
-        self.model_cfg = model_cfg = ckpt.router_settings(cfg, model_cfg)
+        # LoRA: the base frozen in the model dtype (it has no fp32 master), the adapters trained.
+        self.lora, self.lora_base = lora_setup.lora_of_run(cfg, self.resume_dir)
+        self.model_cfg = model_cfg = ckpt.router_settings(cfg, model_cfg, lora=self.lora is not None)
         if self.tokenizer.vocab_size > model_cfg.vocab_size:
             raise ConfigError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary is "
                              f"{model_cfg.vocab_size}")
@@ -137,8 +139,6 @@ class Trainer:
         # Built on meta, then materialized on the device: initialized there, or filled straight from the
         # checkpoint (each rank reads only its slices). In fp32, so that a bf16 run's fp32 master weights start
         # from the exact initial (or loaded) values.
-        # LoRA: the base frozen in the model dtype (it has no fp32 master), the adapters trained.
-        self.lora, self.lora_base = lora_setup.lora_of_run(cfg, self.resume_dir)
         if not self.lora:  # a kept-quantized base trains adapters only (preflight says so first)
             refuse_full_training(model_cfg, f"--base {cfg.base}" if cfg.base else "the model")
         # What every LoRA checkpoint of the run records: the adapter config and the base as it was at the start
@@ -377,7 +377,8 @@ class Trainer:
                   "fp8": {"recipe": self.fp8_report.recipe, "layers": len(self.fp8_report.fp8_layers),
                           "fallbacks": [name for name, _, _ in self.fp8_report.fallbacks]},
                   "compile": {"blocks": self.compiled_blocks,
-                              "graph_breaks": dict(graph_breaks()) if self.compiled_blocks else {}}}
+                              "graph_breaks": dict(graph_breaks()) if self.compiled_blocks else {},
+                              "recompiles": dict(recompiles()) if self.compiled_blocks else {}}}
         if history:
             self.logger.print(f"loss: first {history[0]['loss']:.4f} (step {history[0]['step']}) -> last "
                               f"{history[-1]['loss']:.4f} (step {history[-1]['step']})")

@@ -237,7 +237,9 @@ def check_train(cfg, world_size: int | None = None):
         raise ConfigError(f"sync_fragments={cfg.sync_fragments} is more than the {model_cfg.num_layers} layers of "
                           f"{label}")
     check_tokenizer(tokenizer, model_cfg.vocab_size if fixed_vocab else None, label)
-    check_lora(cfg, model_cfg)
+    from .checkpointing import router_settings
+
+    router_settings(cfg, model_cfg, lora=check_lora(cfg, model_cfg))  # (what the ranks would refuse)
     optimizers.check(cfg, model_cfg, label)  # --optimizer muon, --qk-clip
     if cfg.objective != "lm":  # DPO's pairs, a distillation teacher (tpzoo.post)
         from tpzoo.post.checks import check_objective
@@ -250,9 +252,9 @@ def check_train(cfg, world_size: int | None = None):
     return model_cfg
 
 
-def check_lora(cfg, model_cfg) -> None:
+def check_lora(cfg, model_cfg) -> bool:
     """LoRA settings against the model: the adapter config (--lora-from's or the flags'), its targets, its base
-    (a resumed LoRA run's must be there, unchanged)."""
+    (a resumed LoRA run's must be there, unchanged). Whether the run trains adapters."""
     from tpzoo.models import ModelLayout, Transformer
     from tpzoo.models.lora import check_targets
     from tpzoo.parallel import ParallelDims
@@ -267,6 +269,7 @@ def check_lora(cfg, model_cfg) -> None:
         refuse_full_training(model_cfg, f"--base {cfg.base}" if cfg.base else "the model")
     else:
         check_targets(Transformer(model_cfg, ModelLayout(ParallelDims.for_rank(), device="meta")), lcfg)
+    return lcfg is not None
 
 
 # -- eval and generate -------------------------------------------------------------------------------------------
