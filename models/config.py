@@ -225,6 +225,9 @@ class ModelConfig:
     name: str = ""                   # registry name, when it came from the registry
     hf_source: str = ""              # the Hugging Face repository these shapes come from
     extra: dict = field(default_factory=dict)  # family-specific HF fields kept for the round trip
+    # The tensors kept quantized (convert from-hf --keep-quantized; tpzoo.quant): {"format": "fp8_block" |
+    # "int4_pack", its block / group, "tensors": [tpzoo names], "hf": the source's quantization_config}
+    quantization: dict | None = None
 
     def __post_init__(self):
         # Shapes first: a zero or a string from a hand-edited config.json would otherwise surface as a division

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from tpzoo.parallel.eager import eager
+
 from .documents import Documents
 
 
@@ -106,6 +108,7 @@ class Context:
         """The tensors every layer reads (the rotary tables): what a recomputed block keeps as its inputs."""
         return [t for pair in self.rotary.values() for t in pair]
 
+    @eager  # Python state across layers: a compiled block would guard on how many records there are (recompiles)
     def record(self, layer: int, key: str, value) -> None:
         """A layer's auxiliary output of this forward (e.g. a router's statistics, models/kinds/moe.py), gathered
         per key by the Transformer (models/aux.py). A recomputation (activation checkpointing) records the same

@@ -7,7 +7,9 @@ tpzoo weight made of several HF tensors (q|k|v, gate|up) gets one adapter per HF
 part of the weight. An HF projection may cover several consecutive parts of a tpzoo weight (Qwen3.5's
 `in_proj_qkv`: q|k|v of the Gated DeltaNet's in_proj): its adapter spans those parts, sharded like them. A weight
 whose HF tensors are a permutation of its rows, not a concatenation (Qwen3-Next's `in_proj_qkvz` / `in_proj_ba`,
-grouped per key head), cannot take adapters: targeting it is refused with one line.
+grouped per key head), cannot take adapters: targeting it is refused with one line. Whether Hugging Face PEFT loads
+the adapters as written (with transformers 5 it reads the MLP names of Qwen2-MoE-style model types as the fused
+routed experts) is asked of PEFT itself when they are exported (tpzoo/checkpoint/peft_check.py), not decided here.
 """
 from __future__ import annotations
 
@@ -22,12 +24,6 @@ from tpzoo.parallel.lora import LoRA
 from .registry import get_family
 
 ALL_LINEAR = "all-linear"
-# PEFT (with transformers 5) reads the MLP projection names of an adapter for these model types as the fused routed
-# experts (peft.utils.transformers_weight_conversion: adapters trained on transformers 4's per-expert modules), so an
-# adapter on their dense or shared MLP would load onto other weights: those projections take no adapter here
-# (all-linear leaves them out, naming one is refused).
-PEFT_READS_AS_EXPERTS = {"deepseek_v3": ("gate_proj", "up_proj", "down_proj"),
-                         "glm4_moe": ("gate_proj", "up_proj", "down_proj")}
 
 
 @dataclass
@@ -100,8 +96,6 @@ def sites(chunk) -> list[Site]:
                                                                   ReplicatedLinear)):
             continue
         tm = maps.get(name + ".weight")
-        if tm is not None and {h.split(".")[-2] for h in tm.hf} & set(PEFT_READS_AS_EXPERTS.get(chunk.cfg.family, ())):
-            continue
         if tm is None or not all(h.endswith(".weight") for h in tm.hf):
             raise ConfigError(f"{chunk.cfg.family}: no Hugging Face mapping for {name}.weight (LoRA names come "
                               f"from it)")
@@ -115,11 +109,6 @@ def valid_targets(chunk) -> list[str]:
 
 
 def check_targets(chunk, lcfg: LoRAConfig) -> None:
-    family = chunk.cfg.family
-    refused = [t for t in lcfg.targets if t in PEFT_READS_AS_EXPERTS.get(family, ())]
-    if refused:
-        raise ConfigError(f"lora target {', '.join(refused)} refused for {family}: PEFT loads those names of a "
-                          f"{family} adapter onto the fused routed experts, not the dense or shared MLP")
     all_sites = sites(chunk)
     valid = valid_targets(chunk)
     fixed = sorted({n for s in all_sites if not s.adaptable for n in s.short_names})

@@ -113,6 +113,10 @@ class Transformer(nn.Module):
             self.register_buffer(f"inv_freq_{j}", torch.empty(spec.dim // 2, device="meta"), persistent=False)
         self.aux_rules = model_rules(cfg)
         self.aux_reports: dict = {}  # of the last forward that reduced them (detached; HF's aux_loss...)
+        if cfg.quantization:  # a kept-quantized checkpoint's model: those weights stay quantized (tpzoo.quant)
+            from tpzoo.quant.modules import apply_quantization
+
+            apply_quantization(self, cfg.quantization, layout.dtype)
         device = layout.device if layout.device is not None else layout.dims.device
         if device.type != "meta":
             self.materialize(device)
@@ -147,6 +151,9 @@ class Transformer(nn.Module):
         embedding from `seed`, layer i from seed + 1 + i, an untied head from seed + 1 + num_layers) and keeps its
         shard, so one seed gives the same full model at every (tp, pp, virtual stages)."""
         cfg, seed, device = self.cfg, self.seed, self.device
+        if cfg.quantization:
+            raise ConfigError(f"{cfg.name or cfg.family}: a kept-quantized model has no initialization; its weights "
+                              f"come from its checkpoint")
         if self.pre_process:
             with _seeded(seed, device):
                 self.embed.reset_parameters()

@@ -1,7 +1,10 @@
 """Regional torch.compile (`--compile`, tpzoo.train.compile): each transformer block compiled on its own, trained
 against the same run in eager mode (fp32 on CPU; inductor generates C++ there): tp = 2 + sequence parallelism with
-FP8 and full recomputation through the trainer, and in one process LoRA adapters on an FP8 base. The graph breaks
-left are the collectives' and the FP8 projections' (tpzoo.parallel.eager), listed and counted.
+FP8 and full recomputation through the trainer, the same on a model of the 2025 kinds (latent attention, Gated
+DeltaNet, a mixture of experts with selection biases; Dynamo's capture, checked without inductor), and in one
+process LoRA adapters on an FP8 base. The graph breaks left are the functions kept eager on purpose
+(tpzoo.parallel.eager: the collectives, the FP8 projections, MoE's dispatch), listed and counted, and the only
+recompiles are between blocks of different kinds.
 
 Compilation is slow on CPU (about 20 s for the first block's forward and backward): each test compiles one model
 and checks several things of it."""
@@ -28,6 +31,61 @@ def _only_ours(breaks: dict) -> bool:
     return all(reason.startswith("eager: ") for reason in breaks)
 
 
+# Issue 48: a model of the 2025 kinds, one block of each: latent attention with a dense MLP, Gated DeltaNet with a
+# mixture of experts (sigmoid router, selection biases moving, shared experts). Registered on each rank by name.
+KINDS_MODEL = "test-mla-gdn-moe"
+
+
+def _kinds_config():
+    from tpzoo.models import get_config
+    from tpzoo.models.config import GatedDeltaNetConfig
+
+    return get_config("tiny-deepseek-v3").replace(
+        name=KINDS_MODEL, num_layers=2, hidden_size=64, token_mixers=["mla", "gated_deltanet"],
+        channel_mixers=["mlp", "moe"], gated_deltanet=GatedDeltaNetConfig(2, 4, 8, 8))
+
+
+def _train_kinds(cfgs, backend: str | None = None):
+    """Each run on this rank with torch.compile's caches and counters emptied first (the pooled ranks carry other
+    tests' compilations), the test model registered; `backend`: the blocks compiled with this torch.compile backend
+    instead of inductor."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters, guard_failures
+
+    from tpzoo.models.registry import list_configs, register_config
+    from tpzoo.train import train
+
+    list_configs()  # (the built-in names first)
+    register_config(KINDS_MODEL, _kinds_config())
+    out, compile_module = [], torch.nn.Module.compile
+    if backend is not None:
+        torch.nn.Module.compile = lambda self, **kw: compile_module(self, **{**kw, "backend": backend})
+    try:
+        for cfg in cfgs:
+            torch._dynamo.reset()
+            counters.clear()
+            guard_failures.clear()
+            out.append(train(cfg))
+    finally:
+        torch.nn.Module.compile = compile_module
+    return out
+
+
+def _check_kinds(eager, compiled, allowed) -> None:
+    """Compiled trains as eager (1e-5); every graph break is one of `allowed` (functions left eager on purpose, no
+    data-dependent operator); the only recompiles are a block of the other kind's."""
+    assert compiled["compile"]["blocks"] == 2
+    assert all(math.isclose(a, b, rel_tol=RTOL) for a, b in zip(compiled["losses"], eager["losses"])), (
+        compiled["losses"], eager["losses"])
+    breaks = compiled["compile"]["graph_breaks"]
+    assert set(breaks) <= allowed, breaks
+    again = compiled["compile"]["recompiles"]
+    assert all(r.startswith("___check_type_id(self._modules[") for r in again), again
+
+
+MOE_EAGER = {"eager: MoE._dispatch_compute_return", "eager: MoE._count_loads", "eager: Context.record"}
+
+
 def test_compiled_blocks_train_as_eager_at_tp2_sp_with_fp8_and_recomputation(store):
     """The trainer at tp = 2 + SP, FP8 tensorwise, full recomputation (the recomputed forward is the compiled
     block), 3 steps of 2 micro-batches: compiled losses equal eager ones within 1e-5; every block compiled; the
@@ -42,7 +100,34 @@ def test_compiled_blocks_train_as_eager_at_tp2_sp_with_fp8_and_recomputation(sto
             r["losses"], eager["losses"])
         breaks = r["compile"]["graph_breaks"]
         assert breaks and _only_ours(breaks), breaks
-    assert eager["compile"] == {"blocks": 0, "graph_breaks": {}}
+    assert eager["compile"] == {"blocks": 0, "graph_breaks": {}, "recompiles": {}}
+
+
+
+def test_latent_attention_and_gated_deltanet_blocks_are_one_graph_each_at_tp1(store):
+    """tp = 1 (issue 48: 35 recompiles and 5 data-dependent graph breaks on DeepSeek-V3): the latent attention + MLP
+    block compiles to one graph, the Gated DeltaNet + MoE block with no break but the MoE's dispatch, load count
+    and records (kept eager on purpose), no recompile but between the two kinds; 3 steps equal to eager. Dynamo's
+    capture is what this checks: the graphs run through AOTAutograd without inductor's C++ (`aot_eager`: seconds
+    instead of a minute on CPU; the tests above compile with inductor)."""
+    kw = dict(model=KINDS_MODEL, steps=3, global_batch_size=4, micro_batch_size=2)
+    (eager, compiled), = run_on_ranks(1, _train_kinds, [tiny(store, **kw), tiny(store, compile=True, **kw)],
+                                      "aot_eager")
+    _check_kinds(eager, compiled, MOE_EAGER)
+
+
+@pytest.mark.slow
+def test_latent_attention_and_gated_deltanet_compile_without_recompiles_at_tp2(store):
+    """tp = 2 + SP on the 2025 kinds (issue 48: latent attention's blocks recompiled per projection shape until
+    torch's limit sent them back to eager, and the experts' token counts broke the graphs as data-dependent
+    operators), 3 steps: compiled equal to eager; the graph breaks are the collectives and MoE's dispatch only; no
+    recompile but between the two block kinds (aot_eager, as at tp 1)."""
+    kw = dict(model=KINDS_MODEL, steps=3, tp=2, sequence_parallel=True, global_batch_size=4, micro_batch_size=2)
+    out = run_on_ranks(2, _train_kinds, [tiny(store, **kw), tiny(store, compile=True, **kw)], "aot_eager")
+    collectives = {"eager: gathered_linear", "eager: eager_apply", "eager: all_gather", "eager: reduce_scatter"}
+    for eager, compiled in out:
+        _check_kinds(eager, compiled, collectives | MOE_EAGER)
+        assert compiled["compile"]["graph_breaks"]
 
 
 def _lora_fp8_model(compiled: bool):

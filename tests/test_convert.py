@@ -154,9 +154,18 @@ def test_models_and_inspect_commands(hf, tmp_path, capsys):
     listing = capsys.readouterr().out
     assert "llama-3-8b" in listing and "meta-llama/Meta-Llama-3-8B" in listing
     assert f"{get_config('llama-3-8b').num_parameters() / 1e9:.2f}B" in listing
+    # every column in line, past the longest names (moonlight-16b-a3b-4l, qwen3-next-80b-a3b, deepseek_v3)
+    head, *rows = listing.splitlines()
+    assert "moonlight-16b-a3b-4l" in listing
+    for row in rows:
+        name, family = row.split()[:2]
+        assert row.index(family, len(name)) == head.index("family"), (head, row)
+        assert row[head.index("hf source") - 3] != " " and row[head.index("hf source") - 2] == " ", (head, row)
     root, _ = hf
     convert_from_hf(root / "llama", tmp_path / "c", tp=2, pp=2, progress=False)
     assert cli(["inspect", str(tmp_path / "c"), "--verify"]) == 0
     text = capsys.readouterr().out
     assert "tp=2 pp=2" in text and "layers.1.attn.qkv.weight" in text and "4 of 4 files ok" in text
+    tensors = [line for line in text.splitlines() if line.endswith(("pp 0", "pp 1"))]
+    assert len({line.index("(") for line in tensors}) == 1, tensors  # the shapes in one column
     assert "tokenizer.json" in text

@@ -94,3 +94,47 @@ def test_plan_command_with_replicas(capsys):
     assert main(args[:-4]) == 2  # replicas without a link
     assert capsys.readouterr().err.strip() == ("tpzoo plan: error: --replicas 2: --replica-link-gbps is required (the "
                                                "link between replicas)")
+
+
+def test_only_a_form_that_fits_is_recommended_beside_a_layout_with_room_for_it(capsys):
+    """gpt-oss-20b on 16 GPUs as 2 replicas at ZeRO-1 over 1 Gbit/s (issue 48): the fastest layout of a replica
+    fills its GPUs and DiLoCo's outer state does not fit beside it, so the plan recommended a form that does not
+    fit. Now the recommended form fits, within the link budget, beside the fastest layout that has room for one:
+    every faster layout has none."""
+    from tpzoo.cli import main
+    from tpzoo.plan import Layout
+
+    assert main(["plan", "--model", "gpt-oss-20b", "--gpus", "16", "--gpu-memory", "80", "--zero", "1", "--replicas",
+                 "2", "--replica-link-gbps", "1", "--seq-len", "4096", "--global-batch-size", "1024",
+                 "--max-micro-batch", "2", "--json", "--top", "100000", "--rejected", "0"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    rec = d["replicas"]["forms"][-1]
+    assert rec["fits"] and rec["link_share"] <= BUDGET and rec["sync_every"] > 1
+    layouts = [r["layout"] for r in d["recommended"]]
+    chosen = layouts.index(d["replicas"]["layout"])
+    assert chosen > 0  # the fastest layout has no room (the issue's case)
+    cfg, cluster = get_config("gpt-oss-20b"), ClusterSpec(gpus=8, gpu_memory_gib=80)
+    training = TrainingSpec(seq_len=4096, global_batch_size=512, zero=1)
+    spec = ReplicaSpec(2, 1.0)
+    for lay in layouts[:chosen]:
+        cuts = lay.get("boundaries")
+        est = estimate(cfg, Layout(**{**lay, "boundaries": tuple(cuts) if cuts else None}), cluster, training)
+        faster = recommend(cfg, est, cluster, training, spec)
+        assert faster is None or faster.link_share > BUDGET, lay
+
+
+def test_no_recommendation_when_no_form_fits(best):
+    """ZeRO-0 on a GPU the layout fills: even synchronous training's shard buffer does not fit; nothing is
+    recommended, and the table says so."""
+    from tpzoo.plan.estimate import GIB
+    from tpzoo.plan.replicas import table
+
+    unsharded = TrainingSpec(seq_len=4096, global_batch_size=128)
+    est = estimate(CFG, best.layout, CLUSTER, unsharded)
+    full = ClusterSpec(gpus=16, gpu_memory_gib=est.memory.total / GIB + 0.01)
+    est = estimate(CFG, best.layout, full, unsharded)
+    spec = ReplicaSpec(2, 1.0, 20.0)
+    assert est.fits and recommend(CFG, est, full, unsharded, spec) is None
+    forms = replica_estimates(CFG, est, full, unsharded, spec)
+    assert [f.form for f in forms] == ["synchronous"] and not forms[0].fits
+    assert "recommended: none: no form fits in memory" in table(CFG, est, forms, spec)

@@ -160,6 +160,23 @@ class Attention(nn.Module):
             out = output_gate(out, gate)
         return self.out(out)
 
+    def qk_clip_scales(self, eta: torch.Tensor) -> list:
+        """MuonClip (tpzoo.train.qk_clip): factors of this rank's q|k|v rows (weight and bias) for eta [all heads]
+        = min(1, tau / largest logit): a kv group's smallest eta, square-rooted, on its query heads' rows (not the
+        output gate's) and its key head's (Megatron-Core's grouped rule: every head of the group scales alike)."""
+        tp, rank, hd, heads = self.layout.tp, self.layout.dims.tp_rank, self.head_dim, self.heads
+        groups = self.kv_heads * tp // self.kv_replicas  # kv heads in all
+        root = eta.view(groups, -1).amin(dim=1).sqrt()
+        q = root[torch.arange(rank * heads, (rank + 1) * heads, device=eta.device) // (heads * tp // groups)]
+        q = q.unsqueeze(1).expand(heads, hd)
+        if self.gated:  # per head [query | gate]
+            q = torch.cat([q, torch.ones_like(q)], dim=1)
+        kv = (torch.tensor([rank // self.kv_replicas], device=eta.device) if self.kv_replicas > 1
+              else torch.arange(rank * self.kv_heads, (rank + 1) * self.kv_heads, device=eta.device))
+        rows = torch.cat([q.flatten(), root[kv].repeat_interleave(hd), torch.ones(self.kv_heads * hd,
+                                                                                 device=eta.device)])
+        return [(p, rows) for p in (self.qkv.weight, self.qkv.bias) if p is not None]
+
     # -- sizes, without building (ModelConfig.num_parameters, flops_per_token) ----------------------------------
     @staticmethod
     def num_parameters(cfg: ModelConfig, layer: int, active: bool = False) -> int:

@@ -92,6 +92,7 @@ class ShortConv(nn.Module):
         rows = self.spec.local_size(self.full_shape[0], layout.tp)
         self.weight = mark_parallel(nn.Parameter(torch.empty(rows, g.conv_kernel, dtype=layout.dtype,
                                                              device="meta")), self.spec)
+        self.weight.muon = False  # per-channel taps, not a projection: AdamW's under --optimizer muon
 
     def reset_parameters(self) -> None:
         _init_shard(self.weight, self.full_shape, self.spec, normal_init(self.std), self.dims.tp_rank, self.dims.tp)

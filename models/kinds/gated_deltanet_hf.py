@@ -37,10 +37,14 @@ def _grouped_in_proj(name: str, hfs: tuple[str, str], cfg: GatedDeltaNetConfig, 
         b, a = ba.unflatten(0, (nk, -1)).split(ba_sizes, dim=1)
         return torch.cat([t.flatten(0, 1) for t in (q, k, v, z, b, a)], dim=0)
 
+    # The export's row order, as indices into in_proj's rows: gathering rows (not torch.cat) also serves the
+    # shape checks on meta tensors, where cat's meta kernel would import torch._dynamo (seconds per conversion).
+    rows = torch.arange(sum(cfg.in_proj_parts))
+    q, k, v, z, b, a = (t.unflatten(0, (nk, -1)) for t in rows.split(list(cfg.in_proj_parts), dim=0))
+    order = (torch.cat([q, k, v, z], dim=1).flatten(0, 1), torch.cat([b, a], dim=1).flatten(0, 1))
+
     def to_hf(x: torch.Tensor) -> list[torch.Tensor]:
-        q, k, v, z, b, a = (t.unflatten(0, (nk, -1)) for t in x.split(list(cfg.in_proj_parts), dim=0))
-        return [torch.cat([q, k, v, z], dim=1).flatten(0, 1).contiguous(),
-                torch.cat([b, a], dim=1).flatten(0, 1).contiguous()]
+        return [x[rows.to(x.device)] for rows in order]
 
     return TensorMap(name, hfs, to_tpzoo, to_hf, **kw)
 

@@ -166,6 +166,19 @@ class LatentAttention(nn.Module):
         out = self.core(q, k, v, past, ctx.docs)
         return self.o_proj(rearrange(out, "b heads s d -> b s (heads d)"))
 
+    def qk_clip_scales(self, eta: torch.Tensor) -> list:
+        """MuonClip (tpzoo.train.qk_clip): factors of this rank's rows for eta [all heads] = min(1, tau / largest
+        logit), per head as Kimi K2 clips MLA: q_nope and k_nope (kv_b_proj's key rows) by sqrt(eta), q_rope by
+        eta (its logit term meets the shared rotary key, which stays untouched), v unchanged."""
+        m, heads, rank = self.m, self.heads, self.layout.dims.tp_rank
+        e = eta[rank * heads:(rank + 1) * heads].unsqueeze(1)
+        root = e.sqrt()
+        q_rows = torch.cat([root.expand(heads, m.qk_nope_head_dim), e.expand(heads, m.qk_rope_head_dim)], dim=1)
+        kv_rows = torch.cat([root.expand(heads, m.qk_nope_head_dim), torch.ones(heads, m.v_head_dim,
+                                                                                 device=eta.device)], dim=1)
+        q = self.q_proj if m.q_lora_rank is None else self.q_b_proj
+        return [(q.weight, q_rows.flatten()), (self.kv_b_proj.weight, kv_rows.flatten())]
+
     # -- sizes, without building (ModelConfig.num_parameters, flops_per_token) ----------------------------------
     @staticmethod
     def num_parameters(cfg: ModelConfig, layer: int, active: bool = False) -> int:

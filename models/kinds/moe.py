@@ -53,6 +53,7 @@ from tpzoo.errors import ConfigError
 from tpzoo.parallel import (ParallelLayoutError, ShardSpec, copy_to_tp, gather_from_sequence, mark_parallel,
                             reduce_from_tp, reduce_scatter_to_sequence, shard)
 from tpzoo.parallel import comm
+from tpzoo.parallel.eager import eager
 
 from ..config import ModelConfig
 from ..inputs import Context
@@ -60,7 +61,7 @@ from ..layout import ModelLayout
 from ..recompute import is_recomputing
 from ..registry import register_channel_mixer
 from . import moe_hf
-from .experts import clamped_swiglu, expert_mlp
+from .experts import _activation, clamped_swiglu, expert_mlp
 from .mlp import MLP
 from .moe_aux import RouterStatistics, SequenceAuxLoss, router_stats
 from .replicated import ReplicatedLinear
@@ -114,6 +115,7 @@ class MoE(nn.Module):
             self.shared_experts = MLP(cfg, layer, layout, ffn=moe.shared_expert_ffn)
             if moe.shared_expert_gate:
                 self.shared_expert_gate = ReplicatedLinear(h, 1, layout, std=cfg.initializer_range)
+                self.shared_expert_gate.weight.muon = False  # a gate: AdamW's under --optimizer muon
         # auxiliary-loss-free balancing: this rank's loads of the step (only one tp rank counts replicated tokens)
         self.balancing = self.step_sums_size(cfg, layer) > 0
         self.counts_loads = layout.split_sequence or dims.tp_rank == 0
@@ -132,22 +134,35 @@ class MoE(nn.Module):
             raise ParallelLayoutError(f"tp={tp} does not divide the shared experts' width {moe.shared_expert_ffn}")
 
     @staticmethod
-    def run_settings(cfg: ModelConfig, run) -> ModelConfig:
-        """cfg with a training run's settings of this kind (tpzoo/train/run_model.py asks every kind): the sigmoid
-        router's (DeepSeek-V3, GLM-4.5) selection-bias update rate and sequence-wise auxiliary loss from
-        --router-bias-update-rate and --router-aux-loss-coef; a model without that router keeps its config, and
-        the loss asked of one is refused."""
-        moe = cfg.moe
+    def run_settings(cfg: ModelConfig, run, lora: bool = False) -> ModelConfig:
+        """cfg with a training run's settings of this kind (tpzoo/train/run_model.py asks every kind; `run` a
+        TrainConfig): the sigmoid router's (DeepSeek-V3, GLM-4.5) selection-bias update rate and sequence-wise
+        auxiliary loss, --router-bias-update-rate and --router-aux-loss-coef; a model without that router keeps its
+        config, and a rate or loss asked of one is refused. `lora`: the run trains adapters on a frozen base, whose
+        selection biases stay frozen too unless a rate is given, which is refused (its checkpoints and PEFT
+        adapters hold only the adapters)."""
+        moe, given = cfg.moe, run.is_set("router_bias_update_rate")
+        # unset, the rate follows the run (TrainConfig: 0 with --lora-rank / --lora-from); a resumed LoRA run
+        # given neither trains adapters too
+        rate = run.router_bias_update_rate if given or not lora else 0.0
         if moe.router != "sigmoid":
             if run.router_aux_loss_coef:
                 raise ConfigError(f"--router-aux-loss-coef {run.router_aux_loss_coef:g}: the sequence-wise auxiliary "
                                   f"loss is the sigmoid router's (DeepSeek-V3, GLM-4.5); this model has none")
+            if given and rate:
+                raise ConfigError(f"--router-bias-update-rate {rate:g}: auxiliary-loss-free balancing moves the "
+                                  f"sigmoid router's selection bias (DeepSeek-V3, GLM-4.5); this model's router has "
+                                  f"none")
             return cfg
-        if run.replicas > 1 and run.router_bias_update_rate > 0:  # (the loads are summed over the world every step)
-            raise ConfigError(f"--replicas {run.replicas} with --router-bias-update-rate "
-                              f"{run.router_bias_update_rate:g}: the selection bias's update is not made per DiLoCo "
-                              f"replica yet; pass --router-bias-update-rate 0")
-        return cfg.replace(moe=dataclasses.replace(moe, bias_update_rate=run.router_bias_update_rate,
+        if lora and rate:
+            raise ConfigError(f"--router-bias-update-rate {rate:g} with LoRA: a LoRA run keeps the base frozen, its "
+                              f"selection biases included (its checkpoints and PEFT adapters hold only the adapters); "
+                              f"leave the rate unset (0 under LoRA), or fine-tune every weight to rebalance the experts")
+        if run.replicas > 1 and run.sync_every > 1 and rate:  # (synchronous: the loads are summed over the world)
+            raise ConfigError(f"--replicas {run.replicas} --sync-every {run.sync_every} (DiLoCo) with "
+                              f"--router-bias-update-rate {rate:g}: the selection bias's update is not made per DiLoCo "
+                              f"replica yet; pass --router-bias-update-rate 0, or --sync-every 1")
+        return cfg.replace(moe=dataclasses.replace(moe, bias_update_rate=rate,
                                                    router_aux_loss_coef=run.router_aux_loss_coef))
 
     @torch.no_grad()
@@ -206,10 +221,14 @@ class MoE(nn.Module):
                                  ctx.token_mask, groups=groups)
             ctx.record(self.layer, SequenceAuxLoss.key, share.reshape(1))
         if self.balancing and self.training and torch.is_grad_enabled() and not is_recomputing():
-            if self.step_load is None:
-                self.step_load = torch.zeros(self.num_experts, dtype=torch.float32, device=logits.device)
-            if self.counts_loads:
-                self.step_load += expert_load(index.detach(), self.num_experts, ctx.token_mask)
+            self._count_loads(index.detach(), ctx.token_mask)
+
+    @eager  # Python state across calls (None, then the step's sum): a compiled block would recompile on it
+    def _count_loads(self, index: torch.Tensor, token_mask) -> None:
+        if self.step_load is None:
+            self.step_load = torch.zeros(self.num_experts, dtype=torch.float32, device=index.device)
+        if self.counts_loads:
+            self.step_load += expert_load(index, self.num_experts, token_mask)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared experts' output (gated by sigmoid(shared_expert_gate(x)) where the config says)."""
@@ -251,6 +270,7 @@ class MoE(nn.Module):
         return (router + expert * (moe.num_experts_per_tok if active else moe.num_experts) + shared
                 + (h if moe.shared_expert_gate else 0))
 
+    @eager  # the rows per expert are data (a host sync, or all-to-all sizes): compiled, each count would recompile
     def _dispatch_compute_return(self, tokens: torch.Tensor, expert_of: torch.Tensor) -> torch.Tensor:
         """Rows of `tokens` repeated for each of their k experts (assignment a = token * k + j), sent to the rank
         of the expert, computed, returned, in assignment order."""
@@ -277,6 +297,12 @@ class MoE(nn.Module):
 
     def _experts(self, rows: torch.Tensor, counts) -> torch.Tensor:
         """The local experts over their contiguous row groups (counts: a device tensor or host ints)."""
+        if hasattr(self, "quantized"):  # kept-quantized experts: dequantized one at a time (tpzoo.quant)
+            from tpzoo.quant.modules import expert_mlp as quantized_expert_mlp
+
+            q = self.quantized
+            return quantized_expert_mlp(rows, counts, q.get("gate_up", self.gate_up), q.get("down", self.down),
+                                        _activation(self.activation))
         return expert_mlp(rows, counts, self.gate_up, self.down, self.activation, self.expert_gemm,
                           getattr(self, "gate_up_bias", None))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from tpzoo.parallel import comm, reduce_from_tp
+from tpzoo.parallel.eager import eager_apply
 
 from ..aux import AuxRule
 from ..config import ModelConfig
@@ -80,7 +81,7 @@ def sequence_total(value: torch.Tensor, layout: ModelLayout) -> torch.Tensor:
     if layout.sequence_parallel:
         value = reduce_from_tp(value, dims.tp_group)
     if dims.cp > 1:
-        value = _AllReduceSum.apply(value, dims.cp_group)
+        value = eager_apply(_AllReduceSum, value, dims.cp_group)
     return value
 
 

@@ -36,7 +36,13 @@ class RotarySpec:
 
     @classmethod
     def of(cls, dim: int, theta: float, scaling: dict | None = None) -> "RotarySpec":
-        return cls(dim, float(theta), json.dumps(scaling or None, sort_keys=True))
+        """The one instance of this spec: layers sharing a table share the key object, which torch.compile
+        guards on by identity (Context.rotary[spec]): equal but distinct keys would recompile each block."""
+        spec = cls(dim, float(theta), json.dumps(scaling or None, sort_keys=True))
+        return _SPECS.setdefault(spec, spec)
+
+
+_SPECS: dict = {}
 
 
 def inv_freq(spec: RotarySpec) -> torch.Tensor:

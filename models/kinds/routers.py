@@ -140,6 +140,7 @@ class Router(nn.Module):
         kw = {"dtype": layout.dtype, "device": "meta"}
         sp = layout.sequence_parallel
         self.weight = mark_parallel(nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size, **kw)), None, sp)
+        self.weight.muon = False  # a gate, not a projection: AdamW's under --optimizer muon (tpzoo.train.muon)
         self.bias = mark_parallel(nn.Parameter(torch.empty(moe.num_experts, **kw)), None, sp) if bias else None
 
     def reset_parameters(self) -> None:

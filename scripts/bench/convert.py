@@ -50,6 +50,17 @@ def llama_tensors(h: int, layers: int, heads: int, kv: int, ffn: int, vocab: int
     return out + [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
 
 
+def write_from_pool(writer, name: str, numel: int, pool: torch.Tensor, k: int) -> int:
+    """Stream `numel` values of tensor `name` from slices of `pool` at varying offsets (random-looking weights at
+    disk speed); returns the next offset seed."""
+    while numel:
+        take = min(numel, pool.numel() // 2)
+        k = (k + 7919) % (pool.numel() // 2)
+        writer.write(name, pool[k: k + take])
+        numel -= take
+    return k
+
+
 def write_hf_checkpoint(path: Path, args) -> int:
     """Random weights streamed into model-0000k-of-0000n.safetensors files of about --shard-gb each."""
     dtype = DTYPES[args.dtype]
@@ -72,12 +83,7 @@ def write_hf_checkpoint(path: Path, args) -> int:
         fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         w = SafetensorsWriter(path / fname, [(n, dtype, s) for n, s in group], {"format": "pt"})
         for name, shape in group:
-            left = torch.Size(shape).numel()
-            while left:
-                take = min(left, pool.numel() // 2)
-                k = (k + 7919) % (pool.numel() // 2)
-                w.write(name, pool[k: k + take])
-                left -= take
+            k = write_from_pool(w, name, torch.Size(shape).numel(), pool, k)
             weight_map[name] = fname
         total += w.close()[0]
     index = {"metadata": {"total_size": sum(esize * torch.Size(s).numel() for _, s in tensors)},
@@ -91,6 +97,25 @@ def write_hf_checkpoint(path: Path, args) -> int:
               "dtype": str(dtype).replace("torch.", "")}
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return total
+
+
+def add_model_arguments(p: argparse.ArgumentParser, **defaults) -> None:
+    """The scratch directory and the random llama-like checkpoint's shape (write_hf_checkpoint's arguments)."""
+    p.add_argument("--dir", default=defaults["dir"], help="scratch directory (deleted afterwards)")
+    p.add_argument("--dtype", default=defaults["dtype"], choices=sorted(DTYPES))
+    for name in ("hidden", "layers", "heads", "kv_heads", "ffn"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=defaults[name])
+    p.add_argument("--vocab", type=int, default=defaults.get("vocab", 32000))
+    p.add_argument("--shard-gb", type=float, default=2.0, help="HF input shard size (GB)")
+    p.add_argument("--keep", action="store_true", help="keep the scratch directory")
+
+
+def fresh_dir(path) -> Path:
+    work = Path(path)
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    return work
 
 
 def fsync_tree(path: Path) -> None:
@@ -126,27 +151,16 @@ def timed_command(cmd: list[str], out: Path) -> tuple[float, float, int]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", default="/tmp/tpzoo-bench-convert", help="scratch directory (deleted afterwards)")
-    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=22)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=5632)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--shard-gb", type=float, default=2.0, help="HF input shard size (GB)")
+    add_model_arguments(p, dir="/tmp/tpzoo-bench-convert", dtype="fp32", hidden=2048, layers=22, heads=32, kv_heads=4,
+                        ffn=5632)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--out-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="convert's --dtype: a change of dtype reads every tensor into memory (no kernel copy)")
     p.add_argument("--repeat", type=int, default=3, help="copy/convert runs each (alternating; medians compared)")
-    p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     args = p.parse_args()
 
-    work = Path(args.dir)
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
+    work = fresh_dir(args.dir)
     try:
         start = time.perf_counter()
         size = write_hf_checkpoint(work / "hf", args)

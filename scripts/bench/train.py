@@ -71,7 +71,7 @@ def run_tpzoo(args, hf_dir: str, world: int) -> list[tuple[float, float]]:
     import tpzoo
     from tpzoo.checkpoint import load_weights_into
     from tpzoo.models import from_hf_config
-    from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward, materialize_chunks
+    from tpzoo.pipeline import build_model_chunks, materialize_chunks
     from tpzoo.train.optim import DistributedAdamW
 
     dims = tpzoo.init_parallel(tp=world)
@@ -91,8 +91,19 @@ def run_tpzoo(args, hf_dir: str, world: int) -> list[tuple[float, float]]:
         init_lora(chunks, 0)
     opt = DistributedAdamW([p for c in chunks for p in c.parameters() if p.requires_grad], dims,
                            model_dtype=getattr(torch, args.dtype), betas=(0.9, 0.95), weight_decay=0.1)
+    times = timed_steps(chunks, opt, dims, _batches(args, cfg.vocab_size, args.warmup + args.steps))
+    tpzoo.destroy_parallel()
+    return times
+
+
+def timed_steps(chunks, opt, dims, batches) -> list[tuple[float, float]]:
+    """(wall seconds, this process's CPU seconds) of one training step per batch of token windows [b, s + 1]:
+    forward, backward, gradient clipping by the global norm (its host read waits for the device), AdamW (also
+    scripts/bench/quant.py's)."""
+    from tpzoo.pipeline import finalize_grads, forward_backward
+
     times = []
-    for ids in _batches(args, cfg.vocab_size, args.warmup + args.steps):
+    for ids in batches:
         t0, c0 = time.perf_counter(), time.process_time()
         batch = {"input_ids": ids[:, :-1].to(dims.device), "labels": ids[:, 1:].to(dims.device)}
         opt.zero_grad()
@@ -102,7 +113,6 @@ def run_tpzoo(args, hf_dir: str, world: int) -> list[tuple[float, float]]:
         norm, _ = opt.global_grad_norm()
         opt.step(1e-4, min(1.0, 1.0 / (norm + 1e-6)))
         times.append((time.perf_counter() - t0, time.process_time() - c0))
-    tpzoo.destroy_parallel()
     return times
 
 

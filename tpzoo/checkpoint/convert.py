@@ -20,6 +20,7 @@ import torch
 
 from tpzoo.errors import ConfigError
 from tpzoo.parallel.sharding import ShardSpec
+from tpzoo.quant import stored_names
 
 from . import sources
 from .format import atomic_dir, aux_files_in, copy_aux_files, make_manifest, shard_file_name, write_manifest
@@ -69,7 +70,9 @@ def write_checkpoint(source, out_dir, *, tp: int, pp: int, virtual_stages: int =
     plans = layout_plan(cfg, tp, stages, vocab_padding_multiple, lora)  # a tp that does not fit the heads fails here
     order = [(info, plan.pp_rank) for plan in plans for info in plan.params]
     check_source(source, [info for info, _ in order])
-    out_dtype = {info.name: _out_dtype(source.dtype(info.name), dtype) for info, _ in order}
+    kept = stored_names(cfg)  # a kept-quantized model's values and scales stay as stored
+    out_dtype = {info.name: source.dtype(info.name) if info.name in kept else _out_dtype(source.dtype(info.name), dtype)
+                 for info, _ in order}
     out_dir = Path(out_dir)
     entries = {(r, p): [] for r in range(tp) for p in range(pp)}
     for info, p in order:
@@ -130,12 +133,13 @@ def _piece_bytes(piece) -> int:
 
 def convert_from_hf(src, dst, *, tp: int = 1, pp: int = 1, dtype="auto", force: bool = False,
                     vocab_padding_multiple: int = 1, virtual_stages: int = 1, progress: bool = True,
-                    checksum: str = "crc32") -> dict:
-    """HF checkpoint (directory, weights file, or hub id when not a path) -> tpzoo checkpoint at (tp, pp)."""
+                    checksum: str = "crc32", keep_quantized: bool = False) -> dict:
+    """HF checkpoint (directory, weights file, or hub id when not a path) -> tpzoo checkpoint at (tp, pp).
+    A quantized source (block FP8, int4) is dequantized to `dtype`, or with keep_quantized stored as it is."""
     if Path(dst).exists() and not force:  # before reading anything: fail fast, touch nothing
         raise FileExistsError(f"{dst} already exists (pass --force to replace it)")
     _return_freed_memory()
-    source = HFSource(src)
+    source = HFSource(src, keep_quantized=keep_quantized, dtype=parse_dtype(dtype))
     try:
         with atomic_dir(dst, force, clean_stale=True) as tmp:
             meta = {"source": str(src), "source_format": "huggingface"}
@@ -181,23 +185,28 @@ def parse_size(value) -> int:
 
 
 def convert_to_hf(src, dst, *, force: bool = False, max_shard_size="5GB", dtype="auto", verify: bool = True,
-                  progress: bool = True) -> list[str]:
+                  progress: bool = True, quantize: str | None = None) -> list[str]:
     """A tpzoo checkpoint (any layout) -> a directory transformers' from_pretrained loads: config.json,
-    model.safetensors (sharded with an index above max_shard_size), tokenizer and generation files."""
+    model.safetensors (sharded with an index above max_shard_size), tokenizer and generation files. A kept-quantized
+    checkpoint exports its quantized tensors as stored; `quantize="fp8-block"` writes the linear layers' weights in
+    DeepSeek's block FP8 (tpzoo.quant.export)."""
     from tpzoo.models.registry import get_family
+    from tpzoo.quant.export import QuantizingSource, export_maps, quantization_config
 
     if Path(dst).exists() and not force:
         raise FileExistsError(f"{dst} already exists (pass --force to replace it)")
     _return_freed_memory()
-    source = sources.open_source(src, verify=verify)
+    source = QuantizingSource(sources.open_source(src, verify=verify), quantize)
     dtype = parse_dtype(dtype)
     try:
         cfg = source.cfg
-        maps = [m for m in get_family(cfg.family).hf_tensor_map(cfg) if m.export]
+        maps = export_maps(source, [m for m in get_family(cfg.family).hf_tensor_map(cfg) if m.export])
         source.check([m.name for m in maps])
+        kept = stored_names(cfg) | set(source.shapes)  # exported as stored
         plan = []  # (map, full ParamInfo, out dtype, [(hf name, shape)], concatenation structure or None)
         for m in maps:
-            full, dt = source.full_shape(m.name), _out_dtype(source.dtype(m.name), dtype)
+            full = source.full_shape(m.name)
+            dt = source.dtype(m.name) if m.name in kept else _out_dtype(source.dtype(m.name), dtype)
             shapes = [tuple(t.shape) for t in m.to_hf(empty_meta(full, dt))]
             plan.append((m, ParamInfo(m.name, full, ShardSpec(None), full), dt, list(zip(m.hf, shapes)),
                          concat_structure(m, shapes)))
@@ -211,10 +220,13 @@ def convert_to_hf(src, dst, *, force: bool = False, max_shard_size="5GB", dtype=
                 index = {"metadata": {"total_size": sum(nbytes(dt, s) for g in groups for _, dt, s in g)},
                          "weight_map": weight_map}
                 (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-            aux = source.manifest.get("aux_files", []) if isinstance(source, CheckpointSource) else None
+            aux = source.manifest.get("aux_files", []) if isinstance(source.source, CheckpointSource) else None
             copy_aux_files(source.aux_dir, tmp, aux)
-            main_dtype = max((dt for _, _, dt, _, _ in plan), key=[p[2] for p in plan].count)
-            (tmp / "config.json").write_text(json.dumps(hf_config_for(cfg, main_dtype), indent=2) + "\n")
+            dtypes = [dt for m, _, dt, _, _ in plan if m.name not in kept]
+            hf_config = hf_config_for(cfg, max(dtypes, key=dtypes.count))
+            if quantization_config(cfg):
+                hf_config["quantization_config"] = quantization_config(cfg)
+            (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         return written
     finally:
         source.close()

@@ -178,9 +178,12 @@ def make_manifest(cfg, *, tp: int, pp: int, stages: list[dict], tensors: dict, f
     pp_rank}; `files`: one entry per shard file (path, tp_rank, pp_rank, bytes, checksum, tensors)."""
     from collections import Counter
 
+    from tpzoo.quant import stored_names
+
     from .safetensors_io import DTYPES
 
-    dtypes = Counter(t["dtype"] for t in tensors.values())
+    kept = stored_names(cfg)  # a kept-quantized model's dtype is that of its other tensors
+    dtypes = Counter(t["dtype"] for name, t in tensors.items() if name not in kept)
     layer_to_stage = [None] * cfg.num_layers
     for st in stages:
         for i in range(*st["layers"]):

@@ -9,6 +9,9 @@ as `<name>_blocks` + `<name>_scales`; the reader presents each such pair as the 
 bf16 in the unquantized layout (models/hf_experts.dequantize_mxfp4, equal to transformers' own), so a family maps
 the unquantized names only. `HFSource.notes` says so in one line, with the family's own notes (what an import
 leaves out: multi-token-prediction layers).
+
+Block-wise FP8 and compressed-tensors int4 checkpoints are read by tpzoo.quant.hf_read: dequantized (default) or
+kept with their scales (`keep_quantized`).
 """
 from __future__ import annotations
 
@@ -162,7 +165,9 @@ class HFSource:
 
     kind = "hf"
 
-    def __init__(self, src):
+    def __init__(self, src, keep_quantized: bool = False, dtype: torch.dtype | None = None):
+        """keep_quantized: quantized weights stay as stored, with their scales (else dequantized to `dtype`,
+        default the checkpoint's own)."""
         from tpzoo.models.registry import from_hf_config, get_family
 
         self.root, weights = locate_hf(src)
@@ -185,21 +190,26 @@ class HFSource:
             for path in weights:
                 for name in self._reader(path).keys():
                     self.where[name] = path
-        self._dequantized(config)
+        self._dequantized(config, keep_quantized, dtype)
         self._cache: tuple[str, torch.Tensor] | None = None
         self._structure: dict[str, tuple | None] = {}
         self.aux_dir = self.root
         self.stages, self.tp, self.pp, self.padding_multiple = None, None, None, 1
 
-    def _dequantized(self, config: Path) -> None:
-        """MXFP4 pairs become their dequantized tensors (module docstring)."""
+    def _dequantized(self, config: Path, keep: bool, dtype) -> None:
+        """MXFP4 pairs become their dequantized tensors (module docstring); block FP8 and int4: tpzoo.quant."""
         quant = self.hf_config.get("quantization_config") or {}
         if not quant:
+            if keep:
+                raise CheckpointError(f"{config}: --keep-quantized: the checkpoint is not quantized (no "
+                                      f"quantization_config)")
             return
         if quant.get("quant_method") != "mxfp4":
-            raise CheckpointError(f"{config}: quantization_config quant_method={quant.get('quant_method')!r} is not "
-                                  f"supported (tpzoo reads unquantized weights, and MXFP4); convert the checkpoint "
-                                  f"to bf16 first")
+            from tpzoo.quant.hf_read import open_quantized
+
+            return open_quantized(self, quant, config, keep, dtype)
+        if keep:
+            raise CheckpointError(f"{config}: --keep-quantized: MXFP4 (gpt-oss) is only read dequantized")
         parts = {}
         for name in [n for n in self.where if n.endswith("_blocks")]:
             base = name[: -len("_blocks")]
@@ -374,6 +384,6 @@ def hf_config_for(cfg, dtype: torch.dtype | None) -> dict:
 
 def _comparable(cfg) -> dict:
     d = cfg.to_dict()
-    for k in ("extra", "name", "hf_source"):
+    for k in ("extra", "name", "hf_source", "quantization"):
         d.pop(k, None)
     return d

@@ -49,11 +49,11 @@ def load_model(ckpt, layout=None, *, recompute: str = "none", virtual_stages: in
 
     layout = ModelLayout.of(layout).replace(**layout_fields)
     dims = layout.dims
-    source, base = open_source(ckpt, verify=verify), None
+    source, base = open_source(ckpt, verify=verify, dtype=layout.dtype), None
     try:
         # A LoRA checkpoint: the base's weights, then these adapters.
         lora = lora_of_manifest(getattr(source, "manifest", None))
-        base = open_source(resolve_base(lora, ckpt), verify=verify) if lora else None
+        base = open_source(resolve_base(lora, ckpt), verify=verify, dtype=layout.dtype) if lora else None
         cfg = source.cfg
         stages = stages or _stages_for(source, cfg, dims.pp, virtual_stages)
         device = layout.device if layout.device is not None else dims.device
@@ -87,9 +87,10 @@ def load_model(ckpt, layout=None, *, recompute: str = "none", virtual_stages: in
 def load_weights_into(model_or_chunks, ckpt, *, verify: bool = True, select=None) -> None:
     """Overwrite the parameters of existing model chunks (this rank's, at their layout) from `ckpt`; only those
     whose name `select(name)` accepts, when given (the base of a LoRA model, or its adapters)."""
-    source = open_source(ckpt, verify=verify)
+    chunks = as_chunks(model_or_chunks)
+    source = open_source(ckpt, verify=verify, dtype=chunks[0].layout.dtype)  # (a quantized HF one dequantized so)
     try:
-        for chunk in as_chunks(model_or_chunks):
+        for chunk in chunks:
             dims = chunk.dims
             infos = param_infos(chunk, chunk.cfg, dims.tp, select)
             check_source(source, infos)

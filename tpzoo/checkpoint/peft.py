@@ -4,11 +4,14 @@ any (tp, pp).
 
 Names: PEFT keys are `base_model.model.<HF module>.lora_A.weight` / `.lora_B.weight`, the HF module being the one
 the family's tensor map names for that part of the tpzoo weight (tpzoo.models.lora.peft_key_map). Shapes are the
-full ones ([r, in] and [out, r]), so a rank reads only its shard from the dict, as from any checkpoint.
+full ones ([r, in] and [out, r]), so a rank reads only its shard from the dict, as from any checkpoint. Before an
+adapter is written, PEFT is asked whether it loads it as written (peft_check.py); what it would drop is refused in
+one line.
 """
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -134,11 +137,27 @@ def export_peft(ckpt, dst, force: bool = False) -> Path:
               "fan_in_fan_out": get_family(source.cfg.family).hf_conv1d,  # Conv1D weights are [in, out]
               "base_model_name_or_path": base, "inference_mode": True, "use_rslora": False, "use_dora": False,
               "init_lora_weights": True, "modules_to_save": None}
+    check_peft_loads(source.cfg, config, {key: t.shape for key, t in tensors.items()})
     dst = Path(dst)
     with atomic_dir(dst, force=force) as tmp:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return dst
+
+
+def check_peft_loads(cfg, config: dict, shapes: dict) -> None:
+    """Refuse (CheckpointError, one line) an adapter that PEFT would not load as written (checkpoint/peft_check.py);
+    without peft installed, say that it went unchecked."""
+    from .peft_check import peft_refusal
+
+    try:
+        refusal = peft_refusal(cfg, config, shapes)
+    except ImportError:
+        print("note: peft is not installed here: not checked that PEFT loads this adapter onto transformers' "
+              f"{cfg.family} model", file=sys.stderr)
+        return
+    if refusal:
+        raise CheckpointError(refusal)
 
 
 def merge_adapters(model) -> None:
@@ -170,7 +189,12 @@ def export_merged(ckpt, dst, **to_hf_kw) -> list:
     from .convert import convert_to_hf
     from .model_io import load_model, save_model_shards
 
-    model = load_model(ckpt, ParallelDims.for_rank(tp=1), device="cpu")
+    from tpzoo.quant.modules import dequantize_model, merge_dtype
+
+    dtype = merge_dtype(ckpt)  # a kept-quantized base: dequantized to the run's dtype, then merged
+    model = load_model(ckpt, ParallelDims.for_rank(tp=1), device="cpu", dtype=dtype)
+    if dtype is not None:
+        dequantize_model(model, dtype)
     merge_adapters(model)
     with tempfile.TemporaryDirectory(prefix=".tpzoo-merge-", dir=Path(dst).resolve().parent) as tmp:
         save_model_shards(model, tmp, model.cfg, tokenizer=ckpt)

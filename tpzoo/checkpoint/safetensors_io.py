@@ -85,13 +85,16 @@ def read_header(path) -> tuple[dict, int, dict]:
     return tensors, 8 + n, metadata
 
 
-class SafetensorsReader:
-    """Positioned reads of whole tensors or of boxes (a [start, start+length) range on every dim)."""
+class TensorFile:
+    """Positioned reads of whole tensors or of boxes (a [start, start+length) range on every dim) of row-major
+    tensors at known places in one file: `tensors` {name: (dtype, shape, begin, end)}, offsets relative to
+    `data_start`. SafetensorsReader reads them from the header; Megatron's torch_dist chunks
+    (checkpoint/megatron/dist_format.py) from each chunk's torch.save archive."""
 
-    def __init__(self, path):
+    def __init__(self, path, tensors: dict, data_start: int = 0):
         self.path = str(path)
         self._fd = None  # set before anything can fail: __del__ runs even when __init__ raised
-        self.tensors, self.data_start, self.metadata = read_header(self.path)
+        self.tensors, self.data_start = tensors, data_start
         self._fd = os.open(self.path, os.O_RDONLY)
         self._span: tuple[int, int] | None = None  # (file offset, length) of the bytes in _span_buf
         self._span_buf: torch.Tensor | None = None
@@ -196,6 +199,15 @@ class SafetensorsReader:
 
     def __del__(self):
         self.close()
+
+
+class SafetensorsReader(TensorFile):
+    """A safetensors file: its header read and validated on opening (read_header), then positioned reads."""
+
+    def __init__(self, path):
+        self._fd = None
+        tensors, data_start, self.metadata = read_header(str(path))
+        super().__init__(path, tensors, data_start)
 
 
 CHECKSUMS = ("crc32", "sha256")

@@ -144,13 +144,14 @@ class CheckpointSource:
         self._readers.clear()
 
 
-def open_source(path, verify: bool = True):
-    """A tpzoo checkpoint (a directory with manifest.json) or a Hugging Face checkpoint (anything else). Never
-    the temporary directory of an unfinished write, whatever it holds."""
+def open_source(path, verify: bool = True, dtype: torch.dtype | None = None):
+    """A tpzoo checkpoint (a directory with manifest.json) or a Hugging Face checkpoint (anything else; quantized
+    weights dequantized to `dtype`, default its own). Never the temporary directory of an unfinished write,
+    whatever it holds."""
     from .hf import HFSource
 
     refuse_temp_dir(path)
-    return CheckpointSource(path, verify) if is_checkpoint(path) else HFSource(path)
+    return CheckpointSource(path, verify) if is_checkpoint(path) else HFSource(path, dtype=dtype)
 
 
 def check_source(source, infos: list[ParamInfo]) -> None:

@@ -1,4 +1,5 @@
-"""Small helpers shared by the commands: tokenizer loading, encoding and decoding. (Errors: tpzoo.errors.)"""
+"""Small helpers shared by the commands: tokenizer loading, encoding and decoding, text tables. (Errors:
+tpzoo.errors.)"""
 from __future__ import annotations
 
 
@@ -27,3 +28,13 @@ def encode(tokenizer, text: str, special_tokens: bool = False) -> list[int]:
 
 def decode(tokenizer, ids) -> str:
     return tokenizer.decode([int(i) for i in ids])
+
+
+def aligned(rows: list[list[str]], right: set[int] = frozenset(), indent: str = "", gap: str = " ") -> list[str]:
+    """Lines of a text table whose every column is as wide as its widest cell (a long model or tensor name
+    widens its column instead of pushing the rest of its row out of line); columns in `right` are right-aligned,
+    the last one is not padded."""
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))] if rows else []
+    last = len(widths) - 1
+    return [indent + gap.join(cell.rjust(widths[c]) if c in right else cell if c == last else cell.ljust(widths[c])
+                              for c, cell in enumerate(row)) for row in rows]

@@ -1,7 +1,8 @@
 """`tpzoo inspect CKPT [--verify]`: a checkpoint's layout, config, files and tensors, then its structural check
 (tpzoo/checkpoint/structure.py: the manifest against its shard specs, the model config and every shard file's
 size and header); --verify adds every file's checksum. Each problem is one line naming the tensor or file, and
-the exit status is 1 when there is any. A manifest that cannot be read at all is a user error (status 2)."""
+the exit status is 1 when there is any. A manifest that cannot be read at all is a user error (status 2).
+A Megatron-LM checkpoint directory shows its format, arguments, layout and tensors (checkpoint/megatron)."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,7 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("ckpt", help="tpzoo checkpoint directory")
+    p.add_argument("ckpt", help="tpzoo checkpoint directory (or a Megatron-LM checkpoint directory)")
     p.add_argument("--verify", action="store_true",
                    help="also check every shard file's checksum (reads every byte; the header checks always run)")
     p.add_argument("--no-tensors", action="store_true", help="do not list the tensors")
@@ -26,9 +27,14 @@ def _size(n: float) -> str:
 
 
 def run(args) -> int:
-    from tpzoo.checkpoint import read_manifest
+    from tpzoo.checkpoint import is_checkpoint, read_manifest
+    from tpzoo.checkpoint.megatron import describe, is_megatron_checkpoint
     from tpzoo.models.config import ModelConfig
+    from tpzoo.quant import quantization_line, stored_names
 
+    if not is_checkpoint(args.ckpt) and is_megatron_checkpoint(args.ckpt):
+        print("\n".join(describe(args.ckpt, tensors=not args.no_tensors)))
+        return 0
     m = read_manifest(args.ckpt)
     cfg = ModelConfig.from_dict(m["model_config"])
     if args.json:
@@ -40,6 +46,8 @@ def run(args) -> int:
         print(f"model: {cfg.family} {cfg.name or ''} layers={cfg.num_layers} hidden={cfg.hidden_size} "
               f"heads={cfg.num_heads} kv_heads={cfg.num_kv_heads} ffn={cfg.ffn_hidden_size} vocab={v['size']} "
               f"(padded {v['padded']}) parameters={cfg.num_parameters():,} dtype={m.get('dtype')}")
+        if quantization_line(cfg):  # a kept-quantized checkpoint (convert from-hf --keep-quantized)
+            print(quantization_line(cfg))
         print(f"layout: tp={m['tp']} pp={m['pp']} virtual_stages={m.get('virtual_stages', 1)}")
         for st in m["stages"]:
             ends = [n for n, flag in (("embedding", st["pre_process"]), ("head", st["post_process"])) if flag]
@@ -54,9 +62,14 @@ def run(args) -> int:
             print("aux files: " + ", ".join(m["aux_files"]))
         if not args.no_tensors:
             print(f"tensors: {len(m['tensors'])}")
-            for name, t in m["tensors"].items():
-                split = "replicated" if t["split"] is None else f"split dim {t['split']['dim']}"
-                print(f"  {name:40s} {str(tuple(t['shape'])):18s} {t['dtype']:5s} {split:12s} pp {t['pp_rank']}")
+            from ._common import aligned
+
+            kept = stored_names(cfg)
+            rows = [[name, str(tuple(t["shape"])), t["dtype"], "replicated" if t["split"] is None
+                     else f"split dim {t['split']['dim']}", f"pp {t['pp_rank']}"
+                     + (f"  {cfg.quantization['format']}" if name in kept else "")] for name, t in m["tensors"].items()]
+            for line in aligned(rows, indent="  "):
+                print(line)
     return _check(args.ckpt, m, checksum=args.verify, out=sys.stderr if args.json else sys.stdout)
 
 

@@ -23,11 +23,13 @@ def run(args) -> int:
                               "layers": cfg.num_layers, "hidden": cfg.hidden_size, "heads": cfg.num_heads,
                               "kv_heads": cfg.num_kv_heads, "vocab": cfg.vocab_size, "hf_source": cfg.hf_source}))
         return 0
-    print(f"{'name':16s} {'family':9s} {'params':>8s} {'active':>8s} {'layers':>6s} {'hidden':>6s} {'heads':>5s} {'kv':>3s} "
-          f"{'vocab':>7s}  hf source")
+    from ._common import aligned
+
+    table = [["name", "family", "params", "active", "layers", "hidden", "heads", "kv", "vocab", " hf source"]]
     for name, cfg in rows:
         active = human_count(cfg.num_parameters(active=True)) if cfg.num_experts else "="
-        print(f"{name:16s} {cfg.family:9s} {human_count(cfg.num_parameters()):>8s} {active:>8s} {cfg.num_layers:>6d} "
-              f"{cfg.hidden_size:>6d} {cfg.num_heads:>5d} {cfg.num_kv_heads:>3d} {cfg.vocab_size:>7d}  "
-              f"{cfg.hf_source or '-'}")
+        table.append([name, cfg.family, human_count(cfg.num_parameters()), active, *map(str, (
+            cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size)),
+            f" {cfg.hf_source or '-'}"])
+    print("\n".join(aligned(table, right=set(range(2, 9)))))
     return 0

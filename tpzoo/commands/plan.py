@@ -4,7 +4,10 @@
     tpzoo plan --model my_config.json --gpus 64 --gpu-memory 80 --seq-len 4096 --global-batch-size 512 --json
 
 The model is a registry name (`tpzoo.models.list_configs()`), a ModelConfig JSON, or a Hugging Face
-config.json. Runs on one process, no GPU needed; see docs/plan.md for the model behind the numbers.
+config.json. --seq-len defaults to 4096 and --global-batch-size to the sequences of 4M tokens (1024 at 4096), the
+pretraining batch of Llama 2 and 3. Layouts whose memory floor is over the GPU's memory are not estimated
+(tpzoo/plan/bound.py); when none fits, the line after the table says which flag would make one fit. Runs on one
+process, no GPU needed; see docs/plan.md for the model behind the numbers.
 """
 from __future__ import annotations
 
@@ -12,6 +15,10 @@ import argparse
 import json
 import os
 import sys
+
+
+DEFAULT_SEQ_LEN = 4096
+DEFAULT_TOKENS_PER_STEP = 4 * 2 ** 20  # Llama 2 and 3 pretrained on 4M-token batches
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,8 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inter-node-bw", type=float, default=50.0, help="GB/s per GPU per direction (network)")
     p.add_argument("--efficiency", type=float, default=0.6, help="achieved fraction of peak FLOP/s (default 0.6)")
     p.add_argument("--reserve-gib", type=float, default=3.0, help="memory kept for CUDA/NCCL/workspaces")
-    p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help=f"tokens per sequence (default "
+                   f"{DEFAULT_SEQ_LEN})")
+    p.add_argument("--global-batch-size", type=int, help=f"sequences per optimizer step (default: "
+                   f"{DEFAULT_TOKENS_PER_STEP // 2 ** 20}M tokens' worth, {DEFAULT_TOKENS_PER_STEP // DEFAULT_SEQ_LEN} "
+                   f"at {DEFAULT_SEQ_LEN})")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                    help="ZeRO level: 1 shards fp32 master + AdamW states over dp, 2 the fp32 gradients too, 3 the "
@@ -37,6 +47,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model the 16-bit weight gradients autograd holds without gradient-accumulation fusion")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="LoRA fine-tuning of a frozen base at this adapter rank (all-linear targets)")
+    p.add_argument("--base-dtype", choices=["fp8", "int4"],
+                   help="with --lora-rank: the frozen base kept quantized (convert from-hf --keep-quantized): its "
+                        "projections and experts in block FP8 or int4 with their scales, the rest in --dtype")
+    p.add_argument("--objective", default="lm", choices=["lm", "dpo", "distill"],
+                   help="fine-tuning objective (tpzoo.post): dpo holds a frozen reference copy of the model (not "
+                        "with --lora-rank, whose reference is the base without adapters, nor with "
+                        "--dpo-precompute-ref); distill holds --teacher and computes the student's logits unfused")
+    p.add_argument("--dpo-precompute-ref", action="store_true",
+                   help="DPO with the reference log-probabilities computed before training (no reference model held)")
+    p.add_argument("--teacher", help="distill: the teacher (registry name, ModelConfig JSON or HF config.json); "
+                   "omitted: a `tpzoo distill-cache` (no teacher held)")
     p.add_argument("--kernels", default="fused", choices=["fused", "reference"],
                    help="fused = Triton (CUDA), reference = torch (what CPU runs)")
     p.add_argument("--no-fused-linear-cross-entropy", dest="fused_linear_cross_entropy", action="store_false",
@@ -46,6 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "set in memory), as `tpzoo pretrain --fp8` runs them")
     p.add_argument("--compile", action="store_true", help="the blocks compiled (regional torch.compile, as "
                         "`tpzoo pretrain --compile`): their saved tensors counted as the fused kernels'")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
+                   help="muon: one fp32 momentum for the hidden layers' matrices instead of two moments, and the "
+                        "orthogonalization (FLOPs and its bf16 exchange over tp and dp) in the step time, as "
+                        "`tpzoo pretrain --optimizer muon` runs it")
+    p.add_argument("--muon-ns-steps", type=int, default=5, help="Muon's Newton-Schulz iterations")
     p.add_argument("--vocab-padding-multiple", type=int, default=1)
     p.add_argument("--max-micro-batch", type=int, default=64)
     p.add_argument("--tp", type=int, help="only layouts with this tp")
@@ -93,6 +119,19 @@ def load_model(spec: str):
     return cfg
 
 
+def frozen_models(args, cfg) -> tuple:
+    """The frozen models a post-training objective holds beside the trained one (tpzoo.plan.post)."""
+    from tpzoo.errors import ConfigError
+
+    if args.teacher and args.objective != "distill":
+        raise ConfigError(f"--teacher is for --objective distill (the objective is {args.objective!r})")
+    if args.objective == "dpo" and not args.lora_rank and not args.dpo_precompute_ref:
+        return (cfg,)  # a frozen copy of the model
+    if args.objective == "distill" and args.teacher:
+        return (load_model(args.teacher),)
+    return ()
+
+
 def parse_boundaries(text: str | None) -> tuple[int, ...] | None:
     """--pp-boundaries 0,3,8 as integers (checked against the model by the search)."""
     from tpzoo.errors import ConfigError
@@ -111,6 +150,8 @@ def run(args) -> int:
     from tpzoo.plan.report import header, table, to_json
 
     cfg = load_model(args.model)
+    if args.global_batch_size is None:
+        args.global_batch_size = max(1, DEFAULT_TOKENS_PER_STEP // max(args.seq_len, 1))
     k = args.replicas
     if k > 1 and (args.gpus % k or args.global_batch_size % k or args.replica_link_gbps is None):
         raise ConfigError(f"--replicas {k}: " + ("--replica-link-gbps is required (the link between replicas)"
@@ -133,32 +174,42 @@ def run(args) -> int:
                                 zero=max(args.zero, int(args.zero1)),
                                 overlap_grad_reduce=args.overlap_grad_reduce,
                                 grad_accumulation_fusion=args.grad_accumulation_fusion,
-                                lora_rank=args.lora_rank,
+                                lora_rank=args.lora_rank, base_dtype=args.base_dtype,
                                 vocab_padding_multiple=args.vocab_padding_multiple,
-                                kernels=args.kernels, fused_linear_cross_entropy=args.fused_linear_cross_entropy,
-                                fp8=args.fp8, compile=args.compile)
+                                kernels=args.kernels,  # distillation's student computes its logits unfused
+                                fused_linear_cross_entropy=(args.fused_linear_cross_entropy
+                                                            and args.objective != "distill"),
+                                fp8=args.fp8, compile=args.compile, frozen=frozen_models(args, cfg),
+                                optimizer=args.optimizer, muon_ns_steps=args.muon_ns_steps)
     except ValueError as exc:  # the specs check their own fields
         raise ConfigError(str(exc)) from None
-    estimates = search(cfg, cluster, training, args.max_micro_batch, tp=args.tp, pp=args.pp,
-                       recompute=args.recompute, cp=args.cp, ep=args.ep,
-                       boundaries=parse_boundaries(args.pp_boundaries))
-    across = None
-    best = next((e for e in estimates if e.fits), None)
-    if spec is not None and best is not None:
+    only = dict(tp=args.tp, pp=args.pp, recompute=args.recompute, cp=args.cp, ep=args.ep,
+                boundaries=parse_boundaries(args.pp_boundaries))
+    estimates = search(cfg, cluster, training, args.max_micro_batch, progress=sys.stderr.isatty(), **only)
+    fitting = [e for e in estimates if e.fits]
+    hint = None
+    if estimates and not fitting:
+        from tpzoo.plan.hints import fit_hint
+
+        hint = fit_hint(cfg, cluster, training, args.max_micro_batch, **only)
+    across = best = None
+    if spec is not None and fitting:
         from tpzoo.plan import replicas
 
-        across = replicas.replica_estimates(cfg, best, cluster, training, spec)
+        best, across = replicas.plan_replicas(cfg, fitting, cluster, training, spec)
     if args.json:
-        out = to_json(cfg, cluster, training, estimates, args.top, args.rejected)
+        out = json.loads(to_json(cfg, cluster, training, estimates, args.top, args.rejected))
+        out["layouts_ruled_out"] = estimates.ruled_out
+        if hint:
+            out["hint"] = hint
         if spec is not None:
             import dataclasses
 
-            d = json.loads(out)
-            d["replicas"] = {"spec": dataclasses.asdict(spec), "forms": [r.to_dict() for r in across or []]}
-            out = json.dumps(d, indent=2)
-        print(out)
+            out["replicas"] = {"spec": dataclasses.asdict(spec), "layout": best.layout.to_dict() if best else None,
+                               "forms": [r.to_dict() for r in across or []]}
+        print(json.dumps(out, indent=2))
     else:
-        print(header(cfg, cluster, training, len(estimates), sum(e.fits for e in estimates))
+        print(header(cfg, cluster, training, estimates.considered, len(fitting), estimates.ruled_out)
               + (f"\n(one of {k} replicas: {args.gpus * k} GPUs, global batch {args.global_batch_size * k} in all)"
                  if spec else ""))
         print()
@@ -166,11 +217,14 @@ def run(args) -> int:
 
         with_stages = args.stages or args.pp_boundaries is not None or layers_differ(cfg)
         print(table(estimates, args.top, args.rejected, with_stages))
-        if across:
+        if hint:
+            print(f"\nnothing fits: {hint}")
+        if spec is not None:
             from tpzoo.plan import replicas
 
             print()
-            print(replicas.table(cfg, best, across, spec))
+            print(replicas.table(cfg, best, across, spec, fitting.index(best) + 1) if across else
+                  f"across {k} replicas: nothing to compare, no layout of one replica fits")
     if not estimates:
         print("tpzoo plan: no valid layout (check gpus, heads, batch size divisibility)", file=sys.stderr)
         return 1

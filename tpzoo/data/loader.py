@@ -51,9 +51,13 @@ def micro_batches_per_step(global_batch_size: int, micro_batch_size: int, dp_siz
 
 
 def collate_long(samples: list[dict]) -> dict[str, torch.Tensor]:
-    """Stack per-sample numpy arrays into ``[batch, ...]`` int64 tensors, key by key."""
-    return {k: torch.from_numpy(np.stack([s[k] for s in samples]).astype(np.int64, copy=False))
-            for k in samples[0]}
+    """Stack per-sample numpy arrays into ``[batch, ...]`` int64 tensors, key by key (floating arrays stay fp32: a
+    distillation cache's log-probabilities)."""
+    def stacked(k):
+        a = np.stack([s[k] for s in samples])
+        return a.astype(np.float32 if a.dtype.kind == "f" else np.int64, copy=False)
+
+    return {k: torch.from_numpy(stacked(k)) for k in samples[0]}
 
 
 class PrefetchingLoader:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -73,6 +74,13 @@ def _weight(text, path: str, where: str) -> Fraction:
         value = None
     if value is None or value <= 0:
         raise ConfigError(f"{where}: the weight {text!r} of {path} is not a positive number")
+    try:
+        as_float = float(value)
+    except OverflowError:
+        as_float = math.inf
+    if not 0 < as_float < math.inf:  # 1e400, 1e-400: no float holds it (the sampler's shares are floats)
+        raise ConfigError(f"{where}: the weight {text!r} of {path} is not a finite positive number in floating "
+                          f"point; give weights between {sys.float_info.min:.0e} and {sys.float_info.max:.0e}")
     return value
 
 
@@ -107,6 +115,10 @@ def parse_mixture(items: Sequence[str] | None, mix: dict | None = None, where: s
             pairs.append((weight, path))
     weights = [_weight(w, p, where) for w, p in pairs]
     total = sum(weights)
+    for w, (text, path) in zip(weights, pairs):
+        if float(w / total) == 0:  # its share is below the smallest float: it would never be sampled
+            raise ConfigError(f"{where}: the weight {text!r} of {path} is too small next to the others' (its share "
+                              f"{float(w):g} / {float(total):g} is 0 in floating point)")
     names = _unique([source_name(p) for _, p in pairs])
     return [MixtureSource(n, w / total, p) for n, w, (_, p) in zip(names, weights, pairs)]
 

@@ -90,7 +90,7 @@ class _GatheredLinear(torch.autograd.Function):
         if need_x:
             def dgrad(i, g, w):
                 if i == 0 and fp8 is not None:
-                    return fp8.input_grad(_flat(g), w, ctx.fp8_saved, scales).view(*g.shape[:-1], w.shape[1])
+                    return fp8.input_grad(_flat(g), w, ctx.fp8_saved, scales).view(*g.shape[:-1], x_local.shape[-1])
                 return g.matmul(w)
 
             grad_x_full = sum(dgrad(i, g, w) for i, (g, w) in enumerate(zip(grad_ys, weights)) if g is not None)

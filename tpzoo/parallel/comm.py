@@ -439,13 +439,16 @@ def all_reduce_start(t: torch.Tensor, group) -> Pending:
     return Pending(work, t, (staged, t), keep=staged, guard=guard, clock=clock)
 
 
-def _into_start(kind: str, collective, out: torch.Tensor, t: torch.Tensor, group, name: str | None = None) -> Pending:
+def _into_start(kind: str, collective, out: torch.Tensor, t: torch.Tensor, group, name: str | None = None,
+                sent: float | None = None) -> Pending:
     """Start a flat collective from `t` into the preallocated `out`, counted as `kind`; `name`: what strict mode's
-    errors call it. Staged through buffers of its own when gloo meets CUDA (host memory) or in strict mode."""
+    errors call it; `sent`: the fraction of the input this rank sends (default (p-1)/p). Staged through buffers of
+    its own when gloo meets CUDA (host memory) or in strict mode."""
     p = group_size(group)
     if p == 1:
         return Pending(None, out.copy_(t))
-    clock = _record(kind, group, t if kind == "reduce_scatter" else out, (p - 1) / p)
+    counted = t if kind in ("reduce_scatter", "all_to_all_v") else out
+    clock = _record(kind, group, counted, (p - 1) / p if sent is None else sent)
     host = _via_host(t, group)
     strict.check_layout(name or kind, group, out, t)
     if not (host or strict.enabled()):
@@ -468,3 +471,22 @@ def reduce_scatter_into_start(out: torch.Tensor, t: torch.Tensor, group) -> Pend
 def all_gather_into_start(out: torch.Tensor, t: torch.Tensor, group) -> Pending:
     """Start concatenating every rank's flat `t` (rank order) into flat `out`; wait() returns out."""
     return _into_start("all_gather", _all_gather_flat, out, t, group, "all_gather_into")
+
+
+@_eager
+def all_to_all_v_start(out: torch.Tensor, t: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                       group) -> Pending:
+    """Start the uneven all-to-all of flat `t` into the preallocated flat `out`: t's elements
+    [sum(send[:i]), sum(send[:i+1])) go to rank i, recv[i] elements arrive from rank i (in rank order). Splits are
+    host ints both sides know (Muon's matrices to their owners: tpzoo.train.muon_exchange). wait() returns out."""
+    p = group_size(group)
+    if p == 1:
+        return Pending(None, out.copy_(t))
+    me = dist.get_rank(group)
+    sent = (1 - send_splits[me] / t.numel()) if t.numel() else 0.0  # the elements leaving this rank
+
+    def collective(o, i, group, async_op):
+        return dist.all_to_all_single(o, i, output_split_sizes=list(recv_splits),
+                                      input_split_sizes=list(send_splits), group=group, async_op=async_op)
+
+    return _into_start("all_to_all_v", collective, out, t, group, "all_to_all_v", sent)

@@ -21,6 +21,9 @@ from .ring_attention import local_positions
 
 IGNORE_INDEX = -100
 CP_MODES = ("ring", "a2a")
+# Batch keys sharded like the tokens ([b, s, ...]): the model's, then DPO's side of each token and a distillation
+# cache's teacher top K (tpzoo.post)
+PER_TOKEN = ("input_ids", "labels", "position_ids", "token_mask", "dpo_seq", "teacher_ids", "teacher_logprobs")
 
 
 def padded_length(seq_len: int, cp: int, multiple: int = 1) -> int:
@@ -39,14 +42,13 @@ def shard_batch(batch: dict, dims: ParallelDims, sequence_parallel: bool = False
     padded = padded_length(s, cp, dims.tp if sequence_parallel else 1)
     pos = local_positions(padded // (2 * cp), cp, dims.cp_rank, "cpu")
     out = {}
-    per_token = ("input_ids", "labels", "position_ids", "token_mask")  # sharded like the tokens
     for key, t in batch.items():
         # the padding: ignored labels; a document of its own (ids < s within a row, so `padded` is new); not a
-        # real token (token_mask 0)
+        # real token (token_mask 0); zeros for the per-token data of objectives (tpzoo.post)
         fill = {"labels": IGNORE_INDEX, "doc_ids": padded}.get(key, 0)
-        if key in (*per_token, "doc_ids") and padded > s:
-            t = torch.cat([t, t.new_full((t.shape[0], padded - s), fill)], dim=1)
-        out[key] = t.index_select(1, pos.to(t.device)) if key in per_token else t
+        if key in (*PER_TOKEN, "doc_ids") and padded > s:
+            t = torch.cat([t, t.new_full((t.shape[0], padded - s, *t.shape[2:]), fill)], dim=1)
+        out[key] = t.index_select(1, pos.to(t.device)) if key in PER_TOKEN else t
     if "position_ids" not in batch:
         out["position_ids"] = pos.unsqueeze(0).to(ids.device)
     if padded > s and "token_mask" not in batch:

@@ -25,6 +25,14 @@ def eager(fn):
     return call
 
 
+@eager
+def eager_apply(function, *args):
+    """`function.apply(*args)` for an autograd Function with a collective inside: under torch.compile one graph
+    break here, and none of the Function's own frames is compiled (each would be once per tensor shape, recompiling
+    until torch's limit sends the block back to eager)."""
+    return function.apply(*args)
+
+
 def enable() -> None:
     """Make every marked function a graph break for torch.compile (idempotent)."""
     import torch

@@ -327,6 +327,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear, or with `fp8` (a layer's Fp8Linear) its three GEMMs in FP8: the one call the layers make."""
     if fp8 is None:
         return wgrad.linear(x, weight, bias)  # with gradient-accumulation fusion where it applies
+    if getattr(fp8, "frozen_weight", False):  # a kept-quantized weight's own matmuls (tpzoo.quant.modules)
+        return fp8.linear(x, weight, bias)
     return _fp8_linear(x, weight, bias, fp8)
 
 
@@ -377,7 +379,7 @@ def enable_fp8(modules, recipe: str | None, cache_weights: bool = True) -> Fp8Re
     for chunk in modules if isinstance(modules, (list, tuple)) else [modules]:
         for name, m in chunk.named_modules():
             kind = getattr(type(m), "fp8_kind", None)
-            if kind is None:
+            if kind is None or getattr(m.fp8, "frozen_weight", False):  # (a kept-quantized weight: its own GEMMs)
                 continue
             m.fp8 = None
             if rec is None:

@@ -94,7 +94,8 @@ class LoRA(nn.Module):
             raise TypeError(f"LoRA attaches to Column/Row/ReplicatedLinear, not {type(layer)}")
         dims = layer.dims
         self.tp, self.tp_rank = dims.tp, dims.tp_rank
-        kw = {"dtype": dtype if dtype is not None else layer.weight.dtype,
+        # (a kept-quantized base weight says which dtype it computes in: tpzoo.quant.modules.QuantizedGemm)
+        kw = {"dtype": dtype if dtype is not None else getattr(layer.fp8, "compute_dtype", layer.weight.dtype),
               "device": device if device is not None else layer.weight.device}
         self.A, self.B = nn.ParameterDict(), nn.ParameterDict()
         self.shapes: dict[str, tuple[tuple, ShardSpec, tuple, ShardSpec]] = {}  # full A, A spec, full B, B spec

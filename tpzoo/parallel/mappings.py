@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from . import comm
 from .dims import SELF_GROUP
+from .eager import eager_apply
 from .state import get_dims
 
 
@@ -134,35 +135,35 @@ def _trivial(group) -> bool:
 
 def copy_to_tp(x: torch.Tensor, group=None) -> torch.Tensor:
     """Enter a tensor-parallel region with a replicated input: identity forward, all-reduce backward."""
-    return x if _trivial(group) else _CopyToTP.apply(x, group)
+    return x if _trivial(group) else eager_apply(_CopyToTP, x, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group=None) -> torch.Tensor:
     """Leave a tensor-parallel region by summing partial results: all-reduce forward, identity backward."""
-    return x if _trivial(group) else _ReduceFromTP.apply(x, group)
+    return x if _trivial(group) else eager_apply(_ReduceFromTP, x, group)
 
 
 def scatter_to_tp(x: torch.Tensor, group=None) -> torch.Tensor:
     """Keep this rank's chunk of the last dim: split forward, all-gather backward."""
-    return x if _trivial(group) else _ScatterToTP.apply(x, group)
+    return x if _trivial(group) else eager_apply(_ScatterToTP, x, group)
 
 
 def gather_from_tp(x: torch.Tensor, group=None) -> torch.Tensor:
     """Concatenate the last dim over ranks: all-gather forward, split backward."""
-    return x if _trivial(group) else _GatherFromTP.apply(x, group)
+    return x if _trivial(group) else eager_apply(_GatherFromTP, x, group)
 
 
 def scatter_to_sequence(x: torch.Tensor, dim: int = -2, group=None) -> torch.Tensor:
     """Keep this rank's chunk of the sequence dim: split forward, all-gather backward."""
-    return x if _trivial(group) else _ScatterToSequence.apply(x, dim, group)
+    return x if _trivial(group) else eager_apply(_ScatterToSequence, x, dim, group)
 
 
 def gather_from_sequence(x: torch.Tensor, dim: int = -2, group=None, reduce_grad: bool = True) -> torch.Tensor:
     """All-gather the sequence dim; backward reduce-scatters (or only splits, with reduce_grad=False, when the
     gathered tensor is consumed identically on every rank)."""
-    return x if _trivial(group) else _GatherFromSequence.apply(x, dim, group, reduce_grad)
+    return x if _trivial(group) else eager_apply(_GatherFromSequence, x, dim, group, reduce_grad)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, dim: int = -2, group=None) -> torch.Tensor:
     """Sum partial results and keep this rank's sequence chunk: reduce-scatter forward, all-gather backward."""
-    return x if _trivial(group) else _ReduceScatterToSequence.apply(x, dim, group)
+    return x if _trivial(group) else eager_apply(_ReduceScatterToSequence, x, dim, group)

@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from . import comm
+from .eager import eager_apply
 from .attention_kernels import FUSED, choose_kernel
 
 KV_TAG, DKV_TAG = 41, 42  # two exchanges may be in flight between the same pair of ranks in the backward
@@ -362,4 +363,4 @@ def ring_attention(q, k, v, group, ranks: list[int], cp_rank: int, *, scale: flo
                          f"({q.shape[0]}, {q.shape[2] * len(ranks)})")
     if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
         raise ValueError(f"ring attention: sinks {tuple(sinks.shape)} are not one per query head ({q.shape[1]})")
-    return RingAttention.apply(q, k, v, group, list(ranks), cp_rank, scale, window, fused, doc_ids, sinks)
+    return eager_apply(RingAttention, q, k, v, group, list(ranks), cp_rank, scale, window, fused, doc_ids, sinks)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import comm
+from .eager import eager_apply
 from .ring_attention import local_positions
 
 
@@ -42,7 +43,7 @@ def exchange(x: torch.Tensor, group, p: int, scatter_dim: int, gather_dim: int) 
     """The all-to-all that splits `scatter_dim` into p parts (part i to rank i) and concatenates the parts that
     arrive along `gather_dim`; its backward is the inverse exchange. Other mixers that trade a sequence split for a
     head split use it too (models/kinds/gated_deltanet.py)."""
-    return _Exchange.apply(x, group, p, scatter_dim, gather_dim)
+    return eager_apply(_Exchange, x, group, p, scatter_dim, gather_dim)
 
 
 def gathered_order(chunk: int, cp: int, device) -> tuple[torch.Tensor, torch.Tensor]:

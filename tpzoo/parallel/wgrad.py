@@ -102,7 +102,12 @@ def _buffer(param):
 
 
 def fusable(*params) -> bool:
-    """Whether a forward now should take the fused path for these parameters (any of them fused)."""
+    """Whether a forward now should take the fused path for these parameters (any of them fused). Not inside a
+    compiled block (tpzoo.train.compile): the fused Function's backward reads autograd's graph
+    (ctx.next_functions), which Dynamo cannot trace; it would send the whole block back to eager and compile its
+    pieces one shape at a time. There the native linear hands autograd a `.grad`, which the buffer's hook adds."""
+    if torch.compiler.is_compiling():
+        return False
     return torch.is_grad_enabled() and any(p is not None and _buffer(p) is not None for p in params)
 
 

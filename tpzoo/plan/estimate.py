@@ -12,7 +12,8 @@ DistributedAdamW.reduce_grads, step):
               hide of the data-parallel reduction in fp32 (2^24-element buckets, all-reduced; ZeRO-1:
               reduce-scattered, ZeRO-2: reduce-scattered every micro-batch; overlapped with the backward passes,
               dp_sync_time) + under ZeRO the all-gather of the updated parameters in the model dtype
-    + optimizer step, memory bound: ~40 bytes of HBM traffic per owned element.
+    + optimizer step, memory bound: ~40 bytes of HBM traffic per owned element
+    + with --optimizer muon, the orthogonalization of the slowest stage's share and its exchange (plan/muon.py).
 Context parallelism (cp > 1): each rank computes seq_len / cp tokens and 1/cp of the causal attention; ring
 attention's K|V (and in the backward dK|dV) transfers per layer overlap the attention of the block at hand, and
 only what a transfer takes beyond one block's attention is exposed (cp_comm; plan/stage_comm.py); all-to-alls over
@@ -36,9 +37,10 @@ from dataclasses import asdict, dataclass, field
 from tpzoo.models.config import ModelConfig
 
 from .fp8 import at_fp8_rate, fp8_flops
-from .layers import layer_cost, layer_flops, signature
+from .layers import layer_cost, layer_flops, memo, signature
 from .lora import lora_layer_params
 from .memory import MemoryBreakdown, ParamCount, bucket_size, late_params, stage_layer_ids, stage_memory, stage_params
+from .muon import muon_time
 from .head import local_vocab
 from .schedule import bubble_time
 from .spec import (ClusterSpec, Layout, RankLayout, TrainingSpec, check_layout, chunk_layer_ranges,
@@ -63,11 +65,12 @@ class TimeBreakdown:
     dp_comm: float = 0.0      # data-parallel reduction not hidden behind backward (+ ZeRO all-gather), tied sync
     optimizer: float = 0.0
     dp_hidden: float = 0.0    # data-parallel reduction overlapped with the backward passes (not in the total)
+    muon: float = 0.0         # --optimizer muon: the orthogonalization and its exchange (plan/muon.py)
 
     @property
     def total(self) -> float:
         return (self.compute + self.recompute + self.tp_comm + self.cp_comm + self.ep_comm + self.pp_comm
-                + self.bubble + self.dp_comm + self.optimizer)
+                + self.bubble + self.dp_comm + self.optimizer + self.muon)
 
 
 @dataclass
@@ -93,7 +96,8 @@ class Estimate:
                 "fits": self.fits, "reason": self.reason, "memory_gib": mem, "slowest_stage": self.slowest_stage,
                 "stage_memory_gib": self.stage_memory_gib, "stage_busy_s": self.stage_busy_s,
                 "stage_layers": self.stage_layers,
-                "time_s": {**{k: v for k, v in asdict(self.time).items() if k != "ep_comm" or self.layout.ep > 1},
+                "time_s": {**{k: v for k, v in asdict(self.time).items()
+                              if (k != "ep_comm" or self.layout.ep > 1) and (k != "muon" or v)},
                            "total": self.time.total},
                 "tokens_per_s": self.tokens_per_s, "mfu": self.mfu}
 
@@ -257,15 +261,18 @@ def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: T
         dp_time += _collective_time(count.embedding * e, 1, _bandwidth(pp_intra, cluster), cluster)
     opt = (40 * owned + e * padded) / (cluster.hbm_gbps * 1e9) + cluster.latency_us * 1e-6  # + the norm's
 
+    # Muon: every stage orthogonalizes its own matrices after the reduction; the step waits for the slowest
+    muon = max(muon_time(cfg, layout, training, cluster, s) for s in range(p)) if training.optimizer == "muon" else 0.0
     tb = TimeBreakdown(compute=m * (tau - st["recompute"] - st["tp"]), recompute=m * st["recompute"],
                        tp_comm=m * (st["tp"] - ring - ep_mb) + comm.tp_step, cp_comm=m * ring, ep_comm=m * ep_mb,
                        pp_comm=p2p,
                        bubble=bubble_time(layout, m, st["F"], st["B"], st["W"]), dp_comm=dp_time, optimizer=opt,
-                       dp_hidden=dp_hidden)
+                       dp_hidden=dp_hidden, muon=muon)
     step_tokens = training.global_batch_size * training.seq_len
     tokens_per_s = step_tokens / tb.total
     # LoRA computes no weight gradients of the base: its model FLOPs are forward + input gradients, 2/3 of these.
-    model_flops = cfg.flops_per_token(training.seq_len) * (2 / 3 if training.lora_rank else 1)
+    per_token = memo(cfg, ("flops_per_token", training.seq_len), lambda: cfg.flops_per_token(training.seq_len))
+    model_flops = per_token * (2 / 3 if training.lora_rank else 1)
     mfu = model_flops * tokens_per_s / (cluster.gpus * cluster.gpu_tflops * 1e12)
     fits = worst.total <= cluster.gpu_memory_gib * GIB
     states = worst.params + worst.grads + worst.master + worst.optimizer

@@ -12,9 +12,16 @@ from dataclasses import dataclass
 
 from tpzoo.models.config import ModelConfig
 from tpzoo.models.registry import distinct_kinds, layer_kinds
+from tpzoo.parallel.dims import ParallelLayoutError
 
 from .costs import COSTS, Collective, Weights, cost_of
 from .spec import RankLayout
+
+
+def kinds_of(cfg: ModelConfig, layer: int) -> tuple[type, type]:
+    """(token mixer kind, channel mixer kind) of layer `layer`: models.registry.layer_kinds, looked up once per
+    config (the search asks millions of times)."""
+    return memo(cfg, ("kinds",), lambda: tuple(layer_kinds(cfg, i) for i in range(cfg.num_layers)))[layer]
 
 
 def signature(cfg: ModelConfig, layer: int) -> tuple:
@@ -71,7 +78,7 @@ def memo(cfg: ModelConfig, key: tuple, compute):
     hit = _CACHE.get(full)
     if hit is not None and hit[0] is cfg:
         return hit[1]
-    if len(_CACHE) > 20000:
+    if len(_CACHE) > 1 << 18:  # (a large search holds tens of thousands)
         _CACHE.clear()
     value = compute()
     _CACHE[full] = (cfg, value)
@@ -92,7 +99,7 @@ def replayed(cfg: ModelConfig, item, channel: bool) -> bool:
 
 
 def _layer_cost(cfg: ModelConfig, layer: int, at: RankLayout) -> LayerCost:
-    token, channel = (cost_of(k) for k in layer_kinds(cfg, layer))
+    token, channel = (cost_of(k) for k in kinds_of(cfg, layer))
     h, n = cfg.hidden_size, block_norms(cfg)
     norm = h * (2 if cfg.norm == "layernorm" else 1)
     weights = (Weights(numel=n * norm, tensors=n * (2 if cfg.norm == "layernorm" else 1), partial_sp=n * norm)
@@ -102,12 +109,15 @@ def _layer_cost(cfg: ModelConfig, layer: int, at: RankLayout) -> LayerCost:
     return LayerCost(weights, matmuls, token.context_features(cfg, layer, at) + channel.context_features(cfg, layer, at))
 
 
-def layer_collectives(cfg: ModelConfig, layer: int, at: RankLayout, tokens: int) -> list[tuple[Collective, bool]]:
+def layer_collectives(cfg: ModelConfig, layer: int, at: RankLayout, tokens: int) -> tuple[tuple[Collective, bool], ...]:
     """The layer's collectives for one micro-batch of `tokens` tokens, each with whether full recomputation
-    replays it."""
-    token, channel = (cost_of(k) for k in layer_kinds(cfg, layer))
-    return ([(c, replayed(cfg, c, False)) for c in token.collectives(cfg, layer, at, tokens)]
-            + [(c, replayed(cfg, c, True)) for c in channel.collectives(cfg, layer, at, tokens)])
+    replays it (computed once per signature)."""
+    def compute() -> tuple:
+        token, channel = (cost_of(k) for k in kinds_of(cfg, layer))
+        return tuple([(c, replayed(cfg, c, False)) for c in token.collectives(cfg, layer, at, tokens)]
+                     + [(c, replayed(cfg, c, True)) for c in channel.collectives(cfg, layer, at, tokens)])
+
+    return memo(cfg, ("collectives", signature(cfg, layer), at, tokens), compute)
 
 
 def layer_activation_bytes(cfg: ModelConfig, layer: int, at: RankLayout, micro_batch: int, seq_len: int) -> int:
@@ -115,7 +125,7 @@ def layer_activation_bytes(cfg: ModelConfig, layer: int, at: RankLayout, micro_b
     at at.recompute: its norms' and its kinds', or under full recomputation the checkpoint's input and what the
     kinds keep beyond it."""
     def compute() -> int:
-        token, channel = (cost_of(k) for k in layer_kinds(cfg, layer))
+        token, channel = (cost_of(k) for k in kinds_of(cfg, layer))
         tokens, e = micro_batch * seq_len, at.act_bytes
         if at.recompute == "full":
             block = e * cfg.hidden_size * tokens // at.sp_div
@@ -129,35 +139,47 @@ def layer_activation_bytes(cfg: ModelConfig, layer: int, at: RankLayout, micro_b
 
 def layer_flops(cfg: ModelConfig, layer: int, at: RankLayout, seq_len: int) -> float:
     """Forward FLOPs per token of the layer's parameterless cores (attention, a recurrence) on this rank."""
-    token, channel = (cost_of(k) for k in layer_kinds(cfg, layer))
+    token, channel = (cost_of(k) for k in kinds_of(cfg, layer))
     return token.mixing_flops(cfg, layer, at, seq_len) + channel.mixing_flops(cfg, layer, at, seq_len)
 
 
 def rotary_tables_bytes(cfg: ModelConfig, layers, seq_len: int) -> int:
     """The rotary tables a chunk holding `layers` computes once per forward: cos and sin of each distinct table its
     layers read, seq_len x dim/2 fp32 each."""
-    tables = {}
-    for i in layers:
-        for kind in layer_kinds(cfg, i):
-            spec = cost_of(kind).rotary(cfg, i)
-            if spec is not None:
-                tables[spec[0]] = spec[1]
-    return sum(4 * seq_len * dim for dim in tables.values())
+    def compute() -> int:
+        tables = {}
+        for i in layers:
+            for kind in kinds_of(cfg, i):
+                spec = cost_of(kind).rotary(cfg, i)
+                if spec is not None:
+                    tables[spec[0]] = spec[1]
+        return sum(4 * seq_len * dim for dim in tables.values())
+
+    return memo(cfg, ("rope", tuple(layers), seq_len), compute)
 
 
 def cache_bytes(cfg: ModelConfig, layer: int, at: RankLayout, batch: int, length: int) -> int:
     """Generation state of the layer on this rank for `batch` sequences of up to `length` tokens."""
-    token, channel = (cost_of(k) for k in layer_kinds(cfg, layer))
+    token, channel = (cost_of(k) for k in kinds_of(cfg, layer))
     return (token.cache_bytes(cfg, layer, at, batch, length) + channel.cache_bytes(cfg, layer, at, batch, length))
 
 
 def check_kinds(cfg: ModelConfig, at: RankLayout) -> None:
-    """Every kind of the model can split at `at` (raises the kind's ParallelLayoutError)."""
-    for i, kind in distinct_kinds(cfg):
-        cost_of(kind).check(cfg, i, at)
+    """Every kind of the model can split at `at` (raises the kind's ParallelLayoutError; decided once per `at`)."""
+    def compute() -> str:
+        try:
+            for i, kind in distinct_kinds(cfg):
+                cost_of(kind).check(cfg, i, at)
+        except ParallelLayoutError as exc:
+            return str(exc)
+        return ""
+
+    problem = memo(cfg, ("check", at), compute)
+    if problem:
+        raise ParallelLayoutError(problem)
 
 
 def has_experts(cfg: ModelConfig) -> bool:
     """Whether any layer holds expert-parallel weights."""
     at = RankLayout()
-    return any(layer_cost(cfg, i, at).weights.expert for i in range(cfg.num_layers))
+    return memo(cfg, ("experts",), lambda: any(layer_cost(cfg, i, at).weights.expert for i in range(cfg.num_layers)))

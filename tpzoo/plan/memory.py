@@ -36,8 +36,9 @@ from dataclasses import dataclass
 from tpzoo.models.config import ModelConfig
 
 from .head import head_activation_bytes, head_output_grad_bytes, head_transient_bytes, local_vocab
-from .layers import layer_activation_bytes, layer_cost, norm_saved, rotary_tables_bytes
+from .layers import layer_activation_bytes, layer_cost, memo, norm_saved, rotary_tables_bytes
 from .lora import lora_chunk_activation_delta, lora_layer_late, lora_layer_params
+from .quant import base_bytes
 from .schedule import held_states, peak_bytes
 from .spec import DTYPE_BYTES, Layout, RankLayout, TrainingSpec, local_seq_len, num_micro_batches, stage_chunks
 
@@ -72,7 +73,13 @@ def stage_layer_ids(cfg: ModelConfig, layout: Layout, stage: int) -> list[int]:
 
 def stage_params(cfg: ModelConfig, layout: Layout, stage: int, vocab_padding_multiple: int = 1) -> ParamCount:
     """Exactly the parameters of pipeline stage `stage` on one tp rank (all its model chunks) at `layout`'s tp, pp,
-    virtual stages, ep and pipeline boundaries."""
+    virtual stages, ep and pipeline boundaries (computed once per those: every variant of a layout shares them)."""
+    key = ("stage_params", layout.tp, layout.pp, layout.virtual_stages, layout.ep, layout.boundaries, stage,
+           vocab_padding_multiple)
+    return memo(cfg, key, lambda: _stage_params(cfg, layout, stage, vocab_padding_multiple))
+
+
+def _stage_params(cfg: ModelConfig, layout: Layout, stage: int, vocab_padding_multiple: int) -> ParamCount:
     h, p, at = cfg.hidden_size, layout.pp, RankLayout(tp=layout.tp, ep=layout.ep)
     counts = [layer_params(cfg, i, at) for i in stage_layer_ids(cfg, layout, stage)]
     numel, tensors, sp, matmul, replicated, expert, partial = (
@@ -295,7 +302,12 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
         r = training.lora_rank
         adapters = state_bytes(ParamCount(sum(lora_layer_params(cfg, i, t, r) for i in ids), 0, 0, 0, 0, 0),
                                training, replicas, sum(lora_layer_late(cfg, i, t, r) for i in ids))
-        st = StateBytes(e * count.numel + adapters.params, adapters.grads, adapters.master, adapters.optimizer)
+        base = base_bytes(cfg, count.numel, ids, t, layout.ep, e, training.base_dtype)  # (plan/quant.py)
+        st = StateBytes(base + adapters.params, adapters.grads, adapters.master, adapters.optimizer)
+    if training.optimizer == "muon":  # one moment for Muon's matrices (plan/muon.py, which reads this module)
+        from .muon import muon_state
+
+        st = muon_state(cfg, layout, training, stage, st)
     m = num_micro_batches(layout, training)
     acts, grads = [], []
     for c, (lo, hi) in enumerate(stage_chunks(cfg, layout, stage)):
@@ -324,5 +336,8 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
     per_use = training.zero_level >= 3
     casts = fp8_transient_bytes(cfg, at, b * s, ids, per_use) if training.fp8 != "none" else 0
     fp8_weights = fp8_weight_bytes(cfg, t, ids) if training.fp8 != "none" and not per_use else 0
-    return MemoryBreakdown(stage, st.params + fp8_weights, st.grads, st.master, st.optimizer, held,
+    from .post import frozen_stage_bytes  # DPO's reference copy, a distillation teacher (plan/post.py)
+
+    frozen = frozen_stage_bytes(training, layout, stage)
+    return MemoryBreakdown(stage, st.params + fp8_weights + frozen, st.grads, st.master, st.optimizer, held,
                            backward + recv + staging + gathered + casts, reserve_bytes)

@@ -22,8 +22,10 @@ parameters (the fullest stage; LoRA: the adapters), experts sharded over their o
 The recommendation: synchronous when the link costs at most 5 % of its step; else the smallest H (of 2, 5, 10, 20,
 50, 100, 200, 500, 1000), then the fewest fragments F (powers of two up to the layers and H), then overlap T (0,
 else 1 from H = 20 on: an overlapped fragment's last T inner steps give way to the global parameters, T/H of its
-progress) with which the link costs at most 5 % of the step, preferring forms whose extra memory fits; the
-form with the cheapest link when none is within.
+progress) with which the link costs at most 5 % of the step; only forms whose extra memory fits are recommended
+(the cheapest link when none that fits is within). `plan_replicas` takes the fastest layout of one replica for
+which such a form exists: a layout that fills its GPUs leaves no room for DiLoCo's outer state, so a less-full one
+may be the better plan; when none has room, nothing is recommended, and the table says so.
 """
 from __future__ import annotations
 
@@ -151,9 +153,9 @@ def _finish(form, every, fragments, overlap, dtype, nbytes, link, outer, extra, 
 
 
 def recommend(cfg: ModelConfig, est: Estimate, cluster: ClusterSpec, training: TrainingSpec,
-              spec: ReplicaSpec, budget: float = BUDGET) -> SyncEstimate:
-    """The cheapest form whose link costs at most `budget` of the step (module docstring); the best of the
-    largest H when none does."""
+              spec: ReplicaSpec, budget: float = BUDGET) -> SyncEstimate | None:
+    """The cheapest form that fits and whose link costs at most `budget` of the step (module docstring); the
+    fitting form with the cheapest link when none is within; None when no form fits."""
     candidates = [synchronous(cfg, est, cluster, training, spec)]
     for every in CANDIDATE_H:
         for f in (f for f in (1, 2, 4, 8, 16, 32) if f <= min(cfg.num_layers, every)):
@@ -161,37 +163,63 @@ def recommend(cfg: ModelConfig, est: Estimate, cluster: ClusterSpec, training: T
             # progress, so overlap only from H = OVERLAP_FROM on
             for t in (0, 1) if every >= OVERLAP_FROM and every // f > 1 else (0,):
                 candidates.append(diloco(cfg, est, cluster, training, spec, every, f, t, spec.dtype))
-    within = [e for e in candidates if e.link_share <= budget]
-    return next((e for e in within if e.fits), None) or (within[0] if within else
-                                                          min(candidates, key=lambda e: e.link_share))
+    fitting = [e for e in candidates if e.fits]
+    within = [e for e in fitting if e.link_share <= budget]
+    return within[0] if within else min(fitting, key=lambda e: e.link_share, default=None)
 
 
 def replica_estimates(cfg: ModelConfig, est: Estimate, cluster: ClusterSpec, training: TrainingSpec,
                       spec: ReplicaSpec) -> list[SyncEstimate]:
-    """Synchronous, the DiLoCo form asked for (spec.sync_every > 1), and the recommendation (last)."""
+    """Synchronous, the DiLoCo form asked for (spec.sync_every > 1), and the recommendation (last; absent when no
+    form fits)."""
     out = [synchronous(cfg, est, cluster, training, spec)]
     if spec.sync_every > 1:
         out.append(diloco(cfg, est, cluster, training, spec, spec.sync_every, spec.fragments, spec.overlap,
                           spec.dtype))
-    return out + [recommend(cfg, est, cluster, training, spec)]
+    best = recommend(cfg, est, cluster, training, spec)
+    return out + ([best] if best is not None else [])
 
 
-def table(cfg: ModelConfig, est: Estimate, rows: list[SyncEstimate], spec: ReplicaSpec) -> str:
-    lay = est.layout
+def plan_replicas(cfg: ModelConfig, fitting: list[Estimate], cluster: ClusterSpec, training: TrainingSpec,
+                  spec: ReplicaSpec) -> tuple[Estimate, list[SyncEstimate]]:
+    """(layout of one replica, its forms): the fastest of the `fitting` layouts (fastest first) with a form that fits
+    beside it within the link budget; failing that, the layout whose fitting form trains fastest; failing that
+    (no layout has room for any form), the fastest layout, with no recommendation."""
+    best = None
+    for est in fitting:
+        rec = recommend(cfg, est, cluster, training, spec)
+        if rec is not None and rec.link_share <= BUDGET:
+            return est, replica_estimates(cfg, est, cluster, training, spec)
+        if rec is not None and (best is None or rec.tokens_per_s > best[1].tokens_per_s):
+            best = est, rec
+    est = best[0] if best else fitting[0]
+    return est, replica_estimates(cfg, est, cluster, training, spec)
+
+
+def table(cfg: ModelConfig, est: Estimate, rows: list[SyncEstimate], spec: ReplicaSpec, rank: int = 1) -> str:
+    """The forms (the last one recommended when it fits) and the recommendation's line; `rank`: est's place among
+    the fitting layouts (plan_replicas may pass over faster ones that leave no room)."""
+    lay, recommended = est.layout, bool(rows) and rows[-1].fits and (len(rows) > 1 + (spec.sync_every > 1))
     lines = [f"across {spec.replicas} replicas over {spec.link_gbps:g} Gbit/s per rank (+{spec.latency_ms:g} ms), "
-             f"each replica as layout #1 ({lay.label()}; --dp {lay.dp * spec.replicas} --replicas "
-             f"{spec.replicas} in all):"]
+             f"each replica as layout #{rank} ({lay.label()}, {est.memory.total / GIB:.1f} GiB, step "
+             f"{est.time.total:.2f} s; --dp {lay.dp * spec.replicas} --replicas {spec.replicas} in all)" + (":" if rank == 1 else f": the faster ones leave no room beside them "
+                                           f"for a form within the link budget")]
     cols = ["form", "H", "F", "T", "dtype", "MB/step across", "link s/step", "step s", "tokens/s", "link share",
             "+GiB"]
-    body = [[r.form + (" (recommended)" if i == len(rows) - 1 else ""), str(r.sync_every), str(r.fragments),
+    body = [[r.form + (" (recommended)" if recommended and i == len(rows) - 1 else ""), str(r.sync_every),
+             str(r.fragments),
              str(r.overlap), r.dtype, f"{r.bytes_per_step / 1e6:,.1f}", f"{r.link_s:.3f}", f"{r.step_s:.3f}",
              f"{r.tokens_per_s:,.0f}", f"{100 * r.link_share:.1f}%", f"{r.extra_gib:.2f}" + ("" if r.fits else " !")]
             for i, r in enumerate(rows)]
     widths = [max(len(x[c]) for x in [cols] + body) for c in range(len(cols))]
     lines += ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(x, widths)))
               for x in [cols] + body]
+    if not recommended:
+        lines.append(f"recommended: none: no form fits in memory beside any fitting layout of one replica (! marks "
+                     f"what does not fit: a higher --zero shards the outer state, more GPUs leave room for it)")
+        return "\n".join(lines)
     best = rows[-1]
-    verdict = "within" if best.link_share <= BUDGET else "above (no candidate is within)"
+    verdict = "within" if best.link_share <= BUDGET else "above (no candidate that fits is within)"
     lines.append(f"recommended: --replicas {spec.replicas} {best.flags()}  (the link {100 * best.link_share:.1f}% of "
-                 f"the step, {verdict} {100 * BUDGET:g}%)" + ("" if best.fits else "; ! does not fit in memory"))
+                 f"the step, {verdict} {100 * BUDGET:g}%)")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ from tpzoo.models.config import ModelConfig
 
 from .estimate import GIB, Estimate
 from .memory import state_bytes_per_param
+from .post import frozen_text
 from .spec import ClusterSpec, TrainingSpec
 
 
@@ -33,7 +34,8 @@ def stages(est: Estimate) -> list[str]:
     return lines
 
 
-def header(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, considered: int, fitting: int) -> str:
+def header(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, considered: int, fitting: int,
+           ruled_out: int = 0) -> str:
     name = cfg.name or "custom config"
     tokens = training.global_batch_size * training.seq_len
     active = (f", {cfg.num_parameters(active=True) / 1e9:.2f} B active: {cfg.num_experts} experts, top-"
@@ -48,14 +50,22 @@ def header(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, consi
             f"{' (blocks compiled)' if training.compile else ''}, "
             f"{'fused' if training.fused_linear_cross_entropy else 'unfused'} head and loss, "
             f"{f'FP8 {training.fp8} projections, ' if training.fp8 != 'none' else ''}"
+            f"{frozen_text(training)[2:] + ', ' if training.frozen else ''}"
             f"efficiency {cluster.efficiency:g}, reserve {cluster.reserve_gib:g} GiB; "
-            f"{considered} layouts, {fitting} fit")
+            f"{considered} layouts, {fitting} fit"
+            + (f" ({ruled_out:,} ruled out by their memory floor, not estimated)" if ruled_out else ""))
 
 
 def _state_text(training: TrainingSpec) -> str:
+    if training.optimizer == "muon":  # per-parameter figures are AdamW's; Muon's matrices keep 4 bytes less
+        return (f"Muon ({training.muon_ns_steps} Newton-Schulz steps) for the hidden layers' matrices: 4 B/param "
+                f"less optimizer state than AdamW's {state_bytes_per_param(training)}")
     if training.lora_rank:
-        return (f"LoRA rank {training.lora_rank} on every linear layer: frozen base {training.act_bytes} B/param, "
-                f"adapters {state_bytes_per_param(training)}")
+        base = ({"fp8": "block FP8 (1 B/param + scales)", "int4": "int4 (0.5 B/param + scales)"}[training.base_dtype]
+                + f" projections and experts, the rest {training.act_bytes} B/param" if training.base_dtype
+                else f"{training.act_bytes} B/param")
+        return f"LoRA rank {training.lora_rank} on every linear layer: frozen base {base}, adapters " \
+               f"{state_bytes_per_param(training)}"
     return f"training state {state_bytes_per_param(training)}"
 
 
@@ -89,7 +99,7 @@ def table(estimates: list[Estimate], top: int = 10, rejected: int = 5, with_stag
     lines = ["  ".join(cell.ljust(w) if cols[c] in left else cell.rjust(w)
                        for c, (cell, w) in enumerate(zip(r, widths))) for r in rows]
     if not fitting:
-        lines.append("(no layout fits: see the rejected ones below; try a higher --zero level, more GPUs or a shorter sequence)")
+        lines.append("(no layout fits: see the rejected ones below, and the line after them)")
     lines.append("memory in GiB per GPU on the fullest pipeline stage; total = params + grads + optim (fp32 master"
                  " + AdamW) + acts + backward working set + reserve")
     if any(e.layout.boundaries is not None for e in fitting):
@@ -126,7 +136,8 @@ def to_json(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, esti
         "model": cfg.name or "custom", "num_parameters": cfg.num_parameters(),
         **({"active_parameters": cfg.num_parameters(active=True)} if cfg.num_experts else {}),
         "cluster": dataclasses.asdict(cluster), "training": dataclasses.asdict(training),
-        "layouts_considered": len(estimates), "layouts_fitting": sum(e.fits for e in estimates),
+        "layouts_considered": getattr(estimates, "considered", len(estimates)),
+        "layouts_fitting": sum(e.fits for e in estimates),
         "recommended": [e.to_dict() for e in estimates if e.fits][:top],
         "rejected": [e.to_dict() for e in rejected_summary(estimates)][:rejected],
     }, indent=2)

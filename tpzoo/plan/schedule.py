@@ -6,7 +6,9 @@ The in-flight counts are not formulas: they replay the action list that tpzoo.pi
   - zero-bubble only: from B until W the gradient of the chunk's output (the received [b, s, h] gradient, or
     on the last model stage the logits' gradient).
 For reference, this reproduces Korthikanti et al.'s counts: 1F1B holds p micro-batches on the first stage,
-interleaving (1 + (p - 1)/(p v)) times that, GPipe all m.
+interleaving (1 + (p - 1)/(p v)) times that, GPipe all m. Past its warm-up a schedule repeats its steady state,
+so the replay stops at 2 p v + p micro-batches (steady_micro_batches; the large batches of a search would
+otherwise replay thousands of actions per rank).
 """
 from __future__ import annotations
 
@@ -17,10 +19,25 @@ from .spec import Layout
 State = tuple[tuple[int, ...], tuple[int, ...]]  # (activations held per chunk, output gradients held per chunk)
 
 
-@functools.lru_cache(maxsize=4096)
+def steady_micro_batches(schedule: str, pp: int, m: int, v: int = 1) -> int:
+    """m, or fewer micro-batches with the same candidate peaks: past its warm-up (under 2 p v + p micro-batches
+    for 1F1B, zero-bubble and interleaving) a schedule repeats its steady state, and more micro-batches add no new
+    peak (tests/test_plan_floor.py compares the replays). GPipe holds them all: m."""
+    cap = 2 * pp * v + pp
+    if schedule == "gpipe" or m <= cap:
+        return m
+    return cap + (-cap % pp if schedule == "interleaved" else 0)  # (interleaving: m stays a multiple of pp)
+
+
 def held_states(schedule: str, rank: int, pp: int, m: int, v: int = 1) -> tuple[State, ...]:
     """The candidate peaks of rank `rank`: what it holds just before each action that frees something (B, or
     W for zero-bubble), pruned to the states no other one dominates."""
+    return replay_held_states(schedule, rank, pp, steady_micro_batches(schedule, pp, m, v), v)
+
+
+@functools.lru_cache(maxsize=4096)
+def replay_held_states(schedule: str, rank: int, pp: int, m: int, v: int = 1) -> tuple[State, ...]:
+    """held_states from the replay of all m micro-batches."""
     from tpzoo.pipeline import plan
 
     actions = plan(schedule if pp > 1 else "1f1b", rank, pp, m, v)

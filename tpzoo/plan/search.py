@@ -24,12 +24,13 @@ def _divisors(n: int) -> list[int]:
 
 
 LONG_SEQ = 16384  # from this sequence length on, the search also tries context parallelism
+BAR_FROM = 200  # estimates from which search(progress=True) draws a bar
 
 
 def enumerate_layouts(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, max_micro_batch: int = 64,
                       tp: int | None = None, pp: int | None = None, recompute: str | None = None,
                       max_virtual_stages: int = 8, cp: int | None = None, ep: int | None = None,
-                      boundaries: tuple | None = None) -> list[Layout]:
+                      boundaries: tuple | None = None, keep=None) -> list[Layout]:
     """Every layout tpzoo can run on this cluster (check_layout passes): tp within a node, pp <= layers, dp
     the rest; micro-batch sizes dividing the per-replica batch; recompute none/selective/full; sequence
     parallelism with tp > 1; 1F1B, zero-bubble, and interleaved with 2 <= v <= max_virtual_stages chunks per
@@ -38,7 +39,7 @@ def enumerate_layouts(cfg: ModelConfig, cluster: ClusterSpec, training: Training
     num_experts that divide dp * cp). `tp`, `pp`, `recompute`, `cp`, `ep` restrict the search to one value;
     `boundaries` (--pp-boundaries) fixes the split and the pp * v it implies. A pipeline layout of a model whose
     layers differ is also tried with its time-balanced split (plan/balance.py) where that differs from the
-    default."""
+    default. `keep(layout)` False leaves a layout out (before its time-balanced twin is worked out)."""
     out = []
     split = differ = None
     if boundaries is not None:
@@ -74,6 +75,8 @@ def enumerate_layouts(cfg: ModelConfig, cluster: ClusterSpec, training: Training
                                 check_layout(cfg, lay, cluster, training)
                             except ParallelLayoutError:
                                 continue
+                            if keep is not None and not keep(lay):
+                                continue
                             out.append(lay)
                             if differ and pp > 1:
                                 cuts = time_balanced_boundaries(cfg, lay, training)
@@ -100,10 +103,20 @@ def default_boundaries(cfg: ModelConfig, layout: Layout) -> tuple[int, ...]:
     return tuple(a for a, _ in chunk_layer_ranges(cfg, layout.replace(boundaries=None))) + (cfg.num_layers,)
 
 
+class Estimates(list):
+    """search()'s estimates (a list), with what the search left out: `considered` valid layouts in all, `ruled_out`
+    of them not estimated because their memory floor (plan/bound.py) is over the GPU's memory."""
+    considered: int = 0
+    ruled_out: int = 0
+
+
 def search(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, max_micro_batch: int = 64,
-           **only) -> list[Estimate]:
+           progress: bool = False, **only) -> Estimates:
     """Every valid layout (enumerate_layouts; `only`: tp=, pp=, recompute=, cp=, ep=, boundaries=), estimated: the
-    ones that fit first, fastest first; then the rest, fastest first. A fixed ep that the model cannot take (ep not
+    ones that fit first, fastest first; then the rest, fastest first. A layout whose memory floor (plan/bound.py:
+    the average stage's training state and one micro-batch's activations) is over the GPU's memory cannot fit and
+    is not estimated, except, for each (tp, cp, pp, dp, ep) none of whose layouts is left, its lowest-floor one (the
+    table says why it does not fit). `progress`: a bar on stderr. A fixed ep that the model cannot take (ep not
     dividing its experts, ep > 1 for a dense model), or boundaries whose stages no pp * v of a fixed pp gives, is
     one ConfigError line."""
     refuse_moe_lora(cfg, training)
@@ -115,6 +128,60 @@ def search(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, max_m
     if cuts is not None and pp and (len(cuts) - 1) % pp:
         raise ConfigError(f"--pp-boundaries gives {len(cuts) - 1} model stages: not pp * virtual stages for "
                           f"--pp {pp}")
-    layouts = enumerate_layouts(cfg, cluster, training, max_micro_batch, **only)
-    ests = [estimate(cfg, lay, cluster, training) for lay in layouts]
-    return sorted(ests, key=lambda est: (not est.fits, est.time.total, est.memory.total))
+    floors = LayoutFloors(cfg, training, cluster)
+    layouts = enumerate_layouts(cfg, cluster, training, max_micro_batch, keep=floors.keep, **only)
+    layouts += floors.representatives({_group(lay) for lay in layouts})
+    from tpzoo.progress import progress_bar
+
+    with progress_bar(progress and len(layouts) >= BAR_FROM, total=len(layouts), desc="tpzoo plan", unit=" layouts",
+                      leave=False) as bar:
+        ests = []
+        for lay in layouts:
+            ests.append(estimate(cfg, lay, cluster, training))
+            bar.update()
+    out = Estimates(sorted(ests, key=lambda est: (not est.fits, est.time.total, est.memory.total)))
+    out.considered, out.ruled_out = len(layouts) - len(floors.ruled) + floors.count, floors.count
+    return out
+
+
+def _group(lay: Layout) -> tuple:
+    return lay.tp, lay.cp, lay.pp, lay.dp, lay.ep
+
+
+class LayoutFloors:
+    """The memory floor of each layout the enumeration offers (computed once per what it depends on), and the
+    layouts left out for it: their number, and per (tp, cp, pp, dp, ep) the one with the lowest floor."""
+
+    def __init__(self, cfg: ModelConfig, training: TrainingSpec, cluster: ClusterSpec):
+        from .estimate import GIB
+
+        self.cfg, self.training = cfg, training
+        self.limit, self.reserve = cluster.gpu_memory_gib * GIB, cluster.reserve_gib * GIB
+        self.states, self.acts, self.ruled, self.count = {}, {}, {}, 0
+
+    def floor(self, lay: Layout) -> float:
+        from .bound import activation_floor, state_floor
+
+        group = _group(lay)
+        if group not in self.states:
+            self.states[group] = state_floor(self.cfg, lay, self.training)
+        key = (lay.tp, lay.cp, lay.pp, lay.ep, lay.micro_batch_size, lay.recompute, lay.sequence_parallel)
+        if key not in self.acts:
+            self.acts[key] = activation_floor(self.cfg, lay, self.training)
+        return self.states[group] + self.acts[key] + self.reserve
+
+    def keep(self, lay: Layout) -> bool:
+        f = self.floor(lay)
+        if f <= self.limit:
+            return True
+        self.count += 1
+        group = _group(lay)
+        if group not in self.ruled or f < self.ruled[group][0]:
+            self.ruled[group] = (f, lay)
+        return False
+
+    def representatives(self, kept_groups: set) -> list[Layout]:
+        """The lowest-floor layout of each group none of whose layouts was kept (to say why it does not fit)."""
+        reps = [lay for group, (_, lay) in self.ruled.items() if group not in kept_groups]
+        self.ruled = {group: v for group, v in self.ruled.items() if group not in kept_groups}
+        return reps

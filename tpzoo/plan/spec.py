@@ -9,7 +9,7 @@ multiple of 2 * cp, times tp under sequence parallelism); the gradients are redu
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tpzoo.models.config import ModelConfig
 from tpzoo.parallel.dims import ParallelLayoutError
@@ -18,6 +18,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved", "zb", "gpipe")
 KERNELS = ("fused", "reference")
+OPTIMIZERS = ("adamw", "muon")  # TrainConfig's --optimizer choices
 FP8_RECIPES = ("none", "tensorwise", "rowwise")  # tpzoo.parallel.fp8.FP8_RECIPES (a test keeps them equal)
 
 
@@ -56,6 +57,7 @@ class TrainingSpec:
     vocab_padding_multiple: int = 1    # as Transformer(vocab_padding_multiple=...); the vocab pads to tp * this
     kernels: str = "fused"
     lora_rank: int = 0                 # > 0: LoRA on every linear layer of a frozen base (tpzoo.plan.lora)
+    base_dtype: str | None = None      # "fp8" / "int4": that frozen base kept quantized (tpzoo.plan.quant)
     zero: int = 0                      # 1: master + AdamW moments sharded over dp (Megatron distributed
                                        # optimizer); 2: the fp32 gradients too (reduce-scattered per micro-batch);
                                        # 3: the weights too (each layer all-gathered when used)
@@ -66,6 +68,11 @@ class TrainingSpec:
     grad_accumulation_fusion: bool = True  # weight gradients accumulated into the fp32 main grads by the matmul
     compile: bool = False              # regional torch.compile of the blocks (`--compile`): a block's saved tensors
                                        # counted as the fused kernels' (inductor fuses the references the same way)
+    frozen: tuple = field(default=(), hash=False)  # ModelConfigs of frozen models held beside the trained one at
+                                       # its layout, in `dtype`: DPO's reference copy, a distillation teacher
+                                       # (tpzoo.post; plan/post.py)
+    optimizer: str = "adamw"           # "muon": Muon for the hidden layers' matrices (plan/muon.py)
+    muon_ns_steps: int = 5             # its Newton-Schulz iterations
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -76,11 +83,15 @@ class TrainingSpec:
             raise ValueError(f"lora rank must be >= 0, got {self.lora_rank}")
         if self.zero_level not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.fp8 not in FP8_RECIPES:
             raise ValueError(f"fp8 must be one of {', '.join(FP8_RECIPES)}, got {self.fp8!r}")
         if self.zero_level == 3 and self.compile:
             raise ValueError("--compile with --zero 3 is not supported (the per-layer gathers are not composed with "
                              "compilation): use --zero 2")
+        if self.base_dtype is not None and (self.base_dtype not in ("fp8", "int4") or not self.lora_rank):
+            raise ValueError(f"base dtype {self.base_dtype!r}: fp8 or int4, for a LoRA run's frozen base (--lora-rank)")
         if self.zero_level == 3 and self.lora_rank:
             raise ValueError("ZeRO-3 with LoRA is not supported (the frozen base is not sharded): use --zero 2")
 
@@ -213,6 +224,9 @@ def check_layout(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, trainin
         raise ParallelLayoutError(f"global batch {training.global_batch_size} is not divisible by "
                                   f"dp*mbs = {d}*{layout.micro_batch_size}")
     check_experts(cfg, layout, training)
+    from .quant import check_base  # a quantized base splits along whole blocks
+
+    check_base(cfg, t, layout.ep, training.base_dtype)
     if layout.recompute not in RECOMPUTE:
         raise ParallelLayoutError(f"recompute must be one of {RECOMPUTE}")
     if layout.sequence_parallel and (t == 1 or training.seq_len % t):

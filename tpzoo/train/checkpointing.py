@@ -193,9 +193,10 @@ def remove_stale_temp_dirs(save_dir) -> list[Path]:
 
 # The settings that define a run's stream of training sequences: the loader position a checkpoint keeps counts
 # sequences of this data, cut this way, in this order, this many per step. Everything else may change on resume:
-# the layout (tp, cp, pp, dp, ep, ZeRO, schedule), the micro-batch size, --steps, the optimizer, logging and saving.
+# the layout (tp, cp, pp, dp, ep, ZeRO, schedule), the micro-batch size, --steps, the optimizer's settings (not the
+# optimizer itself: its state is AdamW's or Muon's, check_resumable), logging and saving.
 RESUME_KEEPS = ("task", "data", "text_field", "seq_len", "eval_fraction", "seed", "global_batch_size")
-RESUME_KEEPS_SFT = ("packing", "template")  # fine-tuning: how the records become sequences
+RESUME_KEEPS_SFT = ("packing", "template", "objective")  # fine-tuning: how the records become sequences
 
 
 def _same_data(a: list, b: list) -> bool:
@@ -205,10 +206,15 @@ def _same_data(a: list, b: list) -> bool:
 
 
 def check_resumable(cfg, state: dict, path) -> None:
-    """The run being resumed from `path` (its train_state.json `state`) keeps every RESUME_KEEPS setting of
-    `cfg`; else one line naming each one that changed with both values, and what may change instead."""
+    """The run being resumed from `path` (its train_state.json `state`) keeps its --model (a run without --base) and
+    every RESUME_KEEPS setting of `cfg`; else one line naming each one that changed with both values, and what may
+    change instead."""
     saved = {k: v for section in (state.get("config") or {}).values() if isinstance(section, dict)
              for k, v in section.items()}
+    if not (cfg.base or saved.get("base")) and saved.get("model") not in (None, cfg.model):
+        raise ConfigError(f"cannot resume from {path} with --model {cfg.model}: that run trains {saved['model']} "
+                          f"(resume with --model {saved['model']}, or start the new model in another --save "
+                          f"directory)")
     keys = RESUME_KEEPS + (RESUME_KEEPS_SFT if cfg.task == "sft" else ())
     changed = []
     for key in keys:
@@ -217,6 +223,10 @@ def check_resumable(cfg, state: dict, path) -> None:
         then, now = saved[key], getattr(cfg, key)
         if then != now and not (key == "data" and _same_data(then, now)):
             changed.append(f"{key} {now!r} (the checkpoint's run: {then!r})")
+    then = saved.get("optimizer", "adamw")  # a checkpoint from before --optimizer: AdamW's
+    if then != cfg.optimizer:
+        raise ConfigError(f"cannot resume from {path} with --optimizer {cfg.optimizer}: its optimizer state is "
+                          f"{then}'s; start a new run from its weights (--base {path}) in another --save directory")
     if changed:
         raise ConfigError(f"cannot resume from {path} with {'; '.join(changed)}: a resumed run keeps "
                           f"{', '.join(keys)} (its data position counts those sequences); the layout, micro-batch "
@@ -308,6 +318,7 @@ def save_checkpoint(trainer, step: int) -> str:
                 save_model_shards(trainer.chunks, tmp / "optim" / kind, trainer.model_cfg, **lora)
             del full
         outer = diloco_state.save(trainer, tmp, lora)  # DiLoCo: the other replicas and the outer optimizer
+        trainer.objective.save(trainer, tmp)  # DPO's precomputed reference (tpzoo.post)
         (tmp / "rng").mkdir(exist_ok=True)
         (tmp / "rng" / f"rank-{trainer.rank:05d}.json").write_text(json.dumps(_rng_state(trainer.device)))
         if trainer.rank == 0:

@@ -113,8 +113,8 @@ class ParallelSection:
                                               "the fp32 main gradients in the backward matmul (no 16-bit .grad, no "
                                               "separate add; Megatron's gradient_accumulation_fusion)")
     compile: bool = _f(False, "regional torch.compile: each transformer block compiled on its own (graph breaks "
-                              "only at the TP collectives and FP8 projections; the first step compiles, reported "
-                              "once; not with --zero 3; docs/training.md)")
+                              "only at the TP collectives, FP8 projections and MoE's expert dispatch; the first step "
+                              "compiles, reported once; not with --zero 3; docs/training.md)")
     device: str = _f("auto", "where each rank computes: auto (cuda:LOCAL_RANK when CUDA is available, else cpu), "
                              "cpu, cuda or cuda:N", nonempty=True)
     dist_timeout: float = _f(600.0, "seconds a rank may wait on another (a collective, a stalled or dead rank) before "
@@ -157,8 +157,8 @@ class DataSection:
                             "tokenizer, else 'byte'")
     seq_len: int = _f(256, "tokens per training sequence", ge=1)
     global_batch_size: int = _f(16, "sequences per optimizer step, over all data-parallel ranks (a multiple of "
-                                    "micro_batch_size * dp)", ge=1)
-    micro_batch_size: int = _f(8, "sequences per forward/backward; gradient accumulation runs "
+                                    "micro_batch_size * dp); DPO: preference pairs (one pair per sequence)", ge=1)
+    micro_batch_size: int = _f(8, "sequences per forward/backward (DPO: pairs); gradient accumulation runs "
                                   "global / (micro * dp) micro-batches per step", ge=1)
     data_cache: str = _f("runs/data", "where corpora are tokenized once into token stores (reused by later runs)",
                          nonempty=True)
@@ -188,29 +188,66 @@ class LoraSection:
 
 
 @dataclass
+class PostSection:
+    objective: str = _f("lm", "what the fine-tune optimizes: 'lm' (next-token loss on the response tokens), 'dpo' "
+                              "(preference pairs: --data JSONL of prompt/chosen/rejected; tpzoo.post.dpo) or 'distill' "
+                              "(a --teacher's top-K log-probabilities; tpzoo.post.distill)",
+                        choices=("lm", "dpo", "distill"))
+    dpo_beta: float = _f(0.1, "DPO: beta, the strength of the reference's pull (the reward is beta x the log-ratio)",
+                         gt=0)
+    dpo_loss: str = _f("sigmoid", "DPO loss: 'sigmoid' (the paper's) or 'ipo' (TRL's IPO: log-ratios averaged over "
+                                  "the response tokens)", choices=("sigmoid", "ipo"))
+    dpo_label_smoothing: float = _f(0.0, "DPO: conservative DPO's label smoothing eps (the sigmoid loss, Mitchell's "
+                                         "formula: -(1-eps) log sig(z) - eps log sig(-z))", ge=0, lt=0.5)
+    dpo_precompute_ref: bool = _f(False, "DPO: compute every pair's reference log-probabilities once, before the "
+                                         "first step (no reference model held; kept in the checkpoints)")
+    teacher: str = _f("", "distill: the teacher, a tpzoo checkpoint or Hugging Face directory loaded at this run's "
+                          "layout, or a cache written by `tpzoo distill-cache`")
+    distill_topk: int = _f(8, "distill: the teacher's most likely tokens per position the KL runs over", ge=1)
+    distill_temperature: float = _f(1.0, "distill: softmax temperature T of teacher and student (the KL term is "
+                                         "scaled by T^2)", gt=0)
+    distill_alpha: float = _f(0.5, "distill: weight A of the KL term; 1 - A weighs the next-token loss", ge=0, le=1)
+
+
+@dataclass
 class OptimSection:
     lr: float = _f(3e-3, "peak learning rate (0 = the weights never change, e.g. to measure a starting loss)",
                    ge=0)
     min_lr: float = _f(None, "learning rate at the end of the cosine decay (at most lr; unset, it is lr / 10 and "
                              "follows --lr, so --lr 0 runs at 0 throughout)", ge=0)
     warmup_steps: int = _f(15, "linear warmup steps", ge=0)
-    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (matrices and embeddings; not norms or biases)",
-                             ge=0)
+    weight_decay: float = _f(0.1, "decoupled weight decay (AdamW: matrices and embeddings, not norms or biases; "
+                                  "Muon: its matrices)", ge=0)
     beta1: float = _f(0.9, "AdamW beta1", ge=0, lt=1)
     beta2: float = _f(0.95, "AdamW beta2", ge=0, lt=1)
     eps: float = _f(1e-8, "AdamW epsilon", gt=0)
     clip_grad: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)", ge=0)
     label_smoothing: float = _f(0.0, "cross-entropy label smoothing", ge=0, lt=1)
-    router_bias_update_rate: float = _f(1e-3, "mixtures of experts with the sigmoid router (DeepSeek-V3, GLM-4.5): "
+    router_bias_update_rate: float = _f(None, "mixtures of experts with the sigmoid router (DeepSeek-V3, GLM-4.5): "
                                               "auxiliary-loss-free balancing, each layer's selection bias moves by "
                                               "this times sign(mean load - expert load) after every optimizer "
-                                              "step, the loads of the whole step on every rank (0 freezes it)",
-                                        ge=0)
+                                              "step, the loads of the whole step on every rank (0 freezes it; "
+                                              "unset, 1e-3, and 0 for LoRA, whose base stays frozen, selection "
+                                              "biases included)", ge=0)
     router_aux_loss_coef: float = _f(0.0, "mixtures of experts with the sigmoid router: weight of Megatron-Core's "
                                           "sequence-wise auxiliary loss (0 = off, as HF's configs; the softmax "
                                           "routers' load-balancing loss keeps the model config's)", ge=0)
     z_loss: float = _f(0.0, "z-loss weight: adds z_loss * logsumexp(logits)^2 to each trained token's loss (PaLM "
                             "used 1e-4, OLMo 2's pretraining 1e-5; 0 = off; the eval loss never has it)", ge=0)
+    optimizer: str = _f("adamw", "'adamw', or 'muon': Muon (torch.optim.Muon's rule, lr x 0.2 x sqrt(max(rows, "
+                                 "cols)), so --lr and --weight-decay carry over) for the hidden layers' matrices, "
+                                 "each projection and expert orthogonalized whole, AdamW for the rest "
+                                 "(docs/training.md)", choices=("adamw", "muon"))
+    muon_momentum: float = _f(0.95, "Muon's (Nesterov) momentum", ge=0, lt=1)
+    muon_ns_steps: int = _f(5, "Muon's Newton-Schulz iterations", ge=1, le=99)
+    muon_ns_dtype: str = _f("bf16", "dtype of Muon's Newton-Schulz iteration and of the matrices' exchange: 'bf16' "
+                                    "(torch.optim.Muon's) or 'fp32' (Megatron-Core's default; faster on CPUs "
+                                    "without bf16 matmul units, twice the bytes)", choices=("bf16", "fp32"))
+    qk_clip: float = _f(0.0, "MuonClip (Kimi K2): after each step, scale the q and k projection rows of every "
+                             "attention head whose largest pre-softmax logit of the step exceeded this by "
+                             "sqrt(qk_clip / logit) (0 = off; needs --optimizer muon)", ge=0)
+    log_max_attn_logit: bool = _f(False, "log the step's largest pre-softmax attention logit as max_attn_logit "
+                                         "(always on with --qk-clip; costs an extra q k^T per attention layer)")
 
 
 @dataclass
@@ -241,12 +278,18 @@ class LogSection:
 
 # Fields whose unset default (None) is computed from other fields, so that it follows them: the value a run uses
 # (cfg.min_lr, to_dict, --print-config) is always a number. lr / 10 is rounded to 15 significant digits, so that
-# 3e-3 gives 3e-4 (the number written in a config), not 3.0000000000000003e-4.
-FOLLOWS: dict[str, Callable[["TrainConfig"], Any]] = {"min_lr": lambda cfg: float(f"{cfg.lr / 10:.15g}")}
+# 3e-3 gives 3e-4 (the number written in a config), not 3.0000000000000003e-4. router_bias_update_rate: 0 for LoRA,
+# whose base stays frozen, the routers' selection biases included (a LoRA checkpoint and a PEFT adapter hold only the
+# adapters); the MoE kind's run_settings (models/kinds/moe.py) also knows a resumed LoRA run given without --lora-rank.
+ROUTER_BIAS_UPDATE_RATE = 1e-3  # DeepSeek-V3's gamma
+FOLLOWS: dict[str, Callable[["TrainConfig"], Any]] = {
+    "min_lr": lambda cfg: float(f"{cfg.lr / 10:.15g}"),
+    "router_bias_update_rate": lambda cfg: 0.0 if (cfg.lora_rank or cfg.lora_from) else ROUTER_BIAS_UPDATE_RATE}
 
 SECTIONS = {"run": RunSection, "model": ModelSection, "parallel": ParallelSection, "replicas": ReplicaSection,
             "data": DataSection,
-            "lora": LoraSection, "optim": OptimSection, "checkpoint": CheckpointSection, "log": LogSection}
+            "lora": LoraSection, "post": PostSection, "optim": OptimSection, "checkpoint": CheckpointSection,
+            "log": LogSection}
 
 # Where a value came from, for error messages: one text for every key, or a function of the key.
 Where = str | Callable[[str], str] | None
@@ -275,7 +318,12 @@ class TrainConfig:
         return f"TrainConfig({self.to_dict()})"
 
     def __getstate__(self) -> dict:
-        return self.to_dict()
+        """to_dict without the FOLLOWS fields left unset: on the other side (a rank) they still follow."""
+        out = self.to_dict()
+        for name in FOLLOWS:
+            if not self.is_set(name):
+                del out[_FIELD_SECTION[name]][name]
+        return out
 
     def __setstate__(self, state: dict) -> None:
         object.__setattr__(self, "_sections", {name: cls() for name, cls in SECTIONS.items()})
@@ -283,6 +331,10 @@ class TrainConfig:
 
     def section(self, name: str):
         return self._sections[name]
+
+    def is_set(self, name: str) -> bool:
+        """Whether field `name` was given a value (a FOLLOWS field left unset follows the others)."""
+        return getattr(self._sections[_FIELD_SECTION[name]], name) is not None
 
     def set(self, name: str, value: Any, where: str = "") -> None:
         """Set one field, checked (type, range, choices); `where` (a file:line, a flag) prefixes any error."""
@@ -344,6 +396,14 @@ class TrainConfig:
         if self.compile and self.zero_level == 3:
             raise ConfigError("--compile with --zero 3: the per-layer gathers (hooks on the compiled blocks) are not "
                               "composed with compilation; use --zero 2")
+        if self.qk_clip > 0 and self.optimizer != "muon":
+            raise ConfigError(f"--qk-clip {self.qk_clip:g} is MuonClip: it needs --optimizer muon (to watch the "
+                              f"logits with AdamW: --log-max-attn-logit)")
+        if self.optimizer == "muon" and self.replicas > 1:
+            raise ConfigError(f"--optimizer muon with --replicas {self.replicas}: not implemented yet (DiLoCo's "
+                              f"replicas and their checkpoints keep AdamW's state); use --optimizer adamw")
+        if self.qk_clip > 0 and (self.lora_rank or self.lora_from):
+            raise ConfigError(f"--qk-clip {self.qk_clip:g} with LoRA: the q and k projections are frozen")
         if self.zero3_gather_per_step and self.zero_level != 3:
             raise ConfigError(f"zero3_gather_per_step needs --zero 3 (zero = {self.zero_level})")
         if self.task == "sft" and self.document_masking:
@@ -355,10 +415,25 @@ class TrainConfig:
             parse_mixture(self.data, self.mix)  # weights and paths pair, weights are positive numbers
         elif self.mix:
             raise ConfigError("a [data] mix table is for pretraining; fine-tuning takes one JSONL file (--data)")
+        self._validate_objective()
         if self.task == "sft" and len(self.data) != 1:
             raise ConfigError(f"task 'sft' needs exactly one SFT JSONL file (--data PATH.jsonl), got "
                               f"{len(self.data)}: {self.data}")
         return self
+
+    def _validate_objective(self) -> None:
+        """--objective against the task and the objective's own settings (tpzoo.post)."""
+        if self.objective != "lm" and self.task != "sft":
+            raise ConfigError(f"--objective {self.objective} fine-tunes: use `tpzoo finetune` (task 'sft')")
+        if self.objective == "distill" and not self.teacher:
+            raise ConfigError("--objective distill needs --teacher (a checkpoint, a Hugging Face directory or a "
+                              "`tpzoo distill-cache` directory)")
+        if self.teacher and self.objective != "distill":
+            raise ConfigError(f"--teacher is for --objective distill (the objective is {self.objective!r})")
+        if self.dpo_precompute_ref and self.objective != "dpo":
+            raise ConfigError(f"--dpo-precompute-ref is for --objective dpo (the objective is {self.objective!r})")
+        if self.dpo_loss == "ipo" and self.dpo_label_smoothing:
+            raise ConfigError("--dpo-label-smoothing is conservative DPO, a form of the sigmoid loss, not of ipo")
 
     def _validate_sync(self) -> None:
         """DiLoCo's schedule: fragments fit the interval, the overlap fits a fragment's share of it."""
@@ -471,7 +546,8 @@ def _flatten(d: dict, where: str, lines: dict | None = None) -> dict:
                             else _did_you_mean(kk, k))
                     raise ConfigError(f"{at(k, kk)}: [{k}] has no key {kk!r}{hint}")
                 flat[kk] = vv
-        elif isinstance(v, dict) and k not in _FIELD_SECTION:
+        elif isinstance(v, dict) and (k not in _FIELD_SECTION or _field_type(_FIELDS[k]) is not dict):
+            # a table: a section (a field that takes a table, [mix], aside), even when a field has its name
             best = suggest(k, SECTIONS)
             hint = f" (did you mean [{best}]?)" if best else f"; sections: {', '.join(SECTIONS)}"
             raise ConfigError(f"{at(None, k)}: unknown section [{k}]{hint}")

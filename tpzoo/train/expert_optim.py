@@ -23,12 +23,14 @@ def is_expert(p) -> bool:
 
 class ExpertParallelAdamW:
     """`expert_group`: where the expert weights' gradients are summed ("edp"; a replica's own "replica_edp" when
-    DiLoCo's replicas train alone, tpzoo.train.diloco); the other keywords go to both DistributedAdamW."""
+    DiLoCo's replicas train alone, tpzoo.train.diloco); `inner`: the optimizer class of both parts
+    (DistributedAdamW, or tpzoo.train.muon.DistributedMuon with its keywords bound); the other keywords go to
+    both."""
 
-    def __init__(self, params, dims, expert_group: str = "edp", **kw):
+    def __init__(self, params, dims, expert_group: str = "edp", inner=DistributedAdamW, **kw):
         params = list(params)
-        self.dense = DistributedAdamW([p for p in params if not is_expert(p)], dims, **kw)
-        self.experts = DistributedAdamW([p for p in params if is_expert(p)], dims, **{**kw, "group": expert_group})
+        self.dense = inner([p for p in params if not is_expert(p)], dims, **kw)
+        self.experts = inner([p for p in params if is_expert(p)], dims, **{**kw, "group": expert_group})
         self.parts = (self.dense, self.experts)
         self.device = dims.device
 
@@ -44,9 +46,9 @@ class ExpertParallelAdamW:
     def global_grad_norm(self, flag: float = 0.0) -> tuple[float, float]:
         return self.dense.global_grad_norm(flag, extra_sq=self.experts.local_sq_norm())
 
-    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+    def step(self, lr: float, grad_scale: float = 1.0, **kw) -> None:
         for o in self.parts:
-            o.step(lr, grad_scale)
+            o.step(lr, grad_scale, **kw)
 
     @property
     def step_count(self) -> int:
@@ -63,7 +65,8 @@ class ExpertParallelAdamW:
         return self.dense.padded + self.experts.padded
 
     def state_kinds(self) -> list[str]:
-        return self.dense.state_kinds()
+        kinds = self.dense.state_kinds()
+        return kinds + [k for k in self.experts.state_kinds() if k not in kinds]
 
     def full_state(self, kind: str) -> torch.Tensor:
         return torch.cat([o.full_state(kind) for o in self.parts])

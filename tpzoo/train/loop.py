@@ -1,11 +1,12 @@
 """The training loop: `train(config) -> result`, on every rank, at any (tp, cp, pp, dp).
 
-One optimizer step: the step's micro-batches (global batch / (micro batch * dp) per dp rank) go through
-`tpzoo.pipeline.forward_backward` with loss scale 1 / (non-ignored tokens of the whole global batch), so the summed
-gradients are those of the global mean loss at every layout; `finalize_grads` does the TP and tied-embedding
-reductions, the optimizer the fp32 data-parallel reduction (all-reduce, or reduce-scatter under ZeRO-1; by default each
-gradient bucket starts reducing during the backward passes and the optimizer waits for what is still in
-flight), the global norm, clipping and AdamW.
+One optimizer step: the step's micro-batches (global batch / (micro batch * dp) per dp rank) go through the run's
+objective (tpzoo.post: `tpzoo.pipeline.forward_backward` for the next-token loss; DPO, distillation) with loss scale
+1 / (non-ignored tokens, DPO: pairs, of the whole global batch), so the summed gradients are those of the global
+mean loss at every layout; `finalize_grads` does the TP and tied-embedding reductions, the optimizer the fp32
+data-parallel reduction (all-reduce, or reduce-scatter under ZeRO-1; by default each gradient bucket starts reducing
+during the backward passes and the optimizer waits for what is still in flight), the global norm, clipping and
+AdamW.
 
 Device. The trainer owns it: `init_parallel(device=cfg.device)` picks it once (cuda:LOCAL_RANK when CUDA is
 available, else cpu; --device overrides), the model chunks are built on meta and materialized there (then
@@ -26,7 +27,7 @@ import torch
 
 import tpzoo
 from tpzoo.checkpoint.lora_io import lora_metadata
-from tpzoo.data import IGNORE_INDEX, micro_batches_per_step, single_documents_dropped
+from tpzoo.data import micro_batches_per_step, single_documents_dropped
 from tpzoo.errors import ConfigError
 from tpzoo.models import LossOptions, ModelLayout
 from tpzoo.models.aux import after_optimizer_step
@@ -35,12 +36,14 @@ from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.parallel.fp8 import enable_fp8
 from tpzoo.parallel.fp8 import hardware_problem as fp8_hardware_problem
 from tpzoo.parallel.state import get_dims, is_initialized, job_world_size
-from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward, materialize_chunks
+from tpzoo.pipeline import build_model_chunks, finalize_grads, materialize_chunks
+from tpzoo.post.objective import objective_of
+from tpzoo.quant import refuse_full_training
 
 from . import checkpointing as ckpt
-from . import diloco, diloco_state, lora_setup
+from . import diloco, diloco_state, lora_setup, qk_clip
 from . import rundir
-from .compile import compile_blocks, compile_report, graph_breaks
+from .compile import compile_blocks, compile_report, graph_breaks, recompiles
 from .compile import eager as compile_eager
 from .config import TrainConfig
 from .data import build_datasets, data_metrics, held_out_losses, make_loader
@@ -50,8 +53,7 @@ from .loss_scale import DynamicLossScaler
 from .lr import lr_at
 from .metrics import MetricsLogger, Throughput, eval_text, format_line, peak_memory_gb, window_means
 from .oom import OOM_ERRORS, out_of_memory
-from .expert_optim import ExpertParallelAdamW
-from .optim import DistributedAdamW
+from .optimizers import build_optimizer
 from .run_model import resolve_run_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -115,10 +117,12 @@ class Trainer:
         self.n_micro = micro_batches_per_step(cfg.global_batch_size, cfg.micro_batch_size, self.dp)
         _seed_everything(cfg.seed)
 
-        # the model, its tokenizer and the train state resumed: the rules the preflight checked (run_model.py)
+        # the model, its tokenizer, its LoRA and the train state resumed: the rules the preflight checked
+        # (run_model.py). LoRA: the base frozen in the model dtype (it has no fp32 master), the adapters trained.
         self.run_model = run_model = resolve_run_model(cfg, resume=self.run_dir.resume_from)
         self.resume_dir, self.train_state = run_model.resume, run_model.state
         self.tokenizer, self.model_cfg = run_model.tokenizer, run_model.config
+        self.lora, self.lora_base = run_model.lora, run_model.lora_base
         model_cfg = self.model_cfg
         if model_cfg.position == "learned" and cfg.seq_len > model_cfg.max_position_embeddings:
             raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
@@ -127,8 +131,8 @@ class Trainer:
         # Built on meta, then materialized on the device: initialized there, or filled straight from the
         # checkpoint (each rank reads only its slices). In fp32, so that a bf16 run's fp32 master weights start
         # from the exact initial (or loaded) values.
-        # LoRA: the base frozen in the model dtype (it has no fp32 master), the adapters trained.
-        self.lora, self.lora_base = lora_setup.lora_of_run(cfg, self.resume_dir)
+        if not self.lora:  # a kept-quantized base trains adapters only (preflight says so first)
+            refuse_full_training(model_cfg, f"--base {cfg.base}" if cfg.base else "the model")
         # What every LoRA checkpoint of the run records: the adapter config and the base as it was at the start
         # (fingerprinted once here, not at every save).
         self.lora_meta = lora_metadata(self.lora, self.lora_base) if self.lora else None
@@ -159,17 +163,16 @@ class Trainer:
                 ckpt.load_weights(self.chunks, weights_from)
         # Regional torch.compile (tpzoo.train.compile): each block, in place, once its weights are in place
         self.compiled_blocks = compile_blocks(self.chunks) if cfg.compile else 0
-        # Expert weights under ep > 1 reduce over their own group: a second AdamW (tpzoo.train.expert_optim).
+        # AdamW or Muon; expert weights under ep > 1 reduce over their own group (tpzoo.train.optimizers).
         trainable = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
-        experts = dims.ep > 1 and any(getattr(p, "expert_parallel", False) for p in trainable)
-        self.optimizer = (ExpertParallelAdamW if experts else DistributedAdamW)(  # all parameters, or the adapters
-            trainable, dims,
-            model_dtype=DTYPES[cfg.dtype], zero=cfg.zero_level, overlap=cfg.overlap_grad_reduce,
-            bucket_elems=cfg.grad_bucket_elems, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-            weight_decay=cfg.weight_decay, modules=self.chunks, keep_gathered=cfg.zero3_gather_per_step,
-            grad_accumulation_fusion=cfg.grad_accumulation_fusion, **diloco.optimizer_groups(cfg, dims))
+        self.optimizer = build_optimizer(cfg, dims, self.chunks, trainable, DTYPES[cfg.dtype])
+        # MuonClip's logits (--qk-clip, --log-max-attn-logit): recorded in the step's forwards
+        self.logits = qk_clip.create(cfg, dims, self.chunks)
 
-        self.train_ds, self.eval_ds, self.data_desc = build_datasets(cfg, self.tokenizer)
+        # What the step computes (tpzoo.post: the next-token loss, DPO, distillation) and, for some, their data
+        self.objective = objective_of(cfg)
+        sets = self.objective.datasets(cfg, self.tokenizer)
+        self.train_ds, self.eval_ds, self.data_desc = sets or build_datasets(cfg, self.tokenizer)
         self.pin = self.device.type == "cuda"
         self.loader = make_loader(self.train_ds, cfg, self.dp_rank, self.dp, pin_memory=self.pin)
         self.start_step, self.skips = 0, 0
@@ -187,6 +190,8 @@ class Trainer:
         self.replica_sync = diloco.ReplicaSync.create(cfg, dims, self.optimizer, self.chunks)
         if self.train_state is not None:
             diloco_state.load(self.replica_sync, self.resume_dir, self.train_state, self.chunks)
+        self.objective.setup(self)  # a reference / teacher, a precomputed table: once the model and data exist
+        self.eval_metrics: dict = {}
 
         self.log_dir = cfg.log_dir or cfg.save
         self.logger = MetricsLogger(self.is_main, self.log_dir or None, cfg.steps, self.start_step,
@@ -217,24 +222,26 @@ class Trainer:
         if step in cfg.inject_oom_steps:
             raise OOM_ERRORS[0]("CUDA out of memory. Tried to allocate 2.00 GiB (injected: inject_oom_steps)")
         host = [self._local(next(self.loader)) for _ in range(self.n_micro)]
-        local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in host)  # counted on the host copy
+        local_count = self.objective.count(host, self.dims)  # trained tokens (DPO: pairs), on the host copy
         batches = [self._to_device(b) for b in host]
-        (tokens,) = self._global_sum([local_tokens], self.grad_group)
+        (tokens,) = self._global_sum([local_count], self.grad_group)
         loss_scale = self.scaler.scale if self.scaler else 1.0
         scale = loss_scale / max(tokens, 1.0)
         if step in cfg.inject_nan_steps:
             scale = float("nan")
         self.optimizer.zero_grad()
-        out = forward_backward(self.chunks, batches, self.dims, schedule=cfg.schedule, loss_scale=scale,
-                               loss=self.loss)
+        if self.logits is not None:
+            self.logits.begin()
+        out = self.objective.forward_backward(self, batches, scale)
         finalize_grads(self.chunks, self.dims)
         self.optimizer.reduce_grads()
-        (loss_sum,) = self._global_sum([out["loss_sum"]], self.grad_group)
+        loss_sum, *sums = self._global_sum([out["loss_sum"], *out["metrics"].values()], self.grad_group)
         loss = loss_sum / max(tokens, 1.0)
         grad_norm, bad = self.optimizer.global_grad_norm(flag=0.0 if math.isfinite(loss) else 1.0)
         grad_norm /= loss_scale  # the norm of the true (unscaled) gradients
         lr = lr_at(step - 1, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
         skipped = bad > 0 or not math.isfinite(grad_norm)
+        logits = self.logits.finish(clip=not skipped) if self.logits is not None else None
         # fp16 with a finite loss: the gradients overflowed at this loss scale. Expected now and then: skip the
         # step and let the scaler back off, without counting it as divergence (until the scale cannot shrink).
         overflow = skipped and bad == 0 and self.scaler is not None and loss_scale > self.scaler.min_scale
@@ -249,7 +256,8 @@ class Trainer:
         else:
             self.skips = 0
             clip = cfg.clip_grad / (grad_norm + 1e-6) if cfg.clip_grad > 0 and grad_norm > cfg.clip_grad else 1.0
-            self.optimizer.step(lr, clip / loss_scale)  # unscale and clip in the update's one pass
+            extra = {"clip_rows": logits.rows} if logits is not None and logits.rows else {}  # MuonClip
+            self.optimizer.step(lr, clip / loss_scale, **extra)  # unscale and clip in the update's one pass
             if self.scaler:
                 self.scaler.update(False)
         # non-gradient state updated from the step (a router's selection bias; dropped on a skipped step)
@@ -259,10 +267,13 @@ class Trainer:
         strict.check_all_waited(f"the end of training step {step}")  # strict collective mode; else a no-op
         seconds = time.perf_counter() - t0
         self.throughput.add(self.tokens_per_step, seconds)
-        m = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(tokens),
+        m = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, self.objective.unit: int(tokens),
              "step_time": seconds, "skipped": self.skips if skipped and not overflow else 0}
+        m.update({k: v / max(tokens, 1.0) for k, v in zip(out["metrics"], sums)})  # DPO's rewards/..., ...
         if self.scaler:
             m["loss_scale"] = loss_scale
+        if logits is not None:
+            m["max_attn_logit"] = logits.max_logit
         if self.replica_sync is not None:
             m.update(m_sync)
         return m
@@ -281,12 +292,14 @@ class Trainer:
                    heldout_batches(dataset, cfg.eval_batches, cfg.micro_batch_size, rank, ranks)]
         for c in self.chunks:
             c.eval()
-        out = forward_backward(self.chunks, batches, self.dims, schedule=cfg.schedule, forward_only=True,
-                               loss=self.held_out)
+        out = self.objective.evaluate(self, batches)
         for c in self.chunks:
             c.train()
-        loss_sum, tokens = self._global_sum([out["loss_sum"], out["tokens"]], self.grad_group)
+        loss_sum, tokens, *sums = self._global_sum([out["loss_sum"], out["count"], *out["metrics"].values()],
+                                                   self.grad_group)
         strict.check_all_waited("the end of evaluation")
+        # an objective's held-out metrics (DPO's eval_rewards/..., TRL's names), logged with eval_loss
+        self.eval_metrics = {f"eval_{k}": v / max(tokens, 1.0) for k, v in zip(out["metrics"], sums)}
         return loss_sum / max(tokens, 1.0)
 
     # -- the run --------------------------------------------------------------------------------------------
@@ -302,6 +315,8 @@ class Trainer:
             f"batch {cfg.global_batch_size}x{cfg.seq_len} ({self.n_micro} micro-batches of {cfg.micro_batch_size}"
             f" per dp rank) | data {self.data_desc}"
             + (f" | resumed from {self.resume_dir} at step {self.start_step}" if self.resume_dir else ""))
+        if self.objective.describe():
+            self.logger.print(self.objective.describe())
         if self.fp8_report.line():
             self.logger.print(self.fp8_report.line())
         if self.replica_sync is not None:
@@ -325,6 +340,7 @@ class Trainer:
                      data_wait=self.loader.wait_fraction, **data_metrics(self.loader, cfg.seq_len))
             if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
                 m.update(held_out_losses(self))  # eval_loss (None without a held-out split), a mixture's per source
+                m.update(self.eval_metrics)
                 eval_loss = m["eval_loss"]
             history.append(m)
             self.logger.step(m)
@@ -351,7 +367,8 @@ class Trainer:
                   "fp8": {"recipe": self.fp8_report.recipe, "layers": len(self.fp8_report.fp8_layers),
                           "fallbacks": [name for name, _, _ in self.fp8_report.fallbacks]},
                   "compile": {"blocks": self.compiled_blocks,
-                              "graph_breaks": dict(graph_breaks()) if self.compiled_blocks else {}}}
+                              "graph_breaks": dict(graph_breaks()) if self.compiled_blocks else {},
+                              "recompiles": dict(recompiles()) if self.compiled_blocks else {}}}
         if history:
             self.logger.print(f"loss: first {history[0]['loss']:.4f} (step {history[0]['step']}) -> last "
                               f"{history[-1]['loss']:.4f} (step {history[-1]['step']})")
@@ -375,6 +392,9 @@ class Trainer:
         try:
             if self.replica_sync is not None:
                 self.replica_sync.close()
+            self.objective.close()
+            if self.logits is not None:
+                self.logits.close()
             self.loader.close()
             self.logger.close()
         finally:

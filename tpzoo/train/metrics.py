@@ -93,6 +93,12 @@ def format_line(m: dict) -> str:
     parts = [f"step {m['step']:>6d}", f"loss {m['loss']:.4f}", f"grad_norm {m['grad_norm']:.3f}",
              f"lr {m['lr']:.2e}", f"tok/s {m['tokens_per_s']:,.0f}", f"TFLOP/s/dev {m['tflops_per_device']:.3f}",
              f"MFU {mfu}", f"mem {m['peak_mem_gb']:.2f}GB", f"data_wait {100 * m['data_wait']:.1f}%"]
+    if "rewards/accuracies" in m:  # DPO (tpzoo.post.dpo): TRL's reward accuracy and margin
+        parts.append(f"acc {m['rewards/accuracies']:.3f} margin {m['rewards/margins']:.4f}")
+    if "distill/kl" in m:  # distillation (tpzoo.post.distill): the sparse KL and the next-token loss per token
+        parts.append(f"kl {m['distill/kl']:.4f} ce {m['distill/ce']:.4f}")
+    if m.get("max_attn_logit") is not None:  # MuonClip (tpzoo.train.qk_clip): the step's largest logit
+        parts.append(f"max_logit {m['max_attn_logit']:.2f}")
     if "sync_bytes" in m:  # replicas (tpzoo.train.diloco): sent across them by this rank, seconds blocked on it
         parts.append(f"sync {m['sync_bytes'] / 1e6:.3f} MB {m['sync_s']:.3f}s")
     seen = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("tokens_seen/")}
@@ -103,7 +109,7 @@ def format_line(m: dict) -> str:
     return " | ".join(parts)
 
 
-WINDOW_MEANS = ("loss", "sync_bytes", "sync_s")
+WINDOW_MEANS = ("loss", "sync_bytes", "sync_s", "rewards/accuracies", "rewards/margins", "distill/kl", "distill/ce")
 
 
 def window_means(window: list[dict]) -> dict:
@@ -151,8 +157,9 @@ class MetricsLogger:
         if self.jsonl:
             self.jsonl.write_row({k: _jsonable(v) for k, v in m.items()})
         if self.tb:
-            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "eval_loss",
-                      *(k for k in m if k.startswith(("eval_loss/", "tokens_seen/")))):
+            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "eval_loss", "max_attn_logit",
+                      *(k for k in m if k.startswith(("eval_loss/", "tokens_seen/", "rewards/", "logps/", "distill/",
+                                                      "eval_rewards/", "eval_logps/")))):
                 if m.get(k) is not None and isinstance(m[k], (int, float)) and math.isfinite(m[k]):
                     self.tb.add_scalar(_tb_tag(k), m[k], m["step"])
         if self.bar:
@@ -216,8 +223,8 @@ class JsonlAppender:
 
 
 def _tb_tag(key: str) -> str:
-    if key.startswith("eval_loss"):  # eval_loss -> eval/loss, eval_loss/web -> eval/loss/web
-        return "eval/loss" + key[len("eval_loss"):]
+    if key.startswith("eval_"):  # eval_loss -> eval/loss, eval_loss/web -> eval/loss/web, eval_rewards/chosen ...
+        return "eval/" + key[len("eval_"):]
     return f"data/{key}" if key.startswith("tokens_seen/") else f"train/{key}"
 
 

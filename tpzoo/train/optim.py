@@ -280,21 +280,31 @@ class DistributedAdamW:
         if self._lists_key != key:
             self._lists = []
             for decay in (True, False):
-                runs = [r for r in self.ranges if r[2] == decay]
+                runs = [r for r in self._adamw_runs() if r[2] == decay]
                 if runs:
-                    lists = [[self.master_range(a, b, f) for a, b, _, f in runs]]
-                    lists += [[t[a:b] for a, b, _, _ in runs] for t in (g, self.exp_avg, self.exp_avg_sq)]
-                    self._lists.append((decay, lists))
+                    self._lists.append((decay, [[self.master_range(a, b, f) for a, b, _, f, _ in runs],
+                                                [g[a:b] for a, b, *_ in runs],
+                                                [self.exp_avg[a:b] for a, b, *_ in runs],
+                                                [self.exp_avg_sq[c:c + b - a] for a, b, _, _, c in runs]]))
             self._lists_key = key
         return self._lists
+
+    def _adamw_runs(self) -> list[tuple[int, int, bool, int, int]]:
+        """(start, end, decayed, flat start, position in exp_avg_sq) of the owned runs AdamW updates: all of them
+        here (Muon takes its matrices' runs and packs exp_avg_sq: tpzoo.train.muon)."""
+        return [(a, b, decay, f, a) for a, b, decay, f in self.ranges]
 
     @torch.no_grad()
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         """One AdamW update of the owned range with gradients multiplied by `grad_scale` (clipping, loss-scale
         unscaling), then publish the new weights to every rank's parameters. Fused: two multi-tensor kernels
         (decayed and not), the gradient scale folded in (the kernel divides by its reciprocal)."""
-        g = self.grad_owned
         self.step_count += 1
+        self._adamw_update(self.grad_owned, lr, grad_scale)
+        self.publish()
+
+    def _adamw_update(self, g: torch.Tensor, lr: float, grad_scale: float) -> None:
+        """AdamW on the runs of `_update_lists` (every owned element here; Muon's AdamW share in its subclass)."""
         if _FUSED is None:
             if grad_scale != 1.0:
                 g.mul_(grad_scale)  # the gradients are consumed by this step: scale in place, no temporary
@@ -307,7 +317,6 @@ class DistributedAdamW:
                 _FUSED(*lists, [], [step] * len(lists[0]), lr=lr, beta1=self.betas[0], beta2=self.betas[1],
                        weight_decay=self.weight_decay if decay else 0.0, eps=self.eps, amsgrad=False,
                        maximize=False, grad_scale=unscale)
-        self.publish()
 
     def _step_reference(self, lr: float, g: torch.Tensor) -> None:
         """torch.optim.AdamW's arithmetic in multi-tensor ops (its foreach implementation's sequence; torch without

@@ -25,6 +25,8 @@ from pathlib import Path
 
 from tpzoo.errors import ConfigError, DataError
 
+from . import optimizers
+
 __all__ = ["check_train", "check_eval", "check_generate", "check_layout"]
 
 
@@ -37,10 +39,12 @@ def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str
     (ParallelLayoutError, PartitionError). The layout against the world size is tpzoo.parallel.dims.check_layout's
     (TrainConfig.data_parallel_size, _check_checkpoint)."""
     from tpzoo.pipeline import partition_layers
+    from tpzoo.quant import check_split
     from tpzoo.pipeline.partition import PartitionError
 
     check_experts(model_cfg, ep, what)
     check_kinds(model_cfg, tp, 1, ep, what)
+    check_split(model_cfg, tp)  # a kept-quantized model: along whole blocks
     try:
         partition_layers(model_cfg, pp, boundaries or None, virtual_stages=virtual_stages)
     except PartitionError as e:
@@ -207,25 +211,30 @@ def check_train(cfg, world_size: int | None = None):
         raise ConfigError(f"sync_fragments={cfg.sync_fragments} is more than the {model_cfg.num_layers} layers of "
                           f"{label}")
     check_tokenizer(run.tokenizer_spec, model_cfg.vocab_size if run.fixed_vocab else None, label)
-    check_lora(cfg, model_cfg, run.resume)
-    if cfg.task == "sft":
+    check_lora(cfg, model_cfg, run.lora)
+    optimizers.check(cfg, model_cfg, label)  # --optimizer muon, --qk-clip
+    if cfg.objective != "lm":  # DPO's pairs, a distillation teacher (tpzoo.post)
+        from tpzoo.post.checks import check_objective
+
+        check_objective(cfg, model_cfg)
+    elif cfg.task == "sft":
         _check_sft_data(cfg)
     else:
         _check_pretrain_data(cfg)
     return model_cfg
 
 
-def check_lora(cfg, model_cfg, resume) -> None:
-    """LoRA settings against the model: the adapter config (--lora-from's or the flags'), its targets, its base
-    (a resumed LoRA run's must be there, unchanged); `resume`: the checkpoint the run resumes, or None."""
+def check_lora(cfg, model_cfg, lcfg) -> None:
+    """LoRA settings against the model (`lcfg`: the run's adapter config, None without LoRA: run_model.py, which
+    also found its base): a full run of a kept-quantized base is refused, the adapters' targets must exist."""
     from tpzoo.models import ModelLayout, Transformer
     from tpzoo.models.lora import check_targets
     from tpzoo.parallel import ParallelDims
+    from tpzoo.quant import refuse_full_training
 
-    from .lora_setup import lora_of_run
-
-    lcfg, _ = lora_of_run(cfg, resume)
-    if lcfg is not None:
+    if lcfg is None:
+        refuse_full_training(model_cfg, f"--base {cfg.base}" if cfg.base else "the model")
+    else:
         check_targets(Transformer(model_cfg, ModelLayout(ParallelDims.for_rank(), device="meta")), lcfg)
 
 
@@ -266,7 +275,14 @@ def _check_checkpoint(args, world_size: int | None):
 
 def check_eval(args, world_size: int | None = None) -> None:
     _positive(args, "batch_size", "seq_len", "max_tokens")
-    check_text_file(args.text_file, "--text-file")  # before the checkpoint: it is the cheaper of the two
+    if getattr(args, "objective", "lm") == "dpo":  # preference pairs (tpzoo.post.checks)
+        from tpzoo.post.checks import check_dpo_eval
+
+        check_dpo_eval(args)
+    elif not args.text_file:
+        raise ConfigError("--text-file is required (or --objective dpo --data PAIRS.jsonl)")
+    else:
+        check_text_file(args.text_file, "--text-file")  # before the checkpoint: it is the cheaper of the two
     model_cfg, what = _check_checkpoint(args, world_size)
     if args.seq_len:
         check_positions(model_cfg, args.seq_len, what)

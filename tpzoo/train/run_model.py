@@ -9,8 +9,11 @@ The rules, in order:
   - `--base DIR` (a tpzoo checkpoint or a Hugging Face directory): its config; the tokenizer is --tokenizer, else
     the one saved in DIR, else the byte tokenizer;
   - a named config (`--model`): its vocabulary is --vocab-size, else the tokenizer's size;
+  - whether it trains LoRA adapters, and on which base (lora_setup.lora_of_run: the flags, --lora-from, or the
+    resumed run's);
   - then every registered layer kind sets the run's settings it takes (models/kinds: `run_settings`, e.g. the
-    sigmoid router's --router-bias-update-rate and --router-aux-loss-coef), or refuses one the model cannot take.
+    sigmoid router's --router-bias-update-rate and --router-aux-loss-coef, frozen under LoRA), or refuses one the
+    model cannot take.
 
 The preflight runs before any rank starts and does not load the tokenizer (`load_tokenizer=False`): a named config
 then keeps its own vocabulary unless --vocab-size sets it (the tokenizer's size is not known without loading it,
@@ -28,6 +31,7 @@ from tpzoo.models import ModelConfig, from_hf_config, get_config
 from tpzoo.models.registry import CHANNEL_MIXERS, TOKEN_MIXERS
 
 from . import checkpointing as ckpt
+from . import lora_setup
 
 FIND = "find"  # resolve_run_model's default: find the checkpoint to resume from the run's settings
 
@@ -41,6 +45,8 @@ class RunModel:
     state: dict | None = None       # its train_state.json
     tokenizer: object = None        # the tokenizer itself, when resolve_run_model loaded it
     fixed_vocab: bool = True        # the vocabulary is set apart from the tokenizer (which must then fit it)
+    lora: object = None             # the LoRAConfig of a run that trains adapters (tpzoo/train/lora_setup.py), else None
+    lora_base: str | None = None    # and the base it trains them on
 
 
 def model_config_of(path) -> ModelConfig:
@@ -88,10 +94,12 @@ def resolve_run_model(cfg, resume=FIND, load_tokenizer: bool = True, say=None) -
     fixed_vocab = not named or bool(cfg.vocab_size)
     if named and (cfg.vocab_size or tokenizer is not None):
         model_cfg = model_cfg.replace(vocab_size=cfg.vocab_size or tokenizer.vocab_size)
+    lora, lora_base = lora_setup.lora_of_run(cfg, resume)
     for kind in {**TOKEN_MIXERS, **CHANNEL_MIXERS}.values():  # each kind sets (or refuses) the run's settings it takes
         if hasattr(kind, "run_settings"):
-            model_cfg = kind.run_settings(model_cfg, cfg)
+            model_cfg = kind.run_settings(model_cfg, cfg, lora=lora is not None)
     if tokenizer is not None and tokenizer.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary is "
                           f"{model_cfg.vocab_size}")
-    return RunModel(model_cfg, spec, model_label(cfg, model_cfg, resume), resume, state, tokenizer, fixed_vocab)
+    return RunModel(model_cfg, spec, model_label(cfg, model_cfg, resume), resume, state, tokenizer, fixed_vocab, lora,
+                    lora_base)
