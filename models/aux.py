@@ -76,9 +76,10 @@ def carried_sizes(cfg: ModelConfig, loss) -> dict[str, int]:
 
 
 def step_sum_slots(cfg: ModelConfig) -> list[tuple[int, str, int]]:
-    """(layer, "attn" | "mlp", size) of every mixer of the model with step sums, in layer order."""
+    """(layer, "attn" | "mlp", size) of every mixer of the model with step sums, in layer order (the
+    multi-token-prediction depths' blocks last: layers num_layers and on)."""
     slots = []
-    for i in range(cfg.num_layers):
+    for i in range(cfg.num_layers + cfg.mtp_depths):
         for part, kind in zip(("attn", "mlp"), layer_kinds(cfg, i)):
             size = kind.step_sums_size(cfg, i) if hasattr(kind, "step_sums_size") else 0
             if size:
@@ -96,7 +97,7 @@ def after_optimizer_step(chunks, applied: bool = True) -> None:
     cfg, dims = chunks[0].cfg, chunks[0].dims
     slots = step_sum_slots(cfg)
     if slots:
-        mine = {(int(i), part): getattr(layer, part) for chunk in chunks for i, layer in chunk.layers.items()
+        mine = {(i, part): getattr(layer, part) for chunk in chunks for i, layer in chunk.blocks().items()
                 for part in ("attn", "mlp")}
         if applied:
             device = next(chunks[0].parameters()).device

@@ -54,8 +54,11 @@ class AttentionConfig:
                                      # its gate; the output is scaled by sigmoid(gate) before the out projection
 
     def window(self, i: int) -> int | None:
-        """The sliding window of layer i (None: full causal attention)."""
-        if self.layer_types is None or self.layer_types[i] == "sliding_attention":
+        """The sliding window of layer i (None: full causal attention). A layer past `layer_types` (a
+        multi-token-prediction block: ModelConfig.mtp) attends to the whole context, as the published ones do."""
+        if self.layer_types is None:
+            return self.sliding_window
+        if i < len(self.layer_types) and self.layer_types[i] == "sliding_attention":
             return self.sliding_window
         return None
 
@@ -169,6 +172,29 @@ class GatedDeltaNetConfig:
         return (*self.conv_parts, self.value_dim, self.num_value_heads, self.num_value_heads)  # .. | z | b | a
 
 
+@dataclass(frozen=True)
+class MTPConfig:
+    """Multi-token prediction (models/mtp.py; DeepSeek-V3 report section 2.2): `num_layers` depths after the main
+    model, depth k predicting token i+k+1 from [norm(Emb(t_{i+k})); norm(h^{k-1}_i)] through a projection, one
+    block of the model's own kinds (layer index num_layers + k - 1: `token_mixer` / `channel_mixer`, None: the
+    last main layer's) and its own final norm, the embedding and the head shared with the main model.
+    `loss_scale`: the weight S of the mean over depths in the training loss (the family's published default;
+    --mtp-loss-scale overrides it). `hf_copies`: the Hugging Face checkpoint keeps each depth's own copies of the
+    embedding and the head (DeepSeek-V3's model.layers.61.embed_tokens / shared_head.head): written on export."""
+    num_layers: int = 1
+    token_mixer: str | None = None
+    channel_mixer: str | None = None
+    loss_scale: float = 0.1
+    hf_copies: bool = True
+
+    def __post_init__(self):
+        n = self.num_layers
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            raise ConfigError(f"mtp.num_layers must be a positive integer, got {n!r}")
+        if not isinstance(self.loss_scale, numbers.Real) or self.loss_scale < 0:
+            raise ConfigError(f"mtp.loss_scale must be >= 0, got {self.loss_scale!r}")
+
+
 # The flat spellings of older configs: name -> (sub-config, its field).
 FLAT = {
     **{n: ("attention", n) for n in ("num_heads", "num_kv_heads", "head_dim", "qkv_bias", "out_bias", "qk_norm",
@@ -184,7 +210,7 @@ FLAT = {
 # Each kind's settings: a frozen dataclass in a ModelConfig field of the same name (a new kind adds its own here,
 # with a default, e.g. None when the model has no such layer); attention's and the MLP's are required.
 SUBCONFIGS = {"attention": AttentionConfig, "mlp": MLPConfig, "moe": MoEConfig, "mla": MLAConfig,
-              "gated_deltanet": GatedDeltaNetConfig}
+              "gated_deltanet": GatedDeltaNetConfig, "mtp": MTPConfig}
 REQUIRED = ("attention", "mlp")
 _POSITIVE = (("vocab_size", None), ("hidden_size", None), ("num_layers", None), ("max_position_embeddings", None),
              ("num_heads", "attention"), ("num_kv_heads", "attention"), ("head_dim", "attention"),
@@ -203,6 +229,7 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     mla: MLAConfig | None = None     # the "mla" token mixer's settings (None: no such layer)
     gated_deltanet: GatedDeltaNetConfig | None = None  # the "gated_deltanet" token mixer's
+    mtp: MTPConfig | None = None     # multi-token-prediction depths after the main model (None: none)
     # Per-layer kinds (registered names: models/kinds): None = the rules above.
     token_mixers: list | None = None    # "attention" | "mla" | "gated_deltanet"
     channel_mixers: list | None = None  # "mlp" | "moe"
@@ -274,9 +301,12 @@ class ModelConfig:
                               f"{moe.shared_expert_ffn!r}")
         if "moe" in (self.channel_mixers or ()) and not moe.num_experts:
             raise ConfigError("channel_mixers names 'moe' layers, but moe.num_experts is 0")
-        for kind in set(self.token_mixers or ()) & set(SUBCONFIGS):  # a kind with its own settings needs them
+        kinds = set(self.token_mixers or ()) | ({self.mtp.token_mixer} if self.mtp else set())
+        for kind in kinds & set(SUBCONFIGS):  # a kind with its own settings needs them
             if getattr(self, kind) is None:
                 raise ConfigError(f"token_mixers names {kind!r} layers, but the config has no {kind} settings")
+        if self.mtp is not None and self.mtp.channel_mixer == "moe" and not moe.num_experts:
+            raise ConfigError("mtp.channel_mixer is 'moe', but moe.num_experts is 0")
         if self.norm_offset and self.norm != "rmsnorm":
             raise ConfigError("norm_offset (1 + weight) is only defined for rmsnorm")
 
@@ -306,13 +336,22 @@ class ModelConfig:
         return a
 
     # -- layer kinds --------------------------------------------------------------------------------------------
+    # Layers num_layers .. num_layers + mtp_depths - 1 are the multi-token-prediction blocks (their HF index too).
+    @property
+    def mtp_depths(self) -> int:
+        return self.mtp.num_layers if self.mtp is not None else 0
+
     def token_mixer(self, i: int) -> str:
         """The registered token-mixer kind of layer i (models/kinds)."""
+        if i >= self.num_layers:
+            return self.mtp.token_mixer or self.token_mixer(self.num_layers - 1)
         return self.token_mixers[i] if self.token_mixers is not None else "attention"
 
     def channel_mixer(self, i: int) -> str:
         """The registered channel-mixer kind of layer i: Qwen3-MoE's rule (mlp_only_layers, decoder_sparse_step)
         unless channel_mixers lists them."""
+        if i >= self.num_layers:
+            return self.mtp.channel_mixer or self.channel_mixer(self.num_layers - 1)
         if self.channel_mixers is not None:
             return self.channel_mixers[i]
         moe = self.moe
@@ -386,6 +425,7 @@ class ModelConfig:
         (models/kinds: `num_parameters(cfg, layer, active)`)."""
         h = self.hidden_size
         total = h * (2 if self.norm == "layernorm" else 1) + sum(self.layer_parameters(active))  # + the final norm
+        total += self.mtp_parameters(active)
         if include_embeddings:
             total += self.vocab_size * h * (1 if self.tie_embeddings else 2)
             if self.position == "learned":
@@ -400,11 +440,24 @@ class ModelConfig:
         return [norms + sum(kind.num_parameters(self, i, active) for kind in layer_kinds(self, i))
                 for i in range(self.num_layers)]
 
+    def mtp_parameters(self, active: bool = False) -> int:
+        """Parameters of the multi-token-prediction depths (0 without): each its block, its three norms and its
+        projection from 2h to h (the embedding and head are the main model's)."""
+        h, norm = self.hidden_size, self.hidden_size * (2 if self.norm == "layernorm" else 1)
+        block = 2 * (int(self.pre_norm) + int(self.post_norm)) * norm
+        return sum(block + 3 * norm + 2 * h * h + sum(kind.num_parameters(self, i, active)
+                                                          for kind in layer_kinds(self, i))
+                   for i in range(self.num_layers, self.num_layers + self.mtp_depths))
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward = 3x forward): matmuls, and each token mixer's own work
         over the sequence (attention: QK^T and AV, causal not discounted)."""
-        matmul_params = self.num_parameters(include_embeddings=False, active=True) + self.vocab_size * self.hidden_size
-        mixing = sum(layer_kinds(self, i)[0].sequence_flops(self, i, seq_len) for i in range(self.num_layers))
+        # (multi-token prediction: its depths' parameters, and the head once per depth)
+        heads = 1 + self.mtp_depths
+        matmul_params = (self.num_parameters(include_embeddings=False, active=True)
+                         + heads * self.vocab_size * self.hidden_size)
+        mixing = sum(layer_kinds(self, i)[0].sequence_flops(self, i, seq_len)
+                     for i in range(self.num_layers + self.mtp_depths))
         return 3 * (2 * matmul_params + mixing)
 
 

@@ -26,6 +26,9 @@ class TensorMap:
     layer: int | None = None                   # transformer layer index (pipeline stage assignment)
     rows: tuple[int, ...] | None = None        # the HF tensors' rows when the tpzoo tensor stacks them (dim 0,
                                                # concatenated): LoRA gives each its adapter over those rows
+    mirror: bool = False                       # True: HF keeps a copy of tpzoo tensor `name` here (DeepSeek's
+                                               # multi-token-prediction layers, of the embedding and the head):
+                                               # written on export, never read on import
 
 
 def same(name: str, hf: str, **kw) -> TensorMap:

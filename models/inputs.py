@@ -29,7 +29,9 @@ class Inputs:
     context parallelism); doc_ids [b, S] each token's document in its row's whole sequence (models/documents.py:
     attention stays within documents); token_mask [b, s] the tokens auxiliary statistics count (0: an SFT sample's
     or context parallelism's padding; None: all); aux: the auxiliary sums of the earlier pipeline stages (the
-    executor carries them; {} on the first stage when they are to be carried)."""
+    executor carries them; {} on the first stage when they are to be carried); mtp_ids, mtp_labels [b, s, depths]
+    on the last stage: what multi-token prediction's depth k embeds and predicts at each position, t_{i+k} and
+    t_{i+k+1} (0 and -100 past the row or its document: tpzoo.data.mtp.with_mtp_targets)."""
     ids: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     labels: torch.Tensor | None = None
@@ -37,10 +39,12 @@ class Inputs:
     doc_ids: torch.Tensor | None = None
     token_mask: torch.Tensor | None = None
     aux: dict | None = None
+    mtp_ids: torch.Tensor | None = None
+    mtp_labels: torch.Tensor | None = None
 
     # the data pipeline's batch keys -> fields
     BATCH_KEYS = {"input_ids": "ids", "labels": "labels", "position_ids": "positions", "doc_ids": "doc_ids",
-                  "token_mask": "token_mask"}
+                  "token_mask": "token_mask", "mtp_ids": "mtp_ids", "mtp_labels": "mtp_labels"}
 
     @classmethod
     def of(cls, inputs) -> "Inputs":
@@ -71,12 +75,17 @@ class LossOptions:
     the layer kinds that train with them (a mixture of experts' router losses, when its config asks for them);
     False: the language model's loss alone (evaluation), the auxiliary losses still computed into
     Transformer.aux_reports. fused: the head and the loss in token chunks, never all the logits
-    (models/lm_head.py). logits_position (without labels): only that position's logits, [b, 1, V'/tp]."""
+    (models/lm_head.py). logits_position (without labels): only that position's logits, [b, 1, V'/tp].
+    mtp (with labels, on a model with multi-token prediction): None leaves its depths out; a weight S computes
+    their mean loss (Transformer.aux_reports["mtp_loss"]) and, S > 0 under autograd, trains them by S times it
+    (models/mtp.py). hidden (without labels): return (logits shard, the final norm's output): a draft's input."""
     label_smoothing: float = 0.0
     z_loss: float = 0.0
     aux_losses: bool = True
     fused: bool = True
     logits_position: int | None = None
+    mtp: float | None = None
+    hidden: bool = False
 
 
 class Cache:

@@ -21,6 +21,7 @@ from tpzoo.errors import ConfigError
 from tpzoo.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from tpzoo.parallel.lora import LoRA
 
+from .mtp import block_layer
 from .registry import get_family
 
 ALL_LINEAR = "all-linear"
@@ -89,11 +90,12 @@ def _groups(layer: nn.Module, rows: tuple | None, n_hf: int) -> tuple[list | Non
 
 def sites(chunk) -> list[Site]:
     """The linear layers of the chunk's transformer blocks, in module order, with their HF module names."""
-    maps = {m.name: m for m in get_family(chunk.cfg.family).hf_tensor_map(chunk.cfg)}
+    maps = {m.name: m for m in get_family(chunk.cfg.family).hf_tensor_map(chunk.cfg) if not m.mirror}
     out = []
     for name, mod in chunk.named_modules():
-        if not name.startswith("layers.") or not isinstance(mod, (ColumnParallelLinear, RowParallelLinear,
-                                                                  ReplicatedLinear)):
+        # the blocks' layers, multi-token prediction's depths included (their block and projection)
+        if block_layer(name, chunk.cfg.num_layers) is None or not isinstance(
+                mod, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
             continue
         tm = maps.get(name + ".weight")
         if tm is None or not all(h.endswith(".weight") for h in tm.hf):
@@ -148,7 +150,7 @@ def init_lora(chunks, seed: int) -> None:
     for chunk in chunks:
         for name, mod in chunk.named_modules():
             if isinstance(mod, LoRA):
-                layer = int(name.split(".")[1])
+                layer = block_layer(name, chunk.cfg.num_layers)
                 with _seeded(seed + 1_000_003 + layer, chunk.device):
                     mod.init_adapter()
 

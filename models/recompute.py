@@ -101,7 +101,7 @@ def apply_recompute(chunk: nn.Module, mode: str) -> nn.Module:
     chunk.recompute = mode
     if mode == "none":
         return chunk
-    for block in chunk.layers.values():
+    for block in chunk.blocks().values():  # (multi-token prediction's depth blocks too)
         if mode == "full":
             checkpointed(block)
         elif getattr(block.attn, "core", None) is not None:

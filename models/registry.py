@@ -95,6 +95,8 @@ class Family:
     import_notes: Callable[[dict], list[str]] | None = None
     # HF stores the linear weights as Conv1D, [in, out] (GPT-2): a PEFT adapter of it is `fan_in_fan_out`
     hf_conv1d: bool = False
+    # how its checkpoints hold multi-token-prediction layers (a models/mtp_hf.MTPLayout; None: they have none)
+    hf_mtp: object = None
 
 
 FAMILIES: dict[str, Family] = {}

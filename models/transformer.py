@@ -6,7 +6,9 @@
 Parameter names are global and layout independent (`layers.7.attn.qkv.weight` is layer 7 on whichever stage
 holds it), so checkpoints and HF mappings never depend on tp or pp:
     embed.weight, pos_embed.weight (learned positions), layers.{i}.{attn_norm,attn,mlp_norm,mlp}...,
-    final_norm.{weight,bias}, lm_head.weight (absent when tied and the embedding is on the same stage).
+    final_norm.{weight,bias}, lm_head.weight (absent when tied and the embedding is on the same stage),
+    mtp.layers.{j}.{enorm,hnorm,eh_proj,block.*,final_norm} (multi-token prediction, models/mtp.py) and, on a last
+    stage without the embedding, mtp.embed.weight (its copy; the tied head when tied).
 
 forward() returns on a chunk without the head the hidden states (with the auxiliary sums beside them when the
 pipeline carries them: (hidden, {key: vector})); on the last stage the logits shard [b, s, V'/tp] (padded vocab,
@@ -32,6 +34,7 @@ from .inputs import Cache, Context, Inputs, LossOptions
 from .kinds.rotary import attention_factor, cos_sin, inv_freq
 from .layout import ModelLayout, Stage
 from .lm_head import LMHead
+from .mtp import MultiTokenPrediction
 from .norm import Norm
 
 CARRY_AUX = ("a last pipeline stage computing the {} losses needs the earlier stages' auxiliary sums: pass "
@@ -80,8 +83,7 @@ class Transformer(nn.Module):
         # reference cycle (freed only by Python's cyclic GC, so a dropped model's GPU memory would linger).
         self._init_method = init = functools.partial(nn.init.normal_, std=cfg.initializer_range)
         if self.pre_process:
-            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, layout.padding_multiple,
-                                                layout.sequence_parallel, init, dims=layout.dims, **kw)
+            self.embed = _embedding(cfg, layout, init)
             if cfg.position == "learned":
                 # _weight given: nn.Embedding draws nothing at construction (init_weights does).
                 self.pos_embed = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
@@ -100,14 +102,23 @@ class Transformer(nn.Module):
                                   dims=layout.dims, **kw)
             if cfg.tie_embeddings and self.pre_process:
                 self.lm_head.weight = self.embed.weight
-        if cfg.tie_embeddings:  # declared here, so no one has to find tied weights by name
+        # Multi-token prediction's depths (models/mtp.py) beside the head; on a last stage without the embedding,
+        # their copy of it (the tied head itself when the head is tied)
+        self.mtp = MultiTokenPrediction(cfg, layout) if self.post_process and cfg.mtp is not None else None
+        if self.mtp is not None and not self.pre_process:
+            self.mtp.embed = _embedding(cfg, layout, init)
+            if cfg.tie_embeddings:
+                self.mtp.embed.weight = self.lm_head.weight
+            else:
+                mark_tied(self.mtp.embed.weight, "embedding", primary=False)
+        if cfg.tie_embeddings or cfg.mtp is not None:  # declared here, so no one has to find tied weights by name
             if self.pre_process:
                 mark_tied(self.embed.weight, "embedding", primary=True)
-            elif self.post_process:
+            elif self.post_process and cfg.tie_embeddings:
                 mark_tied(self.lm_head.weight, "embedding", primary=False)
         # The rotary tables this chunk's layers use (models/kinds/rotary.py), one buffer each, computed once per
         # forward; and the auxiliary-output rules of the whole model's kinds (models/aux.py).
-        specs = [getattr(layer.attn, "rotary", None) for layer in self.layers.values()]
+        specs = [getattr(block.attn, "rotary", None) for block in self.blocks().values()]
         self.rotary_specs = list(dict.fromkeys(s for s in specs if s is not None))
         for j, spec in enumerate(self.rotary_specs):
             self.register_buffer(f"inv_freq_{j}", torch.empty(spec.dim // 2, device="meta"), persistent=False)
@@ -167,6 +178,13 @@ class Transformer(nn.Module):
             if not (cfg.tie_embeddings and self.pre_process):  # else the head is the embedding itself
                 with _seeded(seed if cfg.tie_embeddings else seed + 1 + cfg.num_layers, device):
                     self.lm_head.reset_parameters()
+        if self.mtp is not None:  # depth j from seed + 2 + num_layers + j; a copy of the embedding drawn as it
+            for j, depth in self.mtp.layers.items():
+                with _seeded(seed + 2 + cfg.num_layers + int(j), device):
+                    _reset(depth)
+            if not self.pre_process and not cfg.tie_embeddings:
+                with _seeded(seed, device):
+                    self.mtp.embed.reset_parameters()
         return self
 
     @property
@@ -180,6 +198,12 @@ class Transformer(nn.Module):
     @property
     def vocab_padded(self) -> int:
         return (self.lm_head.out_features if self.post_process else self.embed.num_embeddings_padded)
+
+    def blocks(self) -> dict[int, nn.Module]:
+        """{layer index: block} of this chunk: its layers, then the multi-token-prediction depths' blocks (layer
+        indices num_layers and on)."""
+        blocks = {int(i): layer for i, layer in self.layers.items()}
+        return (blocks | self.mtp.blocks()) if self.mtp is not None else blocks
 
     # -- generation state and step hooks --------------------------------------------------------------------
     def new_cache(self, batch: int, max_length: int) -> Cache:
@@ -212,10 +236,13 @@ class Transformer(nn.Module):
             return h if carried is None else (h, carried)
         h = self.final_norm(h)
         if inputs.labels is None:
-            return self.lm_head(h, position=loss.logits_position)
+            logits = self.lm_head(h, position=loss.logits_position)
+            return (logits, h) if loss.hidden else logits
         labels = inputs.labels
         per_token = self.lm_head(h, labels, label_smoothing=loss.label_smoothing, z_loss=loss.z_loss,
                                  fused=loss.fused)
+        if self.mtp is not None and loss.mtp is not None:
+            per_token = self.mtp(self, per_token, h, inputs, ctx, loss)
         if loss.aux_losses:
             for term in reduced:
                 # HF: loss = mean CE + coef * aux. Added to every trained token, the mean over tokens (the loss
@@ -242,8 +269,7 @@ class Transformer(nn.Module):
         if inputs.token_mask is not None:
             ctx.token_mask = self._seq_chunk(inputs.token_mask.unsqueeze(-1)).reshape(-1)
         positions = self._positions(inputs, ref, seq_len, past)
-        for j, spec in enumerate(self.rotary_specs):
-            ctx.rotary[spec] = cos_sin(getattr(self, f"inv_freq_{j}"), positions, attention_factor(spec))
+        self._rotary(ctx, positions)
         if not self.pre_process:
             return ctx, hidden
         h = self.embed(ids)
@@ -253,6 +279,17 @@ class Transformer(nn.Module):
             positions = positions.expand(ids.shape[0], -1).unsqueeze(-1)
             h = h + self.pos_embed(self._seq_chunk(positions).squeeze(-1))
         return ctx, h
+
+    def _rotary(self, ctx: Context, positions: torch.Tensor) -> None:
+        for j, spec in enumerate(self.rotary_specs):
+            ctx.rotary[spec] = cos_sin(getattr(self, f"inv_freq_{j}"), positions, attention_factor(spec))
+
+    def context(self, seq_len: int, past: int) -> Context:
+        """The Context of `seq_len` tokens after `past` cached ones (positions past .. past + seq_len - 1): what a
+        cached forward outside the main layers (a multi-token-prediction draft, models/mtp.py) gives its block."""
+        ctx = Context(seq_len, past=past)
+        self._rotary(ctx, torch.arange(past, past + seq_len, device=self.device).unsqueeze(0))
+        return ctx
 
     def _positions(self, inputs: Inputs, ref: torch.Tensor, seq_len: int, past: int) -> torch.Tensor:
         if inputs.positions is not None:
@@ -319,6 +356,11 @@ class Transformer(nn.Module):
     def full_logits(self, logits_shard: torch.Tensor) -> torch.Tensor:
         """Gather the vocab shards and drop the padding: [b, s, vocab] (for sampling and comparisons)."""
         return gather_tp_tensor(logits_shard, -1, dims=self.dims)[..., : self.cfg.vocab_size]
+
+
+def _embedding(cfg: ModelConfig, layout: ModelLayout, init) -> VocabParallelEmbedding:
+    return VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, layout.padding_multiple, layout.sequence_parallel,
+                                  init, dims=layout.dims, dtype=layout.dtype, device="meta")
 
 
 def _embedding_init(init, vocab_size: int):

@@ -22,10 +22,10 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
         "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
 
 
-def hf_config(kind: str, vocab: int = VOCAB):
+def hf_config(kind: str, vocab: int = VOCAB, layers: int = 2):
     import transformers as tf
 
-    common = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    common = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
                   max_position_embeddings=32, num_experts_per_tok=2, bos_token_id=None, eos_token_id=None,
                   pad_token_id=None, tie_word_embeddings=False)
     if kind.startswith("deepseek_v3"):
@@ -45,13 +45,13 @@ def hf_config(kind: str, vocab: int = VOCAB):
                                                               "mscale_all_dim": None})
 
 
-def make_hf_model(kind: str, vocab: int = VOCAB, seed: int = 0):
+def make_hf_model(kind: str, vocab: int = VOCAB, seed: int = 0, layers: int = 2):
     import transformers as tf
 
     cls = {"deepseek_v3": tf.DeepseekV3ForCausalLM, "deepseek_v3_noq": tf.DeepseekV3ForCausalLM,
            "glm4_moe": tf.Glm4MoeForCausalLM, "gpt_oss": tf.GptOssForCausalLM}[kind]
     torch.manual_seed(seed)
-    model = cls(hf_config(kind, vocab))
+    model = cls(hf_config(kind, vocab, layers))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name or name.endswith("sinks"):

@@ -111,8 +111,12 @@ def make_hf_model(kind: str):
     else:
         raise ValueError(kind)
     torch.manual_seed(0)
-    model = cls(cfg).eval()
-    with torch.no_grad():  # random biases and norm weights, so a mapping mistake cannot hide behind zeros/ones
+    return randomized(cls(cfg).eval())
+
+
+def randomized(model):
+    """Random biases and norm weights, so a mapping mistake cannot hide behind zeros/ones."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name or "ln_" in name:
                 p.add_(torch.randn_like(p) * 0.1)

@@ -14,7 +14,8 @@ of experts: `router_aux_loss`, HF's load-balancing loss, and `router_z_loss`, ST
 their coefficients, each a mean over forwards weighted by the forward's predicted tokens (they are per forward, as
 in training, whose loss is then loss + router_aux_loss_coef * router_aux_loss + router_z_loss_coef *
 router_z_loss). Padding, whether sequence parallelism's or context parallelism's, is masked out of the
-statistics (token_mask).
+statistics (token_mask). A model with multi-token prediction reports `mtp_loss` too: its depths' mean loss per
+predicted token (tpzoo.models.mtp), the part of the training loss --mtp-loss-scale weighs.
 """
 from __future__ import annotations
 
@@ -22,13 +23,15 @@ import math
 
 import torch
 
+from tpzoo.data.mtp import with_mtp_targets
 from tpzoo.models import LossOptions
 from tpzoo.parallel import comm, strict
 from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.parallel.dims import ParallelDims
 from tpzoo.pipeline import as_chunks, execute, lm_step
 
-HELD_OUT = LossOptions(aux_losses=False)  # the language model's loss; the auxiliary ones reported beside it
+# the language model's loss; the auxiliary ones (and multi-token prediction's) reported beside it
+HELD_OUT = LossOptions(aux_losses=False, mtp=0.0)
 
 IGNORE = -100
 
@@ -62,18 +65,21 @@ def evaluate(model_or_chunks, tokens, seq_len: int, batch_size: int = 1, dims: P
     # Every cp rank of a replica takes the same windows (and keeps its own chunks of them).
     every = batches(token_windows(tokens, seq_len), batch_size)
     mine = [b for i, b in enumerate(every) if i % dims.dp == dims.dp_rank]
-    sums = _Sums(chunks, device, reported_losses(chunks[0].cfg))
+    cfg = chunks[0].cfg
+    sums = _Sums(chunks, device, reported_losses(cfg))
+
+    def batch(ids, labels):  # this rank's share, with multi-token prediction's targets from the whole rows
+        return _padded(shard_batch(with_mtp_targets({"input_ids": ids, "labels": labels}, cfg.mtp_depths), dims, sp),
+                       multiple, device)
+
     # Micro-batches of one shape share one executor call (the pipeline streams them); a short tail runs alone.
     for shape in sorted({tuple(b.shape) for b in (every if dims.ep > 1 else mine)}, reverse=True):
-        group = [_padded(shard_batch({"input_ids": b[:, :-1], "labels": b[:, 1:]}, dims, sp), multiple, device)
-                 for b in mine if tuple(b.shape) == shape]
+        group = [batch(b[:, :-1], b[:, 1:]) for b in mine if tuple(b.shape) == shape]
         if dims.ep > 1:
             # Expert dispatch is collective over the ep group: every replica runs as many forwards of each shape,
             # the ones short of a batch on a filler whose labels are all ignored (no loss, no tokens).
             same = [b for b in every if tuple(b.shape) == shape]
-            filler = _padded(shard_batch({"input_ids": same[0][:, :-1],
-                                          "labels": torch.full_like(same[0][:, 1:], IGNORE)}, dims, sp),
-                             multiple, device)
+            filler = batch(same[0][:, :-1], torch.full_like(same[0][:, 1:], IGNORE))
             group += [filler] * (-(-len(same) // dims.dp) - len(group))
         execute(chunks, group, dims, lm_step(HELD_OUT, sums), forward_only=True)
     totals = sums.totals
@@ -94,7 +100,7 @@ def reported_losses(cfg) -> list[str]:
     from tpzoo.models.aux import model_rules
 
     return [name for _, rule in sorted(model_rules(cfg).items()) if rule.carried(cfg, HELD_OUT)
-            for name in rule.reports]
+            for name in rule.reports] + (["mtp_loss"] if cfg.mtp is not None else [])
 
 
 class _Sums:
@@ -120,7 +126,8 @@ def _padded(batch: dict, multiple: int, device) -> dict:
     pad = -batch["input_ids"].shape[1] % multiple
     if pad and "position_ids" not in batch:  # (a cp shard is padded already)
         b, s = batch["input_ids"].shape
-        batch = {k: torch.nn.functional.pad(v, (0, pad), value=0 if k == "input_ids" else IGNORE)
+        batch = {k: torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, pad),  # (along the sequence)
+                                            value=0 if k in ("input_ids", "mtp_ids") else IGNORE)
                  for k, v in batch.items()}
         batch["token_mask"] = (torch.arange(s + pad, device="cpu") < s).expand(b, -1)  # on the host, as the batch
     return {k: v.to(device) for k, v in batch.items()}

@@ -8,16 +8,20 @@ so are its HF names (models/kinds/moe_hf.py's "deepseek" layout: mlp.gate.weight
 — the bias of every MoE layer, both ways —, mlp.experts.{e}.{gate,up,down}_proj, mlp.shared_experts.*); the latent
 attention's are models/kinds/mla_hf.py's.
 
-Multi-token prediction: the hub's checkpoints hold `num_nextn_predict_layers` extra layers (model.layers.61 of
-DeepSeek-V3) that transformers drops; tpzoo imports nothing of them and refuses nothing, saying so in one line
-(`import_notes`).
+Multi-token prediction: the hub's checkpoints hold `num_nextn_predict_layers` depths as the layers after the main
+ones (model.layers.61 of DeepSeek-V3), which transformers drops and tpzoo builds (models/mtp.py; names:
+models/mtp_hf.py's "deepseek" layout: MLA and DeepSeekMoE like the last layer), trains with the report's final weight
+0.1 and exports.
 """
 from __future__ import annotations
 
 from ..config import AttentionConfig, MLAConfig, ModelConfig
 from ..registry import Family, register_family
-from .hf_common import (common_fields, common_to_hf, decoder_tensor_map, deepseek_moe, deepseek_moe_to_hf, mtp_notes,
-                        read_rope, rope_to_hf)
+from ..mtp_hf import MTPLayout, mtp_from_hf, mtp_to_hf
+from .hf_common import (common_fields, common_to_hf, decoder_tensor_map, deepseek_moe, deepseek_moe_to_hf, read_rope,
+                        rope_to_hf)
+
+MTP = MTPLayout("deepseek", "num_nextn_predict_layers", "mla", "moe", loss_scale=0.1)
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -32,7 +36,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         mla=MLAConfig(kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
                       qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
                       q_lora_rank=hf.get("q_lora_rank"), rope_interleave=bool(hf.get("rope_interleave", True))),
-        token_mixers=["mla"] * n, **deepseek_moe("deepseek_v3", hf))
+        token_mixers=["mla"] * n, mtp=mtp_from_hf(MTP, hf), **deepseek_moe("deepseek_v3", hf))
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -44,10 +48,10 @@ def config_to_hf(cfg: ModelConfig) -> dict:
               rope_interleave=m.rope_interleave, attention_bias=a.qkv_bias, rope_parameters=rope_to_hf(cfg))
     hf.pop("rope_scaling", None)
     hf.pop("rope_theta", None)
+    hf.update(mtp_to_hf(MTP, cfg))
     return hf
 
 
 register_family(Family(name="deepseek_v3", hf_model_types=("deepseek_v3",), hf_architecture="DeepseekV3ForCausalLM",
                        config_from_hf=config_from_hf, config_to_hf=config_to_hf,
-                       hf_tensor_map=lambda cfg: decoder_tensor_map(cfg, styles={"moe": "deepseek"}),
-                       import_notes=lambda hf: mtp_notes("deepseek_v3", hf)))
+                       hf_tensor_map=lambda cfg: decoder_tensor_map(cfg, styles={"moe": "deepseek"}), hf_mtp=MTP))

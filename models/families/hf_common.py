@@ -8,7 +8,8 @@ from tpzoo.errors import ConfigError
 from ..config import LAYER_TYPES, MLPConfig, ModelConfig, MoEConfig
 from ..hf_mapping import same
 from ..kinds.rotary import ROPE_TYPES  # what the rotary tables implement
-from ..registry import layer_kinds
+from ..mtp_hf import mtp_tensor_maps
+from ..registry import get_family, layer_kinds
 
 
 def refuse(family: str, field: str, value, supported) -> ConfigError:
@@ -96,14 +97,26 @@ def decoder_tensor_map(cfg: ModelConfig, norms: dict[str, str] = NORMS, styles: 
     if positions is not None:
         maps.append(same("pos_embed.weight", f"{prefix}{positions}.weight"))
     for i in range(cfg.num_layers):
-        p, q = f"layers.{i}.", f"{prefix}{layers}.{i}."
-        for part, kind in zip(("attn", "mlp"), layer_kinds(cfg, i)):
-            if not hasattr(kind, "hf_tensor_maps"):
-                raise ConfigError(f"{cfg.family}: layer {i}'s kind {kind.kind!r} has no Hugging Face names "
-                                  f"(hf_tensor_maps)")
-            maps += kind.hf_tensor_maps(cfg, i, p + part, q, styles.get(kind.kind))
-        maps += norm_maps(cfg, {p + ours: q + theirs for ours, theirs in norms.items()}, layer=i)
-    return maps + head_maps(cfg, prefix, embed, final_norm)
+        maps += block_tensor_maps(cfg, i, f"layers.{i}.", f"{prefix}{layers}.{i}.", norms, styles)
+    maps += head_maps(cfg, prefix, embed, final_norm)
+    if cfg.mtp is not None:  # multi-token prediction's depths, in the family's HF layout (models/mtp_hf.py)
+        maps += mtp_tensor_maps(cfg, get_family(cfg.family).hf_mtp, prefix, embed,
+                                lambda i, ours, theirs: block_tensor_maps(cfg, i, ours, theirs, norms, styles),
+                                lambda names, **kw: norm_maps(cfg, names, **kw))
+    return maps
+
+
+def block_tensor_maps(cfg: ModelConfig, i: int, ours: str, theirs: str, norms: dict[str, str] = NORMS,
+                      styles: dict[str, str] | None = None) -> list:
+    """Layer i's block (tpzoo names under `ours`, e.g. "layers.3.", HF's under `theirs`): its token and channel
+    mixer through their kinds' HF names, in the layout `styles[kind]` names, then its norms."""
+    maps = []
+    for part, kind in zip(("attn", "mlp"), layer_kinds(cfg, i)):
+        if not hasattr(kind, "hf_tensor_maps"):
+            raise ConfigError(f"{cfg.family}: layer {i}'s kind {kind.kind!r} has no Hugging Face names "
+                              f"(hf_tensor_maps)")
+        maps += kind.hf_tensor_maps(cfg, i, ours + part, theirs, (styles or {}).get(kind.kind))
+    return maps + norm_maps(cfg, {ours + a: theirs + b for a, b in norms.items()}, layer=i)
 
 
 def norm_maps(cfg: ModelConfig, names: dict[str, str], **kw) -> list:
@@ -161,7 +174,7 @@ def head_maps(cfg, prefix: str = "model.", embed: str = "embed_tokens", final_no
     return norm_maps(cfg, {"final_norm": prefix + final_norm}) + [head]
 
 
-# -- DeepSeekMoE: DeepSeek-V3's and GLM-4.5's mixture of experts, and their multi-token prediction layers ---------
+# -- DeepSeekMoE: DeepSeek-V3's and GLM-4.5's mixture of experts ------------------------------------------------
 
 def deepseek_moe(family: str, hf: dict) -> dict:
     """ModelConfig keyword arguments of DeepSeekMoE: the dense MLP of the first layers, the MoE settings, which
@@ -191,12 +204,3 @@ def deepseek_moe_to_hf(cfg: ModelConfig) -> dict:
                 n_group=moe.n_group, topk_group=moe.topk_group, routed_scaling_factor=moe.routed_scaling_factor,
                 n_shared_experts=moe.shared_expert_ffn // cfg.expert_ffn, first_k_dense_replace=dense,
                 output_router_logits=moe.output_router_logits)
-
-
-def mtp_notes(family: str, hf: dict) -> list[str]:
-    n = hf.get("num_nextn_predict_layers") or hf.get("num_mtp_layers") or 0
-    if not n:
-        return []
-    first = hf["num_hidden_layers"]
-    return [f"{family}: the {n} multi-token-prediction layer(s) (num_nextn_predict_layers; model.layers.{first}"
-            f"{'-' + str(first + n - 1) if n > 1 else ''}.*, if present) are not imported (transformers drops them too)"]

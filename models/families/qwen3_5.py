@@ -10,14 +10,16 @@ HF names: model.layers.{i}.linear_attn.* (models/kinds/gated_deltanet_hf.py: Qwe
 grouped in_proj_qkvz / in_proj_ba), model.layers.{i}.self_attn.{q,k,v,o}_proj, q_norm, k_norm, mlp.* .
 A Qwen3.5 multimodal checkpoint (model_type "qwen3_5" / "qwen3_5_moe", Qwen3_5(Moe)ForConditionalGeneration) is
 read for its text part: `text_config`, the tensors under model.language_model.; its vision tower (model.visual.*)
-and multi-token-prediction head (mtp.*) are not read, trained or written (to-hf writes the same config.json and
-the text model's tensors under their names: the vision tensors are to be copied from the original checkpoint to
-serve it multimodal). mrope's sections (`mrope_section`) rotate text positions like plain rope (all three
+is not read, trained or written (to-hf writes the same config.json and the text model's tensors under their names:
+the vision tensors are to be copied from the original checkpoint to serve it multimodal). The multi-token-prediction
+layer (mtp.*: models/mtp_hf.py's "qwen" layout; gated full attention and the family's channel mixer) is built,
+trained and written: Qwen3.5 counts it in `mtp_num_hidden_layers`, Qwen3-Next's config has no count (the tensors say). mrope's sections (`mrope_section`) rotate text positions like plain rope (all three
 position rows are the token's position), so they are kept for the round trip and otherwise unused.
 """
 from __future__ import annotations
 
 from ..config import AttentionConfig, GatedDeltaNetConfig, MLPConfig, ModelConfig, MoEConfig
+from ..mtp_hf import MTPLayout, mtp_from_hf, mtp_to_hf
 from ..registry import Family, register_family
 from .hf_common import (LINEAR_ATTENTION, check, common_attention, common_fields, common_to_hf, decoder_tensor_map,
                         read_layer_types, read_rope, token_mixers_of)
@@ -67,12 +69,12 @@ def text_config_from_hf(family: str, hf: dict, **model) -> ModelConfig:
                        token_mixers=token_mixers_of(_layer_types(family, hf)), norm_offset=True, **model)
 
 
-def from_hf(family: str, hf: dict, channel=None) -> ModelConfig:
+def from_hf(family: str, hf: dict, mtp: MTPLayout, channel=None) -> ModelConfig:
     """A text config, or a multimodal one's text part (its dict kept whole for the round trip); `channel(text)`:
-    the ModelConfig fields of the family's channel mixers."""
+    the ModelConfig fields of the family's channel mixers; `mtp`: how it counts its multi-token prediction."""
     multimodal = "text_config" in hf
     text = hf["text_config"] if multimodal else hf
-    cfg = text_config_from_hf(family, text, **(channel(text) if channel else {}))
+    cfg = text_config_from_hf(family, text, **(channel(text) if channel else {}), mtp=mtp_from_hf(mtp, hf))
     if multimodal and "tie_word_embeddings" in hf:
         cfg.tie_embeddings = bool(hf["tie_word_embeddings"])
     cfg.extra = {"hf_config": hf}
@@ -95,14 +97,15 @@ def text_config_to_hf(cfg: ModelConfig, model_type: str, architecture: str, base
     return hf
 
 
-def to_hf(cfg: ModelConfig, model_type: str, architecture: str, channel=None) -> dict:
+def to_hf(cfg: ModelConfig, model_type: str, architecture: str, mtp: MTPLayout, channel=None) -> dict:
     """`cfg` as the HF config it came from: a text config (`model_type`), or the multimodal dict with its
-    text_config updated; `channel(cfg)`: the channel mixers' HF fields."""
+    text_config updated; `channel(cfg)`: the channel mixers' HF fields; `mtp`: the count of its depths."""
     orig = cfg.extra.get("hf_config", {})
     multimodal = "text_config" in orig
     text = text_config_to_hf(cfg, model_type, architecture, orig["text_config"] if multimodal else orig)
     if channel is not None:
         text.update(channel(cfg))
+    text.update(mtp_to_hf(mtp, cfg))
     if not multimodal:
         return text
     hf = dict(orig)
@@ -124,11 +127,16 @@ def tensor_map(cfg: ModelConfig, gdn_layout: str) -> list:
 
 # -- Qwen3.5 (dense) ------------------------------------------------------------------------------------------------
 
+# multi-token prediction (models/mtp_hf.py): gated attention and the family's channel mixer; Qwen publishes no weight
+MTP = MTPLayout("qwen", "mtp_num_hidden_layers", "attention", "mlp", text_config=True)
+MTP_MOE = MTPLayout("qwen", "mtp_num_hidden_layers", "attention", "moe", text_config=True)
+MTP_NEXT = MTPLayout("qwen", None, "attention", "moe")
+
 register_family(Family(
     name="qwen3_5", hf_model_types=("qwen3_5_text", "qwen3_5"), hf_architecture="Qwen3_5ForCausalLM",
-    config_from_hf=lambda hf: from_hf("qwen3_5", hf),
-    config_to_hf=lambda cfg: to_hf(cfg, "qwen3_5_text", "Qwen3_5ForCausalLM"),
-    hf_tensor_map=lambda cfg: tensor_map(cfg, "qwen3_5")))
+    config_from_hf=lambda hf: from_hf("qwen3_5", hf, MTP),
+    config_to_hf=lambda cfg: to_hf(cfg, "qwen3_5_text", "Qwen3_5ForCausalLM", MTP),
+    hf_tensor_map=lambda cfg: tensor_map(cfg, "qwen3_5"), hf_mtp=MTP))
 
 
 # -- the mixtures of experts: Qwen3.5-MoE, Qwen3-Next --------------------------------------------------------------
@@ -164,7 +172,8 @@ def moe_to_hf(cfg: ModelConfig, every_layer: bool) -> dict:
 
 
 def _moe_to_hf(cfg: ModelConfig, model_type: str, architecture: str, every_layer: bool) -> dict:
-    hf = to_hf(cfg, model_type, architecture, lambda c: moe_to_hf(c, every_layer))
+    mtp = MTP_MOE if every_layer else MTP_NEXT
+    hf = to_hf(cfg, model_type, architecture, mtp, lambda c: moe_to_hf(c, every_layer))
     text = hf.get("text_config", hf)
     base = cfg.extra.get("hf_config", {})
     if every_layer and "intermediate_size" not in base.get("text_config", base):
@@ -174,12 +183,12 @@ def _moe_to_hf(cfg: ModelConfig, model_type: str, architecture: str, every_layer
 
 register_family(Family(
     name="qwen3_5_moe", hf_model_types=("qwen3_5_moe_text", "qwen3_5_moe"), hf_architecture="Qwen3_5MoeForCausalLM",
-    config_from_hf=lambda hf: from_hf("qwen3_5_moe", hf, lambda text: moe_from_hf(text, every_layer=True)),
+    config_from_hf=lambda hf: from_hf("qwen3_5_moe", hf, MTP_MOE, lambda text: moe_from_hf(text, every_layer=True)),
     config_to_hf=lambda cfg: _moe_to_hf(cfg, "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", every_layer=True),
-    hf_tensor_map=lambda cfg: tensor_map(cfg, "qwen3_5")))
+    hf_tensor_map=lambda cfg: tensor_map(cfg, "qwen3_5"), hf_mtp=MTP_MOE))
 
 register_family(Family(
     name="qwen3_next", hf_model_types=("qwen3_next",), hf_architecture="Qwen3NextForCausalLM",
-    config_from_hf=lambda hf: from_hf("qwen3_next", hf, lambda text: moe_from_hf(text, every_layer=False)),
+    config_from_hf=lambda hf: from_hf("qwen3_next", hf, MTP_NEXT, lambda text: moe_from_hf(text, every_layer=False)),
     config_to_hf=lambda cfg: _moe_to_hf(cfg, "qwen3_next", "Qwen3NextForCausalLM", every_layer=False),
-    hf_tensor_map=lambda cfg: tensor_map(cfg, "qwen3_next")))
+    hf_tensor_map=lambda cfg: tensor_map(cfg, "qwen3_next"), hf_mtp=MTP_NEXT))

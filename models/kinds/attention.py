@@ -117,7 +117,9 @@ class Attention(nn.Module):
         """The rotary table of `layer`: none with learned positions or on a NoPE layer (SmolLM3), Gemma 3's local
         base on its sliding layers, else the global one."""
         a = cfg.attention
-        if cfg.position != "rope" or (a.rope_layers is not None and not a.rope_layers[layer]):
+        # (a layer past rope_layers, a multi-token-prediction block, turns its queries and keys)
+        if cfg.position != "rope" or (a.rope_layers is not None and layer < len(a.rope_layers)
+                                      and not a.rope_layers[layer]):
             return None
         if a.rope_local_theta is not None and a.window(layer) is not None:
             return RotarySpec.of(a.rotary_dim, a.rope_local_theta)

@@ -8,7 +8,7 @@ MXFP4 checkpoints (config.json quantization_config.quant_method "mxfp4": gpt-oss
 as `<name>_blocks` + `<name>_scales`; the reader presents each such pair as the tensor `<name>` dequantized to
 bf16 in the unquantized layout (models/hf_experts.dequantize_mxfp4, equal to transformers' own), so a family maps
 the unquantized names only. `HFSource.notes` says so in one line, with the family's own notes (what an import
-leaves out: multi-token-prediction layers).
+leaves out) and what the tensors say against the config (a multi-token-prediction layer counted but absent).
 
 Block-wise FP8 and compressed-tensors int4 checkpoints are read by tpzoo.quant.hf_read: dequantized (default) or
 kept with their scales (`keep_quantized`).
@@ -168,6 +168,7 @@ class HFSource:
     def __init__(self, src, keep_quantized: bool = False, dtype: torch.dtype | None = None):
         """keep_quantized: quantized weights stay as stored, with their scales (else dequantized to `dtype`,
         default the checkpoint's own)."""
+        from tpzoo.models.mtp_hf import reconcile
         from tpzoo.models.registry import from_hf_config, get_family
 
         self.root, weights = locate_hf(src)
@@ -177,7 +178,6 @@ class HFSource:
         self.hf_config = read_json(config, "config.json")
         self.cfg = from_hf_config(self.hf_config)  # a clear error for an unsupported architecture
         family = get_family(self.cfg.family)
-        self.maps = {m.name: m for m in family.hf_tensor_map(self.cfg)}
         self.notes = list(family.import_notes(self.hf_config)) if family.import_notes else []
         self._readers: dict[Path, object] = {}
         if isinstance(weights, dict):
@@ -190,6 +190,10 @@ class HFSource:
             for path in weights:
                 for name in self._reader(path).keys():
                     self.where[name] = path
+        # the multi-token-prediction depths the tensors hold, whatever the config counts (models/mtp_hf.py)
+        self.cfg, notes = reconcile(self.cfg, family.hf_mtp, self.where)
+        self.notes += notes
+        self.maps = {m.name: m for m in family.hf_tensor_map(self.cfg) if not m.mirror}  # (copies are not read)
         self._dequantized(config, keep_quantized, dtype)
         self._cache: tuple[str, torch.Tensor] | None = None
         self._structure: dict[str, tuple | None] = {}

@@ -83,6 +83,8 @@ def hf_to_full(cfg, hf_tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[st
     from tpzoo.models.registry import get_family
 
     for m in get_family(cfg.family).hf_tensor_map(cfg):
+        if m.mirror:  # an HF copy of another tensor: never read
+            continue
         missing = [n for n in m.hf if n not in hf_tensors]
         if missing:
             raise CheckpointError(f"HF checkpoint is missing tensor(s) {missing} (needed for {m.name})")

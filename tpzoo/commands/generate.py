@@ -4,14 +4,18 @@ parallelism.
     tpzoo generate ckpt/ --prompt "Once upon a time" --max-new-tokens 50 --tp 2          # greedy
     tpzoo generate ckpt/ --prompt "..." --temperature 0.8 --top-p 0.95 --seed 1
     torchrun --nproc-per-node 4 -m tpzoo generate ckpt/ --prompt "..." --tp 2 --pp 2
+    tpzoo generate ckpt/ --prompt "..." --greedy --draft mtp                            # self-speculative
 
-Prints the prompt and its continuation, or --json.
+Prints the prompt and its continuation, or --json. `--draft mtp` decodes with the model's multi-token-prediction
+layers drafting (tpzoo/speculative.py: the same tokens as plain greedy decoding, or the same distribution when
+sampling), then decodes plainly too and prints the drafts' acceptance rate and both speeds.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import time
 from pathlib import Path
 
 
@@ -37,6 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a rank may wait on another before the job fails naming it (default 600)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="shard activations along the sequence over the TP ranks; decoding then runs without a KV cache")
+    p.add_argument("--draft", default="none", choices=["none", "mtp"],
+                   help="mtp: self-speculative decoding, the multi-token-prediction layers drafting a token per "
+                        "depth and the model verifying them in one forward (equal to plain decoding); prints the "
+                        "acceptance rate and tokens/s beside plain decoding's")
     p.add_argument("--json", action="store_true", help="print one JSON line (ids and text)")
 
 
@@ -73,18 +81,49 @@ def _worker(args) -> None:
         tokenizer = load_tokenizer(args.tokenizer or args.ckpt)
         prompt_ids = encode(tokenizer, args.prompt, special_tokens=True)
         sample = args.temperature is not None and not args.greedy
-        out = generate(model, torch.tensor([prompt_ids], device="cpu"), args.max_new_tokens, dims=dims,
-                       greedy=not sample, temperature=args.temperature or 1.0, top_p=args.top_p, top_k=args.top_k,
-                       seed=args.seed, eos_token_id=None if args.ignore_eos else _eos(args.ckpt, cfg))
+        options = dict(dims=dims, greedy=not sample, temperature=args.temperature or 1.0, top_p=args.top_p,
+                       top_k=args.top_k, seed=args.seed, eos_token_id=None if args.ignore_eos else _eos(args.ckpt, cfg))
+        prompt = torch.tensor([prompt_ids], device="cpu")
+        t0 = time.perf_counter()
+        out = generate(model, prompt, args.max_new_tokens, **options)
+        plain_s = time.perf_counter() - t0
+        report = None
+        if args.draft == "mtp":
+            from tpzoo.speculative import generate_with_mtp
+
+            plain = out
+            t0 = time.perf_counter()
+            out, stats = generate_with_mtp(model, prompt, args.max_new_tokens, **options)
+            report = draft_report(stats, len(prompt_ids), plain, out, plain_s, time.perf_counter() - t0, sample)
         new_ids = out[0, len(prompt_ids):].tolist()
         if dims.rank == 0:
             text = decode(tokenizer, new_ids)
             if args.json:
-                print(json.dumps({"prompt_ids": prompt_ids, "new_ids": new_ids, "completion": text}), flush=True)
+                print(json.dumps({"prompt_ids": prompt_ids, "new_ids": new_ids, "completion": text,
+                                  **({"draft": report} if report else {})}), flush=True)
             else:
                 print(args.prompt + text, flush=True)
+                if report:
+                    print(draft_line(report), flush=True)
     finally:
         tpzoo.destroy_parallel()
+
+
+def draft_report(stats: dict, prompt: int, plain, spec, plain_s: float, spec_s: float, sample: bool) -> dict:
+    """What --draft mtp measured: the drafts kept, tokens per verifying forward, both decodings' speed."""
+    new_plain, new_spec = plain.shape[1] - prompt, spec.shape[1] - prompt
+    return {"drafted": stats["drafted"], "accepted": stats["accepted"],
+            "acceptance": stats["accepted"] / max(stats["drafted"], 1),
+            "tokens_per_step": (stats["accepted"] + stats["steps"]) / max(stats["steps"], 1),
+            "tokens_per_s": new_spec / spec_s, "plain_tokens_per_s": new_plain / plain_s,
+            "same_as_plain": None if sample else bool(plain.shape == spec.shape and (plain == spec).all())}
+
+
+def draft_line(r: dict) -> str:
+    same = "" if r["same_as_plain"] is None else f" | output {'equals' if r['same_as_plain'] else 'DIFFERS FROM'} plain"
+    return (f"draft mtp: {r['accepted']}/{r['drafted']} drafts accepted ({100 * r['acceptance']:.1f}%), "
+            f"{r['tokens_per_step']:.2f} tokens per forward | {r['tokens_per_s']:.1f} tokens/s vs plain "
+            f"{r['plain_tokens_per_s']:.1f} ({r['tokens_per_s'] / max(r['plain_tokens_per_s'], 1e-9):.2f}x)" + same)
 
 
 def run(args) -> int:

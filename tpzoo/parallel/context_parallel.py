@@ -21,9 +21,10 @@ from .ring_attention import local_positions
 
 IGNORE_INDEX = -100
 CP_MODES = ("ring", "a2a")
-# Batch keys sharded like the tokens ([b, s, ...]): the model's, then DPO's side of each token and a distillation
-# cache's teacher top K (tpzoo.post)
-PER_TOKEN = ("input_ids", "labels", "position_ids", "token_mask", "dpo_seq", "teacher_ids", "teacher_logprobs")
+# Batch keys sharded like the tokens ([b, s, ...]): the model's (multi-token prediction's inputs and targets
+# included), then DPO's side of each token and a distillation cache's teacher top K (tpzoo.post)
+PER_TOKEN = ("input_ids", "labels", "position_ids", "token_mask", "mtp_ids", "mtp_labels", "dpo_seq", "teacher_ids",
+             "teacher_logprobs")
 
 
 def padded_length(seq_len: int, cp: int, multiple: int = 1) -> int:
@@ -45,7 +46,7 @@ def shard_batch(batch: dict, dims: ParallelDims, sequence_parallel: bool = False
     for key, t in batch.items():
         # the padding: ignored labels; a document of its own (ids < s within a row, so `padded` is new); not a
         # real token (token_mask 0); zeros for the per-token data of objectives (tpzoo.post)
-        fill = {"labels": IGNORE_INDEX, "doc_ids": padded}.get(key, 0)
+        fill = {"labels": IGNORE_INDEX, "mtp_labels": IGNORE_INDEX, "doc_ids": padded}.get(key, 0)
         if key in (*PER_TOKEN, "doc_ids") and padded > s:
             t = torch.cat([t, t.new_full((t.shape[0], padded - s, *t.shape[2:]), fill)], dim=1)
         out[key] = t.index_select(1, pos.to(t.device)) if key in PER_TOKEN else t

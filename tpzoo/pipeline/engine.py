@@ -168,7 +168,8 @@ def lm_step(loss, last) -> StepFunctions:
         hidden, sums = received if isinstance(received, tuple) else (received, None)
         if sums is None and chunk.pre_process and carry(chunk, batch):
             sums = {}  # the first stage starts the sums
-        skip = {"input_ids": not chunk.pre_process, "labels": not chunk.post_process}
+        last = not chunk.post_process
+        skip = {"input_ids": not chunk.pre_process, "labels": last, "mtp_ids": last, "mtp_labels": last}
         inputs = Inputs.from_batch({k: v for k, v in batch.items() if not skip.get(k)}, chunk.device,
                                    hidden=hidden, aux=sums)
         return chunk(inputs, loss=loss)
@@ -178,29 +179,35 @@ def lm_step(loss, last) -> StepFunctions:
 
 class LossSum:
     """Last stage: sums the per-token losses on the device (no host sync per micro-batch) and returns the
-    backward's starting point, the scaled sum."""
+    backward's starting point, the scaled sum. `reports`: losses the head's forward reports per trained token
+    (Transformer.aux_reports: "mtp_loss"), summed too, weighted by the micro-batch's trained tokens."""
 
-    def __init__(self, device, scale: float | None):
+    def __init__(self, device, scale: float | None, head=None, reports: tuple = ()):
         self.total = torch.zeros((), dtype=torch.float64, device=device)
-        self.scale = scale
+        self.scale, self.head, self.reports = scale, head, tuple(reports)
+        self.reported = torch.zeros(len(self.reports), dtype=torch.float64, device=device)
 
     def __call__(self, mb, per_token, batch):
         self.total += per_token.detach().double().sum()
+        if self.reports:
+            n = (batch["labels"] != -100).sum().double()
+            self.reported += torch.stack([self.head.aux_reports[r].double() for r in self.reports]) * n
         # The caller's scale (1 / tokens of the global batch) makes the accumulated gradient that of the global
         # mean loss, whatever the split into micro-batches and ranks.
         return None if self.scale is None else per_token.sum() * self.scale
 
-    def shared(self, dims: ParallelDims) -> float:
-        """The sum on every pipeline rank (only the last stage computed it)."""
-        total = self.total
+    def shared(self, dims: ParallelDims) -> tuple[float, dict[str, float]]:
+        """The sum and the reported sums on every pipeline rank (only the last stage computed them)."""
+        total = torch.cat([self.total.reshape(1), self.reported])
         if dims.pp > 1:
             total = comm.broadcast(total.clone(), src=dims.pp_peer(dims.pp - 1), group=dims.pp_group)
-        return float(total)
+        total = total.tolist()
+        return total[0], dict(zip(self.reports, total[1:]))
 
 
 def forward_backward(chunks, microbatches: list[dict], dims: ParallelDims | None = None, *,
                      schedule: str = "1f1b", forward_only: bool = False, loss_scale: float = 1.0,
-                     loss=None) -> dict:
+                     loss=None, reports: tuple = ()) -> dict:
     """Forward (and backward, unless forward_only) of every micro-batch through this rank's chunks: the
     language-model loss through `execute`.
 
@@ -208,9 +215,12 @@ def forward_backward(chunks, microbatches: list[dict], dims: ParallelDims | None
     attached); call finalize_grads afterwards. Returns loss_sum (per-token losses summed over the micro-batches,
     unscaled, the same on every pipeline rank), tokens (non-ignored labels), timeline and peak_inflight.
     loss: the tpzoo.models.LossOptions of the last stage (label smoothing, z-loss, the fused head; aux_losses=False
-    for a held-out loss: the language model's alone)."""
+    for a held-out loss: the language model's alone). reports: names of Transformer.aux_reports to sum too, per
+    trained token ("mtp_loss"): returned as {name: sum} beside loss_sum, on every pipeline rank."""
     dims = get_dims(dims)
-    losses = LossSum(chunks[0].device, None if forward_only else loss_scale)
+    head = next((c for c in chunks if c.post_process), None)
+    losses = LossSum(chunks[0].device, None if forward_only else loss_scale, head, reports)
     out = execute(chunks, microbatches, dims, lm_step(loss, losses), schedule=schedule, forward_only=forward_only)
     tokens = int(sum((b["labels"] != -100).sum() for b in microbatches))
-    return {"loss_sum": losses.shared(dims), "tokens": tokens, **out}
+    loss_sum, reported = losses.shared(dims)
+    return {"loss_sum": loss_sum, "tokens": tokens, "reports": reported, **out}

@@ -21,13 +21,14 @@ def layer_parameters(cfg) -> list[int]:
 
 
 def _end_costs(cfg) -> tuple[int, int]:
-    """Extra parameters of the first stage (the embedding) and of the last (final norm and head)."""
+    """Extra parameters of the first stage (the embedding) and of the last (final norm, head, MTP depths)."""
     final_norm = cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1)
     embedding = cfg.vocab_size * cfg.hidden_size
     if cfg.position == "learned":
         embedding += cfg.max_position_embeddings * cfg.hidden_size
-    # The last stage always holds a head: its own copy of the tied embedding when pp > 1.
-    head = cfg.vocab_size * cfg.hidden_size + final_norm
+    # The last stage always holds a head (its own copy of the tied embedding when pp > 1) and the
+    # multi-token-prediction depths beside it (models/mtp.py), with their copy of the embedding when pp > 1.
+    head = cfg.vocab_size * cfg.hidden_size * (2 if cfg.mtp is not None else 1) + final_norm + cfg.mtp_parameters()
     return embedding, head
 
 
@@ -166,10 +167,14 @@ def as_chunks(model_or_chunks) -> list:
 
 
 def tie_chunks(chunks: list) -> list:
-    """pp == 1 with several chunks: the first and last model stage live on this rank, so the head is the
-    embedding itself, as in an unsplit model."""
-    if chunks[0].cfg.tie_embeddings and len(chunks) > 1 and chunks[0].pre_process and chunks[-1].post_process:
-        chunks[-1].lm_head.weight = chunks[0].embed.weight
+    """pp == 1 with several chunks: the first and last model stage live on this rank, so the head (when tied) and
+    multi-token prediction's copy of the embedding are the embedding itself, as in an unsplit model."""
+    first, last = chunks[0], chunks[-1]
+    if len(chunks) > 1 and first.pre_process and last.post_process:
+        if first.cfg.tie_embeddings:
+            last.lm_head.weight = first.embed.weight
+        if last.mtp is not None:
+            last.mtp.embed.weight = first.embed.weight
     return chunks
 
 

@@ -91,19 +91,25 @@ class Objective:
 
     def forward_backward(self, trainer, batches: list[dict], scale: float) -> dict:
         out = forward_backward(trainer.chunks, batches, trainer.dims, schedule=self.cfg.schedule, loss_scale=scale,
-                               loss=trainer.loss)
-        return {"loss_sum": out["loss_sum"], "metrics": {}}
+                               loss=trainer.loss, reports=_reports(trainer.loss))
+        return {"loss_sum": out["loss_sum"], "metrics": out["reports"]}  # (multi-token prediction's mtp_loss)
 
     def evaluate(self, trainer, batches: list[dict]) -> dict:
         out = forward_backward(trainer.chunks, batches, trainer.dims, schedule=self.cfg.schedule, forward_only=True,
-                               loss=trainer.held_out)
-        return {"loss_sum": out["loss_sum"], "count": out["tokens"], "metrics": {}}
+                               loss=trainer.held_out, reports=_reports(trainer.held_out))
+        return {"loss_sum": out["loss_sum"], "count": out["tokens"], "metrics": out["reports"]}
 
     def save(self, trainer, directory) -> None:
         pass
 
     def close(self) -> None:
         pass
+
+
+def _reports(loss) -> tuple:
+    """What a forward with these LossOptions reports per trained token beside the loss: multi-token prediction's
+    mean loss over its depths when they run (tpzoo.models.mtp), logged as mtp_loss / eval_mtp_loss."""
+    return ("mtp_loss",) if loss.mtp is not None else ()
 
 
 def objective_of(cfg) -> Objective:

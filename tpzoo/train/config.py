@@ -67,6 +67,9 @@ class ModelSection:
                           "across TP ranks; torch._scaled_mm on CUDA (Hopper), emulated exactly elsewhere; weights, "
                           "master weights, gradients and checkpoints unchanged (docs/training.md)",
                   choices=("none", "tensorwise", "rowwise"))
+    mtp_layers: int = _f(0, "multi-token-prediction depths (DeepSeek-V3's MTP, docs/models.md) to add to a model "
+                            "trained from scratch (--model); 0 = the model's own (a checkpoint or Hugging Face "
+                            "directory keeps the depths it holds)", ge=0)
 
 
 @dataclass
@@ -232,6 +235,10 @@ class OptimSection:
     router_aux_loss_coef: float = _f(0.0, "mixtures of experts with the sigmoid router: weight of Megatron-Core's "
                                           "sequence-wise auxiliary loss (0 = off, as HF's configs; the softmax "
                                           "routers' load-balancing loss keeps the model config's)", ge=0)
+    mtp_loss_scale: float = _f(-1.0, "weight S of multi-token prediction's mean loss over its depths in the "
+                                      "training loss (LM + S x MTP); negative = the model's, its family's "
+                                      "published default (DeepSeek-V3 0.1, GLM-4.5 0.3, else 0.1); 0 = the "
+                                      "depths kept, untrained", ge=-1)
     z_loss: float = _f(0.0, "z-loss weight: adds z_loss * logsumexp(logits)^2 to each trained token's loss (PaLM "
                             "used 1e-4, OLMo 2's pretraining 1e-5; 0 = off; the eval loss never has it)", ge=0)
     optimizer: str = _f("adamw", "'adamw', or 'muon': Muon (torch.optim.Muon's rule, lr x 0.2 x sqrt(max(rows, "
@@ -282,6 +289,8 @@ class LogSection:
 # whose base stays frozen, the routers' selection biases included (a LoRA checkpoint and a PEFT adapter hold only the
 # adapters); the MoE kind's run_settings (models/kinds/moe.py) also knows a resumed LoRA run given without --lora-rank.
 ROUTER_BIAS_UPDATE_RATE = 1e-3  # DeepSeek-V3's gamma
+MTP_ZERO3 = ("--zero 3 with multi-token prediction: its depths use the embedding and the head a second time in a "
+             "forward, which ZeRO-3's per-layer gathers do not follow; use --zero 2 (or --mtp-loss-scale 0)")
 FOLLOWS: dict[str, Callable[["TrainConfig"], Any]] = {
     "min_lr": lambda cfg: float(f"{cfg.lr / 10:.15g}"),
     "router_bias_update_rate": lambda cfg: 0.0 if (cfg.lora_rank or cfg.lora_from) else ROUTER_BIAS_UPDATE_RATE}
@@ -393,6 +402,8 @@ class TrainConfig:
         if self.zero_level == 3 and self.ep > 1:
             raise ConfigError(f"--zero 3 with ep={self.ep}: sharding the expert weights over their own group is not "
                               f"implemented; use --zero 2 (or ep=1)")
+        if self.mtp_layers and self.zero_level == 3:
+            raise ConfigError(MTP_ZERO3)
         if self.compile and self.zero_level == 3:
             raise ConfigError("--compile with --zero 3: the per-layer gathers (hooks on the compiled blocks) are not "
                               "composed with compilation; use --zero 2")

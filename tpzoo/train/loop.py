@@ -28,6 +28,7 @@ import torch
 import tpzoo
 from tpzoo.checkpoint.lora_io import lora_metadata
 from tpzoo.data import micro_batches_per_step, single_documents_dropped
+from tpzoo.data.mtp import with_mtp_targets
 from tpzoo.errors import ConfigError
 from tpzoo.models import LossOptions, ModelLayout
 from tpzoo.models.aux import after_optimizer_step
@@ -142,10 +143,14 @@ class Trainer:
                              dtype=DTYPES[cfg.dtype] if self.lora else None, device="meta")
         self.chunks = build_model_chunks(model_cfg, layout, recompute=cfg.recompute, seed=cfg.seed,
                                          virtual_stages=cfg.virtual_stages, boundaries=cfg.pp_boundaries or None)
-        # What the last stage computes: the training loss, and the held-out one (the language model's alone).
+        # What the last stage computes: the training loss, and the held-out one (the language model's alone);
+        # multi-token prediction's depths trained with their weight S > 0 (tpzoo.models.mtp), reported beside both.
+        mtp = model_cfg.mtp
         self.loss = LossOptions(label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss,
-                                fused=cfg.fused_linear_cross_entropy)
-        self.held_out = LossOptions(aux_losses=False, fused=cfg.fused_linear_cross_entropy)
+                                fused=cfg.fused_linear_cross_entropy,
+                                mtp=mtp.loss_scale if mtp is not None and mtp.loss_scale > 0 else None)
+        self.held_out = LossOptions(aux_losses=False, fused=cfg.fused_linear_cross_entropy,
+                                    mtp=0.0 if mtp is not None else None)
         # FP8 matmuls (tpzoo.parallel.fp8): a switch on the layers, nothing stored changes (checkpoints, resharding
         # and HF export never see it); layers whose dims _scaled_mm cannot take stay in the model dtype.
         problem = fp8_hardware_problem(cfg.fp8, self.device)
@@ -169,8 +174,10 @@ class Trainer:
         # MuonClip's logits (--qk-clip, --log-max-attn-logit): recorded in the step's forwards
         self.logits = qk_clip.create(cfg, dims, self.chunks)
 
-        # What the step computes (tpzoo.post: the next-token loss, DPO, distillation) and, for some, their data
+        # What the step computes (tpzoo.post: the next-token loss, DPO, distillation) and, for some, their data;
+        # the next-token loss of a model with multi-token prediction gets each batch's shifted targets
         self.objective = objective_of(cfg)
+        self.mtp_depths = model_cfg.mtp_depths if self.objective.name == "lm" else 0
         sets = self.objective.datasets(cfg, self.tokenizer)
         self.train_ds, self.eval_ds, self.data_desc = sets or build_datasets(cfg, self.tokenizer)
         self.pin = self.device.type == "cuda"
@@ -213,7 +220,8 @@ class Trainer:
         """This rank's tokens of a batch (every cp rank of a dp rank loads the same sequences; cp > 1 keeps its
         two load-balanced chunks and their positions). A packed batch of one document per row drops its document
         ids: no mask to build, attention's plain causal path."""
-        return shard_batch(single_documents_dropped(batch), self.dims, self.cfg.sequence_parallel)
+        batch = with_mtp_targets(single_documents_dropped(batch), self.mtp_depths)  # (whole rows: tpzoo.data.mtp)
+        return shard_batch(batch, self.dims, self.cfg.sequence_parallel)
 
     def train_step(self, step: int) -> dict:
         """Optimizer step number `step` (1-based)."""

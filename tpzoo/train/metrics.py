@@ -93,6 +93,8 @@ def format_line(m: dict) -> str:
     parts = [f"step {m['step']:>6d}", f"loss {m['loss']:.4f}", f"grad_norm {m['grad_norm']:.3f}",
              f"lr {m['lr']:.2e}", f"tok/s {m['tokens_per_s']:,.0f}", f"TFLOP/s/dev {m['tflops_per_device']:.3f}",
              f"MFU {mfu}", f"mem {m['peak_mem_gb']:.2f}GB", f"data_wait {100 * m['data_wait']:.1f}%"]
+    if m.get("mtp_loss") is not None:  # multi-token prediction (tpzoo.models.mtp): its depths' mean loss
+        parts.insert(2, f"mtp_loss {m['mtp_loss']:.4f}")
     if "rewards/accuracies" in m:  # DPO (tpzoo.post.dpo): TRL's reward accuracy and margin
         parts.append(f"acc {m['rewards/accuracies']:.3f} margin {m['rewards/margins']:.4f}")
     if "distill/kl" in m:  # distillation (tpzoo.post.distill): the sparse KL and the next-token loss per token
@@ -109,7 +111,7 @@ def format_line(m: dict) -> str:
     return " | ".join(parts)
 
 
-WINDOW_MEANS = ("loss", "sync_bytes", "sync_s", "rewards/accuracies", "rewards/margins", "distill/kl", "distill/ce")
+WINDOW_MEANS = ("loss", "mtp_loss", "sync_bytes", "sync_s", "rewards/accuracies", "rewards/margins", "distill/kl", "distill/ce")
 
 
 def window_means(window: list[dict]) -> dict:
@@ -122,7 +124,8 @@ def eval_text(m: dict) -> str:
     if m.get("eval_loss") is None:
         return ""
     per = [f"{k.split('/', 1)[1]} {v:.4f}" for k, v in m.items() if k.startswith("eval_loss/") and v is not None]
-    return f" | eval {m['eval_loss']:.4f}" + (f" ({', '.join(per)})" if per else "")
+    mtp = f" mtp {m['eval_mtp_loss']:.4f}" if m.get("eval_mtp_loss") is not None else ""
+    return f" | eval {m['eval_loss']:.4f}{mtp}" + (f" ({', '.join(per)})" if per else "")
 
 
 class MetricsLogger:
@@ -157,7 +160,8 @@ class MetricsLogger:
         if self.jsonl:
             self.jsonl.write_row({k: _jsonable(v) for k, v in m.items()})
         if self.tb:
-            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "eval_loss", "max_attn_logit",
+            for k in ("loss", "mtp_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "eval_loss",
+                      "eval_mtp_loss", "max_attn_logit",
                       *(k for k in m if k.startswith(("eval_loss/", "tokens_seen/", "rewards/", "logps/", "distill/",
                                                       "eval_rewards/", "eval_logps/")))):
                 if m.get(k) is not None and isinstance(m[k], (int, float)) and math.isfinite(m[k]):

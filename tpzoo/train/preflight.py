@@ -289,7 +289,12 @@ def check_eval(args, world_size: int | None = None) -> None:
 
 
 def check_generate(args, world_size: int | None = None) -> None:
-    _check_checkpoint(args, world_size)
+    model_cfg, what = _check_checkpoint(args, world_size)
+    if getattr(args, "draft", "none") == "mtp":
+        if model_cfg.mtp is None:
+            raise ConfigError(f"--draft mtp: the {what} has no multi-token-prediction layers to draft with")
+        if args.sequence_parallel:
+            raise ConfigError("--draft mtp decodes with caches: drop --sequence-parallel")
     _positive(args, "max_new_tokens", "top_k", allow_zero=("max_new_tokens", "top_k"))
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")

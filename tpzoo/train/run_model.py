@@ -13,7 +13,7 @@ The rules, in order:
     resumed run's);
   - then every registered layer kind sets the run's settings it takes (models/kinds: `run_settings`, e.g. the
     sigmoid router's --router-bias-update-rate and --router-aux-loss-coef, frozen under LoRA), or refuses one the
-    model cannot take.
+    model cannot take; and multi-token prediction its depths (--mtp-layers) and weight (--mtp-loss-scale).
 
 The preflight runs before any rank starts and does not load the tokenizer (`load_tokenizer=False`): a named config
 then keeps its own vocabulary unless --vocab-size sets it (the tokenizer's size is not known without loading it,
@@ -21,17 +21,20 @@ and nothing needs comparing: the trainer sets the vocabulary to it).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tpzoo.checkpoint.format import is_checkpoint, read_manifest
+from tpzoo.checkpoint.hf import HFSource
 from tpzoo.data.tokenizer import has_tokenizer, load_tokenizer as load
 from tpzoo.errors import ConfigError
-from tpzoo.models import ModelConfig, from_hf_config, get_config
+from tpzoo.models import ModelConfig, get_config
+from tpzoo.models.config import MTPConfig
 from tpzoo.models.registry import CHANNEL_MIXERS, TOKEN_MIXERS
 
 from . import checkpointing as ckpt
 from . import lora_setup
+from .config import MTP_ZERO3
 
 FIND = "find"  # resolve_run_model's default: find the checkpoint to resume from the run's settings
 
@@ -53,7 +56,11 @@ def model_config_of(path) -> ModelConfig:
     """The ModelConfig of a tpzoo checkpoint or a Hugging Face model directory."""
     if is_checkpoint(path):
         return ModelConfig.from_dict(read_manifest(path)["model_config"])
-    return from_hf_config(path)
+    source = HFSource(path)  # (its tensors say which multi-token-prediction depths it holds)
+    try:
+        return source.cfg
+    finally:
+        source.close()
 
 
 def model_label(cfg, model_cfg: ModelConfig, resume=None) -> str:
@@ -65,6 +72,28 @@ def model_label(cfg, model_cfg: ModelConfig, resume=None) -> str:
     if cfg.base:
         return f"model {kind} from --base {cfg.base}"
     return f"model {cfg.model}"
+
+
+def mtp_settings(model_cfg: ModelConfig, cfg, named: bool) -> ModelConfig:
+    """Multi-token prediction's depths and weight for the run: --mtp-layers adds depths to a named config (a
+    checkpoint's or HF directory's model keeps its own), --mtp-loss-scale sets their weight (else the model's)."""
+    if cfg.mtp_layers and (not named or model_cfg.mtp is not None) and cfg.mtp_layers != model_cfg.mtp_depths:
+        raise ConfigError(f"--mtp-layers {cfg.mtp_layers}: the model ({model_label(cfg, model_cfg)}) has "
+                          f"{model_cfg.mtp_depths} multi-token-prediction depths of its own (--mtp-layers adds them "
+                          f"to a model trained from scratch, --model)")
+    if cfg.mtp_layers and model_cfg.mtp is None:
+        model_cfg = model_cfg.replace(mtp=MTPConfig(cfg.mtp_layers))
+    if model_cfg.mtp is None:
+        if cfg.mtp_loss_scale >= 0:
+            raise ConfigError(f"--mtp-loss-scale {cfg.mtp_loss_scale:g}: the model ({model_label(cfg, model_cfg)}) "
+                              f"has no multi-token-prediction depths (--mtp-layers N adds them to a model trained "
+                              f"from scratch)")
+        return model_cfg
+    if cfg.mtp_loss_scale >= 0:
+        model_cfg = model_cfg.replace(mtp=replace(model_cfg.mtp, loss_scale=float(cfg.mtp_loss_scale)))
+    if model_cfg.mtp.loss_scale > 0 and cfg.zero_level == 3:
+        raise ConfigError(MTP_ZERO3)
+    return model_cfg
 
 
 def resolve_run_model(cfg, resume=FIND, load_tokenizer: bool = True, say=None) -> RunModel:
@@ -98,6 +127,7 @@ def resolve_run_model(cfg, resume=FIND, load_tokenizer: bool = True, say=None) -
     for kind in {**TOKEN_MIXERS, **CHANNEL_MIXERS}.values():  # each kind sets (or refuses) the run's settings it takes
         if hasattr(kind, "run_settings"):
             model_cfg = kind.run_settings(model_cfg, cfg, lora=lora is not None)
+    model_cfg = mtp_settings(model_cfg, cfg, named)
     if tokenizer is not None and tokenizer.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary is "
                           f"{model_cfg.vocab_size}")
