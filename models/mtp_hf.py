@@ -43,6 +43,12 @@ class MTPLayout:
             return None
         return MTPConfig(depths, self.token_mixer, self.channel_mixer, self.loss_scale)
 
+    def in_directory(self, cfg: ModelConfig, directory) -> ModelConfig:
+        """`cfg` (read from the config.json of `directory`) with the depths the weights there hold (their index,
+        or the safetensors headers; unchanged where neither is found)."""
+        names = weight_names(directory)
+        return cfg if names is None else reconcile(cfg, self, names)[0]
+
 
 def mtp_from_hf(layout: MTPLayout, hf: dict) -> MTPConfig | None:
     """The depths the config says (its count field; none without one: the tensors decide, `reconcile`)."""
@@ -120,3 +126,25 @@ def reconcile(cfg: ModelConfig, layout: MTPLayout | None, names, prefix: str = "
         notes.append(f"{cfg.family}: the config counts {said} multi-token-prediction layer(s), the checkpoint holds "
                      f"{depths}: those are imported")
     return cfg.replace(mtp=mtp), notes
+
+
+def weight_names(directory) -> set | None:
+    """The tensor names of a Hugging Face directory's weights (model.safetensors.index.json, or the headers of its
+    *.safetensors files), None without either."""
+    import json
+    from pathlib import Path
+
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text()).get("weight_map", {}))
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    names = set()
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            names.update(st.keys())
+    return names

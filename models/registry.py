@@ -145,7 +145,9 @@ def list_configs() -> dict[str, ModelConfig]:
 
 def from_hf_config(config) -> ModelConfig:
     """A ModelConfig from a HF config.json path, a directory holding one, or its dict. Every error about a file
-    names it: missing, not JSON, not an object, an unsupported architecture, a missing or bad field."""
+    names it: missing, not JSON, not an object, an unsupported architecture, a missing or bad field. From a file,
+    multi-token-prediction depths are those the weights beside it hold (Family.hf_mtp); from a dict, the count
+    the config states."""
     if not isinstance(config, (str, os.PathLike)):
         return family_for_hf(config).config_from_hf(config)
     path = os.path.join(config, "config.json") if os.path.isdir(config) else os.fspath(config)
@@ -161,7 +163,11 @@ def from_hf_config(config) -> ModelConfig:
     if not isinstance(hf, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(hf).__name__}")
     try:
-        return family_for_hf(hf).config_from_hf(hf)
+        family = family_for_hf(hf)
+        cfg = family.config_from_hf(hf)
+        if family.hf_mtp is not None:  # the multi-token-prediction depths its weights hold (models/mtp_hf.py)
+            cfg = family.hf_mtp.in_directory(cfg, os.path.dirname(path))
+        return cfg
     except KeyError as e:
         raise ConfigError(f"{path}: missing field {e.args[0]!r}") from None
     except (ConfigError, TypeError, ValueError) as e:  # a bad value (ModelConfig names the field)

@@ -25,10 +25,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tpzoo.checkpoint.format import is_checkpoint, read_manifest
-from tpzoo.checkpoint.hf import HFSource
 from tpzoo.data.tokenizer import has_tokenizer, load_tokenizer as load
 from tpzoo.errors import ConfigError
-from tpzoo.models import ModelConfig, get_config
+from tpzoo.models import ModelConfig, from_hf_config, get_config
 from tpzoo.models.config import MTPConfig
 from tpzoo.models.registry import CHANNEL_MIXERS, TOKEN_MIXERS
 
@@ -56,11 +55,7 @@ def model_config_of(path) -> ModelConfig:
     """The ModelConfig of a tpzoo checkpoint or a Hugging Face model directory."""
     if is_checkpoint(path):
         return ModelConfig.from_dict(read_manifest(path)["model_config"])
-    source = HFSource(path)  # (its tensors say which multi-token-prediction depths it holds)
-    try:
-        return source.cfg
-    finally:
-        source.close()
+    return from_hf_config(path)  # (the multi-token-prediction depths its weights hold)
 
 
 def model_label(cfg, model_cfg: ModelConfig, resume=None) -> str:
