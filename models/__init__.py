@@ -20,6 +20,7 @@ else:
     from .registry import (Family, from_hf_config, get_config, get_family, list_configs, register_config,
                            register_family, to_hf_config)
     from .transformer import Transformer
+    from . import families, zoo  # noqa: F401,E402 (the built-in families and named configs register themselves)
 
 __all__ = ["AttentionConfig", "Cache", "Context", "Family", "Inputs", "KVCache", "LossOptions", "MLAConfig",
            "MLPConfig", "ModelConfig", "ModelLayout", "MoEConfig", "Stage", "Transformer", "apply_recompute", "from_hf_config",

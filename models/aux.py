@@ -34,6 +34,7 @@ import torch
 from tpzoo.parallel import comm
 
 from .config import ModelConfig
+from .registry import layer_kinds
 
 
 class AuxRule:
@@ -61,11 +62,9 @@ class AuxRule:
 
 def model_rules(cfg: ModelConfig) -> dict[str, AuxRule]:
     """The aux rules of every layer kind of the model (all its layers, not one chunk's): key -> rule."""
-    from .kinds import channel_mixer_kind, token_mixer_kind
-
     rules = {}
     for i in range(cfg.num_layers):
-        for kind in (token_mixer_kind(cfg.token_mixer(i)), channel_mixer_kind(cfg.channel_mixer(i))):
+        for kind in layer_kinds(cfg, i):
             for rule in getattr(kind, "aux_rules", ()):
                 rules[rule.key] = rule
     return rules
@@ -78,12 +77,9 @@ def carried_sizes(cfg: ModelConfig, loss) -> dict[str, int]:
 
 def step_sum_slots(cfg: ModelConfig) -> list[tuple[int, str, int]]:
     """(layer, "attn" | "mlp", size) of every mixer of the model with step sums, in layer order."""
-    from .kinds import channel_mixer_kind, token_mixer_kind
-
     slots = []
     for i in range(cfg.num_layers):
-        kinds = (("attn", token_mixer_kind(cfg.token_mixer(i))), ("mlp", channel_mixer_kind(cfg.channel_mixer(i))))
-        for part, kind in kinds:
+        for part, kind in zip(("attn", "mlp"), layer_kinds(cfg, i)):
             size = kind.step_sums_size(cfg, i) if hasattr(kind, "step_sums_size") else 0
             if size:
                 slots.append((i, part, size))

@@ -11,9 +11,9 @@ import torch.nn as nn
 
 from .config import ModelConfig
 from .inputs import Context
-from .kinds import channel_mixer_kind, token_mixer_kind
 from .layout import ModelLayout
 from .norm import Norm
+from .registry import layer_kinds
 
 
 class TransformerBlock(nn.Module):
@@ -22,12 +22,13 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int, layout: ModelLayout):
         super().__init__()
+        token_mixer, channel_mixer = layer_kinds(cfg, layer)
         if cfg.pre_norm:
             self.attn_norm = Norm(cfg, layout)
-        self.attn = token_mixer_kind(cfg.token_mixer(layer))(cfg, layer, layout)
+        self.attn = token_mixer(cfg, layer, layout)
         if cfg.pre_norm:
             self.mlp_norm = Norm(cfg, layout)
-        self.mlp = channel_mixer_kind(cfg.channel_mixer(layer))(cfg, layer, layout)
+        self.mlp = channel_mixer(cfg, layer, layout)
         if cfg.post_norm:
             self.post_attn_norm = Norm(cfg, layout)
             self.post_mlp_norm = Norm(cfg, layout)

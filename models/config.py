@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 from tpzoo.errors import ConfigError
 
+from .registry import layer_kinds
+
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's names for a layer's attention window
 GATED = ("swiglu", "geglu_tanh")  # activations whose MLP input projection is gate|up fused
 
@@ -382,29 +384,27 @@ class ModelConfig:
         """Exact parameter count of the full (unsharded, unpadded) model; with `active`, the parameters one token
         uses (a MoE layer's router and top-k of its experts). Each layer's mixers count their own
         (models/kinds: `num_parameters(cfg, layer, active)`)."""
-        from .kinds import channel_mixer_kind, token_mixer_kind
-
         h = self.hidden_size
-        norm = h * (2 if self.norm == "layernorm" else 1)
-        norms_per_layer = 2 * (int(self.pre_norm) + int(self.post_norm))
-        total = norm + self.num_layers * norms_per_layer * norm
-        for i in range(self.num_layers):
-            total += token_mixer_kind(self.token_mixer(i)).num_parameters(self, i, active)
-            total += channel_mixer_kind(self.channel_mixer(i)).num_parameters(self, i, active)
+        total = h * (2 if self.norm == "layernorm" else 1) + sum(self.layer_parameters(active))  # + the final norm
         if include_embeddings:
             total += self.vocab_size * h * (1 if self.tie_embeddings else 2)
             if self.position == "learned":
                 total += self.max_position_embeddings * h
         return total
 
+    def layer_parameters(self, active: bool = False) -> list[int]:
+        """Parameters of each transformer layer: its norms and what its token and channel mixer kinds count (so a
+        dense and an MoE layer, or a Gated DeltaNet and an attention layer, weigh what they hold)."""
+        norm = self.hidden_size * (2 if self.norm == "layernorm" else 1)
+        norms = 2 * (int(self.pre_norm) + int(self.post_norm)) * norm
+        return [norms + sum(kind.num_parameters(self, i, active) for kind in layer_kinds(self, i))
+                for i in range(self.num_layers)]
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward = 3x forward): matmuls, and each token mixer's own work
         over the sequence (attention: QK^T and AV, causal not discounted)."""
-        from .kinds import token_mixer_kind
-
         matmul_params = self.num_parameters(include_embeddings=False, active=True) + self.vocab_size * self.hidden_size
-        mixing = sum(token_mixer_kind(self.token_mixer(i)).sequence_flops(self, i, seq_len)
-                     for i in range(self.num_layers))
+        mixing = sum(layer_kinds(self, i)[0].sequence_flops(self, i, seq_len) for i in range(self.num_layers))
         return 3 * (2 * matmul_params + mixing)
 
 

@@ -1,18 +1,87 @@
-"""Registries: model families (each registers itself) and named configs (published shapes + tiny ones).
+"""The registries: layer kinds (token and channel mixers), model families and named configs.
+
+A leaf: this module imports nothing of what registers into it, so any module may import it (models/config.py
+walks the kinds of a config's layers through it) without an import cycle and without a lazy import. The built-in
+entries are each listed once, in the folder they describe: the kinds in models/kinds/__init__.py, the families in
+models/families/__init__.py, the named configs in models/zoo.py; importing tpzoo.models imports all three, so a
+lookup always sees them.
 
 A family is everything model-specific that the generic machinery needs: how to read and write its Hugging Face
-config, its HF architectures, and its HF tensor-name mapping. There is no if/elif over family names anywhere:
-code looks the family up here.
+config, its HF architectures, its HF tensor-name mapping and the facts about it other code needs (Family's
+fields). There is no if/elif over family names anywhere: code looks the family up here.
 """
 from __future__ import annotations
 
+import difflib
+import json
+import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from tpzoo.errors import ConfigError
 
-from .config import ModelConfig
+if TYPE_CHECKING:  # annotations only: config.py imports this module
+    from .config import ModelConfig
 
+# -- layer kinds --------------------------------------------------------------------------------------------------
+# (the protocol a kind's class follows: models/kinds/__init__.py)
+
+TOKEN_MIXERS: dict[str, type] = {}
+CHANNEL_MIXERS: dict[str, type] = {}
+
+
+def _register(table: dict, what: str, name: str, cls):
+    def add(cls):
+        if name in table and table[name] is not cls:
+            raise ConfigError(f"{what} kind {name!r} is already registered ({table[name].__qualname__})")
+        table[name] = cls
+        cls.kind = name
+        return cls
+    return add(cls) if cls is not None else add
+
+
+def register_token_mixer(name: str, cls=None):
+    """Register a token-mixer class under `name` (usable as a decorator)."""
+    return _register(TOKEN_MIXERS, "token mixer", name, cls)
+
+
+def register_channel_mixer(name: str, cls=None):
+    """Register a channel-mixer class under `name` (usable as a decorator)."""
+    return _register(CHANNEL_MIXERS, "channel mixer", name, cls)
+
+
+def _lookup(table: dict, what: str, name: str) -> type:
+    if name not in table:
+        raise ConfigError(f"unknown {what} kind {name!r}; registered: {sorted(table)}")
+    return table[name]
+
+
+def token_mixer_kind(name: str) -> type:
+    return _lookup(TOKEN_MIXERS, "token mixer", name)
+
+
+def channel_mixer_kind(name: str) -> type:
+    return _lookup(CHANNEL_MIXERS, "channel mixer", name)
+
+
+def layer_kinds(cfg: ModelConfig, layer: int) -> tuple[type, type]:
+    """(token mixer class, channel mixer class) of one layer: the one walk from a config's per-layer kind names
+    (ModelConfig.token_mixer(i) / channel_mixer(i)) to the registered classes, for everything that asks a layer's
+    kinds (the block, parameter counts, auxiliary outputs, the plan, the pipeline's split, the HF tensor map)."""
+    return token_mixer_kind(cfg.token_mixer(layer)), channel_mixer_kind(cfg.channel_mixer(layer))
+
+
+def distinct_kinds(cfg: ModelConfig) -> list[tuple[int, type]]:
+    """(first layer, class) of each distinct kind among the model's layers, in layer order: what asks each kind
+    once (its layout checks: the preflight's and the plan's)."""
+    seen = {}
+    for i in range(cfg.num_layers):
+        for kind in layer_kinds(cfg, i):
+            seen.setdefault(kind, i)
+    return [(i, kind) for kind, i in seen.items()]
+
+
+# -- families and named configs -----------------------------------------------------------------------------------
 
 @dataclass
 class Family:
@@ -24,6 +93,8 @@ class Family:
     hf_tensor_map: Callable[[ModelConfig], list]       # -> list[TensorMap] (see models/hf_mapping.py)
     # HF config.json dict -> one-line notes on what importing it leaves out or changes (printed by the conversion)
     import_notes: Callable[[dict], list[str]] | None = None
+    # HF stores the linear weights as Conv1D, [in, out] (GPT-2): a PEFT adapter of it is `fan_in_fan_out`
+    hf_conv1d: bool = False
 
 
 FAMILIES: dict[str, Family] = {}
@@ -36,14 +107,12 @@ def register_family(family: Family) -> Family:
 
 
 def get_family(name: str) -> Family:
-    _load_builtin()
     if name not in FAMILIES:
         raise ConfigError(f"unknown model family {name!r}; known: {sorted(FAMILIES)}")
     return FAMILIES[name]
 
 
 def family_for_hf(hf_config: dict) -> Family:
-    _load_builtin()
     model_type = hf_config.get("model_type")
     for fam in FAMILIES.values():
         if model_type in fam.hf_model_types:
@@ -61,10 +130,7 @@ def register_config(name: str, config: ModelConfig) -> ModelConfig:
 
 
 def get_config(name: str) -> ModelConfig:
-    _load_builtin()
     if name not in CONFIGS:
-        import difflib
-
         close = difflib.get_close_matches(str(name), CONFIGS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"unknown model {name!r}{hint}; `tpzoo models` lists the known names")
@@ -72,16 +138,12 @@ def get_config(name: str) -> ModelConfig:
 
 
 def list_configs() -> dict[str, ModelConfig]:
-    _load_builtin()
     return dict(CONFIGS)
 
 
 def from_hf_config(config) -> ModelConfig:
     """A ModelConfig from a HF config.json path, a directory holding one, or its dict. Every error about a file
     names it: missing, not JSON, not an object, an unsupported architecture, a missing or bad field."""
-    import json
-    import os
-
     if not isinstance(config, (str, os.PathLike)):
         return family_for_hf(config).config_from_hf(config)
     path = os.path.join(config, "config.json") if os.path.isdir(config) else os.fspath(config)
@@ -107,15 +169,3 @@ def from_hf_config(config) -> ModelConfig:
 def to_hf_config(config: ModelConfig) -> dict:
     return get_family(config.family).config_to_hf(config)
 
-
-_LOADED = False
-
-
-def _load_builtin() -> None:
-    """Import the built-in families and the named-config table (they register themselves)."""
-    global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
-    from . import (deepseek_v3, gemma, glm4_moe, gpt2, gpt_oss, llama, minimax_m2, moe_families, olmo2,  # noqa: F401
-                   olmo3, phi3, qwen3, qwen3_5, smollm3, zoo)

@@ -9,7 +9,8 @@ kernels (tpzoo.parallel.ring_attention: a fused kernel returning the log-sum-exp
 with an explicit mask for windows, documents and decoding), the sink merged into the log-sum-exp, and a backward
 that hands the block kernel the merged output and log-sum-exp (so q, k, v get the gradients of the softmax that
 includes the sink) plus the sink's own gradient. Ring attention (cp, `sinks=`) and FlexAttention
-(models/documents.py) take the same sinks; Ulysses attends locally over heads `ulysses.local_heads` of them.
+(models/kinds/document_attention.py) take the same sinks; Ulysses attends locally over heads `ulysses.local_heads`
+of them.
 
 TP split: the sinks are split by head with the query heads (each rank passes its heads' sinks; their gradients
 are then whole, nothing crosses tp ranks). Under cp they are replicated and their gradient is partial per rank

@@ -226,6 +226,7 @@ def phase_nccl(a, out: Path) -> list[str]:
     if not a.cpu and gpus < 2:
         raise Skipped(f"the NCCL phases need 2 GPUs ({gpus} visible): tp/pp/dp/cp/ep on NCCL not checked")
     cmd = [sys.executable, "scripts/multi_gpu_check.py", "--out", str(out / "nccl")] + (["--cpu"] if a.cpu else [])
+    cmd += ["--layouts", *a.layouts] if a.layouts else []
     try:
         text = _run(cmd, out / "nccl.log", timeout=1200)
     except RuntimeError as e:  # the table says which layouts failed
@@ -251,6 +252,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/gpu_check", help="logs and gpu_check.md go here")
     p.add_argument("--steps", type=int, default=30, help="pretrain steps on the GPU")
     p.add_argument("--only", nargs="+", choices=PHASES, help="run only these phases")
+    p.add_argument("--layouts", nargs="+", help="the nccl phase: only these layouts (scripts/multi_gpu_check.py)")
     a = p.parse_args(argv)
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -112,8 +112,9 @@ def _sync(device) -> None:
 
 # -- the driver ------------------------------------------------------------------------------------------------
 
-def run(cpu: bool, out: Path, gpus: int) -> tuple[list[str], bool]:
-    """Run every check; returns (markdown lines: a table and the bandwidth, whether all passed)."""
+def run(cpu: bool, out: Path, gpus: int, only: list | None = None) -> tuple[list[str], bool]:
+    """Run every check (`only`: these layouts); returns (markdown lines: a table and the bandwidth, whether all
+    passed)."""
     import sysconfig
 
     from tpzoo.testing import run_on_ranks, shutdown_pools
@@ -131,9 +132,10 @@ def run(cpu: bool, out: Path, gpus: int) -> tuple[list[str], bool]:
 
     try:
         ckpt_dir = str(out / "reference")
-        reference = {"tiny-llama": ranks(1, train_losses, cfg("tiny-llama", save=ckpt_dir), False)[0],
-                     "tiny-mixtral": ranks(1, train_losses, cfg("tiny-mixtral"), False)[0]}
-        layouts = LAYOUTS + ([WIDE] if gpus >= 8 and not cpu else [])
+        layouts = [x for x in LAYOUTS + ([WIDE] if gpus >= 8 and not cpu else []) if not only or x[0] in only]
+        reference = {"tiny-llama": ranks(1, train_losses, cfg("tiny-llama", save=ckpt_dir), False)[0]}
+        if any(model == "tiny-mixtral" for _, model, _ in layouts):
+            reference["tiny-mixtral"] = ranks(1, train_losses, cfg("tiny-mixtral"), False)[0]
         for name, model, layout in layouts:
             world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1) * layout.get("cp", 1)
             for strict_on in (False, True):
@@ -183,6 +185,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="2 gloo ranks on the CPU, toy sizes")
     p.add_argument("--out", default="runs/multi_gpu_check")
+    p.add_argument("--layouts", nargs="+", choices=[name for name, _, _ in LAYOUTS + [WIDE]],
+                   help="run only these layouts (default: all; generation at tp=2 always runs)")
     a = p.parse_args(argv)
     import torch
 
@@ -192,7 +196,7 @@ def main(argv=None) -> int:
         return 0
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    lines, ok = run(a.cpu, out, gpus)
+    lines, ok = run(a.cpu, out, gpus, a.layouts)
     print("\n".join(lines))
     return 0 if ok else 1
 

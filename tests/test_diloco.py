@@ -71,12 +71,12 @@ def reference_diloco(cfg, replicas: int) -> dict:
     the new global values of the fragment."""
     from tpzoo.data import IGNORE_INDEX
     from tpzoo.models import Inputs, Transformer
-    from tpzoo.train.checkpointing import resolve_model_config
-    from tpzoo.train.data import build_datasets, make_loader, resolve_tokenizer
+    from tpzoo.train.data import build_datasets, make_loader
     from tpzoo.train.lr import lr_at
+    from tpzoo.train.run_model import resolve_run_model
 
-    tok = resolve_tokenizer(cfg)
-    model_cfg = resolve_model_config(cfg, tok)
+    run = resolve_run_model(cfg, resume=None)
+    tok, model_cfg = run.tokenizer, run.config
     train_ds, _, _ = build_datasets(cfg, tok)
     models = [Transformer(model_cfg, seed=cfg.seed) for _ in range(replicas)]
     inner = []

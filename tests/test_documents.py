@@ -28,7 +28,8 @@ import torch.nn.functional as F
 import tpzoo
 from tpzoo.data import PackedSFTDataset, PaddedSFTDataset, collate_long, preprocess
 from tpzoo.models import Inputs, Transformer, get_config
-from tpzoo.models.documents import Documents, document_attention, document_positions
+from tpzoo.models.documents import Documents, document_positions
+from tpzoo.models.kinds.document_attention import document_attention
 from tpzoo.models.kinds.attention_extras import softcapped_attention
 from tpzoo.parallel import GradBuffer, comm
 from tpzoo.parallel.context_parallel import shard_batch
@@ -180,11 +181,11 @@ def short_docs(tmp_path_factory):
 def _per_document_reference(cfg, steps: int) -> tuple[list, list]:
     """Losses and gradient norms of one process training each window's document pieces alone (lr 0)."""
     from tpzoo.data import ResumableLoader
-    from tpzoo.train.checkpointing import resolve_model_config
-    from tpzoo.train.data import build_datasets, resolve_tokenizer
+    from tpzoo.train.data import build_datasets
+    from tpzoo.train.run_model import resolve_run_model
 
-    tok = resolve_tokenizer(cfg)
-    net = Transformer(resolve_model_config(cfg, tok), seed=cfg.seed)
+    run = resolve_run_model(cfg, resume=None)
+    tok, net = run.tokenizer, Transformer(run.config, seed=cfg.seed)
     train_ds, _, _ = build_datasets(cfg, tok)
     loader = ResumableLoader(train_ds, cfg.global_batch_size, seed=cfg.seed, prefetch=0)
     losses, norms, pieces = [], [], 0
@@ -279,7 +280,7 @@ def test_a_flex_path_that_cannot_run_falls_back_to_the_exact_path(monkeypatch):
     """The fused path is tried once per kind of call before it is taken. The CPU stands in for a GPU whose
     FlexAttention kernel does not compile: it has FlexAttention's forward but not its backward, so in training the
     trial fails (one warning, the exact path, the same gradients) and in inference it passes (flex taken)."""
-    from tpzoo.models import documents
+    from tpzoo.models.kinds import document_attention as documents
 
     monkeypatch.setattr(documents, "flex_available", lambda q: True)
     monkeypatch.setattr(documents, "_FLEX_WORKS", {})

@@ -158,6 +158,17 @@ def test_kv_heads_that_tp_cannot_split_fail_before_spawning(tmp_path, monkeypatc
                    f"--base {base}: tp=6 neither divides nor is a multiple of num_kv_heads=4")
 
 
+def test_what_the_trainer_refuses_of_a_kind_the_preflight_refuses(monkeypatch, capsys):
+    """The preflight resolves the run's model by the trainer's own rules (tpzoo/train/run_model.py) and asks every
+    layer kind of it: a Gated DeltaNet whose key heads tp does not divide (the kind's own check; the attention
+    and MLP of the model split at tp=4), and the sequence-wise auxiliary loss asked of a model whose kinds have no
+    sigmoid router (the MoE kind's run settings), fail before any rank starts."""
+    one_error_line(*cli(monkeypatch, capsys, "pretrain", "--model", "nano-qwen3.5", "--tp", "4"), "pretrain",
+                   "model nano-qwen3.5: tp=4 does not divide linear_num_key_heads=2")
+    one_error_line(*cli(monkeypatch, capsys, "pretrain", "--model", "tiny-llama", "--router-aux-loss-coef", "0.01"),
+                   "pretrain", "--router-aux-loss-coef 0.01: the sequence-wise auxiliary loss is the sigmoid router's")
+
+
 def test_the_world_size_under_torchrun_is_checked_before_the_process_groups(monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WORLD_SIZE", "3")

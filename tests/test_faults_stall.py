@@ -139,7 +139,8 @@ def _alive(pids) -> list[int]:
 
 def _rank_processes(proc: subprocess.Popen, torchrun: bool) -> dict[int, int]:
     """{rank: pid} of the job's rank processes: torchrun's workers (their environment says RANK), or the
-    processes tpzoo's launcher spawned (its children, started in rank order)."""
+    processes tpzoo's launcher started in rank order: its forkserver's children (tpzoo.commands.launch), or its
+    own children where it spawns them."""
     ranks = {}
     procs = _processes()
     for pid in _descendants(proc.pid):
@@ -152,8 +153,11 @@ def _rank_processes(proc: subprocess.Popen, torchrun: bool) -> dict[int, int]:
             continue
         if torchrun and "RANK" in env and "tpzoo" in cmd:
             ranks[int(env["RANK"])] = pid
-        elif not torchrun and "spawn_main" in cmd and procs.get(pid, ("", 0))[1] == proc.pid:
-            ranks[len(ranks)] = pid
+        elif not torchrun:
+            parent = procs.get(pid, ("", 0))[1]
+            forked = "forkserver" in cmd and procs.get(parent, ("", 0))[1] == proc.pid  # the server's children
+            if forked or ("spawn_main" in cmd and parent == proc.pid):
+                ranks[len(ranks)] = pid
     return ranks
 
 
@@ -235,7 +239,8 @@ def test_a_stopped_rank_is_named_and_the_self_spawned_job_exits(tmp_path):
     print(f"self-spawned, --dist-timeout {DIST_TIMEOUT}: named {named:.1f} s after SIGSTOP, exit after {took:.1f} s")
 
 
-def test_a_stopped_rank_is_named_under_torchrun(tmp_path):
+@pytest.mark.slow  # ~50 s, most of it torchrun's 30 s grace before it SIGKILLs the stopped worker; the default tier
+def test_a_stopped_rank_is_named_under_torchrun(tmp_path):  # names a stopped rank of a self-spawned job (above)
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
             "-m", "tpzoo", *_pretrain_args(100000, tmp_path / "logs")]
     proc = _start(argv, tmp_path)

@@ -175,7 +175,7 @@ def test_eval_at_every_layout_equals_transformers(hf_runs):
 
 
 def test_the_comparisons_can_fail(hf_runs, monkeypatch):
-    from tpzoo.models import gpt_oss
+    from tpzoo.models.kinds import moe_hf  # the gpt-oss layout of the experts' HF names
 
     loss = {kind: hf_runs[kind][1] for kind in KINDS}
     model = load_model(hf_runs["deepseek_v3"][0])
@@ -190,7 +190,7 @@ def test_the_comparisons_can_fail(hf_runs, monkeypatch):
     for layer in model.layers.values():  # the sinks ignored
         del layer.attn.sinks
     assert abs(_ours_loss(model) - loss["gpt_oss"]) > 1e-3
-    monkeypatch.setattr(gpt_oss, "interleaved_to_halves", lambda t, dim: t)  # gate|up read as halves
+    monkeypatch.setattr(moe_hf, "interleaved_to_halves", lambda t, dim: t)  # gate|up read as halves
     assert abs(_ours_loss(load_model(hf_runs["gpt_oss"][0])) - loss["gpt_oss"]) > 1e-3
 
 

@@ -16,7 +16,7 @@ import tpzoo
 from tpzoo.models import AttentionConfig, Context, MLPConfig, ModelConfig, ModelLayout
 from tpzoo.models.config import GatedDeltaNetConfig
 from tpzoo.models.documents import Documents
-from tpzoo.models.gated_deltanet_hf import gated_deltanet_tensor_maps
+from tpzoo.models.kinds.gated_deltanet_hf import gated_deltanet_tensor_maps
 from tpzoo.models.kinds import gated_deltanet as gdn
 from tpzoo.models.kinds.gated_deltanet import GatedDeltaNet
 from tpzoo.parallel import ParallelDims, ParallelLayoutError, comm, finish_tp_grads, shard, unshard

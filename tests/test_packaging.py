@@ -66,7 +66,7 @@ def test_toplevel_models_and_kernels_are_the_tpzoo_modules():
         assert models is tpzoo.models and kernels is tpzoo.kernels
         assert models.__name__ == "tpzoo.models" and models.zoo.__spec__.name == "tpzoo.models.zoo"
         from models import ModelConfig
-        import models.config, models.gpt2, kernels.dispatch
+        import models.config, models.families.gpt2, kernels.dispatch
         from kernels.reference import rms_norm
         assert ModelConfig is tpzoo.models.ModelConfig is models.config.ModelConfig
         assert kernels.dispatch is tpzoo.kernels.dispatch and rms_norm is tpzoo.kernels.reference.rms_norm

@@ -1,6 +1,7 @@
 """`tpzoo plan --lora-rank`: the frozen base, the adapters' training state and the activations of a LoRA model,
 against real allocations (DistributedAdamW over the adapters, saved tensors of a forward) at tp 1 and tp 2 + SP;
 and the headline: llama-3-70b LoRA at seq 4096 fits on 8 GPUs of 80 GiB, where full fine-tuning fits nowhere."""
+import pytest
 import torch
 
 import tpzoo
@@ -39,16 +40,29 @@ def test_lora_training_state_is_what_a_run_allocates():
                 frozen + got["params"], got["grads"], got["master"], got["optimizer"]), (name, dtype, zero1)
 
 
-def test_lora_activations_tp1():
+STAGES = ((True, True), (False, True), (True, False), (False, False))  # (embedding, head) on the chunk
+
+
+def _lora_activations(cases) -> None:
     for name in ("nano-gpt", "nano-llama"):
         cfg = get_config(name)
-        for mode in ("none", "selective", "full"):
-            for pre, post in ((True, True), (False, True), (True, False), (False, False)):
-                with K.use_backend("torch"):
-                    got = forward_activation_bytes(_lora_model(cfg, pre=pre, post=post, recompute=mode), B, S)
-                est = sum(chunk_activation_bytes(cfg, RankLayout(recompute=mode, kernels="reference"),
-                                                 range(cfg.num_layers), B, S, pre, post, lora_rank=RANK).values())
-                assert abs(est / got - 1) <= TOL, (name, mode, pre, post, est, got)
+        for mode, (pre, post) in cases:
+            with K.use_backend("torch"):
+                got = forward_activation_bytes(_lora_model(cfg, pre=pre, post=post, recompute=mode), B, S)
+            est = sum(chunk_activation_bytes(cfg, RankLayout(recompute=mode, kernels="reference"),
+                                             range(cfg.num_layers), B, S, pre, post, lora_rank=RANK).values())
+            assert abs(est / got - 1) <= TOL, (name, mode, pre, post, est, got)
+
+
+def test_lora_activations_tp1():
+    """Each recompute mode on a whole model, each pipeline stage kind without recomputation."""
+    _lora_activations([(mode, STAGES[0]) for mode in ("none", "selective", "full")]
+                      + [("none", stage) for stage in STAGES[1:]])
+
+
+@pytest.mark.slow
+def test_lora_activations_tp1_every_mode_at_every_stage():
+    _lora_activations([(mode, stage) for mode in ("selective", "full") for stage in STAGES[1:]])
 
 
 def _measure_tp2(name: str) -> list:

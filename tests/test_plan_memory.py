@@ -68,8 +68,11 @@ def unique_params(chunks):
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (1, 2, 1), (2, 2, 1), (4, 2, 1), (2, 2, 2), (1, 3, 1)]
 
 
-@pytest.mark.parametrize("name", SMALL + NEW_FAMILIES + ["llama-3-8b", "qwen2.5-0.5b", "gpt2", "qwen3-0.6b",
-                                                         "olmo-2-32b", "gemma-2-2b", "gemma-3-27b"],
+PUBLISHED = ["llama-3-8b", "qwen2.5-0.5b", "gpt2", "qwen3-0.6b", "olmo-2-32b", "gemma-2-2b", "gemma-3-27b"]
+
+
+# the published shapes (their kinds are the small configs' and the new families') in the slow tier
+@pytest.mark.parametrize("name", SMALL + NEW_FAMILIES + [pytest.param(n, marks=pytest.mark.slow) for n in PUBLISHED],
                          ids=lambda c: c if isinstance(c, str) else c.name)
 def test_parameter_bytes_exact(name):
     cfg = cfg_of(name)
@@ -175,7 +178,10 @@ def measure_chunk(cfg, mode, *, layers=None, pre=True, post=True, b=2, s=16, hoo
     return forward_activation_bytes(model, b, s, hooks=hooks, loss=LossOptions(fused=fused))
 
 
-@pytest.mark.parametrize("name", SMALL, ids=lambda c: c if isinstance(c, str) else c.name)
+# default tier: LayerNorm / GeLU / learned positions (nano-gpt) and RMSNorm / SwiGLU / RoPE with one kv head (GQA);
+# the other Llama shapes in the slow tier
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("nano-llama", "tiny-llama") else n
+                                  for n in SMALL], ids=lambda c: c if isinstance(c, str) else c.name)
 def test_activation_bytes_tp1_reference_kernels(name):
     cfg = cfg_of(name)
     for mode in ("none", "selective", "full"):

@@ -121,11 +121,26 @@ def test_knobs_move_the_estimate_the_right_way():
     assert e0.time.dp_comm > 0 and e0.time.tp_comm > 0 and e0.time.bubble > 0
 
 
-def test_every_zoo_config_can_be_planned():
-    for name, cfg in list_configs().items():  # mixtures of experts too (ep searched: tests/test_plan_experts.py)
+def _plannable(configs) -> None:
+    for name, cfg in configs:  # mixtures of experts too (ep searched: tests/test_plan_experts.py)
         res = search(cfg, H100x8, TrainingSpec(seq_len=2048, global_batch_size=16), max_micro_batch=2,
                      recompute="full")
         assert res, name
+
+
+def test_a_zoo_config_of_every_family_can_be_planned():
+    """The smallest named config of each family (the plan sees its kinds, whatever the size)."""
+    smallest = {}
+    for name, cfg in list_configs().items():
+        if cfg.family not in smallest or cfg.num_parameters() < smallest[cfg.family][1].num_parameters():
+            smallest[cfg.family] = (name, cfg)
+    assert len(smallest) >= 20
+    _plannable(smallest.values())
+
+
+@pytest.mark.slow
+def test_every_zoo_config_can_be_planned():
+    _plannable(list_configs().items())
 
 
 def test_cli_table(capsys):

@@ -1,6 +1,6 @@
 """Attention sinks (gpt-oss) against transformers' gpt-oss eager attention (its extra softmax column), fp32:
 models/sinks.py's exact core (the CPU flash block kernel, and the torch math) with grouped-query heads, a sliding
-window shorter than the sequence, decoding with past keys, and packed documents (models/documents.py's exact path;
+window shorter than the sequence, decoding with past keys, and packed documents (models/kinds/document_attention.py's exact path;
 FlexAttention's forward on CPU equals it): outputs and the gradients of q, k, v and the sinks. Ring attention at
 cp 2 (plain, a binding window, documents) and Ulysses at cp 2 equal the one-process core on every rank's rows,
 gradients included, the sinks' gradients summed over the cp ranks (each holds its rows' share). The comparison can
@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import tpzoo
-from tpzoo.models.documents import Documents, document_attention
+from tpzoo.models.documents import Documents
+from tpzoo.models.kinds.document_attention import document_attention
 from tpzoo.models.sinks import sink_attention
 from tpzoo.parallel.context_parallel import padded_length
 from tpzoo.parallel.ring_attention import local_positions, ring_attention

@@ -44,6 +44,20 @@ def _train(cfg):
 
 # -- config and schedule (no ranks) ---------------------------------------------------------------------------------
 
+def test_the_preflight_and_the_trainer_resolve_one_model(store):
+    """tpzoo/train/run_model.py, the one function both call: a cut DeepSeek-V3 gets the run's router settings in
+    both; the trainer's vocabulary is its tokenizer's, which the preflight does not load (the rest is equal)."""
+    from tpzoo.train.run_model import resolve_run_model
+
+    cfg = tiny(store, model="tiny-deepseek-v3", router_bias_update_rate=0.05, router_aux_loss_coef=0.01)
+    preflight, trainer = resolve_run_model(cfg, load_tokenizer=False), resolve_run_model(cfg)
+    for run in (preflight, trainer):
+        assert (run.config.moe.bias_update_rate, run.config.moe.router_aux_loss_coef) == (0.05, 0.01)
+        assert run.resume is None and run.state is None and run.label == "model tiny-deepseek-v3"
+    assert preflight.tokenizer is None and trainer.config.vocab_size == trainer.tokenizer.vocab_size
+    assert preflight.config.replace(vocab_size=trainer.config.vocab_size) == trainer.config
+
+
 def test_config_toml_sections_flat_keys_and_flags(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text('seed = 7\n[optim]\nlr = 1e-3\n[parallel]\ntp = 4\nsequence_parallel = true\n'
@@ -123,11 +137,11 @@ def _dense_first_grad_norm(cfg) -> float:
     """The reference: one process, a plain Transformer, the first global batch, torch's norm of every gradient."""
     from tpzoo.data import ResumableLoader
     from tpzoo.models import Inputs, Transformer
-    from tpzoo.train.checkpointing import resolve_model_config
-    from tpzoo.train.data import build_datasets, resolve_tokenizer
+    from tpzoo.train.data import build_datasets
+    from tpzoo.train.run_model import resolve_run_model
 
-    tok = resolve_tokenizer(cfg)
-    model = Transformer(resolve_model_config(cfg, tok), seed=cfg.seed)
+    run = resolve_run_model(cfg, resume=None)
+    tok, model = run.tokenizer, Transformer(run.config, seed=cfg.seed)
     train_ds, _, _ = build_datasets(cfg, tok)
     batch = next(ResumableLoader(train_ds, cfg.global_batch_size, seed=cfg.seed, prefetch=0))
     loss = model(Inputs(batch["input_ids"], labels=batch["labels"]))

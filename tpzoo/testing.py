@@ -29,7 +29,10 @@ class RankFailure(AssertionError):
 
 def _worker(rank: int, world_size: int, port: int, tasks, results, collective_timeout: float, env: dict,
             backend: str = "gloo") -> None:
-    os.environ.update(env)  # before anything imports torch or triton (TRITON_INTERPRET is read at import time)
+    # The caller's environment and the pool's own variables, before anything imports triton (TRITON_INTERPRET is
+    # read at import time; a forkserver's children start with the server's environment, tpzoo.commands.launch).
+    os.environ.clear()
+    os.environ.update(env)
     import torch
     import torch.distributed as dist
 
@@ -76,7 +79,9 @@ class RankPool:
                  backend: str = "gloo"):
         import torch.distributed as dist
 
-        ctx = mp.get_context("spawn")
+        from tpzoo.commands.launch import start_method
+
+        ctx = mp.get_context(start_method())  # forked from a server that imported torch once, where there is one
         self.world_size = world_size
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
@@ -85,7 +90,7 @@ class RankPool:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         port = self.store.port
         self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results,
-                                                        collective_timeout, dict(env or {}), backend),
+                                                        collective_timeout, {**os.environ, **(env or {})}, backend),
                                  daemon=True)
                       for r in range(world_size)]
         for p in self.procs:
@@ -133,11 +138,19 @@ class RankPool:
 
     def close(self, kill: bool = False) -> None:
         if not kill:
-            for q in self.tasks:
-                q.put(None)
-            deadline = time.monotonic() + 3.0  # one shared grace period, then kill: teardown stays quick
-            for p in self.procs:
-                p.join(timeout=max(0.0, deadline - time.monotonic()))
+            self._ask_to_stop()
+            self._join(time.monotonic() + 3.0)  # one shared grace period, then kill: teardown stays quick
+        self._kill()
+
+    def _ask_to_stop(self) -> None:
+        for q in self.tasks:
+            q.put(None)
+
+    def _join(self, deadline: float) -> None:
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def _kill(self) -> None:
         for p in self.procs:
             if p.is_alive():
                 p.kill()
@@ -166,6 +179,13 @@ def run_on_ranks(world_size: int, fn, *args, timeout: float | None = None, pool_
 
 
 def shutdown_pools() -> None:
-    for pool in _POOLS.values():
-        pool.close()
+    """Stop every pool: all asked at once, then one shared grace period for all of them, then killed."""
+    pools = list(_POOLS.values())
     _POOLS.clear()
+    for pool in pools:
+        pool._ask_to_stop()
+    deadline = time.monotonic() + 3.0
+    for pool in pools:
+        pool._join(deadline)
+    for pool in pools:
+        pool._kill()

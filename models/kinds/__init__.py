@@ -9,7 +9,9 @@ per layer from the config (ModelConfig.token_mixer(i) / channel_mixer(i)) throug
                     "moe"        a mixture of experts (moe.py)
 
 Each kind lives in its own file whose opening comment states its TP split, what crosses ranks and what its cache
-holds. Adding a kind is one registration (a test file can do it):
+holds, with its Hugging Face tensor names in `<kind>_hf.py`. The tables are models/registry.py's (a leaf); the
+built-in kinds are the import list at the end of this file. Adding a kind is one registration (a test file can do
+it) and, for a built-in one, one line in that list:
 
     @register_token_mixer("my_mixer")
     class MyMixer(nn.Module): ...
@@ -30,59 +32,21 @@ A token mixer class:
     num_parameters(cfg, layer, active) -> int   (static: the model's count without building it)
     sequence_flops(cfg, layer, seq_len) -> int   (static: forward FLOPs per token beyond its matmuls)
 A channel mixer class: the same __init__, forward(x, ctx) -> y, and num_parameters.
-Either may have `aux_rules` (models/aux.py: auxiliary outputs the model gathers, e.g. a router's statistics) and
-`after_optimizer_step()` (non-gradient state updated after each optimizer step).
+Either may have (all static but the last):
+    check_parallel(cfg, layer, tp, cp=1, ep=1) -> None   raise ParallelLayoutError where it cannot split: the one copy
+                                 of its checks, which its build, the preflight and the plan (tpzoo/plan) ask
+    hf_tensor_maps(cfg, layer, ours, theirs, style=None) -> [TensorMap]   its Hugging Face names (<kind>_hf.py:
+                                 `ours` e.g. "layers.3.attn", `theirs` the HF layer "model.layers.3.", `style` one of
+                                 the HF layouts it knows); what families/hf_common.decoder_tensor_map asks
+    run_settings(cfg, run) -> ModelConfig   cfg with a training run's options of this kind (every registered kind
+                                 is asked: tpzoo/train/run_model.py), or refuses one the model cannot take
+    aux_rules                    (models/aux.py) auxiliary outputs the model gathers, e.g. a router's statistics
+    after_optimizer_step()       non-gradient state updated after each optimizer step
 """
 from __future__ import annotations
 
-from tpzoo.errors import ConfigError
+from ..registry import (CHANNEL_MIXERS, TOKEN_MIXERS, channel_mixer_kind, layer_kinds,  # noqa: F401 (the API here)
+                        register_channel_mixer, register_token_mixer, token_mixer_kind)
 
-TOKEN_MIXERS: dict[str, type] = {}
-CHANNEL_MIXERS: dict[str, type] = {}
-
-
-def _register(table: dict, what: str, name: str, cls):
-    def add(cls):
-        if name in table and table[name] is not cls:
-            raise ConfigError(f"{what} kind {name!r} is already registered ({table[name].__qualname__})")
-        table[name] = cls
-        cls.kind = name
-        return cls
-    return add(cls) if cls is not None else add
-
-
-def register_token_mixer(name: str, cls=None):
-    """Register a token-mixer class under `name` (usable as a decorator)."""
-    return _register(TOKEN_MIXERS, "token mixer", name, cls)
-
-
-def register_channel_mixer(name: str, cls=None):
-    """Register a channel-mixer class under `name` (usable as a decorator)."""
-    return _register(CHANNEL_MIXERS, "channel mixer", name, cls)
-
-
-def token_mixer_kind(name: str) -> type:
-    return _lookup(TOKEN_MIXERS, "token mixer", name)
-
-
-def channel_mixer_kind(name: str) -> type:
-    return _lookup(CHANNEL_MIXERS, "channel mixer", name)
-
-
-def _lookup(table: dict, what: str, name: str) -> type:
-    _load_builtin()
-    if name not in table:
-        raise ConfigError(f"unknown {what} kind {name!r}; registered: {sorted(table)}")
-    return table[name]
-
-
-_LOADED = False
-
-
-def _load_builtin() -> None:
-    """Import the built-in kinds (they register themselves), on first lookup: importing this package stays light,
-    so the modules the kinds use may import it."""
-    global _LOADED
-    if not _LOADED:
-        _LOADED = True
-        from . import attention, gated_deltanet, mla, mlp, moe  # noqa: F401
+# The built-in kinds, each listed once (a module registers its classes when imported):
+from . import attention, gated_deltanet, mla, mlp, moe  # noqa: E402,F401

@@ -34,7 +34,8 @@ from tpzoo.parallel import ColumnParallelLinear, ParallelLayoutError, RowParalle
 from ..config import ModelConfig
 from ..inputs import Context
 from ..layout import ModelLayout
-from . import register_token_mixer
+from ..registry import register_token_mixer
+from . import attention_hf
 from .attention_core import attention_core
 from .attention_extras import full_width_qk_norm, make_qk_norms
 from .rotary import RotarySpec, rotate
@@ -70,15 +71,13 @@ def output_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 @register_token_mixer("attention")
 class Attention(nn.Module):
     """Causal self-attention of layer `layer`, heads split over TP (see the module docstring)."""
+    hf_tensor_maps = staticmethod(attention_hf.hf_tensor_maps)  # its Hugging Face names
 
     def __init__(self, cfg: ModelConfig, layer: int, layout: ModelLayout):
         super().__init__()
         a, tp = cfg.attention, layout.tp
         nh, nkv, hd = a.num_heads, a.num_kv_heads, a.head_dim
-        if nh % tp:
-            raise ParallelLayoutError(f"tp={tp} does not divide num_heads={nh}")
-        if nkv % tp and tp % nkv:
-            raise ParallelLayoutError(f"tp={tp} neither divides nor is a multiple of num_kv_heads={nkv}")
+        self.check_parallel(cfg, layer, tp, layout.dims.cp, layout.dims.ep)
         self.layout = layout
         self.kv_replicas = max(1, tp // nkv)
         self.heads, self.kv_heads, self.head_dim = nh // tp, max(1, nkv // tp), hd
@@ -126,6 +125,16 @@ class Attention(nn.Module):
 
     def new_cache(self, batch: int, max_length: int) -> KVCache:
         return KVCache(max_length)
+
+    @staticmethod
+    def check_parallel(cfg: ModelConfig, layer: int, tp: int, cp: int = 1, ep: int = 1) -> None:
+        """ParallelLayoutError where the heads cannot split over tp (kv heads may be copied: tp a multiple of
+        them). The one copy of this check: the layer's build, the preflight and the plan ask it."""
+        nh, nkv = cfg.attention.num_heads, cfg.attention.num_kv_heads
+        if nh % tp:
+            raise ParallelLayoutError(f"tp={tp} does not divide num_heads={nh}")
+        if nkv % tp and tp % nkv:
+            raise ParallelLayoutError(f"tp={tp} neither divides nor is a multiple of num_kv_heads={nkv}")
 
     def forward(self, x, ctx: Context, cache: KVCache | None = None):
         # One matmul enters the TP region for q, k and v (under SP: gathers the sequence, keeps only the shard).

@@ -5,7 +5,7 @@ recomputation can wrap them (models/recompute.py "selective").
   LocalCore            attention over the tokens this rank holds. Backends: SDPA (the fused flash / efficient
                        kernels where they apply: no cache offset, no window cutting the sequence, no soft-cap), an
                        explicit boolean mask into SDPA (decoding past a cache, a binding window), Gemma 2's
-                       soft-capped scores (exact torch math), and packed documents (models/documents.py:
+                       soft-capped scores (exact torch math), and packed documents (models/kinds/document_attention.py:
                        FlexAttention with a block mask on CUDA, the exact masked SDPA elsewhere).
   ContextParallelCore  a LocalCore over a sequence split across the cp ranks (each holds 2 of the 2*cp
                        load-balanced chunks): "ring" passes K/V around the ring (tpzoo.parallel.ring_attention),
@@ -27,9 +27,10 @@ from tpzoo.errors import ConfigError
 from tpzoo.parallel.ring_attention import ring_attention
 from tpzoo.parallel.ulysses import local_heads, ulysses_attention
 
-from ..documents import Documents, document_attention
+from ..documents import Documents
 from ..sinks import sink_attention
 from .attention_extras import softcapped_attention
+from .document_attention import document_attention
 
 
 class LocalCore(nn.Module):

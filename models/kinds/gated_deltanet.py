@@ -44,7 +44,8 @@ from tpzoo.parallel.ulysses import exchange, gathered_order
 from ..config import GatedDeltaNetConfig, ModelConfig
 from ..inputs import Context
 from ..layout import ModelLayout
-from . import register_token_mixer
+from ..registry import register_token_mixer
+from . import gated_deltanet_hf
 
 
 @dataclass
@@ -133,18 +134,14 @@ class DeltaRule(nn.Module):
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet of layer `layer` (module docstring), settings in cfg.gated_deltanet. forward(x, ctx, cache):
     x [b, s(/tp under SP), hidden]; ctx.docs the packed batch's documents; cache a GatedDeltaNetCache."""
+    hf_tensor_maps = staticmethod(gated_deltanet_hf.hf_tensor_maps)  # its Hugging Face names
     rotary = None
 
     def __init__(self, cfg: ModelConfig, layer: int, layout: ModelLayout):
         super().__init__()
         g, dims = cfg.gated_deltanet, layout.dims
-        tp, cp = dims.tp, dims.cp
-        if g.num_key_heads % (tp * cp):
-            what = f"tp={tp}" if cp == 1 else f"tp x cp = {tp} x {cp}"
-            raise ParallelLayoutError(
-                f"{what} does not divide linear_num_key_heads={g.num_key_heads}: Gated DeltaNet splits whole "
-                f"key-head groups over tp{' and, by all-to-all, over cp' if cp > 1 else ''}"
-                + ("; use a cp that divides the key heads per tp rank, or cp=1" if cp > 1 else ""))
+        tp = dims.tp
+        self.check_parallel(cfg, layer, tp, dims.cp, dims.ep)
         self.g, self.dims = g, dims
         self.key_heads, self.value_heads = g.num_key_heads // tp, g.num_value_heads // tp
         kw = {"dtype": layout.dtype, "device": "meta"}
@@ -177,6 +174,18 @@ class GatedDeltaNet(nn.Module):
             w.new_zeros(batch, self.g.conv_kernel - 1, w.shape[0]),
             torch.zeros(batch, self.value_heads, self.g.key_head_dim, self.g.value_head_dim,
                         dtype=torch.float32, device=w.device))
+
+    @staticmethod
+    def check_parallel(cfg: ModelConfig, layer: int, tp: int, cp: int = 1, ep: int = 1) -> None:
+        """ParallelLayoutError where whole key-head groups cannot split over tp (and, by all-to-all, cp): the one
+        copy of this check (the layer's build, the preflight and the plan ask it)."""
+        nk = cfg.gated_deltanet.num_key_heads
+        if nk % (tp * cp):
+            what = f"tp={tp}" if cp == 1 else f"tp x cp = {tp} x {cp}"
+            raise ParallelLayoutError(
+                f"{what} does not divide linear_num_key_heads={nk}: Gated DeltaNet splits whole "
+                f"key-head groups over tp{' and, by all-to-all, over cp' if cp > 1 else ''}"
+                + ("; use a cp that divides the key heads per tp rank, or cp=1" if cp > 1 else ""))
 
     def forward(self, x: torch.Tensor, ctx: Context | None = None, cache: GatedDeltaNetCache | None = None):
         g, cp = self.g, self.dims.cp

@@ -50,7 +50,8 @@ from ..inputs import Context
 from ..layout import ModelLayout
 from ..norm import Norm
 from ..rope import apply_rotary_interleaved, mla_softmax_scale
-from . import register_token_mixer
+from ..registry import register_token_mixer
+from . import mla_hf
 from .attention_core import attention_core
 from .replicated import ReplicatedLinear
 from .rotary import RotarySpec
@@ -82,6 +83,7 @@ class LatentCache:
 @register_token_mixer("mla")
 class LatentAttention(nn.Module):
     """Multi-head latent attention of layer `layer`, heads split over tp: [b, s(/tp under SP), hidden] in and out."""
+    hf_tensor_maps = staticmethod(mla_hf.hf_tensor_maps)  # its Hugging Face names
 
     def __init__(self, cfg: ModelConfig, layer: int, layout: ModelLayout):
         super().__init__()
@@ -89,8 +91,7 @@ class LatentAttention(nn.Module):
         if m is None:
             raise ConfigError("token mixer 'mla' needs the model config's mla settings (ModelConfig.mla)")
         tp, heads, h = layout.tp, a.num_heads, cfg.hidden_size
-        if heads % tp:
-            raise ParallelLayoutError(f"tp={tp} does not divide num_heads={heads}")
+        self.check_parallel(cfg, layer, tp, layout.dims.cp, layout.dims.ep)
         if m.qk_rope_head_dim % 2:
             raise ConfigError(f"qk_rope_head_dim={m.qk_rope_head_dim} must be even")
         self.m, self.layout, self.heads = m, layout, heads // tp
@@ -129,6 +130,12 @@ class LatentAttention(nn.Module):
 
     def new_cache(self, batch: int, max_length: int) -> LatentCache:
         return LatentCache(max_length)
+
+    @staticmethod
+    def check_parallel(cfg: ModelConfig, layer: int, tp: int, cp: int = 1, ep: int = 1) -> None:
+        """ParallelLayoutError where the heads cannot split over tp (the one copy of this check)."""
+        if cfg.attention.num_heads % tp:
+            raise ParallelLayoutError(f"tp={tp} does not divide num_heads={cfg.attention.num_heads}")
 
     def forward(self, x, ctx: Context, cache: LatentCache | None = None):
         m, dims = self.m, self.layout.dims

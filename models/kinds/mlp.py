@@ -15,22 +15,26 @@ import math
 import torch.nn as nn
 
 from tpzoo import kernels
-from tpzoo.parallel import ColumnParallelLinear, RowParallelLinear, ShardSpec
+from tpzoo.parallel import ColumnParallelLinear, ParallelLayoutError, RowParallelLinear, ShardSpec
 
 from ..config import ModelConfig
 from ..inputs import Context
 from ..layout import ModelLayout
-from . import register_channel_mixer
+from ..registry import register_channel_mixer
+from . import mlp_hf
 
 
 @register_channel_mixer("mlp")
 class MLP(nn.Module):
     """Column (h -> ffn, gate|up fused for SwiGLU and GeGLU) then row (ffn -> h). `ffn`: another hidden size than
     the config's dense one (a mixture of experts' shared experts, models/kinds/moe.py)."""
+    hf_tensor_maps = staticmethod(mlp_hf.hf_tensor_maps)  # its Hugging Face names
 
     def __init__(self, cfg: ModelConfig, layer: int, layout: ModelLayout, ffn: int | None = None):
         super().__init__()
         m = cfg.mlp
+        if ffn is None:  # (a mixture of experts checks its shared experts' width itself)
+            self.check_parallel(cfg, layer, layout.tp)
         ffn, self.activation = ffn or m.ffn_hidden_size, m.activation
         init = lambda t: nn.init.normal_(t, std=cfg.initializer_range)  # noqa: E731
         spec = ShardSpec(0, parts=(ffn, ffn)) if m.gated else None
@@ -39,6 +43,12 @@ class MLP(nn.Module):
         out_std = cfg.initializer_range / math.sqrt(2 * cfg.num_layers)
         self.fc_out = RowParallelLinear(ffn, cfg.hidden_size, bias=m.bias,
                                         init_method=lambda t: nn.init.normal_(t, std=out_std), **layout.linear)
+
+    @staticmethod
+    def check_parallel(cfg: ModelConfig, layer: int, tp: int, cp: int = 1, ep: int = 1) -> None:
+        """ParallelLayoutError where the hidden units cannot split over tp (the one copy of this check)."""
+        if cfg.mlp.ffn_hidden_size % tp:
+            raise ParallelLayoutError(f"tp={tp} does not divide ffn_hidden_size={cfg.mlp.ffn_hidden_size}")
 
     def forward(self, x, ctx: Context | None = None):
         h = self.fc_in(x)

@@ -42,12 +42,14 @@ rate * sign(mean load - load): the same bias on every rank, the single-process r
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import torch
 import torch.nn as nn
 
+from tpzoo.errors import ConfigError
 from tpzoo.parallel import (ParallelLayoutError, ShardSpec, copy_to_tp, gather_from_sequence, mark_parallel,
                             reduce_from_tp, reduce_scatter_to_sequence, shard)
 from tpzoo.parallel import comm
@@ -57,7 +59,8 @@ from ..config import ModelConfig
 from ..inputs import Context
 from ..layout import ModelLayout
 from ..recompute import is_recomputing
-from . import register_channel_mixer
+from ..registry import register_channel_mixer
+from . import moe_hf
 from .experts import _activation, clamped_swiglu, expert_mlp
 from .mlp import MLP
 from .moe_aux import RouterStatistics, SequenceAuxLoss, router_stats
@@ -81,16 +84,14 @@ class _AllToAllV(torch.autograd.Function):
 @register_channel_mixer("moe")
 class MoE(nn.Module):
     """A mixture of experts in place of the dense MLP of layer `layer` ([b, s(/tp under SP), h] in and out)."""
+    hf_tensor_maps = staticmethod(moe_hf.hf_tensor_maps)  # its Hugging Face names
     aux_rules = (RouterStatistics(), SequenceAuxLoss())
 
     def __init__(self, cfg: ModelConfig, layer: int, layout: ModelLayout):
         super().__init__()
         dims, moe = layout.dims, cfg.moe
         E, ffn, h, tp, ep = moe.num_experts, cfg.expert_ffn, cfg.hidden_size, dims.tp, dims.ep
-        if E % ep:
-            raise ParallelLayoutError(f"ep={ep} does not divide num_experts={E}")
-        if ffn % tp:
-            raise ParallelLayoutError(f"tp={tp} does not divide the expert hidden size {ffn}")
+        self.check_parallel(cfg, layer, tp, dims.cp, ep)
         self.cfg, self.layer, self.dims, self.layout = cfg, layer, dims, layout
         self.sequence_parallel = layout.sequence_parallel
         self.num_experts, self.top_k, self.local = E, moe.num_experts_per_tok, E // ep
@@ -119,6 +120,50 @@ class MoE(nn.Module):
         self.balancing = self.step_sums_size(cfg, layer) > 0
         self.counts_loads = layout.split_sequence or dims.tp_rank == 0
         self.step_load: torch.Tensor | None = None
+
+    @staticmethod
+    def check_parallel(cfg: ModelConfig, layer: int, tp: int, cp: int = 1, ep: int = 1) -> None:
+        """ParallelLayoutError where the experts cannot split over ep, or each expert's (and the shared experts')
+        hidden units over tp: the one copy of these checks (the layer's build, the preflight and the plan)."""
+        moe, ffn = cfg.moe, cfg.expert_ffn
+        if moe.num_experts % ep:
+            raise ParallelLayoutError(f"ep={ep} does not divide num_experts={moe.num_experts}")
+        if ffn % tp:
+            raise ParallelLayoutError(f"tp={tp} does not divide the expert hidden size {ffn}")
+        if moe.shared_expert_ffn % tp:
+            raise ParallelLayoutError(f"tp={tp} does not divide the shared experts' width {moe.shared_expert_ffn}")
+
+    @staticmethod
+    def run_settings(cfg: ModelConfig, run, lora: bool = False) -> ModelConfig:
+        """cfg with a training run's settings of this kind (tpzoo/train/run_model.py asks every kind; `run` a
+        TrainConfig): the sigmoid router's (DeepSeek-V3, GLM-4.5) selection-bias update rate and sequence-wise
+        auxiliary loss, --router-bias-update-rate and --router-aux-loss-coef; a model without that router keeps its
+        config, and a rate or loss asked of one is refused. `lora`: the run trains adapters on a frozen base, whose
+        selection biases stay frozen too unless a rate is given, which is refused (its checkpoints and PEFT
+        adapters hold only the adapters)."""
+        moe, given = cfg.moe, run.is_set("router_bias_update_rate")
+        # unset, the rate follows the run (TrainConfig: 0 with --lora-rank / --lora-from); a resumed LoRA run
+        # given neither trains adapters too
+        rate = run.router_bias_update_rate if given or not lora else 0.0
+        if moe.router != "sigmoid":
+            if run.router_aux_loss_coef:
+                raise ConfigError(f"--router-aux-loss-coef {run.router_aux_loss_coef:g}: the sequence-wise auxiliary "
+                                  f"loss is the sigmoid router's (DeepSeek-V3, GLM-4.5); this model has none")
+            if given and rate:
+                raise ConfigError(f"--router-bias-update-rate {rate:g}: auxiliary-loss-free balancing moves the "
+                                  f"sigmoid router's selection bias (DeepSeek-V3, GLM-4.5); this model's router has "
+                                  f"none")
+            return cfg
+        if lora and rate:
+            raise ConfigError(f"--router-bias-update-rate {rate:g} with LoRA: a LoRA run keeps the base frozen, its "
+                              f"selection biases included (its checkpoints and PEFT adapters hold only the adapters); "
+                              f"leave the rate unset (0 under LoRA), or fine-tune every weight to rebalance the experts")
+        if run.replicas > 1 and run.sync_every > 1 and rate:  # (synchronous: the loads are summed over the world)
+            raise ConfigError(f"--replicas {run.replicas} --sync-every {run.sync_every} (DiLoCo) with "
+                              f"--router-bias-update-rate {rate:g}: the selection bias's update is not made per DiLoCo "
+                              f"replica yet; pass --router-bias-update-rate 0, or --sync-every 1")
+        return cfg.replace(moe=dataclasses.replace(moe, bias_update_rate=rate,
+                                                   router_aux_loss_coef=run.router_aux_loss_coef))
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

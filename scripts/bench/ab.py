@@ -4,12 +4,12 @@
     python scripts/bench/ab.py --before 81f477f --repeats 7 --write docs/benchmarks.md
 
 Each case is scripts/bench/train.py's tpzoo step (forward, backward, global-norm clipping, AdamW; `--impl tpzoo`)
-run by each revision's own copy of the script in a fresh process, the two revisions alternating run after run
-(before, after, before, after, ...), so machine load drifts over both alike; the report is the median over the
-runs of each run's median step time, and the ratio after / before; beside it the CPU time of the whole run (all
-its processes: start, imports, model build, warm-up and timed steps), which a busy machine disturbs less than the
-wall clock. The other revision is a plain copy of the commit (`git archive`) put first on PYTHONPATH; both read the
-same random HF model (made once).
+in a fresh process, this checkout's script running each revision's code (the harness is the same for both), the two
+revisions alternating run after run (before, after, before, after, ...), so machine load drifts over both alike;
+the report is the median over the runs of each run's median step time, and the ratio after / before; beside it
+the step's CPU time (the process's, rank 0's at tp > 1: what a busy machine disturbs least) and the CPU time of the
+whole run (all its processes: start, imports, model build, warm-up and timed steps). The other revision is a plain
+copy of the commit (`git archive`) put first on PYTHONPATH; both read the same random HF model (made once).
 """
 from __future__ import annotations
 
@@ -46,9 +46,9 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run(tree: str, model: str, tp: int, extra: list, hf_dir: str, args) -> tuple[float, float]:
-    """(median step seconds, CPU seconds of the whole run) of one case at one revision."""
-    script = os.path.join(tree, "scripts", "bench", "train.py")
+def run(tree: str, model: str, tp: int, extra: list, hf_dir: str, args) -> tuple[float, float, float]:
+    """(median step seconds, median step CPU seconds, CPU seconds of the whole run) of one case at one revision."""
+    script = os.path.join(ROOT, "scripts", "bench", "train.py")
     launcher = [sys.executable] if tp == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                                                  str(tp)]
     cmd = launcher + [script, "--impl", "tpzoo", "--model", model, "--hf-dir", hf_dir, "--steps", str(args.steps),
@@ -60,7 +60,8 @@ def run(tree: str, model: str, tp: int, extra: list, hf_dir: str, args) -> tuple
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:
         raise RuntimeError(f"{tree} {model} tp={tp} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-    return json.loads(lines[-1][7:])["step_s_median"], cpu
+    result = json.loads(lines[-1][7:])
+    return result["step_s_median"], result["step_cpu_s_median"], cpu
 
 
 def make_hf(model: str, path: str) -> None:
@@ -78,6 +79,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--write", metavar="MD", help="also write the table into this markdown file (its own section)")
+    p.add_argument("--section", default="ab_kinds", help="--write: the section's name")
+    p.add_argument("--title", default="Training step before and after the layer-kinds restructuring (CPU)",
+                   help="--write: the section's heading")
     args = p.parse_args()
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="tpzoo-ab-") as tmp:
@@ -90,27 +94,30 @@ def main() -> None:
             for label, model, tp, extra in CASES:
                 for which, tree in (("before", before), ("after", ROOT)):
                     times[(label, which)].append(run(tree, model, tp, extra, hf[model], args))
-                    step, cpu = times[(label, which)][-1]
-                    print(f"{label} {which}: step {step:.4f} s, run {cpu:.1f} CPU s", file=sys.stderr, flush=True)
+                    step, step_cpu, cpu = times[(label, which)][-1]
+                    print(f"{label} {which}: step {step:.4f} s ({step_cpu:.4f} CPU s), run {cpu:.1f} CPU s",
+                          file=sys.stderr, flush=True)
     head = (f"Command: `python scripts/bench/ab.py --before {args.before} --repeats {args.repeats} --steps {args.steps}"
-            f" --write docs/benchmarks.md`. scripts/bench/train.py's tpzoo training step (float32, batch 4 x 256, one "
-            f"torch thread per process) at revision {args.before} (before) and at this checkout (after), each "
-            f"revision's own script in a fresh process, alternating {args.repeats} times; each run reports its median "
-            f"of {args.steps} steps after {args.warmup} warm-up, the table the median over runs. Load average when "
-            f"it started: {load:.1f} (a shared 2-core machine: the spread of the after runs' steps is in the fifth column; the CPU time of a whole run varies less).")
-    rows = ["| case | step before | step after | after / before | steps after (min-max) | run CPU before | "
-            "run CPU after | after / before |", "|---|---|---|---|---|---|---|---|"]
+            f" --write docs/benchmarks.md{'' if args.section == 'ab_kinds' else ' --section ' + args.section}`. "
+            f"scripts/bench/train.py's tpzoo training step (float32, batch 4 x 256, one "
+            f"torch thread per process) at revision {args.before} (before) and at this checkout (after), this "
+            f"checkout's script on each revision's code in a fresh process, alternating {args.repeats} times; each run "
+            f"reports its median of {args.steps} steps after {args.warmup} warm-up (wall and the process's CPU time), "
+            f"the table the median over runs. Load average when it started: {load:.1f} (a shared 2-core machine: the "
+            f"spread of the after runs' steps is in the fifth column; CPU times vary less).")
+    rows = ["| case | step before | step after | after / before | steps after (min-max) | step CPU before | "
+            "step CPU after | after / before | run CPU before | run CPU after | after / before |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, *_ in CASES:
-        (b, a), (cb, ca) = ([statistics.median(t[i] for t in times[(label, w)]) for w in ("before", "after")]
-                            for i in (0, 1))
+        (b, a), (sb, sa), (cb, ca) = ([statistics.median(t[i] for t in times[(label, w)]) for w in ("before", "after")]
+                                      for i in (0, 1, 2))
         after = [t[0] for t in times[(label, "after")]]
         rows.append(f"| {label} | {b:.3f} s | {a:.3f} s | {a / b:.3f} | {min(after):.3f}-{max(after):.3f} s | "
-                    f"{cb:.1f} s | {ca:.1f} s | {ca / cb:.3f} |")
+                    f"{sb:.3f} s | {sa:.3f} s | {sa / sb:.3f} | {cb:.1f} s | {ca:.1f} s | {ca / cb:.3f} |")
     text = head + "\n\n" + "\n".join(rows)
     print("\n" + text)
     if args.write:
-        write_section(args.write, "ab_kinds", "## Training step before and after the layer-kinds restructuring "
-                                              "(CPU)\n\n" + text)
+        write_section(args.write, args.section, f"## {args.title}\n\n" + text)
 
 
 if __name__ == "__main__":

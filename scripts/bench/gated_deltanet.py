@@ -53,7 +53,7 @@ def build_layer(dtype, device, tokens: int):
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
     from tpzoo.models import ModelLayout
-    from tpzoo.models.gated_deltanet_hf import gated_deltanet_tensor_maps
+    from tpzoo.models.kinds.gated_deltanet_hf import gated_deltanet_tensor_maps
     from tpzoo.models.kinds.gated_deltanet import GatedDeltaNet
     from tpzoo.models.registry import get_family
 

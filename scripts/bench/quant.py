@@ -151,7 +151,7 @@ def lora_case(args) -> None:
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), generator=g)
                for _ in range(args.warmup + args.steps)]
-    times = timed_steps(chunks, opt, dims, batches)
+    times = [wall for wall, _ in timed_steps(chunks, opt, dims, batches)]
     peak = (torch.cuda.max_memory_allocated() if dims.device.type == "cuda" else (_rss("VmHWM") - base_rss))
     print("RESULT " + json.dumps({"step_s_median": statistics.median(times[args.warmup:]),
                                   "weight_bytes": frozen, "projection_bytes": projections, "peak_bytes": peak}),

@@ -65,7 +65,7 @@ def _batches(args, vocab: int, n: int):
     return [torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=g) for _ in range(n)]
 
 
-def run_tpzoo(args, hf_dir: str, world: int) -> list[float]:
+def run_tpzoo(args, hf_dir: str, world: int) -> list[tuple[float, float]]:
     import torch
 
     import tpzoo
@@ -96,14 +96,15 @@ def run_tpzoo(args, hf_dir: str, world: int) -> list[float]:
     return times
 
 
-def timed_steps(chunks, opt, dims, batches) -> list[float]:
-    """Seconds of one training step per batch of token windows [b, s + 1]: forward, backward, gradient clipping
-    by the global norm (its host read waits for the device), AdamW (also scripts/bench/quant.py's)."""
+def timed_steps(chunks, opt, dims, batches) -> list[tuple[float, float]]:
+    """(wall seconds, this process's CPU seconds) of one training step per batch of token windows [b, s + 1]:
+    forward, backward, gradient clipping by the global norm (its host read waits for the device), AdamW (also
+    scripts/bench/quant.py's)."""
     from tpzoo.pipeline import finalize_grads, forward_backward
 
     times = []
     for ids in batches:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         batch = {"input_ids": ids[:, :-1].to(dims.device), "labels": ids[:, 1:].to(dims.device)}
         opt.zero_grad()
         forward_backward(chunks, [batch], dims, loss_scale=1.0 / batch["labels"].numel())
@@ -111,7 +112,7 @@ def timed_steps(chunks, opt, dims, batches) -> list[float]:
         opt.reduce_grads()
         norm, _ = opt.global_grad_norm()
         opt.step(1e-4, min(1.0, 1.0 / (norm + 1e-6)))
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0, time.process_time() - c0))
     return times
 
 
@@ -136,7 +137,7 @@ def _clip_hf(model, max_norm: float, world: int) -> None:
         g.mul_(coef)
 
 
-def run_hf(args, hf_dir: str, world: int) -> list[float]:
+def run_hf(args, hf_dir: str, world: int) -> list[tuple[float, float]]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -156,7 +157,7 @@ def run_hf(args, hf_dir: str, world: int) -> list[float]:
                             lr=1e-4, betas=(0.9, 0.95), foreach=world == 1)
     times = []
     for ids in _batches(args, model.config.vocab_size, args.warmup + args.steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad(set_to_none=True)
         # HF shifts labels itself: pass the same window so both predict the same next tokens.
         loss = model(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss
@@ -166,7 +167,7 @@ def run_hf(args, hf_dir: str, world: int) -> list[float]:
         else:
             _clip_hf(model, 1.0, world)
         opt.step()
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0, time.process_time() - c0))
     return times
 
 
@@ -187,10 +188,12 @@ def one_case(args) -> None:
         import tpzoo.train.optim  # noqa: F401
     base = _current_rss_mb()
     times = (run_tpzoo if args.impl == "tpzoo" else run_hf)(args, args.hf_dir, world)
-    timed = times[args.warmup:]
+    timed = [wall for wall, _ in times[args.warmup:]]
+    cpu = sorted(c for _, c in times[args.warmup:])  # this process's CPU seconds per step (rank 0's under torchrun)
     tokens = args.batch * args.seq_len
     out = {"impl": args.impl, "tp": world, "lora": args.lora_rank, "tokens_per_s": tokens * len(timed) / sum(timed),
-           "step_s_median": sorted(timed)[len(timed) // 2], "peak_mem_mb": _rss_mb() - base,
+           "step_s_median": sorted(timed)[len(timed) // 2], "step_cpu_s_median": cpu[len(cpu) // 2],
+           "peak_mem_mb": _rss_mb() - base,
            "peak_rss_mb": _rss_mb(), "threads": torch.get_num_threads()}
     if int(os.environ.get("RANK", "0")) == 0:
         print("RESULT " + json.dumps(out), flush=True)

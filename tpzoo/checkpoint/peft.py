@@ -110,6 +110,7 @@ def export_peft(ckpt, dst, force: bool = False) -> Path:
 
     from tpzoo.models import ModelLayout, Transformer
     from tpzoo.models.lora import add_lora, peft_key_map
+    from tpzoo.models.registry import get_family
     from tpzoo.parallel.dims import ParallelDims
 
     from .atomic import atomic_dir
@@ -133,7 +134,7 @@ def export_peft(ckpt, dst, force: bool = False) -> Path:
     targets = sorted({k.split(".")[-3] for k in keys.values()})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lcfg.rank, "lora_alpha": lcfg.alpha,
               "lora_dropout": lcfg.dropout, "target_modules": targets, "bias": "none",
-              "fan_in_fan_out": source.cfg.family == "gpt2",  # HF GPT-2's Conv1D stores weights [in, out]
+              "fan_in_fan_out": get_family(source.cfg.family).hf_conv1d,  # Conv1D weights are [in, out]
               "base_model_name_or_path": base, "inference_mode": True, "use_rslora": False, "use_dora": False,
               "init_lora_weights": True, "modules_to_save": None}
     check_peft_loads(source.cfg, config, {key: t.shape for key, t in tensors.items()})

@@ -43,7 +43,7 @@ def check(args, world_size: int | None = None) -> None:
     from tpzoo.data.sft import load_sft_records
     from tpzoo.errors import ConfigError
     from tpzoo.post.teacher_cache import check_out_dir
-    from tpzoo.train.checkpointing import model_config_of
+    from tpzoo.train.run_model import model_config_of
     from tpzoo.train.preflight import check_device, check_layout, check_tokenizer
 
     for name in ("distill_topk", "seq_len", "micro_batch_size", "tp", "pp"):

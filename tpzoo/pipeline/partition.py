@@ -16,14 +16,8 @@ class PartitionError(UserError, ValueError):
 
 
 def layer_parameters(cfg) -> list[int]:
-    """Parameters of each transformer layer: its norms and what its token and channel mixer kinds count
-    (models/kinds num_parameters), so a dense layer and an MoE layer, or a Gated DeltaNet and an attention layer,
-    weigh what they hold."""
-    from tpzoo.models.kinds import channel_mixer_kind, token_mixer_kind  # models depend on tpzoo.parallel
-
-    norms = 2 * (int(cfg.pre_norm) + int(cfg.post_norm)) * cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1)
-    return [norms + token_mixer_kind(cfg.token_mixer(i)).num_parameters(cfg, i)
-            + channel_mixer_kind(cfg.channel_mixer(i)).num_parameters(cfg, i) for i in range(cfg.num_layers)]
+    """Parameters of each transformer layer (ModelConfig.layer_parameters: its norms and its two kinds')."""
+    return cfg.layer_parameters()
 
 
 def _end_costs(cfg) -> tuple[int, int]:

@@ -12,9 +12,10 @@ The memory model is derived from what tpzoo's code allocates and saves, and test
 (tests/test_plan_*.py); the model, its assumptions and where it departs from Korthikanti et al. 2022 are in
 docs/plan.md. `tpzoo plan` is the command line.
 """
+from . import kinds  # noqa: F401 (the built-in kinds' costs register themselves)
+from .costs import Acts, Collective, Matmul, Weights, cost_of, register_cost
 from .estimate import Estimate, TimeBreakdown, estimate, stage_flops
 from .head import local_vocab
-from .kinds import Acts, Collective, Matmul, Weights, cost_of, register_cost
 from .layers import cache_bytes, layer_cost, layer_flops
 from .memory import (MemoryBreakdown, ParamCount, StateBytes, chunk_activation_bytes, layer_activation_bytes,
                      layer_params, output_grad_bytes, stage_memory, stage_params, state_bytes)

@@ -90,7 +90,7 @@ def head_transient_bytes(cfg: ModelConfig, at, tokens: int, fused: bool, head_tr
 def head_collectives(cfg: ModelConfig, at, tokens: int, fused: bool) -> list:
     """The head's and the loss's TP collectives of one micro-batch of `tokens` tokens at `at` (module docstring),
     as plan/kinds Collective entries with their phase."""
-    from .kinds import Collective
+    from .costs import Collective
 
     if at.tp == 1:
         return []

@@ -11,22 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tpzoo.models.config import ModelConfig
+from tpzoo.models.registry import distinct_kinds, layer_kinds
+from tpzoo.parallel.dims import ParallelLayoutError
 
-from .kinds import COSTS, Collective, Weights, cost_of
+from .costs import COSTS, Collective, Weights, cost_of
 from .spec import RankLayout
 
 
 def kinds_of(cfg: ModelConfig, layer: int) -> tuple[type, type]:
-    return memo(cfg, ("kinds",), lambda: _kinds(cfg))[layer]
-
-
-def _kinds(cfg: ModelConfig) -> tuple:
-    """(token mixer kind, channel mixer kind) of every layer (looked up once per config: the search asks millions
-    of times)."""
-    from tpzoo.models.kinds import channel_mixer_kind, token_mixer_kind
-
-    return tuple((token_mixer_kind(cfg.token_mixer(i)), channel_mixer_kind(cfg.channel_mixer(i)))
-                 for i in range(cfg.num_layers))
+    """(token mixer kind, channel mixer kind) of layer `layer`: models.registry.layer_kinds, looked up once per
+    config (the search asks millions of times)."""
+    return memo(cfg, ("kinds",), lambda: tuple(layer_kinds(cfg, i) for i in range(cfg.num_layers)))[layer]
 
 
 def signature(cfg: ModelConfig, layer: int) -> tuple:
@@ -171,16 +166,10 @@ def cache_bytes(cfg: ModelConfig, layer: int, at: RankLayout, batch: int, length
 
 def check_kinds(cfg: ModelConfig, at: RankLayout) -> None:
     """Every kind of the model can split at `at` (raises the kind's ParallelLayoutError; decided once per `at`)."""
-    from tpzoo.parallel.dims import ParallelLayoutError
-
     def compute() -> str:
-        seen = set()
         try:
-            for i in range(cfg.num_layers):
-                for kind in kinds_of(cfg, i):
-                    if kind not in seen:
-                        seen.add(kind)
-                        cost_of(kind).check(cfg, i, at)
+            for i, kind in distinct_kinds(cfg):
+                cost_of(kind).check(cfg, i, at)
         except ParallelLayoutError as exc:
             return str(exc)
         return ""

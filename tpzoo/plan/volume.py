@@ -16,10 +16,12 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from tpzoo.models.aux import model_rules
 from tpzoo.models.config import ModelConfig
+from tpzoo.models.registry import layer_kinds
 
 from .head import head_collectives
-from .kinds import Collective
+from .costs import Collective
 from .layers import layer_collectives, layer_cost
 from .memory import stage_layer_ids, stage_params
 from .spec import Layout, RankLayout
@@ -92,14 +94,10 @@ def router_report_collectives(cfg: ModelConfig, layout: Layout, at: RankLayout, 
     stats_size = 2E + 2 values, summed over the sequence shards), once per forward on the last stage: when the
     router loss trains (the totals carried through every stage), and on a one-chunk model whose layers record them
     whenever (it reduces its own reports, loss or not)."""
-    from tpzoo.models.aux import model_rules
-
-    from .layers import kinds_of
-
     rule = model_rules(cfg).get("router")
     if rule is None or not (at.sequence_parallel and at.tp > 1):
         return []
-    records = any(getattr(r, "key", None) == "router" for i in ids for kind in kinds_of(cfg, i)
+    records = any(getattr(r, "key", None) == "router" for i in ids for kind in layer_kinds(cfg, i)
                   for r in getattr(kind, "aux_rules", ()))
     if rule.trains(cfg) or (layout.pp == 1 and records):
         return [Collective("all_reduce", "tp", rule.size(cfg) * 4)]

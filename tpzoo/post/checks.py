@@ -28,7 +28,7 @@ def check_dpo(cfg) -> None:
 def check_distill(cfg, model_cfg, tp: int, pp: int) -> None:
     """The teacher (a checkpoint, a Hugging Face directory or a cache) against the student's vocabulary and K."""
     from tpzoo.data.sft import load_sft_records
-    from tpzoo.train.checkpointing import model_config_of
+    from tpzoo.train.run_model import model_config_of
     from tpzoo.train.preflight import check_layout
 
     from .teacher_cache import is_teacher_cache, read_index

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from tpzoo.checkpoint.atomic import temp_dirs, writer_gone
-from tpzoo.checkpoint.format import CheckpointError, atomic_dir, is_checkpoint, read_manifest
+from tpzoo.checkpoint.format import CheckpointError, atomic_dir, is_checkpoint
 from tpzoo.checkpoint.lora_io import is_lora_param, lora_info
 from tpzoo.errors import ConfigError
 
@@ -234,7 +234,7 @@ def check_resumable(cfg, state: dict, path) -> None:
                           f"from its weights (--base {path}) in another --save directory")
 
 
-# -- model config, tokenizer, weights -------------------------------------------------------------------------------
+# -- the train state, the weights ------------------------------------------------------------------------------------
 
 def read_train_state(path) -> dict:
     f = Path(path) / STATE_FILE
@@ -247,73 +247,6 @@ def read_train_state(path) -> dict:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{f}: not a tpzoo training state")
     return state
-
-
-def model_config_of(path):
-    """The ModelConfig of a tpzoo checkpoint or a Hugging Face model directory."""
-    from tpzoo.models import ModelConfig, from_hf_config
-
-    if is_checkpoint(path):
-        return ModelConfig.from_dict(read_manifest(path)["model_config"])
-    return from_hf_config(path)
-
-
-def model_label(cfg, model_cfg, resume=None) -> str:
-    """What a run's messages call its model (the header, the preflight's errors): the named config, else the model
-    of --base or of the checkpoint resumed, by its name or family, with the path it comes from."""
-    kind = model_cfg.name or model_cfg.family
-    if resume is not None:
-        return f"model {kind} from checkpoint {resume}"
-    if cfg.base:
-        return f"model {kind} from --base {cfg.base}"
-    return f"model {cfg.model}"
-
-
-def resolve_model_config(cfg, tokenizer):
-    """--base's config, else the named config with the vocabulary set to the tokenizer's (unless --vocab-size)."""
-    from tpzoo.models import get_config
-
-    if cfg.base:
-        return model_config_of(cfg.base)
-    model_cfg = get_config(cfg.model)
-    return model_cfg.replace(vocab_size=cfg.vocab_size or tokenizer.vocab_size)
-
-
-def router_settings(cfg, model_cfg, lora: bool = False):
-    """The run's --router-bias-update-rate and --router-aux-loss-coef on a mixture of experts with the sigmoid
-    router (DeepSeek-V3, GLM-4.5); other models keep their config (a selection-bias update or a sequence-wise loss
-    asked of one is refused). `lora`: the run trains adapters on a frozen base, whose selection biases stay frozen
-    too unless a rate is given, which is refused (its checkpoints and PEFT adapters hold only the adapters)."""
-    import dataclasses
-
-    from .config import ROUTER_BIAS_UPDATE_RATE
-
-    moe, given = model_cfg.moe, cfg.is_set("router_bias_update_rate")
-    rate = cfg.router_bias_update_rate if given else (0.0 if lora else ROUTER_BIAS_UPDATE_RATE)
-    if moe.router != "sigmoid":
-        if cfg.router_aux_loss_coef:
-            raise ConfigError(f"--router-aux-loss-coef {cfg.router_aux_loss_coef:g}: the sequence-wise auxiliary loss "
-                              f"is the sigmoid router's (DeepSeek-V3, GLM-4.5); this model has none")
-        if given and rate:
-            raise ConfigError(f"--router-bias-update-rate {rate:g}: auxiliary-loss-free balancing moves the sigmoid "
-                              f"router's selection bias (DeepSeek-V3, GLM-4.5); this model's router has none")
-        return model_cfg
-    if lora and rate:
-        raise ConfigError(f"--router-bias-update-rate {rate:g} with LoRA: a LoRA run keeps the base frozen, its "
-                          f"selection biases included (its checkpoints and PEFT adapters hold only the adapters); "
-                          f"leave the rate unset (0 under LoRA), or fine-tune every weight to rebalance the experts")
-    if cfg.replicas > 1 and cfg.sync_every > 1 and rate:  # (synchronous: the loads are summed over the world)
-        raise ConfigError(f"--replicas {cfg.replicas} --sync-every {cfg.sync_every} (DiLoCo) with "
-                          f"--router-bias-update-rate {rate:g}: the selection bias's update is not made per DiLoCo "
-                          f"replica yet; pass --router-bias-update-rate 0, or --sync-every 1")
-    return model_cfg.replace(moe=dataclasses.replace(moe, bias_update_rate=rate,
-                                                     router_aux_loss_coef=cfg.router_aux_loss_coef))
-
-
-def load_tokenizer_of(path):
-    from tpzoo.data import load_tokenizer
-
-    return load_tokenizer(path)
 
 
 def load_weights(chunks, path) -> None:

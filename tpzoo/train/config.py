@@ -280,7 +280,7 @@ class LogSection:
 # (cfg.min_lr, to_dict, --print-config) is always a number. lr / 10 is rounded to 15 significant digits, so that
 # 3e-3 gives 3e-4 (the number written in a config), not 3.0000000000000003e-4. router_bias_update_rate: 0 for LoRA,
 # whose base stays frozen, the routers' selection biases included (a LoRA checkpoint and a PEFT adapter hold only the
-# adapters); tpzoo.train.checkpointing.router_settings also knows a resumed LoRA run given without --lora-rank.
+# adapters); the MoE kind's run_settings (models/kinds/moe.py) also knows a resumed LoRA run given without --lora-rank.
 ROUTER_BIAS_UPDATE_RATE = 1e-3  # DeepSeek-V3's gamma
 FOLLOWS: dict[str, Callable[["TrainConfig"], Any]] = {
     "min_lr": lambda cfg: float(f"{cfg.lr / 10:.15g}"),

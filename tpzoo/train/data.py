@@ -11,21 +11,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tpzoo.data import (MegatronStore, MixtureLoader, PackedDataset, ResumableLoader, build_sft_datasets,
-                        default_corpus, is_token_store, iter_documents, load_tokenizer, open_store, parse_mixture,
+                        default_corpus, is_token_store, iter_documents, open_store, parse_mixture,
                         preprocess)
 from tpzoo.errors import ConfigError
-
-
-def resolve_tokenizer(cfg):
-    """--tokenizer, else the base checkpoint's / HF dir's tokenizer, else the byte tokenizer."""
-    if cfg.tokenizer:
-        return load_tokenizer(cfg.tokenizer)
-    if cfg.base:
-        try:
-            return load_tokenizer(cfg.base)
-        except FileNotFoundError:
-            pass  # a base without a saved tokenizer: fall through to the byte tokenizer
-    return load_tokenizer("byte")
 
 
 class Window:

@@ -46,7 +46,7 @@ from . import rundir
 from .compile import compile_blocks, compile_report, graph_breaks, recompiles
 from .compile import eager as compile_eager
 from .config import TrainConfig
-from .data import build_datasets, data_metrics, held_out_losses, make_loader, resolve_tokenizer
+from .data import build_datasets, data_metrics, held_out_losses, make_loader
 from .generate import generate
 from .heldout import heldout_batches
 from .loss_scale import DynamicLossScaler
@@ -54,6 +54,7 @@ from .lr import lr_at
 from .metrics import MetricsLogger, Throughput, eval_text, format_line, peak_memory_gb, window_means
 from .oom import OOM_ERRORS, out_of_memory
 from .optimizers import build_optimizer
+from .run_model import resolve_run_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -116,22 +117,13 @@ class Trainer:
         self.n_micro = micro_batches_per_step(cfg.global_batch_size, cfg.micro_batch_size, self.dp)
         _seed_everything(cfg.seed)
 
-        self.resume_dir = self.run_dir.resume_from
-        if self.resume_dir is not None:
-            self.train_state = ckpt.read_train_state(self.resume_dir)
-            ckpt.check_resumable(cfg, self.train_state, self.resume_dir)
-            self.tokenizer = ckpt.load_tokenizer_of(self.resume_dir)
-            model_cfg = ckpt.model_config_of(self.resume_dir)
-        else:
-            self.train_state = None
-            self.tokenizer = resolve_tokenizer(cfg)
-            model_cfg = ckpt.resolve_model_config(cfg, self.tokenizer)
-        # LoRA: the base frozen in the model dtype (it has no fp32 master), the adapters trained.
-        self.lora, self.lora_base = lora_setup.lora_of_run(cfg, self.resume_dir)
-        self.model_cfg = model_cfg = ckpt.router_settings(cfg, model_cfg, lora=self.lora is not None)
-        if self.tokenizer.vocab_size > model_cfg.vocab_size:
-            raise ConfigError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary is "
-                             f"{model_cfg.vocab_size}")
+        # the model, its tokenizer, its LoRA and the train state resumed: the rules the preflight checked
+        # (run_model.py). LoRA: the base frozen in the model dtype (it has no fp32 master), the adapters trained.
+        self.run_model = run_model = resolve_run_model(cfg, resume=self.run_dir.resume_from)
+        self.resume_dir, self.train_state = run_model.resume, run_model.state
+        self.tokenizer, self.model_cfg = run_model.tokenizer, run_model.config
+        self.lora, self.lora_base = run_model.lora, run_model.lora_base
+        model_cfg = self.model_cfg
         if model_cfg.position == "learned" and cfg.seq_len > model_cfg.max_position_embeddings:
             raise ConfigError(f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
                              f"{model_cfg.max_position_embeddings}")
@@ -200,8 +192,6 @@ class Trainer:
             diloco_state.load(self.replica_sync, self.resume_dir, self.train_state, self.chunks)
         self.objective.setup(self)  # a reference / teacher, a precomputed table: once the model and data exist
         self.eval_metrics: dict = {}
-        if self.start_step > cfg.steps:
-            raise ConfigError(f"checkpoint {self.resume_dir} is at step {self.start_step}, past --steps {cfg.steps}")
 
         self.log_dir = cfg.log_dir or cfg.save
         self.logger = MetricsLogger(self.is_main, self.log_dir or None, cfg.steps, self.start_step,
@@ -317,7 +307,7 @@ class Trainer:
         cfg = self.cfg
         s = self.dims
         self.logger.print(
-            f"tpzoo {cfg.task}: {ckpt.model_label(cfg, self.model_cfg, self.resume_dir)} "
+            f"tpzoo {cfg.task}: {self.run_model.label} "
             f"({self.model_cfg.num_parameters() / 1e6:.2f}M params, vocab {self.model_cfg.vocab_size}) | "
             f"tp={s.tp} cp={s.cp}{'/' + cfg.cp_mode if s.cp > 1 else ''} pp={s.pp} dp={s.dp}"
             f"{f' ep={s.ep}' if s.ep > 1 else ''} sp={cfg.sequence_parallel} zero={cfg.zero_level} {cfg.dtype} on "

@@ -34,22 +34,16 @@ __all__ = ["check_train", "check_eval", "check_generate", "check_layout"]
 
 def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str = "the model",
                  ep: int = 1, boundaries: list | None = None) -> None:
-    """The model splits over tp (heads, kv heads, FFN), pp * virtual_stages stages and ep (experts); errors name
-    `what` and are the types the ranks would raise (ParallelLayoutError, PartitionError). The layout against the
-    world size is tpzoo.parallel.dims.check_layout's (TrainConfig.data_parallel_size, _check_checkpoint)."""
-    from tpzoo.parallel.dims import ParallelLayoutError
+    """The model splits over tp (each layer kind's own check: heads, kv heads, hidden units...), pp *
+    virtual_stages stages and ep (experts); errors name `what` and are the types the ranks would raise
+    (ParallelLayoutError, PartitionError). The layout against the world size is tpzoo.parallel.dims.check_layout's
+    (TrainConfig.data_parallel_size, _check_checkpoint)."""
     from tpzoo.pipeline import partition_layers
     from tpzoo.quant import check_split
     from tpzoo.pipeline.partition import PartitionError
 
-    nh, nkv, ffn = model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.ffn_hidden_size
-    if nh % tp:
-        raise ParallelLayoutError(f"{what}: tp={tp} does not divide num_heads={nh}")
-    if nkv % tp and tp % nkv:
-        raise ParallelLayoutError(f"{what}: tp={tp} neither divides nor is a multiple of num_kv_heads={nkv}")
-    if ffn % tp:
-        raise ParallelLayoutError(f"{what}: tp={tp} does not divide ffn_hidden_size={ffn}")
-    check_experts(model_cfg, tp, ep, what)
+    check_experts(model_cfg, ep, what)
+    check_kinds(model_cfg, tp, 1, ep, what)
     check_split(model_cfg, tp)  # a kept-quantized model: along whole blocks
     try:
         partition_layers(model_cfg, pp, boundaries or None, virtual_stages=virtual_stages)
@@ -57,9 +51,22 @@ def check_layout(model_cfg, tp: int, pp: int, virtual_stages: int = 1, what: str
         raise PartitionError(f"{what}: {e}") from None
 
 
+def check_kinds(model_cfg, tp: int, cp: int, ep: int, what: str) -> None:
+    """Each layer kind of the model splits at (tp, cp, ep): the kind's own check (models/kinds check_parallel),
+    the one its build on the ranks runs, asked here before any rank starts."""
+    from tpzoo.models.registry import distinct_kinds
+    from tpzoo.parallel.dims import ParallelLayoutError
+
+    for i, kind in distinct_kinds(model_cfg):
+        try:
+            kind.check_parallel(model_cfg, i, tp, cp, ep)
+        except ParallelLayoutError as e:
+            raise ParallelLayoutError(f"{what}: {e}") from None
+
+
 def check_context(model_cfg, tp: int, cp: int, mode: str, what: str = "the model") -> None:
     """Context parallelism against the model: all-to-all splits each TP rank's heads over cp; the ring's blockwise
-    attention has no softcapping."""
+    attention has no softcapping; each kind's own split over cp (Gated DeltaNet's key heads)."""
     from tpzoo.parallel.dims import ParallelLayoutError
 
     if cp == 1:
@@ -70,23 +77,19 @@ def check_context(model_cfg, tp: int, cp: int, mode: str, what: str = "the model
                                   f"--cp-mode ring")
     if mode == "ring" and model_cfg.attn_softcap is not None:
         raise ParallelLayoutError(f"{what}: attention softcapping runs with --cp-mode a2a, not ring")
+    check_kinds(model_cfg, tp, cp, 1, what)
 
 
-def check_experts(model_cfg, tp: int, ep: int, what: str) -> None:
-    """Expert parallelism against the model: ep divides the experts, tp each expert's FFN (ep against the
-    data x context parallel ranks is the world size's check, tpzoo.parallel.dims.check_layout)."""
+def check_experts(model_cfg, ep: int, what: str) -> None:
+    """Expert parallelism against the model: ep is a positive integer, and > 1 only on a mixture of experts (the
+    MoE kind's own check says whether it divides the experts; ep against the data x context parallel ranks is the
+    world size's check, tpzoo.parallel.dims.check_layout)."""
     from tpzoo.parallel.dims import ParallelLayoutError
 
     if not isinstance(ep, int) or ep < 1:
         raise ParallelLayoutError(f"--ep must be a positive integer, got {ep!r}")
     if ep > 1 and not model_cfg.num_experts:
         raise ParallelLayoutError(f"{what}: ep={ep} needs a mixture-of-experts model (this one has no experts)")
-    if model_cfg.num_experts:
-        if model_cfg.num_experts % ep:
-            raise ParallelLayoutError(f"{what}: ep={ep} does not divide num_experts={model_cfg.num_experts}")
-        if model_cfg.expert_ffn % tp:
-            raise ParallelLayoutError(f"{what}: tp={tp} does not divide the expert hidden size "
-                                      f"{model_cfg.expert_ffn}")
 
 
 def check_device(name: str) -> None:
@@ -140,38 +143,6 @@ def check_text_file(path: str, what: str = "text file") -> None:
 
 
 # -- training ----------------------------------------------------------------------------------------------------
-
-def _model_of_run(cfg):
-    """(model config, tokenizer spec, what to call the model in messages, whether the tokenizer must fit its
-    vocabulary) of a run, from files only."""
-    from tpzoo.models import get_config
-
-    from . import checkpointing as ckpt
-
-    resume = ckpt.resolve_resume(cfg, say=lambda _msg: None) if cfg.resume else None
-    if resume is not None:
-        state = ckpt.read_train_state(resume)
-        step = state.get("step")
-        if isinstance(step, int) and step > cfg.steps:
-            raise ConfigError(f"checkpoint {resume} is at step {step}, past --steps {cfg.steps}")
-        ckpt.check_resumable(cfg, state, resume)
-        model_cfg = ckpt.model_config_of(resume)
-        return model_cfg, str(resume), ckpt.model_label(cfg, model_cfg, resume), True
-    if cfg.base:
-        from tpzoo.data.tokenizer import has_tokenizer
-
-        base = Path(cfg.base)
-        if not base.exists():
-            raise FileNotFoundError(f"--base {cfg.base}: no such checkpoint or Hugging Face model directory")
-        tokenizer = cfg.tokenizer or (cfg.base if base.is_dir() and has_tokenizer(base) else "byte")
-        model_cfg = ckpt.model_config_of(base)
-        return model_cfg, tokenizer, ckpt.model_label(cfg, model_cfg), True
-    model_cfg = get_config(cfg.model)
-    if cfg.vocab_size:
-        model_cfg = model_cfg.replace(vocab_size=cfg.vocab_size)
-    # without --vocab-size the vocabulary will be the tokenizer's: nothing to compare
-    return model_cfg, cfg.tokenizer or "byte", ckpt.model_label(cfg, model_cfg), bool(cfg.vocab_size)
-
 
 def _check_pretrain_data(cfg) -> None:
     """The --data paths (or each source of a weighted mixture, which is one corpus each): token stores and
@@ -229,17 +200,18 @@ def check_train(cfg, world_size: int | None = None):
     world_size: the job's size under torchrun (None when this process will spawn the ranks)."""
     cfg.validate(world_size)
     check_device(cfg.device)
-    model_cfg, tokenizer, label, fixed_vocab = _model_of_run(cfg)
+    from .run_model import resolve_run_model
+
+    run = resolve_run_model(cfg, load_tokenizer=False)  # the trainer's rules, from files only (run_model.py)
+    model_cfg, label = run.config, run.label
     check_layout(model_cfg, cfg.tp, cfg.pp, cfg.virtual_stages, label, ep=cfg.ep, boundaries=cfg.pp_boundaries)
     check_context(model_cfg, cfg.tp, cfg.cp, cfg.cp_mode, label)
     check_positions(model_cfg, cfg.seq_len, label)
     if cfg.sync_fragments > model_cfg.num_layers:  # Streaming DiLoCo's fragments are groups of layers
         raise ConfigError(f"sync_fragments={cfg.sync_fragments} is more than the {model_cfg.num_layers} layers of "
                           f"{label}")
-    check_tokenizer(tokenizer, model_cfg.vocab_size if fixed_vocab else None, label)
-    from .checkpointing import router_settings
-
-    router_settings(cfg, model_cfg, lora=check_lora(cfg, model_cfg))  # (what the ranks would refuse)
+    check_tokenizer(run.tokenizer_spec, model_cfg.vocab_size if run.fixed_vocab else None, label)
+    check_lora(cfg, model_cfg, run.lora)
     optimizers.check(cfg, model_cfg, label)  # --optimizer muon, --qk-clip
     if cfg.objective != "lm":  # DPO's pairs, a distillation teacher (tpzoo.post)
         from tpzoo.post.checks import check_objective
@@ -252,24 +224,18 @@ def check_train(cfg, world_size: int | None = None):
     return model_cfg
 
 
-def check_lora(cfg, model_cfg) -> bool:
-    """LoRA settings against the model: the adapter config (--lora-from's or the flags'), its targets, its base
-    (a resumed LoRA run's must be there, unchanged). Whether the run trains adapters."""
+def check_lora(cfg, model_cfg, lcfg) -> None:
+    """LoRA settings against the model (`lcfg`: the run's adapter config, None without LoRA: run_model.py, which
+    also found its base): a full run of a kept-quantized base is refused, the adapters' targets must exist."""
     from tpzoo.models import ModelLayout, Transformer
     from tpzoo.models.lora import check_targets
     from tpzoo.parallel import ParallelDims
     from tpzoo.quant import refuse_full_training
 
-    from .lora_setup import lora_of_run
-    from .checkpointing import resolve_resume
-
-    resume = resolve_resume(cfg, say=lambda *_: None) if cfg.resume else None
-    lcfg, _ = lora_of_run(cfg, resume)
     if lcfg is None:
         refuse_full_training(model_cfg, f"--base {cfg.base}" if cfg.base else "the model")
     else:
         check_targets(Transformer(model_cfg, ModelLayout(ParallelDims.for_rank(), device="meta")), lcfg)
-    return lcfg is not None
 
 
 # -- eval and generate -------------------------------------------------------------------------------------------

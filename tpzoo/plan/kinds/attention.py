@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpzoo.parallel.dims import ParallelLayoutError
 
-from . import Acts, Collective, Matmul, Weights, entry_exit, register_cost
+from ..costs import Acts, Collective, Matmul, Weights, entry_exit, register_cost
 
 
 @dataclass(frozen=True)
@@ -44,14 +43,6 @@ def rotates(cfg, layer: int) -> bool:
 
 @register_cost("attention")
 class AttentionCost:
-    @staticmethod
-    def plan_check(cfg, layer, at) -> None:
-        nh, nkv, t = cfg.attention.num_heads, cfg.attention.num_kv_heads, at.tp
-        if nh % t:
-            raise ParallelLayoutError(f"tp={t} does not divide num_heads={nh}")
-        if nkv % t and t % nkv:
-            raise ParallelLayoutError(f"tp={t} neither divides nor is a multiple of num_kv_heads={nkv}")
-
     @staticmethod
     def plan_weights(cfg, layer, at) -> Weights:
         a, h, d = cfg.attention, cfg.hidden_size, heads(cfg, at.tp)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from tpzoo.parallel.dims import ParallelLayoutError
 
-from . import Collective, Matmul, Stateless, Weights, entry_exit, register_cost
+from ..costs import Collective, Matmul, Stateless, Weights, entry_exit, register_cost
 
 CHUNK = 64
 
@@ -67,14 +67,6 @@ def rule_bytes(s: _Shape, micro_batch: int, seq_len: int, e: int, kernels: str) 
 
 @register_cost("gated_deltanet")
 class GatedDeltaNetCost(Stateless):
-    @staticmethod
-    def plan_check(cfg, layer, at) -> None:
-        s, tc = _Shape(cfg, 1), at.tp * at.cp
-        if s.nk % tc:
-            what = f"tp={at.tp}" if at.cp == 1 else f"tp x cp = {at.tp} x {at.cp}"
-            raise ParallelLayoutError(f"{what} does not divide linear_num_key_heads={s.nk} (Gated DeltaNet splits "
-                                      "whole key-head groups)")
-
     @staticmethod
     def plan_weights(cfg, layer, at) -> Weights:
         s = _Shape(cfg, at.tp)

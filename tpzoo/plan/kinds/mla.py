@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from tpzoo.parallel.dims import ParallelLayoutError
 
-from . import Collective, Matmul, Weights, register_cost
+from ..costs import Collective, Matmul, Weights, register_cost
 from .attention import mean_keys
 
 
@@ -63,12 +63,6 @@ def latent_norm_saved(width: int, stored: int, e: int, kernels: str) -> int:
 
 @register_cost("mla")
 class MLACost:
-    @staticmethod
-    def plan_check(cfg, layer, at) -> None:
-        s = _Shape(cfg, 1)
-        if s.heads % at.tp:
-            raise ParallelLayoutError(f"tp={at.tp} does not divide the latent attention's num_heads={s.heads}")
-
     @staticmethod
     def plan_weights(cfg, layer, at) -> Weights:
         s = _Shape(cfg, at.tp)

@@ -7,9 +7,8 @@ activation's output: 4 e f), GeLU's input and output (2 e f). Collectives: the T
 """
 from __future__ import annotations
 
-from tpzoo.parallel.dims import ParallelLayoutError
 
-from . import Acts, Matmul, Stateless, Weights, entry_exit, register_cost
+from ..costs import Acts, Matmul, Stateless, Weights, entry_exit, register_cost
 
 
 def gated_mlp_acts(e: int, f: int, kernels: str, gated: bool = True) -> int:
@@ -21,11 +20,6 @@ def gated_mlp_acts(e: int, f: int, kernels: str, gated: bool = True) -> int:
 
 @register_cost("mlp")
 class MLPCost(Stateless):
-    @staticmethod
-    def plan_check(cfg, layer, at) -> None:
-        if cfg.mlp.ffn_hidden_size % at.tp:
-            raise ParallelLayoutError(f"tp={at.tp} does not divide ffn_hidden_size={cfg.mlp.ffn_hidden_size}")
-
     @staticmethod
     def plan_weights(cfg, layer, at) -> Weights:
         m, h = cfg.mlp, cfg.hidden_size

@@ -14,9 +14,8 @@ the two row exchanges again in backward ((ep-1)/ep of the rows leave the rank in
 """
 from __future__ import annotations
 
-from tpzoo.parallel.dims import ParallelLayoutError
 
-from . import Acts, Collective, Matmul, Stateless, Weights, entry_exit, register_cost
+from ..costs import Acts, Collective, Matmul, Stateless, Weights, entry_exit, register_cost
 from .mlp import gated_mlp_acts
 
 
@@ -53,16 +52,6 @@ def moe_mlp_bytes(cfg, at) -> tuple:
 
 @register_cost("moe")
 class MoECost(Stateless):
-    @staticmethod
-    def plan_check(cfg, layer, at) -> None:
-        E, f = cfg.moe.num_experts, cfg.expert_ffn
-        if E % at.ep:
-            raise ParallelLayoutError(f"ep={at.ep} does not divide num_experts={E}")
-        if f % at.tp:
-            raise ParallelLayoutError(f"tp={at.tp} does not divide the expert hidden size {f}")
-        if shared_expert_ffn(cfg) % at.tp:
-            raise ParallelLayoutError(f"tp={at.tp} does not divide the shared experts' width {shared_expert_ffn(cfg)}")
-
     @staticmethod
     def plan_weights(cfg, layer, at) -> Weights:
         E, h = cfg.moe.num_experts, cfg.hidden_size

@@ -3,7 +3,8 @@ tpzoo.quant): grouped-query attention with q/k norms over the projections' whole
 kind: HF's FlexOlmo attention), partial rotary (`rotary_dim` of `head_dim`, rotate-half on the first part of each
 head, as GLM-4.5), and a mixture of experts on every layer with the sigmoid router and its selection bias
 (`e_score_correction_bias`; no groups, no scaling, the top-k weights renormalized), no shared experts, no dense
-layers. HF's tensor names are Mixtral's (block_sparse_moe.gate, experts.{e}.w1 / w3 / w2) plus the selection bias.
+layers. HF's tensor names are Mixtral's (block_sparse_moe.gate, experts.{e}.w1 / w3 / w2) plus the selection bias
+(block_sparse_moe.e_score_correction_bias): models/kinds/moe_hf.py's "minimax" layout.
 
 Refused by field (each one line): MiniMax-01's lightning-attention layers (`attn_type_list` entries other than 1), a
 router other than sigmoid with the bias, shared experts, router jitter. HF's load-balancing loss
@@ -12,13 +13,9 @@ auxiliary-loss-free bias update. The multi-token-prediction modules (`use_mtp`) 
 """
 from __future__ import annotations
 
-from .config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig
+from ..config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig
+from ..registry import Family, register_config, register_family
 from .hf_common import check, common_attention, common_fields, common_to_hf, decoder_tensor_map, read_rope, rope_to_hf
-from .hf_mapping import same
-from .moe_families import stacked, stacked_gate_up
-from .registry import Family, register_config, register_family
-
-NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -63,16 +60,6 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     return hf
 
 
-def moe_maps(cfg: ModelConfig, i: int, p: str, q: str) -> list:
-    block = q + "block_sparse_moe."
-    experts = [f"{block}experts.{e}." for e in range(cfg.moe.num_experts)]
-    gate, up, down = ([x + n + ".weight" for x in experts] for n in ("w1", "w3", "w2"))
-    return [same(p + "mlp.router.weight", block + "gate.weight", layer=i),
-            same(p + "mlp.router.e_score_correction_bias", block + "e_score_correction_bias", layer=i),
-            stacked_gate_up(p + "mlp.gate_up", gate, up, cfg.expert_ffn, layer=i),
-            stacked(p + "mlp.down", down, layer=i)]
-
-
 def import_notes(hf: dict) -> list[str]:
     if not hf.get("use_mtp"):
         return []
@@ -82,7 +69,7 @@ def import_notes(hf: dict) -> list[str]:
 
 register_family(Family(name="minimax_m2", hf_model_types=("minimax_m2",), hf_architecture="MiniMaxM2ForCausalLM",
                        config_from_hf=config_from_hf, config_to_hf=config_to_hf,
-                       hf_tensor_map=lambda cfg: decoder_tensor_map(cfg, NORMS, moe_maps),
+                       hf_tensor_map=lambda cfg: decoder_tensor_map(cfg, styles={"moe": "minimax"}),
                        import_notes=import_notes))
 
 

@@ -6,7 +6,7 @@ the DeltaNet's gated one scales by (1 + w) (`norm_offset`). The channel mixer is
 a mixture of experts with a sigmoid-gated shared expert (Qwen3.5-MoE on every layer; Qwen3-Next where
 `mlp_only_layers` / `decoder_sparse_step` say).
 
-HF names: model.layers.{i}.linear_attn.* (models/gated_deltanet_hf.py: Qwen3.5's in_proj_qkv / z / b / a, Qwen3-Next's
+HF names: model.layers.{i}.linear_attn.* (models/kinds/gated_deltanet_hf.py: Qwen3.5's in_proj_qkv / z / b / a, Qwen3-Next's
 grouped in_proj_qkvz / in_proj_ba), model.layers.{i}.self_attn.{q,k,v,o}_proj, q_norm, k_norm, mlp.* .
 A Qwen3.5 multimodal checkpoint (model_type "qwen3_5" / "qwen3_5_moe", Qwen3_5(Moe)ForConditionalGeneration) is
 read for its text part: `text_config`, the tensors under model.language_model.; its vision tower (model.visual.*)
@@ -17,15 +17,12 @@ position rows are the token's position), so they are kept for the round trip and
 """
 from __future__ import annotations
 
-from .config import AttentionConfig, GatedDeltaNetConfig, MLPConfig, ModelConfig, MoEConfig
-from .gated_deltanet_hf import gated_deltanet_tensor_maps
+from ..config import AttentionConfig, GatedDeltaNetConfig, MLPConfig, ModelConfig, MoEConfig
+from ..registry import Family, register_family
 from .hf_common import (LINEAR_ATTENTION, check, common_attention, common_fields, common_to_hf, decoder_tensor_map,
                         read_layer_types, read_rope, token_mixers_of)
-from .hf_mapping import concatenated, same
-from .moe_families import _expert_maps
-from .registry import Family, register_family
 
-NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+
 TYPES = ("full_attention", LINEAR_ATTENTION)
 MROPE = ("mrope_section", "mrope_interleaved")  # multimodal rope: no effect on text positions
 
@@ -119,10 +116,10 @@ def prefix_of(cfg: ModelConfig) -> str:
     return "model.language_model." if "text_config" in cfg.extra.get("hf_config", {}) else "model."
 
 
-def tensor_map(cfg: ModelConfig, gdn_layout: str, moe_maps=None) -> list:
-    def deltanet(cfg, i, p, q):
-        return gated_deltanet_tensor_maps(cfg.gated_deltanet, p + "attn", q + "linear_attn", gdn_layout, layer=i)
-    return decoder_tensor_map(cfg, NORMS, moe_maps, deltanet, prefix_of(cfg))
+def tensor_map(cfg: ModelConfig, gdn_layout: str) -> list:
+    """Gated DeltaNet's HF names in `gdn_layout` (models/kinds/gated_deltanet_hf.py); the experts' in the default
+    layout (models/kinds/moe_hf.py: routed experts one by one, the gated shared expert)."""
+    return decoder_tensor_map(cfg, styles={"gated_deltanet": gdn_layout}, prefix=prefix_of(cfg))
 
 
 # -- Qwen3.5 (dense) ------------------------------------------------------------------------------------------------
@@ -166,20 +163,6 @@ def moe_to_hf(cfg: ModelConfig, every_layer: bool) -> dict:
     return hf
 
 
-_ROUTED = _expert_maps("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))
-
-
-def moe_maps(cfg: ModelConfig, i: int, p: str, q: str) -> list:
-    """The router, the experts (stored per expert by HF) and the gated shared expert of layer i."""
-    ffn = cfg.moe.shared_expert_ffn
-    shared = q + "mlp.shared_expert."
-    return _ROUTED(cfg, i, p, q) + [
-        concatenated(p + "mlp.shared_experts.fc_in.weight", (shared + "gate_proj.weight", shared + "up_proj.weight"),
-                     (ffn, ffn), layer=i),
-        same(p + "mlp.shared_experts.fc_out.weight", shared + "down_proj.weight", layer=i),
-        same(p + "mlp.shared_expert_gate.weight", q + "mlp.shared_expert_gate.weight", layer=i)]
-
-
 def _moe_to_hf(cfg: ModelConfig, model_type: str, architecture: str, every_layer: bool) -> dict:
     hf = to_hf(cfg, model_type, architecture, lambda c: moe_to_hf(c, every_layer))
     text = hf.get("text_config", hf)
@@ -193,10 +176,10 @@ register_family(Family(
     name="qwen3_5_moe", hf_model_types=("qwen3_5_moe_text", "qwen3_5_moe"), hf_architecture="Qwen3_5MoeForCausalLM",
     config_from_hf=lambda hf: from_hf("qwen3_5_moe", hf, lambda text: moe_from_hf(text, every_layer=True)),
     config_to_hf=lambda cfg: _moe_to_hf(cfg, "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", every_layer=True),
-    hf_tensor_map=lambda cfg: tensor_map(cfg, "qwen3_5", moe_maps)))
+    hf_tensor_map=lambda cfg: tensor_map(cfg, "qwen3_5")))
 
 register_family(Family(
     name="qwen3_next", hf_model_types=("qwen3_next",), hf_architecture="Qwen3NextForCausalLM",
     config_from_hf=lambda hf: from_hf("qwen3_next", hf, lambda text: moe_from_hf(text, every_layer=False)),
     config_to_hf=lambda cfg: _moe_to_hf(cfg, "qwen3_next", "Qwen3NextForCausalLM", every_layer=False),
-    hf_tensor_map=lambda cfg: tensor_map(cfg, "qwen3_next", moe_maps)))
+    hf_tensor_map=lambda cfg: tensor_map(cfg, "qwen3_next")))

@@ -6,49 +6,13 @@ transformers 5 writes with save_pretrained) store each expert separately:
   Qwen3-MoE   model.layers.{i}.mlp.gate.weight, mlp.experts.{e}.gate_proj / up_proj / down_proj (+ q/k norms
               per head; dense layers in mlp_only_layers / decoder_sparse_step keep mlp.{gate,up,down}_proj)
   OLMoE       as Qwen3-MoE, with q/k norms over the whole projection width (OLMo 2's)
-tpzoo stacks them: layers.{i}.mlp.router.weight [E, h], mlp.gate_up [E, 2 ffn, h] (gate|up of each expert),
-mlp.down [E, h, ffn]; the stacked dim 0 is what expert parallelism splits.
+tpzoo stacks them (models/kinds/moe_hf.py: the "mixtral" and the default "separate" layouts).
 """
 from __future__ import annotations
 
-import torch
-
-from .config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig
+from ..config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig
+from ..registry import Family, register_family
 from .hf_common import check, common_attention, common_fields, common_to_hf, decoder_tensor_map, read_rope, rope_to_hf
-from .hf_mapping import TensorMap, same
-from .registry import Family, register_family
-
-NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
-
-
-def stacked_gate_up(name: str, gates: list[str], ups: list[str], ffn: int, **kw) -> TensorMap:
-    """Per-expert gate and up [ffn, h] <-> one [E, 2 ffn, h] (expert e: rows gate then up)."""
-    hf = tuple(n for pair in zip(gates, ups) for n in pair)
-
-    def to_tpzoo(ts):
-        return torch.stack([torch.cat(ts[2 * e: 2 * e + 2], dim=0) for e in range(len(gates))])
-
-    def to_hf(x):
-        return [part.clone() for e in range(x.shape[0]) for part in x[e].split([ffn, ffn], dim=0)]
-
-    return TensorMap(name, hf, to_tpzoo, to_hf, **kw)
-
-
-def stacked(name: str, hfs: list[str], **kw) -> TensorMap:
-    """Per-expert [out, in] <-> one [E, out, in]."""
-    return TensorMap(name, tuple(hfs), lambda ts: torch.stack(list(ts)), lambda x: [t.clone() for t in x.unbind(0)],
-                     **kw)
-
-
-def _expert_maps(block: str, router: str, names: tuple[str, str, str]):
-    """moe_maps for decoder_tensor_map: HF module `block` holds `router` and experts.{e}.{gate, up, down}."""
-    def maps(cfg: ModelConfig, i: int, p: str, q: str) -> list:
-        experts = [f"{q}{block}.experts.{e}." for e in range(cfg.moe.num_experts)]
-        gate, up, down = ([x + n + ".weight" for x in experts] for n in names)
-        return [same(p + "mlp.router.weight", f"{q}{block}.{router}.weight", layer=i),
-                stacked_gate_up(p + "mlp.gate_up", gate, up, cfg.expert_ffn, layer=i),
-                stacked(p + "mlp.down", down, layer=i)]
-    return maps
 
 
 def _moe_config(family: str, hf: dict, experts_key: str, attention: dict, **moe) -> ModelConfig:
@@ -93,8 +57,7 @@ def mixtral_to_hf(cfg: ModelConfig) -> dict:
 register_family(Family(
     name="mixtral", hf_model_types=("mixtral",), hf_architecture="MixtralForCausalLM",
     config_from_hf=mixtral_from_hf, config_to_hf=mixtral_to_hf,
-    hf_tensor_map=lambda cfg: decoder_tensor_map(cfg, NORMS, _expert_maps("block_sparse_moe", "gate",
-                                                                          ("w1", "w3", "w2")))))
+    hf_tensor_map=lambda cfg: decoder_tensor_map(cfg, styles={"moe": "mixtral"})))
 
 
 # -- Qwen3-MoE --------------------------------------------------------------------------------------------------
@@ -118,11 +81,10 @@ def qwen3_moe_to_hf(cfg: ModelConfig) -> dict:
     return hf
 
 
-_MLP_EXPERTS = _expert_maps("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))
 register_family(Family(
     name="qwen3_moe", hf_model_types=("qwen3_moe",), hf_architecture="Qwen3MoeForCausalLM",
     config_from_hf=qwen3_moe_from_hf, config_to_hf=qwen3_moe_to_hf,
-    hf_tensor_map=lambda cfg: decoder_tensor_map(cfg, NORMS, _MLP_EXPERTS)))
+    hf_tensor_map=decoder_tensor_map))
 
 
 # -- OLMoE ------------------------------------------------------------------------------------------------------
@@ -143,4 +105,4 @@ def olmoe_to_hf(cfg: ModelConfig) -> dict:
 register_family(Family(
     name="olmoe", hf_model_types=("olmoe",), hf_architecture="OlmoeForCausalLM",
     config_from_hf=olmoe_from_hf, config_to_hf=olmoe_to_hf,
-    hf_tensor_map=lambda cfg: decoder_tensor_map(cfg, NORMS, _MLP_EXPERTS)))
+    hf_tensor_map=decoder_tensor_map))

@@ -3,12 +3,10 @@ hidden / heads, no q/k/v bias, a tied head on the small models. Sliding-window l
 off in every published config) are read from `layer_types`."""
 from __future__ import annotations
 
-from .config import AttentionConfig, MLPConfig, ModelConfig
+from ..config import AttentionConfig, MLPConfig, ModelConfig
+from ..registry import Family, register_family
 from .hf_common import (check, common_attention, common_fields, common_to_hf, decoder_tensor_map, read_layer_types,
                         read_rope, rope_to_hf)
-from .registry import Family, register_family
-
-NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -37,7 +35,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 def hf_tensor_map(cfg: ModelConfig) -> list:
-    return decoder_tensor_map(cfg, NORMS)
+    return decoder_tensor_map(cfg)
 
 
 register_family(Family(name="qwen3", hf_model_types=("qwen3",), hf_architecture="Qwen3ForCausalLM",

@@ -4,9 +4,10 @@ at once): under tensor parallelism that width spans the ranks, so the norm's sum
 the TP group (models/kinds/attention_extras.py: one all-reduce of 2 fp32 per token per layer, forward and backward)."""
 from __future__ import annotations
 
-from .config import AttentionConfig, MLPConfig, ModelConfig
+from ..config import AttentionConfig, MLPConfig, ModelConfig
+from ..registry import Family, register_family
 from .hf_common import check, common_attention, common_fields, common_to_hf, decoder_tensor_map, read_rope, rope_to_hf
-from .registry import Family, register_family
+
 
 NORMS = {"post_attn_norm": "post_attention_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
 

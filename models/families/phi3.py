@@ -4,10 +4,10 @@ partial rotary (Phi-4-mini: the first 3/4 of each head). LongRoPE (`rope_type` "
 checkpoints and Phi-4-mini) is not implemented: such configs are refused naming the rope type."""
 from __future__ import annotations
 
-from .config import AttentionConfig, MLPConfig, ModelConfig
-from .hf_common import check, common_attention, common_fields, common_to_hf, head_maps, read_rope, refuse, rope_to_hf
-from .hf_mapping import same
-from .registry import Family, register_family
+from ..config import AttentionConfig, MLPConfig, ModelConfig
+from ..registry import Family, register_family
+from .hf_common import (check, common_attention, common_fields, common_to_hf, decoder_tensor_map, read_rope, refuse,
+                        rope_to_hf)
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -35,18 +35,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 def hf_tensor_map(cfg: ModelConfig) -> list:
-    maps = [same("embed.weight", "model.embed_tokens.weight", vocab_dim=0)]
-    for i in range(cfg.num_layers):
-        p, q = f"layers.{i}.", f"model.layers.{i}."
-        maps += [
-            same(p + "attn_norm.weight", q + "input_layernorm.weight", layer=i),
-            same(p + "attn.qkv.weight", q + "self_attn.qkv_proj.weight", layer=i),  # q|k|v, as tpzoo's
-            same(p + "attn.out.weight", q + "self_attn.o_proj.weight", layer=i),
-            same(p + "mlp_norm.weight", q + "post_attention_layernorm.weight", layer=i),
-            same(p + "mlp.fc_in.weight", q + "mlp.gate_up_proj.weight", layer=i),  # gate|up, as tpzoo's
-            same(p + "mlp.fc_out.weight", q + "mlp.down_proj.weight", layer=i),
-        ]
-    return maps + head_maps(cfg)
+    return decoder_tensor_map(cfg, styles={"attention": "fused", "mlp": "fused"})  # qkv_proj, gate_up_proj
 
 
 register_family(Family(name="phi3", hf_model_types=("phi3",), hf_architecture="Phi3ForCausalLM",

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from tpzoo.errors import ConfigError
 
-from .config import AttentionConfig, MLPConfig, ModelConfig
-from .hf_mapping import same, transposed
-from .registry import Family, register_family
+from ..config import AttentionConfig, MLPConfig, ModelConfig
+from ..registry import Family, register_family
+from .hf_common import decoder_tensor_map
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -43,31 +43,11 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 def hf_tensor_map(cfg: ModelConfig) -> list:
-    maps = [same("embed.weight", "transformer.wte.weight", vocab_dim=0),
-            same("pos_embed.weight", "transformer.wpe.weight")]
-    for i in range(cfg.num_layers):
-        p, q = f"layers.{i}.", f"transformer.h.{i}."
-        maps += [
-            same(p + "attn_norm.weight", q + "ln_1.weight", layer=i),
-            same(p + "attn_norm.bias", q + "ln_1.bias", layer=i),
-            transposed(p + "attn.qkv.weight", q + "attn.c_attn.weight", layer=i),  # already q|k|v
-            same(p + "attn.qkv.bias", q + "attn.c_attn.bias", layer=i),
-            transposed(p + "attn.out.weight", q + "attn.c_proj.weight", layer=i),
-            same(p + "attn.out.bias", q + "attn.c_proj.bias", layer=i),
-            same(p + "mlp_norm.weight", q + "ln_2.weight", layer=i),
-            same(p + "mlp_norm.bias", q + "ln_2.bias", layer=i),
-            transposed(p + "mlp.fc_in.weight", q + "mlp.c_fc.weight", layer=i),
-            same(p + "mlp.fc_in.bias", q + "mlp.c_fc.bias", layer=i),
-            transposed(p + "mlp.fc_out.weight", q + "mlp.c_proj.weight", layer=i),
-            same(p + "mlp.fc_out.bias", q + "mlp.c_proj.bias", layer=i),
-        ]
-    maps += [same("final_norm.weight", "transformer.ln_f.weight"), same("final_norm.bias", "transformer.ln_f.bias")]
-    if cfg.tie_embeddings:
-        maps.append(same("lm_head.weight", "transformer.wte.weight", vocab_dim=0, export=False))
-    else:
-        maps.append(same("lm_head.weight", "lm_head.weight", vocab_dim=0))
-    return maps
+    """transformer.h.{i}: attention and MLP as Conv1D weights ([in, out]), LayerNorms ln_1 / ln_2 with biases."""
+    return decoder_tensor_map(cfg, {"attn_norm": "ln_1", "mlp_norm": "ln_2"}, {"attention": "conv1d", "mlp": "conv1d"},
+                              prefix="transformer.", embed="wte", layers="h", final_norm="ln_f", positions="wpe")
 
 
 register_family(Family(name="gpt2", hf_model_types=("gpt2",), hf_architecture="GPT2LMHeadModel",
-                       config_from_hf=config_from_hf, config_to_hf=config_to_hf, hf_tensor_map=hf_tensor_map))
+                       config_from_hf=config_from_hf, config_to_hf=config_to_hf, hf_tensor_map=hf_tensor_map,
+                       hf_conv1d=True))

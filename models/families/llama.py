@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from tpzoo.errors import ConfigError
 
-from .config import AttentionConfig, MLPConfig, ModelConfig
-from .hf_common import head_maps
-from .hf_mapping import concatenated, same
-from .registry import Family, register_family
+from ..config import AttentionConfig, MLPConfig, ModelConfig
+from ..registry import Family, register_family
+from .hf_common import decoder_tensor_map
 
 
 def _rope(hf: dict) -> tuple[float, dict | None]:
@@ -71,36 +70,8 @@ def _config_to_hf(cfg: ModelConfig) -> dict:
     return hf
 
 
-def _tensor_map(cfg: ModelConfig) -> list:
-    a, ffn = cfg.attention, cfg.mlp.ffn_hidden_size
-    hd = a.head_dim
-    qkv_sizes = (a.num_heads * hd, a.num_kv_heads * hd, a.num_kv_heads * hd)
-    maps = [same("embed.weight", "model.embed_tokens.weight", vocab_dim=0)]
-    for i in range(cfg.num_layers):
-        p, q = f"layers.{i}.", f"model.layers.{i}."
-        proj = tuple(q + f"self_attn.{n}_proj" for n in "qkv")
-        maps += [
-            same(p + "attn_norm.weight", q + "input_layernorm.weight", layer=i),
-            concatenated(p + "attn.qkv.weight", tuple(n + ".weight" for n in proj), qkv_sizes, layer=i),
-            same(p + "attn.out.weight", q + "self_attn.o_proj.weight", layer=i),
-            same(p + "mlp_norm.weight", q + "post_attention_layernorm.weight", layer=i),
-            concatenated(p + "mlp.fc_in.weight", (q + "mlp.gate_proj.weight", q + "mlp.up_proj.weight"),
-                         (ffn, ffn), layer=i),
-            same(p + "mlp.fc_out.weight", q + "mlp.down_proj.weight", layer=i),
-        ]
-        if a.qkv_bias:
-            maps.append(concatenated(p + "attn.qkv.bias", tuple(n + ".bias" for n in proj), qkv_sizes, layer=i))
-        if a.out_bias:
-            maps.append(same(p + "attn.out.bias", q + "self_attn.o_proj.bias", layer=i))
-        if cfg.mlp.bias:
-            maps += [concatenated(p + "mlp.fc_in.bias", (q + "mlp.gate_proj.bias", q + "mlp.up_proj.bias"),
-                                  (ffn, ffn), layer=i),
-                     same(p + "mlp.fc_out.bias", q + "mlp.down_proj.bias", layer=i)]
-    return maps + head_maps(cfg)
-
-
 for _name, _types in (("llama", ("llama",)), ("mistral", ("mistral",)), ("qwen2", ("qwen2",))):
     register_family(Family(
         name=_name, hf_model_types=_types, hf_architecture=_ARCH[_name],
         config_from_hf=lambda hf, _n=_name: _config_from_hf(_n, hf), config_to_hf=_config_to_hf,
-        hf_tensor_map=_tensor_map))
+        hf_tensor_map=lambda cfg: decoder_tensor_map(cfg)))

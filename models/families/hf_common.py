@@ -1,13 +1,14 @@
-"""What the 2024-25 families share when reading and writing Hugging Face configs and tensors: checked reads of
-the fields a family does not implement every value of (each refusal names the HF field), and the tensor map of
-a Llama-shaped decoder (separate q/k/v and gate/up/down projections) with the family's own norm names."""
+"""What the families share when reading and writing Hugging Face configs and tensors: checked reads of the fields a
+family does not implement every value of (each refusal names the HF field), and the tensor map of a decoder whose
+layers' tensors each layer kind names itself (models/kinds/<kind>_hf.py), with the family's own norm names."""
 from __future__ import annotations
 
 from tpzoo.errors import ConfigError
 
-from .config import LAYER_TYPES, ModelConfig
-from .hf_mapping import concatenated, same
-from .kinds.rotary import ROPE_TYPES  # what the rotary tables implement
+from ..config import LAYER_TYPES, MLPConfig, ModelConfig, MoEConfig
+from ..hf_mapping import same
+from ..kinds.rotary import ROPE_TYPES  # what the rotary tables implement
+from ..registry import layer_kinds
 
 
 def refuse(family: str, field: str, value, supported) -> ConfigError:
@@ -55,6 +56,7 @@ def read_rope(family: str, hf: dict, params: dict | None = None, field: str = "r
     return theta, (params if kind != "default" else None)
 
 
+NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}  # a Llama-shaped block's
 LINEAR_ATTENTION = "linear_attention"  # HF's layer type of a Gated DeltaNet layer (Qwen3.5, Qwen3-Next)
 
 
@@ -80,46 +82,34 @@ def token_mixers_of(types: list | None) -> list | None:
     return ["gated_deltanet" if t == LINEAR_ATTENTION else "attention" for t in types]
 
 
-def decoder_tensor_map(cfg: ModelConfig, norms: dict[str, str], moe_maps=None, token_maps=None,
-                       prefix: str = "model.") -> list:
-    """Map of a decoder whose HF layers are model.layers.{i}.self_attn.{q,k,v,o}_proj (+ q_norm, k_norm) and
-    mlp.{gate,up,down}_proj; `norms`: tpzoo norm name -> HF module name within the layer. `moe_maps(cfg, i, p, q)`
-    maps the channel mixer of a mixture-of-experts layer (models/moe_families.py), `token_maps(cfg, i, p, q)` the
-    token mixer of a layer whose kind is not softmax attention (a Gated DeltaNet's); `prefix` is where HF keeps the
-    decoder ("model.", or a multimodal checkpoint's "model.language_model.")."""
-    a = cfg.attention
-    hd = a.head_dim
-    q_rows = a.num_heads * hd * (2 if a.output_gate else 1)  # a gated q_proj holds each head's query and gate
-    qkv_sizes = (q_rows, a.num_kv_heads * hd, a.num_kv_heads * hd)
-    ffn = cfg.mlp.ffn_hidden_size
-    maps = [same("embed.weight", prefix + "embed_tokens.weight", vocab_dim=0)]
+def decoder_tensor_map(cfg: ModelConfig, norms: dict[str, str] = NORMS, styles: dict[str, str] | None = None,
+                       prefix: str = "model.", embed: str = "embed_tokens", layers: str = "layers",
+                       final_norm: str = "norm", positions: str | None = None) -> list:
+    """Map of a decoder whose HF layers are {prefix}{layers}.{i}: each layer's token and channel mixer through its
+    kind's own HF names (the kind class's `hf_tensor_maps`, in models/kinds/<kind>_hf.py), in the HF layout
+    `styles[kind]` names (None: the kind's default), then the block's norms (`norms`: tpzoo norm name -> HF module
+    name within the layer; a LayerNorm's bias too). `prefix` is where HF keeps the decoder ("model.", a multimodal
+    checkpoint's "model.language_model.", GPT-2's "transformer."), with its embedding, final norm and (learned)
+    positions under their HF names."""
+    styles = styles or {}
+    maps = [same("embed.weight", f"{prefix}{embed}.weight", vocab_dim=0)]
+    if positions is not None:
+        maps.append(same("pos_embed.weight", f"{prefix}{positions}.weight"))
     for i in range(cfg.num_layers):
-        p, q = f"layers.{i}.", f"{prefix}layers.{i}."
-        attention = cfg.token_mixer(i) == "attention"
-        proj = tuple(q + f"self_attn.{n}_proj" for n in "qkv")
-        if attention:
-            maps += [
-                concatenated(p + "attn.qkv.weight", tuple(n + ".weight" for n in proj), qkv_sizes, layer=i),
-                same(p + "attn.out.weight", q + "self_attn.o_proj.weight", layer=i),
-            ]
-        else:
-            maps += token_maps(cfg, i, p, q)
-        if cfg.channel_mixer(i) == "moe":
-            maps += moe_maps(cfg, i, p, q)
-        else:
-            maps += [concatenated(p + "mlp.fc_in.weight", (q + "mlp.gate_proj.weight", q + "mlp.up_proj.weight"),
-                                  (ffn, ffn), layer=i),
-                     same(p + "mlp.fc_out.weight", q + "mlp.down_proj.weight", layer=i)]
-        maps += [same(p + ours + ".weight", q + theirs + ".weight", layer=i) for ours, theirs in norms.items()]
-        if attention and a.qk_norm != "none":
-            maps += [same(p + f"attn.{n}_norm.weight", q + f"self_attn.{n}_norm.weight", layer=i) for n in "qk"]
-        if attention and a.qkv_bias:
-            maps.append(concatenated(p + "attn.qkv.bias", tuple(n + ".bias" for n in proj), qkv_sizes, layer=i))
-        if attention and a.out_bias:
-            maps.append(same(p + "attn.out.bias", q + "self_attn.o_proj.bias", layer=i))
-        if attention and a.sinks:
-            maps.append(same(p + "attn.sinks", q + "self_attn.sinks", layer=i))
-    return maps + head_maps(cfg, prefix)
+        p, q = f"layers.{i}.", f"{prefix}{layers}.{i}."
+        for part, kind in zip(("attn", "mlp"), layer_kinds(cfg, i)):
+            if not hasattr(kind, "hf_tensor_maps"):
+                raise ConfigError(f"{cfg.family}: layer {i}'s kind {kind.kind!r} has no Hugging Face names "
+                                  f"(hf_tensor_maps)")
+            maps += kind.hf_tensor_maps(cfg, i, p + part, q, styles.get(kind.kind))
+        maps += norm_maps(cfg, {p + ours: q + theirs for ours, theirs in norms.items()}, layer=i)
+    return maps + head_maps(cfg, prefix, embed, final_norm)
+
+
+def norm_maps(cfg: ModelConfig, names: dict[str, str], **kw) -> list:
+    """tpzoo norm -> HF norm (full names, without .weight): the weight, and a LayerNorm's bias."""
+    params = ("weight", "bias") if cfg.norm == "layernorm" else ("weight",)
+    return [same(f"{ours}.{w}", f"{theirs}.{w}", **kw) for ours, theirs in names.items() for w in params]
 
 
 def common_fields(hf: dict) -> dict:
@@ -164,8 +154,49 @@ def rope_to_hf(cfg: ModelConfig) -> dict:
     return {"rope_type": "default", **(a.rope_scaling or {}), "rope_theta": a.rope_theta}
 
 
-def head_maps(cfg, prefix: str = "model.") -> list:
-    """The final norm and the output head of a Llama-shaped HF model (a tied head is the embedding, not exported)."""
-    head = (same("lm_head.weight", prefix + "embed_tokens.weight", vocab_dim=0, export=False) if cfg.tie_embeddings
+def head_maps(cfg, prefix: str = "model.", embed: str = "embed_tokens", final_norm: str = "norm") -> list:
+    """The final norm and the output head (a tied head is the embedding, not exported)."""
+    head = (same("lm_head.weight", f"{prefix}{embed}.weight", vocab_dim=0, export=False) if cfg.tie_embeddings
             else same("lm_head.weight", "lm_head.weight", vocab_dim=0))
-    return [same("final_norm.weight", prefix + "norm.weight"), head]
+    return norm_maps(cfg, {"final_norm": prefix + final_norm}) + [head]
+
+
+# -- DeepSeekMoE: DeepSeek-V3's and GLM-4.5's mixture of experts, and their multi-token prediction layers ---------
+
+def deepseek_moe(family: str, hf: dict) -> dict:
+    """ModelConfig keyword arguments of DeepSeekMoE: the dense MLP of the first layers, the MoE settings, which
+    layers are which."""
+    check(family, hf, "hidden_act", ("silu",), "silu")
+    check(family, hf, "scoring_func", ("sigmoid",), "sigmoid")  # older DeepSeek configs spell the router out
+    check(family, hf, "topk_method", ("noaux_tc",), "noaux_tc")
+    check(family, hf, "moe_layer_freq", (1,), 1)
+    n, dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace") or 0
+    ffn = hf["moe_intermediate_size"]
+    return dict(
+        mlp=MLPConfig(hf["intermediate_size"], activation="swiglu"),
+        moe=MoEConfig(num_experts=hf["n_routed_experts"], num_experts_per_tok=hf["num_experts_per_tok"],
+                      ffn_hidden_size=ffn, norm_topk_prob=bool(hf.get("norm_topk_prob", True)), router="sigmoid",
+                      n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+                      routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                      shared_expert_ffn=(hf.get("n_shared_experts") or 0) * ffn,
+                      output_router_logits=bool(hf.get("output_router_logits", False)), router_aux_loss_coef=0.0),
+        channel_mixers=["mlp"] * min(dense, n) + ["moe"] * max(0, n - dense))
+
+
+def deepseek_moe_to_hf(cfg: ModelConfig) -> dict:
+    moe = cfg.moe
+    dense = next((i for i in range(cfg.num_layers) if cfg.channel_mixer(i) == "moe"), cfg.num_layers)
+    return dict(hidden_act="silu", moe_intermediate_size=cfg.expert_ffn, n_routed_experts=moe.num_experts,
+                num_experts_per_tok=moe.num_experts_per_tok, norm_topk_prob=moe.norm_topk_prob,
+                n_group=moe.n_group, topk_group=moe.topk_group, routed_scaling_factor=moe.routed_scaling_factor,
+                n_shared_experts=moe.shared_expert_ffn // cfg.expert_ffn, first_k_dense_replace=dense,
+                output_router_logits=moe.output_router_logits)
+
+
+def mtp_notes(family: str, hf: dict) -> list[str]:
+    n = hf.get("num_nextn_predict_layers") or hf.get("num_mtp_layers") or 0
+    if not n:
+        return []
+    first = hf["num_hidden_layers"]
+    return [f"{family}: the {n} multi-token-prediction layer(s) (num_nextn_predict_layers; model.layers.{first}"
+            f"{'-' + str(first + n - 1) if n > 1 else ''}.*, if present) are not imported (transformers drops them too)"]

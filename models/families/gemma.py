@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from tpzoo.errors import ConfigError
 
-from .config import AttentionConfig, MLPConfig, ModelConfig
+from ..config import AttentionConfig, MLPConfig, ModelConfig
+from ..registry import Family, register_family
 from .hf_common import (check, common_attention, common_fields, common_to_hf, decoder_tensor_map, read_layer_types,
                         read_rope, refuse, rope_to_hf)
-from .registry import Family, register_family
+
 
 NORMS = {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
          "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}

@@ -1,4 +1,4 @@
-"""Hugging Face names of a Gated DeltaNet layer (models/kinds/gated_deltanet.py), for the family files to use.
+"""Hugging Face names of a Gated DeltaNet layer (models/kinds/gated_deltanet.py).
 
 tpzoo's tensors (full, unsharded; prefix e.g. "layers.3.mixer"):
     in_proj.weight   [2 key_dim + 2 value_dim + 2 value_heads, hidden]   q | k | v | z | b | a
@@ -6,7 +6,8 @@ tpzoo's tensors (full, unsharded; prefix e.g. "layers.3.mixer"):
     A_log, dt_bias   [value_heads]
     norm.weight      [value_head_dim]
     out_proj.weight  [hidden, value_dim]
-Two HF layouts (prefix e.g. "model.layers.3.linear_attn"):
+Two HF layouts (prefix e.g. "model.layers.3.linear_attn"; the kind's `hf_tensor_maps` takes the HF layer
+"model.layers.3." and a layout, "qwen3_5" by default):
     "qwen3_5"     (Qwen3.5, Qwen3.5-MoE) in_proj_qkv [q | k | v], in_proj_z, in_proj_b, in_proj_a: concatenated.
     "qwen3_next"  (Qwen3-Next) in_proj_qkvz, in_proj_ba grouped per key head: for each key head, its q, k, then
                   its value heads' v, then their z (in_proj_ba: its value heads' b, then their a). Regrouped
@@ -18,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import GatedDeltaNetConfig
-from .hf_mapping import TensorMap, concatenated, same
+from ..config import GatedDeltaNetConfig
+from ..hf_mapping import TensorMap, concatenated, same
 
 LAYOUTS = ("qwen3_5", "qwen3_next")
 
@@ -66,3 +67,8 @@ def gated_deltanet_tensor_maps(cfg: GatedDeltaNetConfig, ours: str, theirs: str,
                      lambda x: [x.unsqueeze(1).contiguous()], **kw)
     return [in_proj, conv, *(same(f"{ours}.{n}", f"{theirs}.{n}", **kw)
                              for n in ("A_log", "dt_bias", "norm.weight", "out_proj.weight"))]
+
+
+def hf_tensor_maps(cfg, layer: int, ours: str, theirs: str, style: str | None = None) -> list[TensorMap]:
+    """The kind's HF names (models/kinds/__init__.py): layer `layer` under linear_attn of the HF layer `theirs`."""
+    return gated_deltanet_tensor_maps(cfg.gated_deltanet, ours, theirs + "linear_attn", style or "qwen3_5", layer)

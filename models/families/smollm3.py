@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from tpzoo.errors import ConfigError
 
-from .config import AttentionConfig, MLPConfig, ModelConfig
+from ..config import AttentionConfig, MLPConfig, ModelConfig
+from ..registry import Family, register_family
 from .hf_common import (check, common_attention, common_fields, common_to_hf, decoder_tensor_map, read_layer_types,
                         read_rope, rope_to_hf)
-from .registry import Family, register_family
-
-NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -44,7 +42,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 def hf_tensor_map(cfg: ModelConfig) -> list:
-    return decoder_tensor_map(cfg, NORMS)
+    return decoder_tensor_map(cfg)
 
 
 register_family(Family(name="smollm3", hf_model_types=("smollm3",), hf_architecture="SmolLM3ForCausalLM",

@@ -4,7 +4,8 @@ every layer with the gpt-oss router (a linear with bias, top-k of the logits, so
 "topk_softmax"), experts with biases and the clamped SwiGLU ((up + 1) * gate * sigmoid(1.702 gate), gate and up
 clamped at `swiglu_limit`).
 
-HF's expert tensors keep x @ W's layout with gate and up interleaved (models/hf_experts.py): gate_up_proj
+HF's expert tensors (models/kinds/moe_hf.py's "gpt_oss" layout) keep x @ W's layout with gate and up interleaved
+(models/hf_experts.py): gate_up_proj
 [E, h, 2f] (column 2j the gate of unit j, 2j + 1 its up), gate_up_proj_bias [E, 2f], down_proj [E, f, h],
 down_proj_bias [E, h]; tpzoo's are nn.Linear's with gate|up in halves. Both directions are permutations and
 transposes: bit-exact. The hub's MXFP4 expert weights (quantization_config.quant_method "mxfp4") are dequantized
@@ -12,14 +13,10 @@ to bf16 on import by the HF reader (tpzoo/checkpoint/hf.py, one line says so); e
 """
 from __future__ import annotations
 
-from .config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig
+from ..config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig
+from ..registry import Family, register_family
 from .hf_common import (check, common_attention, common_fields, common_to_hf, decoder_tensor_map, read_layer_types,
                         read_rope, rope_to_hf)
-from .hf_experts import halves_to_interleaved, interleaved_to_halves
-from .hf_mapping import TensorMap, same
-from .registry import Family, register_family
-
-NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -54,24 +51,6 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     return hf
 
 
-def _experts(name: str, hf: str, to_tpzoo, to_hf, i: int) -> TensorMap:
-    return TensorMap(name, (hf,), lambda ts: to_tpzoo(ts[0]).contiguous(), lambda x: [to_hf(x).contiguous()],
-                     layer=i)
-
-
-def moe_maps(cfg: ModelConfig, i: int, p: str, q: str) -> list:
-    e = q + "mlp.experts."
-    return [same(p + "mlp.router.weight", q + "mlp.router.weight", layer=i),
-            same(p + "mlp.router.bias", q + "mlp.router.bias", layer=i),
-            # [E, h, 2f] gate/up interleaved <-> [E, 2f, h] halves (and the bias likewise)
-            _experts(p + "mlp.gate_up", e + "gate_up_proj", lambda t: interleaved_to_halves(t, -1).transpose(1, 2),
-                     lambda x: halves_to_interleaved(x.transpose(1, 2), -1), i),
-            _experts(p + "mlp.gate_up_bias", e + "gate_up_proj_bias", lambda t: interleaved_to_halves(t, -1),
-                     lambda x: halves_to_interleaved(x, -1), i),
-            _experts(p + "mlp.down", e + "down_proj", lambda t: t.transpose(1, 2), lambda x: x.transpose(1, 2), i),
-            same(p + "mlp.down_bias", e + "down_proj_bias", layer=i)]
-
-
 register_family(Family(name="gpt_oss", hf_model_types=("gpt_oss",), hf_architecture="GptOssForCausalLM",
                        config_from_hf=config_from_hf, config_to_hf=config_to_hf,
-                       hf_tensor_map=lambda cfg: decoder_tensor_map(cfg, NORMS, moe_maps)))
+                       hf_tensor_map=lambda cfg: decoder_tensor_map(cfg, styles={"moe": "gpt_oss"})))

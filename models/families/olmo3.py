@@ -1,15 +1,17 @@
 """OLMo 3: OLMo 2's block (norms after attention and the MLP only, q/k RMSNorm over the whole projection width:
-models/olmo2.py) with sliding-window layers among full ones (HF `layer_types`, by default three sliding to one
+models/families/olmo2.py) with sliding-window layers among full ones (HF `layer_types`, by default three sliding to one
 full) and a rope per layer kind (HF `rope_parameters.{full_attention, sliding_attention}`: the full layers' base
 and scaling (YaRN on OLMo-3-7B's, with its attention factor), the sliding layers' own base, tpzoo's `rope_local_theta`, with plain rope as transformers computes it).
 """
 from __future__ import annotations
 
-from .config import AttentionConfig, MLPConfig, ModelConfig
+from ..config import AttentionConfig, MLPConfig, ModelConfig
+from ..registry import Family, register_family
 from .hf_common import (check, common_attention, common_fields, common_to_hf, decoder_tensor_map, read_layer_types,
                         read_rope, refuse, rope_to_hf)
-from .olmo2 import NORMS
-from .registry import Family, register_family
+
+
+NORMS = {"post_attn_norm": "post_attention_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
 
 
 def _layer_types(hf: dict) -> list:
@@ -61,7 +63,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 def hf_tensor_map(cfg: ModelConfig) -> list:
-    return decoder_tensor_map(cfg, NORMS)
+    return decoder_tensor_map(cfg, NORMS)  # OLMo 2's: norms after the sublayers only
 
 
 register_family(Family(name="olmo3", hf_model_types=("olmo3",), hf_architecture="Olmo3ForCausalLM",

@@ -1,4 +1,4 @@
-"""GLM-4.5 / GLM-4.5-Air (`Glm4MoeForCausalLM`): DeepSeekMoE (models/deepseek_v3.py: the first
+"""GLM-4.5 / GLM-4.5-Air (`Glm4MoeForCausalLM`): DeepSeekMoE (models/families/hf_common.py: the first
 `first_k_dense_replace` layers dense, then the sigmoid router with its selection bias, group-limited routing,
 routed_scaling_factor and shared experts) under ordinary grouped-query attention with partial rotary
 (`partial_rotary_factor`, rotate-half on the first part of each head), optional per-head q/k norms (`use_qk_norm`)
@@ -6,10 +6,10 @@ and, with `attention_bias`, biases on q, k and v (not on o_proj). Its multi-toke
 imported (one line says so)."""
 from __future__ import annotations
 
-from .config import AttentionConfig, ModelConfig
-from .deepseek_v3 import NORMS, deepseek_moe, deepseek_moe_to_hf, moe_maps, mtp_notes
-from .hf_common import common_attention, common_fields, common_to_hf, decoder_tensor_map, read_rope, rope_to_hf
-from .registry import Family, register_family
+from ..config import AttentionConfig, ModelConfig
+from ..registry import Family, register_family
+from .hf_common import (common_attention, common_fields, common_to_hf, decoder_tensor_map, deepseek_moe,
+                        deepseek_moe_to_hf, mtp_notes, read_rope, rope_to_hf)
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -36,5 +36,5 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 register_family(Family(name="glm4_moe", hf_model_types=("glm4_moe",), hf_architecture="Glm4MoeForCausalLM",
                        config_from_hf=config_from_hf, config_to_hf=config_to_hf,
-                       hf_tensor_map=lambda cfg: decoder_tensor_map(cfg, NORMS, moe_maps),
+                       hf_tensor_map=lambda cfg: decoder_tensor_map(cfg, styles={"moe": "deepseek"}),
                        import_notes=lambda hf: mtp_notes("glm4_moe", hf)))
