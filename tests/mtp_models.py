@@ -1,9 +1,9 @@
-"""Tiny DeepSeek-V3, GLM-4.5 and Qwen3-Next checkpoints with multi-token-prediction weights, written by transformers
-(no downloads), and the plain-torch reference of their MTP loss, for tests/test_mtp*.py.
+"""Tiny DeepSeek-V3, GLM-4.5, Qwen3-Next and Qwen3.5 (dense and MoE) checkpoints with multi-token-prediction weights,
+written by transformers (no downloads), and the plain-torch reference of their MTP loss, for tests/test_mtp*.py.
 
 Built the way the published checkpoints are laid out: transformers writes a model with D more layers than the
 checkpoint's config counts; the last D layers become the MTP depths' blocks (DeepSeek / GLM: model.layers.{n+j}.*
-as they are; Qwen3-Next: renamed mtp.layers.{j}.*) beside random enorm / hnorm / eh_proj / final norms (and
+as they are; Qwen: renamed mtp.layers.{j}.*) beside random enorm / hnorm / eh_proj / final norms (and
 DeepSeek's copies of the embedding and head). transformers reads the checkpoint and ignores those weights; the
 reference (`Reference`) runs the MTP depths with transformers' own decoder-layer modules of the larger model (its
 layers n.. n+D-1), its RMSNorm class and a plain matmul, from the DeepSeek-V3 report's equations.
@@ -20,44 +20,59 @@ from safetensors.torch import load_file, save_file
 import frontier_models
 import hf_models
 
-KINDS = ("deepseek_v3", "qwen3_next")
-DEPTHS = {"deepseek_v3": 2, "glm4_moe": 1, "qwen3_next": 1}  # DeepSeek's two depths check the chain h^1 -> depth 2
-MAIN_LAYERS = {"deepseek_v3": 2, "glm4_moe": 2, "qwen3_next": 4}
-VOCAB = {"deepseek_v3": frontier_models.VOCAB, "glm4_moe": frontier_models.VOCAB, "qwen3_next": hf_models.VOCAB}
+KINDS = ("deepseek_v3", "qwen3_next")  # the proof's two (tests/test_mtp.py); every family's layout: test_mtp_convert
+FAMILIES = ("deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe")
+DEPTHS = {"deepseek_v3": 2, "glm4_moe": 1, "qwen3_next": 1, "qwen3_5": 1, "qwen3_5_moe": 1}  # DeepSeek's two
+# depths check the chain h^1 -> depth 2
+MAIN_LAYERS = {"deepseek_v3": 2, "glm4_moe": 2, "qwen3_next": 4, "qwen3_5": 4, "qwen3_5_moe": 4}
+VOCAB = {"deepseek_v3": frontier_models.VOCAB, "glm4_moe": frontier_models.VOCAB, "qwen3_next": hf_models.VOCAB,
+         "qwen3_5": hf_models.VOCAB, "qwen3_5_moe": hf_models.VOCAB}
 
 
-def _qwen3_next(layers: int):
+QWEN = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # the "qwen" layout (mtp.*)
+COUNT = {"deepseek_v3": "num_nextn_predict_layers", "glm4_moe": "num_nextn_predict_layers",
+         "qwen3_5": "mtp_num_hidden_layers", "qwen3_5_moe": "mtp_num_hidden_layers"}  # (Qwen3-Next's config: none)
+
+
+def _qwen(kind: str, layers: int):
+    """3 Gated DeltaNet layers and 1 gated attention layer (the main model), then the MTP block: full attention and
+    the family's channel mixer (Qwen3-Next's layer 1 keeps a dense MLP)."""
     import transformers as tf
 
     hf_models.use_torch_gated_delta()
-    # 3 Gated DeltaNet layers and 1 gated attention layer (the main model), then the MTP block: full attention and
-    # a mixture of experts; layer 1 keeps a dense MLP
     types = ["linear_attention"] * 3 + ["full_attention"] * (layers - 3)
-    cfg = tf.Qwen3NextConfig(**{**hf_models.HYBRID, "num_hidden_layers": layers}, **hf_models.HYBRID_MOE,
-                             intermediate_size=48, mlp_only_layers=[1], layer_types=types)
+    common = {**hf_models.HYBRID, "num_hidden_layers": layers, "layer_types": types}
+    if kind == "qwen3_5":
+        cfg, cls = tf.Qwen3_5TextConfig(**common, intermediate_size=48), tf.Qwen3_5ForCausalLM
+    elif kind == "qwen3_5_moe":
+        cfg, cls = tf.Qwen3_5MoeTextConfig(**common, **hf_models.HYBRID_MOE), tf.Qwen3_5MoeForCausalLM
+    else:
+        cfg = tf.Qwen3NextConfig(**common, **hf_models.HYBRID_MOE, intermediate_size=48, mlp_only_layers=[1])
+        cls = tf.Qwen3NextForCausalLM
     torch.manual_seed(0)
-    return hf_models.randomized(tf.Qwen3NextForCausalLM(cfg).eval())
+    return hf_models.randomized(cls(cfg).eval())
 
 
 def larger_model(kind: str, vocab: int | None = None):
     """transformers' model with the MTP blocks as its last layers (`vocab`: another vocabulary, DeepSeek / GLM)."""
     layers = MAIN_LAYERS[kind] + DEPTHS[kind]
-    if kind == "qwen3_next":
-        return _qwen3_next(layers)
+    if kind in QWEN:
+        return _qwen(kind, layers)
     return frontier_models.make_hf_model(kind, vocab=vocab or VOCAB[kind], layers=layers)
 
 
 def _extras(kind: str, hidden: int, depth: int) -> dict:
     """A depth's own weights, random (norms away from their defaults: each one changes the loss)."""
     g = torch.Generator().manual_seed(100 + depth)
-    offset = 0.0 if kind == "qwen3_next" else 1.0  # Qwen3-Next's norms scale by (1 + w)
+    offset = 0.0 if kind in QWEN else 1.0  # Qwen's norms scale by (1 + w)
     norm = lambda: offset + 0.3 * torch.randn(hidden, generator=g)  # noqa: E731
     return {"enorm": norm(), "hnorm": norm(), "final": norm(),
             "eh_proj": 0.3 * torch.randn(hidden, 2 * hidden, generator=g)}
 
 
 def write_checkpoint(kind: str, path, with_mtp: bool = True, vocab: int | None = None) -> "Reference":
-    """The checkpoint (config.json and model.safetensors) in `path`; the reference of its MTP depths."""
+    """The checkpoint (config.json and model.safetensors) in `path`; the reference of its MTP depths. Without
+    `with_mtp`: the main model's tensors alone, its config still counting the depths (a re-upload that dropped them)."""
     big = larger_model(kind, vocab)
     n, depths = MAIN_LAYERS[kind], DEPTHS[kind]
     path = Path(path)
@@ -76,13 +91,13 @@ def write_checkpoint(kind: str, path, with_mtp: bool = True, vocab: int | None =
         layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
         if layer < n:
             out[name] = t
-        elif with_mtp and kind == "qwen3_next":
+        elif with_mtp and kind in QWEN:
             out[name.replace(f"model.layers.{layer}.", f"mtp.layers.{layer - n}.")] = t
         elif with_mtp:
             out[name] = t  # DeepSeek's layout: the depth is the layer after the main ones
     if with_mtp:
         for j, e in enumerate(extras):
-            if kind == "qwen3_next":
+            if kind in QWEN:
                 out.update({"mtp.pre_fc_norm_embedding.weight": e["enorm"], "mtp.pre_fc_norm_hidden.weight": e["hnorm"],
                             "mtp.norm.weight": e["final"], "mtp.fc.weight": e["eh_proj"]})
             else:
@@ -91,8 +106,8 @@ def write_checkpoint(kind: str, path, with_mtp: bool = True, vocab: int | None =
                             q + "shared_head.norm.weight": e["final"], q + "eh_proj.weight": e["eh_proj"],
                             q + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
                             q + "shared_head.head.weight": tensors["lm_head.weight"].clone()})
-    if kind != "qwen3_next":
-        config["num_nextn_predict_layers"] = depths
+    if kind in COUNT:
+        config[COUNT[kind]] = depths
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     save_file({k: v.contiguous() for k, v in out.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -127,7 +142,7 @@ class Reference:
         rotary = decoder.rotary_emb(x, pos)
         for layer in decoder.layers[:self.n]:
             kw = {"position_embeddings": rotary, "position_ids": pos}
-            if self.kind == "qwen3_next":
+            if self.kind in QWEN:
                 x = layer(x, rotary, position_ids=pos)
             else:
                 x = layer(x, **kw)
@@ -142,7 +157,7 @@ class Reference:
         x = torch.cat([norms["enorm"](e), norms["hnorm"](h)], dim=-1) @ self.extras[k - 1]["eh_proj"].t()
         layer = decoder.layers[self.n + k - 1]
         rotary = decoder.rotary_emb(x, pos)
-        x = layer(x, rotary, position_ids=pos) if self.kind == "qwen3_next" else \
+        x = layer(x, rotary, position_ids=pos) if self.kind in QWEN else \
             layer(x, position_embeddings=rotary, position_ids=pos)
         x = x[0] if isinstance(x, tuple) else x
         return norms["final"](x)
