@@ -202,6 +202,12 @@ def generate_with_mtp(model_or_chunks, input_ids: torch.Tensor, max_new_tokens: 
     seq, new = input_ids[0].tolist(), []
     stats = {"steps": 0, "drafted": 0, "accepted": 0}
     drafts, draft_logits, saved, first = [], [], None, 0
+    # whether any stage holds a cache that cannot be cut back (a recurrent state): then every rank replays a
+    # rejection, also a stage holding only positional caches (the decision must be the same on every rank)
+    recurrent = torch.tensor([float(any(_state(c) is not None for c in main.caches))], device=device)
+    if dims.pp > 1:
+        recurrent = comm.all_reduce(recurrent, dims.pp_group, op=torch.distributed.ReduceOp.MAX)
+    recurrent = bool(recurrent.item())
     out = main(input_ids.to(device))
     try:
         while True:
@@ -210,8 +216,8 @@ def generate_with_mtp(model_or_chunks, input_ids: torch.Tensor, max_new_tokens: 
                 stats["steps"] += 1
                 stats["drafted"] += len(drafts)
                 stats["accepted"] += kept
-                replay = saved is not None and kept < len(drafts)
-                for cache, state in zip(main.caches, saved or [None] * len(chunks)):
+                replay = recurrent and kept < len(drafts)
+                for cache, state in zip(main.caches, saved):
                     _rewind(cache, first if replay else first + kept + 1)
                     if replay and state is not None:
                         for i, attrs in state.items():
@@ -231,8 +237,7 @@ def generate_with_mtp(model_or_chunks, input_ids: torch.Tensor, max_new_tokens: 
                 drafts, draft_logits = drafter.draft(seq, hidden, hidden_first, pick)
             drafts = shared(drafts if head is not None else [0] * depths)
             first = main.length
-            saved = [_state(c) for c in main.caches]
-            saved = saved if any(s is not None for s in saved) else None
+            saved = [_state(c) for c in main.caches] if recurrent else [None] * len(chunks)
             out = main(torch.tensor([[seq[-1]] + drafts], device=device))
     finally:
         for c, was in zip(chunks, was_training):
