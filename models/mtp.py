@@ -59,7 +59,8 @@ class MTPDepth(nn.Module):
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, ctx: Context, cache=None) -> torch.Tensor:
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))  # [b, s, h/tp]
         group = self.layout.dims.tp_group
-        x = gather_from_tp(x, group)
+        x = gather_from_tp(x, group).contiguous()  # (gathered along the features: a strided view otherwise, which
+        # every later tensor of the depth would inherit, and a collective on it is refused: NCCL wants contiguous)
         if self.layout.split_sequence:
             x = scatter_to_sequence(x, -2, group)
         return self.final_norm(self.block(x, ctx, cache))

@@ -137,7 +137,10 @@ def export_peft(ckpt, dst, force: bool = False) -> Path:
               "fan_in_fan_out": get_family(source.cfg.family).hf_conv1d,  # Conv1D weights are [in, out]
               "base_model_name_or_path": base, "inference_mode": True, "use_rslora": False, "use_dora": False,
               "init_lora_weights": True, "modules_to_save": None}
-    check_peft_loads(source.cfg, config, {key: t.shape for key, t in tensors.items()})
+    # multi-token prediction's adapters (models/mtp.py) go out under their HF names beside the others; transformers'
+    # model has no MTP layers (it drops their weights), so PEFT is asked about the main model's keys only
+    check_peft_loads(source.cfg, config, {key: t.shape for ours, key in keys.items() if not ours.startswith("mtp.")
+                                          for t in (tensors[key],)})
     dst = Path(dst)
     with atomic_dir(dst, force=force) as tmp:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
