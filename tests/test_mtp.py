@@ -6,9 +6,11 @@ Qwen3-Next (one depth, mtp.*) checkpoints whose MTP weights sit beside the model
   at tp 2 + SP, pp 2, ep 2 and cp 2 (ring) on 2 gloo ranks (one pool call for both models and every layout);
 - gradients: one process's gradients of LM + S x MTP equal the reference's (1e-5 of each tensor's largest entry);
 - training: three SGD steps of DeepSeek-V3 with S = 0.3 at tp 2 + SP, pp 2 (the depths on the last stage, their
-  embedding a tied copy), ep 2 (dp 2) and cp 2 (float64: the ring's merges) equal one process (every step's loss,
-  every parameter after the last step, 1e-5); the depths' weights move with S > 0 and stay with S = 0 (then the
-  LM's gradients are those without MTP);
+  embedding a tied copy), ep 2 (dp 2) and cp 2 ring (float64: the ring's merges) equal one process (every step's
+  loss, every parameter after the last step, 1e-5); in the slow tier cp 2 all-to-all with full recompute the same,
+  and tp 2 + SP with selective recompute in FP8 (tensorwise, emulated: the depths' projection and MoE too) one
+  process in FP8 in its first step's loss (the routers' fp32 scores move FP8's scales after it); the depths'
+  weights move with S > 0 and stay with S = 0 (then the LM's gradients are those without MTP);
 - packed documents: a packed row's MTP loss and gradients equal its documents run one by one (nothing crosses a
   document boundary).
 The comparisons fail with the concatenation [hidden; embedding], enorm and hnorm swapped, the target shifted by k
@@ -28,12 +30,15 @@ from tpzoo.evaluation import evaluate, token_windows
 from tpzoo.models import Inputs, LossOptions, ModelLayout, Transformer, from_hf_config
 from tpzoo.parallel import GradBuffer
 from tpzoo.parallel.context_parallel import shard_batch
+from tpzoo.parallel.fp8 import enable_fp8
 from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward
 from tpzoo.testing import run_on_ranks
 
 SEQ, BATCH = 12, 2
 LAYOUTS = [dict(tp=2, sp=True), dict(pp=2), dict(ep=2), dict(cp=2)]
 TRAIN_LAYOUTS = [dict(tp=2, sp=True), dict(pp=2), dict(ep=2, dp=2), dict(cp=2, dtype=torch.float64)]
+SLOW_LAYOUTS = [dict(cp=2, cp_mode="a2a", recompute="full", dtype=torch.float64),
+                dict(tp=2, sp=True, recompute="selective", fp8="tensorwise", dtype=torch.float64)]
 GLOBAL_BATCH, TRAIN_SEQ, STEPS, SCALE = 4, 8, 3, 0.3
 
 
@@ -97,10 +102,12 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def _reference_run(path, scale, dtype=torch.float32):
+def _reference_run(path, scale, dtype=torch.float32, fp8=None):
     """One process, one sequence per micro-batch (as every layout below)."""
     model = Transformer(_config(path, scale), ModelLayout(dtype=dtype))
     load_weights_into(model, path)
+    if fp8:
+        enable_fp8(model, fp8)
     opt, losses, loss = _sgd(model.parameters()), [], LossOptions(mtp=scale or None)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     for step in range(STEPS):
@@ -123,8 +130,10 @@ def _train(path, layout):
                                ep=layout.get("ep", 1), cp=layout.get("cp", 1))
     try:
         chunks = build_model_chunks(_config(path), dims, sequence_parallel=layout.get("sp", False),
-                                    dtype=layout.get("dtype", torch.float32))
+                                    dtype=layout.get("dtype", torch.float32), cp_mode=layout.get("cp_mode", "ring"),
+                                    recompute=layout.get("recompute", "none"))
         load_weights_into(chunks, path)
+        fp8 = enable_fp8(chunks, layout["fp8"]).fp8_layers if layout.get("fp8") else []
         params = list({id(p): p for c in chunks for p in c.parameters()}.values())
         experts = [p for p in params if getattr(p, "expert_parallel", False)]
         dense = [p for p in params if not getattr(p, "expert_parallel", False)]
@@ -152,7 +161,7 @@ def _train(path, layout):
             from tpzoo.models.aux import after_optimizer_step
 
             after_optimizer_step(chunks)
-        return {"coords": (dims.tp_rank, dims.pp_rank, dims.dp_rank), "loss_sum": losses,
+        return {"coords": (dims.tp_rank, dims.pp_rank, dims.dp_rank), "loss_sum": losses, "fp8": fp8,
                 "params": {n: _full(p, p.detach(), dims) for c in chunks for n, p in c.named_parameters()}}
     finally:
         tpzoo.destroy_parallel()
@@ -173,22 +182,50 @@ def test_every_layout_evaluates_and_trains_like_one_process(checkpoints):
     for evals, _ in ranks:
         for layout, kind, got in evals:
             assert got == pytest.approx(checkpoints[kind][1], abs=1e-4), (layout, kind, got)
-    refs = {dt: _reference_run(paths["deepseek_v3"], SCALE, dt) for dt in (torch.float32, torch.float64)}
-    ref = refs[torch.float32]
+    _check_training(paths["deepseek_v3"], TRAIN_LAYOUTS, [r[1] for r in ranks])
+
+
+@pytest.mark.slow
+def test_a2a_recompute_and_fp8_train_like_one_process(checkpoints):
+    path = checkpoints["deepseek_v3"][0]
+    ranks = run_on_ranks(2, _train_layouts, path, SLOW_LAYOUTS)
+    _check_training(path, SLOW_LAYOUTS, ranks)
+
+
+def _train_layouts(path, layouts):
+    return [_train(path, layout) for layout in layouts]
+
+
+def _check_training(path, layouts, ranks):
+    """ranks: per rank, the _train result of each layout."""
+    refs = {}
+    for layout in layouts:
+        key = (layout.get("dtype", torch.float32), layout.get("fp8"))
+        if key not in refs:
+            refs[key] = _reference_run(path, SCALE, *key)
+    ref = refs.get((torch.float32, None)) or next(iter(refs.values()))
     moved = [n for n in ref["params"] if n.startswith("mtp.") and not torch.equal(ref["params"][n], ref["start"][n])]
     assert len(moved) > 10  # the depths train
-    for j, layout in enumerate(TRAIN_LAYOUTS):
-        want = refs[layout.get("dtype", torch.float32)]
-        trained = [r[1][j] for r in ranks]
-        for step, total in enumerate(want["loss_sum"]):
+    for j, layout in enumerate(layouts):
+        want = refs[layout.get("dtype", torch.float32), layout.get("fp8")]
+        trained = [r[j] for r in ranks]
+        if layout.get("fp8"):  # the depths' projection and block (those of its dims a multiple of 16) in FP8 too
+            assert any(n.startswith("mtp.layers.1.eh_proj") for n in trained[0]["fp8"]), trained[0]["fp8"]
+            assert any(n.startswith("mtp.layers.0.block.mlp") for n in trained[0]["fp8"]), trained[0]["fp8"]
+        # FP8: the first step's loss (1e-5). The routers' fp32 scores differ by 1e-7 between layouts, which moves the
+        # dynamic scales and flips roundings from the first update on (tests/test_fp8.py leaves routers out for
+        # that reason; measured here 1.3e-3 of a tensor's largest entry after 3 steps with S = 0), so later steps
+        # are not compared
+        fp8 = bool(layout.get("fp8"))
+        for step, total in enumerate(want["loss_sum"][:1] if fp8 else want["loss_sum"]):
             for pp_rank in {r["coords"][1] for r in trained}:
                 got = sum(r["loss_sum"][step] for r in trained if r["coords"][:2] == (0, pp_rank))
                 assert abs(got - total) <= 1e-5 * abs(total), (layout, step, got, total)
-        for r in trained:
+        for r in [] if fp8 else trained:
             for name, p in r["params"].items():
                 name_ref = "embed.weight" if name == "mtp.embed.weight" else name  # (the last stage's copy)
-                assert_close(_unpadded(name, p).to(want["params"][name_ref].dtype), want["params"][name_ref],
-                             f"{layout} rank {r['coords']} {name}")
+                want_p = want["params"][name_ref]
+                assert_close(_unpadded(name, p).to(want_p.dtype), want_p, f"{layout} rank {r['coords']} {name}")
 
 
 def test_scale_zero_keeps_the_depths_and_their_gradient_is_the_report(checkpoints):
