@@ -74,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--muon-ns-steps", type=int, default=5, help="Muon's Newton-Schulz iterations")
     p.add_argument("--vocab-padding-multiple", type=int, default=1)
     p.add_argument("--max-micro-batch", type=int, default=64)
+    p.add_argument("--mtp-layers", type=int, default=-1,
+                   help="multi-token-prediction depths on the last stage (docs/models.md; -1 = the model's own: an "
+                        "HF config.json's num_nextn_predict_layers / mtp_num_hidden_layers; 0 = none)")
     p.add_argument("--tp", type=int, help="only layouts with this tp")
     p.add_argument("--pp", type=int, help="only layouts with this pp")
     p.add_argument("--cp", type=int, help="only layouts with this context-parallel size (default: cp is searched "
@@ -150,6 +153,10 @@ def run(args) -> int:
     from tpzoo.plan.report import header, table, to_json
 
     cfg = load_model(args.model)
+    if args.mtp_layers >= 0:  # (the depths' blocks, projections and head passes: tpzoo/plan/memory.py)
+        from tpzoo.models.config import MTPConfig
+
+        cfg = cfg.replace(mtp=MTPConfig(args.mtp_layers) if args.mtp_layers else None)
     if args.global_batch_size is None:
         args.global_batch_size = max(1, DEFAULT_TOKENS_PER_STEP // max(args.seq_len, 1))
     k = args.replicas

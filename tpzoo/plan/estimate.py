@@ -114,8 +114,10 @@ def stage_flops(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage:
         matmul += c.matmul_flops(tokens, at.sp_div)
         replay += c.matmul_flops(tokens, at.sp_div, replayed_only=True)
         core += tokens * layer_flops(cfg, i, at, training.seq_len)  # load-balanced: 1/cp of the causal work
-    if stage == layout.pp - 1:
-        matmul += 2 * tokens * cfg.hidden_size * local_vocab(cfg, layout.tp, training.vocab_padding_multiple)
+    if stage == layout.pp - 1:  # the head, once more per multi-token-prediction depth beside its projection
+        heads = 1 + cfg.mtp_depths
+        matmul += heads * 2 * tokens * cfg.hidden_size * local_vocab(cfg, layout.tp, training.vocab_padding_multiple)
+        matmul += cfg.mtp_depths * 2 * tokens * 2 * cfg.hidden_size ** 2 // layout.tp
     if layout.recompute == "full":
         extra = replay + core
     else:

@@ -21,7 +21,9 @@ from .spec import RankLayout
 def kinds_of(cfg: ModelConfig, layer: int) -> tuple[type, type]:
     """(token mixer kind, channel mixer kind) of layer `layer`: models.registry.layer_kinds, looked up once per
     config (the search asks millions of times)."""
-    return memo(cfg, ("kinds",), lambda: tuple(layer_kinds(cfg, i) for i in range(cfg.num_layers)))[layer]
+    # (multi-token prediction's blocks too: layers num_layers and on, models/mtp.py)
+    return memo(cfg, ("kinds",), lambda: tuple(layer_kinds(cfg, i)
+                                               for i in range(cfg.num_layers + cfg.mtp_depths)))[layer]
 
 
 def signature(cfg: ModelConfig, layer: int) -> tuple:

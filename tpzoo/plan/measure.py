@@ -189,8 +189,12 @@ def forward_activation_bytes(model, micro_batch: int, seq_len: int, *, hooks: bo
             hidden = torch.randn(micro_batch, s_local, cfg.hidden_size, generator=g, device="cpu").to(
                 param.device, param.dtype)
             hidden.requires_grad_()
-        out = model(Inputs(ids if model.pre_process else None, hidden,
-                           labels=labels if model.post_process else None), loss=loss)
+        inputs = Inputs(ids if model.pre_process else None, hidden, labels=labels if model.post_process else None)
+        if model.post_process and model.mtp is not None and loss is not None and loss.mtp is not None:
+            from tpzoo.data.mtp import mtp_targets  # multi-token prediction's inputs and targets (models/mtp.py)
+
+            inputs.mtp_ids, inputs.mtp_labels = mtp_targets(ids, labels, cfg.mtp_depths)
+        out = model(inputs, loss=loss)
         out = out.sum() if model.post_process else out
     return r.total
 

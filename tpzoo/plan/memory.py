@@ -67,8 +67,22 @@ def layer_params(cfg: ModelConfig, layer: int, at: RankLayout) -> ParamCount:
 
 
 def stage_layer_ids(cfg: ModelConfig, layout: Layout, stage: int) -> list[int]:
-    """The layers pipeline rank `stage` holds (all its model chunks)."""
-    return [i for lo, hi in stage_chunks(cfg, layout, stage) for i in range(lo, hi)]
+    """The layers pipeline rank `stage` holds (all its model chunks): on the last stage, multi-token prediction's
+    blocks too (layers num_layers and on, beside the head: models/mtp.py)."""
+    ids = [i for lo, hi in stage_chunks(cfg, layout, stage) for i in range(lo, hi)]
+    return ids + (mtp_layer_ids(cfg) if stage == layout.pp - 1 else [])
+
+
+def mtp_layer_ids(cfg: ModelConfig) -> list[int]:
+    return list(range(cfg.num_layers, cfg.num_layers + cfg.mtp_depths))
+
+
+def mtp_extra_params(cfg: ModelConfig, tp: int) -> tuple[int, int, int]:
+    """(elements, tensors, replicated norm elements) of the depths' own parts beside their blocks: enorm, hnorm and
+    the final norm (replicated), eh_proj (2h -> h, column-parallel)."""
+    h, d = cfg.hidden_size, cfg.mtp_depths
+    norm, norm_tensors = h * (2 if cfg.norm == "layernorm" else 1), 2 if cfg.norm == "layernorm" else 1
+    return d * (3 * norm + 2 * h * h // tp), d * (3 * norm_tensors + 1), d * 3 * norm
 
 
 def stage_params(cfg: ModelConfig, layout: Layout, stage: int, vocab_padding_multiple: int = 1) -> ParamCount:
@@ -98,7 +112,13 @@ def _stage_params(cfg: ModelConfig, layout: Layout, stage: int, vocab_padding_mu
         numel, tensors, sp = numel + norm, tensors + (2 if cfg.norm == "layernorm" else 1), sp + norm
         if not (cfg.tie_embeddings and first):  # tied on one stage: the head is the embedding itself
             numel, tensors = numel + table, tensors + 1
-    if cfg.tie_embeddings and p > 1 and (first or last):
+        if cfg.mtp is not None:  # the depths' norms and projections; on a stage without the embedding, their copy
+            extra, extra_tensors, extra_sp = mtp_extra_params(cfg, layout.tp)  # of it (the tied head itself)
+            numel, tensors, sp = numel + extra, tensors + extra_tensors, sp + extra_sp
+            matmul += extra - extra_sp
+            if not first and not cfg.tie_embeddings:
+                numel, tensors = numel + table, tensors + 1
+    if (cfg.tie_embeddings or cfg.mtp is not None) and p > 1 and (first or last):
         embedding = table
     return ParamCount(numel, tensors, matmul, sp, replicated, embedding, expert, partial)
 
@@ -229,6 +249,12 @@ def chunk_activation_bytes(cfg: ModelConfig, at: RankLayout, layers, micro_batch
     parts["embedding"] = embed
     if last:  # final norm, head and loss (plan/head.py)
         parts["head"] = head_activation_bytes(cfg, at, tokens, fused_loss, norm_saved(cfg, e, at.kernels))
+        if cfg.mtp is not None:  # multi-token prediction's depths: their blocks, and each its norms, projection
+            # input and head (models/mtp.py)
+            parts["mtp"] = sum(layer_activation_bytes(cfg, i, at, micro_batch, seq_len) for i in mtp_layer_ids(cfg))
+            parts["mtp"] += cfg.mtp_depths * (head_activation_bytes(cfg, at, tokens, fused_loss,
+                                                                    norm_saved(cfg, e, at.kernels))
+                                              + (2 * norm_saved(cfg, e, at.kernels) + 2 * e * h) * tokens // sp_div)
     else:
         parts["head"] = e * h * tokens // sp_div  # the stage output, kept for its backward
     # The engine keeps a received input for its gradient; only the torch RMSNorm does not save it anyway (it
