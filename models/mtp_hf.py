@@ -50,6 +50,18 @@ class MTPLayout:
         return cfg if names is None else reconcile(cfg, self, names)[0]
 
 
+INTERNAL = MTPLayout("deepseek", None, None, None)
+
+
+def export_refusal(cfg: ModelConfig, layout: MTPLayout | None) -> str | None:
+    """Why `cfg`'s depths cannot go to a Hugging Face checkpoint of its family (None: they can)."""
+    if cfg.mtp is None or layout is not None:
+        return None
+    return (f"{cfg.family}: its Hugging Face checkpoints hold no multi-token-prediction layers and this model has "
+            f"{cfg.mtp_depths} (--mtp-layers): not exported (the tpzoo checkpoint keeps them; a family with an MTP "
+            f"layout: deepseek_v3, glm4_moe, qwen3_next, qwen3_5, qwen3_5_moe)")
+
+
 def mtp_from_hf(layout: MTPLayout, hf: dict) -> MTPConfig | None:
     """The depths the config says (its count field; none without one: the tensors decide, `reconcile`)."""
     text = hf.get("text_config", hf) if layout.text_config else hf
@@ -76,9 +88,8 @@ def _names(layout: MTPLayout, cfg: ModelConfig, j: int, prefix: str) -> tuple[st
 def mtp_tensor_maps(cfg: ModelConfig, layout: MTPLayout | None, prefix: str, embed: str, block, norm) -> list:
     """The depths' TensorMaps: `block(i, ours, theirs)` gives a block's (families/hf_common.block_tensor_maps),
     `norm(names)` a norm's ({tpzoo: HF} without .weight)."""
-    if layout is None:
-        raise ConfigError(f"{cfg.family}: its Hugging Face checkpoints hold no multi-token-prediction layers "
-                          f"(the model config has {cfg.mtp_depths}); export it without them (mtp: null)")
+    if layout is None:  # a family whose checkpoints hold none, given depths by --mtp-layers: DeepSeek's names
+        layout = INTERNAL  # inside tpzoo (vocab dims, the embedding copy); convert to-hf refuses it (export_refusal)
     if layout.style == "qwen" and cfg.mtp_depths > 1:
         raise ConfigError(f"{cfg.family}: its checkpoints hold one multi-token-prediction layer (mtp.*), the model "
                           f"config has {cfg.mtp_depths}")

@@ -9,7 +9,9 @@ one call of 2 pooled ranks (torchrun's environment):
   and `--lora-from` that adapter reads every one back;
 - `tpzoo eval` reports `mtp_loss`, equal to tpzoo.evaluation's in one process;
 - `tpzoo generate --greedy --draft mtp` prints the continuation plain greedy decoding gives, the acceptance rate and
-  both speeds.
+  both speeds;
+- `pretrain --model nano-llama --mtp-layers 1` trains a depth on a family whose checkpoints hold none (checkpoints
+  keep it); `convert to-hf` refuses it in one line, writing nothing.
 """
 import json
 from pathlib import Path
@@ -20,6 +22,7 @@ from mtp_models import DEPTHS, MAIN_LAYERS, write_checkpoint
 from safetensors import safe_open
 from test_cli_new_families import _cli_on_rank, metrics
 
+from preflight_helpers import cli, one_error_line
 from tpzoo.testing import run_on_ranks
 
 SHAPE = ["--seq-len", "48", "--global-batch-size", "4", "--micro-batch-size", "2", "--sample-prompt", "",
@@ -43,6 +46,8 @@ def runs(tmp_path_factory):
     sft = d / "sft.jsonl"
     sft.write_text("".join(json.dumps({"prompt": f"{w}?", "response": f"{w}!"}) + "\n"
                            for w in ("apple", "river", "stone", "cloud", "green", "tiger", "piano", "lemon") * 4))
+    corpus = d / "corpus.txt"
+    corpus.write_text(Path(json.__file__).read_text())
     tune = ["finetune", "--base", str(d / "hf"), "--data", str(sft), *SHAPE]
     step = str(d / "ft" / "step_00000002")
     argv = [[*tune, "--steps", "2", "--save", str(d / "ft"), "--eval-fraction", "0.25"],
@@ -52,7 +57,9 @@ def runs(tmp_path_factory):
             ["generate", step, "--prompt", "apple?", "--greedy", "--draft", "mtp", "--max-new-tokens", "8",
              "--ignore-eos", "--tp", "1"],
             ["generate", step, "--prompt", "apple?", "--greedy", "--draft", "mtp", "--max-new-tokens", "8",
-             "--ignore-eos", "--tp", "1", "--json"]]
+             "--ignore-eos", "--tp", "1", "--json"],
+            ["pretrain", "--model", "nano-llama", "--mtp-layers", "1", "--data", str(corpus), "--steps", "2",
+             "--data-cache", str(d / "cache"), "--save", str(d / "llama"), *SHAPE, "--seq-len", "16"]]
     return d, run_on_ranks(2, _cli_on_rank, argv)
 
 
@@ -140,3 +147,13 @@ def test_generate_with_the_mtp_draft_prints_plain_greedy_and_the_acceptance(runs
     rc, out = _rank0(runs, 4)
     report = json.loads(out.strip().splitlines()[-1])["draft"]
     assert report["same_as_plain"] is True and report["drafted"] > 0 and report["tokens_per_s"] > 0
+
+
+def test_mtp_layers_on_a_family_without_an_hf_layout(runs, monkeypatch, capsys, tmp_path):
+    d, ranks = runs
+    rc, out = _rank0(runs, 5)
+    assert rc == 0, out
+    assert all(r["mtp_loss"] > 0 for r in metrics(d / "llama") if "loss" in r)
+    line = one_error_line(*cli(monkeypatch, capsys, "convert", "to-hf", d / "llama" / "step_00000002",
+                               tmp_path / "out"), "convert to-hf", "llama", "no multi-token-prediction layers")
+    assert "--mtp-layers" in line and not (tmp_path / "out").exists()

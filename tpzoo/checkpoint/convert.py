@@ -197,6 +197,12 @@ def convert_to_hf(src, dst, *, force: bool = False, max_shard_size="5GB", dtype=
         raise FileExistsError(f"{dst} already exists (pass --force to replace it)")
     _return_freed_memory()
     source = QuantizingSource(sources.open_source(src, verify=verify), quantize)
+    from tpzoo.models.mtp_hf import export_refusal
+
+    refusal = export_refusal(source.cfg, get_family(source.cfg.family).hf_mtp)
+    if refusal:  # before anything is written
+        source.close()
+        raise ConfigError(refusal)
     dtype = parse_dtype(dtype)
     try:
         cfg = source.cfg
