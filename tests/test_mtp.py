@@ -28,6 +28,7 @@ from tpzoo.checkpoint import load_model, load_weights_into
 from tpzoo.data.mtp import with_mtp_targets
 from tpzoo.evaluation import evaluate, token_windows
 from tpzoo.models import Inputs, LossOptions, ModelLayout, Transformer, from_hf_config
+from tpzoo.models.aux import after_optimizer_step
 from tpzoo.parallel import GradBuffer
 from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.parallel.fp8 import enable_fp8
@@ -158,8 +159,6 @@ def _train(path, layout):
                 p.grad = p.main_grad.to(p.dtype)
             losses.append(out["loss_sum"])
             opt.step()
-            from tpzoo.models.aux import after_optimizer_step
-
             after_optimizer_step(chunks)
         return {"coords": (dims.tp_rank, dims.pp_rank, dims.dp_rank), "loss_sum": losses, "fp8": fp8,
                 "params": {n: _full(p, p.detach(), dims) for c in chunks for n, p in c.named_parameters()}}

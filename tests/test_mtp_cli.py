@@ -19,24 +19,16 @@ from pathlib import Path
 import pytest
 import torch
 from mtp_models import DEPTHS, MAIN_LAYERS, write_checkpoint
-from safetensors import safe_open
-from test_cli_new_families import _cli_on_rank, metrics
-
 from preflight_helpers import cli, one_error_line
+from test_cli_new_families import _cli_on_rank, metrics
+from test_mtp_convert import _tensors
+
 from tpzoo.testing import run_on_ranks
 
 SHAPE = ["--seq-len", "48", "--global-batch-size", "4", "--micro-batch-size", "2", "--sample-prompt", "",
          "--log-interval", "1", "--warmup-steps", "1", "--lr", "1e-2"]
 LORA_TARGETS = "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,eh_proj"  # (PEFT reads DeepSeek's MLP names
 # as the fused experts: tests/test_lora_peft.py)
-
-
-def _tensors(path) -> dict:
-    out = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            out.update({k: st.get_tensor(k) for k in st.keys()})
-    return out
 
 
 @pytest.fixture(scope="module")

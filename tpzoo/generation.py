@@ -31,6 +31,14 @@ def sample_next(logits: torch.Tensor, *, greedy: bool = True, temperature: float
     """Next token ids [b] from the last position's full logits [b, vocab]."""
     if greedy or temperature == 0:
         return logits.argmax(dim=-1)
+    probs = sampling_probs(logits, temperature, top_p, top_k)
+    # Sampled on the host with a CPU generator: the same draws whatever device the logits are on.
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """The distribution sampling draws from, over full logits [..., vocab]: temperature, then top-k, then top-p
+    (also a speculative draft's and its verifier's: tpzoo/speculative.py)."""
     logits = logits.float() / temperature
     if top_k and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
@@ -42,9 +50,7 @@ def sample_next(logits: torch.Tensor, *, greedy: bool = True, temperature: float
         drop = probs.cumsum(dim=-1) - probs >= top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)
-    # Sampled on the host with a CPU generator: the same draws whatever device the logits are on.
-    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+    return logits.softmax(dim=-1)
 
 
 class _Decoder:

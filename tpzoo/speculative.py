@@ -26,22 +26,7 @@ from tpzoo.parallel import comm, strict
 from tpzoo.parallel.dims import ParallelDims
 from tpzoo.pipeline import StepFunctions, as_chunks, execute
 
-from .generation import _eos_set, sample_next
-
-
-def _processed(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
-    """The sampling distribution of full logits [..., vocab]: temperature, top-k, top-p (generation.sample_next's)."""
-    logits = logits.float() / temperature
-    if top_k and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        drop = probs.cumsum(dim=-1) - probs >= top_p
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop,
-                                                                                                      float("-inf")))
-    return logits.softmax(dim=-1)
+from .generation import _eos_set, sampling_probs as _processed
 
 
 def accept_drafts(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generator) -> tuple[int, int]:
