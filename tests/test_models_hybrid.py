@@ -111,7 +111,7 @@ def _eval_and_generate(items, prompt, tokens, layouts):
 
 def _items(cases):
     root, *_, out = cases
-    return [(out[k][1], from_hf_config(root / k).moe is not None) for k in HYBRID_KINDS]
+    return [(out[k][1], from_hf_config(root / k).moe.num_experts > 0) for k in HYBRID_KINDS]
 
 
 def _check(kind, what, res, ref_gen, ref_eval):
