@@ -260,10 +260,15 @@ def _rank_cases(weights: dict, x, w, cases: list) -> list:
 
 
 def _merge(per_rank: list, i: int, tp: int, cp: int, sp: bool) -> dict:
-    """One case's per-rank results as full tensors: outputs in sequence order, gradients summed over cp then
-    unsharded over tp (the norm's gradient, already summed over tp by finish_tp_grads, equal on the tp ranks)."""
     specs = {n: p.tp_spec for n, p in GatedDeltaNet(model_config(ref_cfg("qwen3_5")), 0, ModelLayout(
         ParallelDims.for_rank(tp=tp, cp=cp))).named_parameters()}
+    return merge_ranks(per_rank, i, tp, cp, sp, specs)
+
+
+def merge_ranks(per_rank: list, i: int, tp: int, cp: int, sp: bool, specs: dict) -> dict:
+    """One case's per-rank results as full tensors: outputs in sequence order, gradients summed over cp then
+    unsharded over tp by the parameters' `specs` (a norm's gradient, already summed over tp by finish_tp_grads,
+    equal on the tp ranks); the fresh weights unsharded. (tests/test_kimi_delta.py's layer too.)"""
     rank = lambda t, c: per_rank[c * tp + t][i]  # noqa: E731 (tp fastest)
     chunk = S // (2 * cp)
     order = torch.cat([local_positions(chunk, cp, c, "cpu") for c in range(cp)])

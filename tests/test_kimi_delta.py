@@ -30,11 +30,11 @@ from tpzoo.models.config import KimiDeltaConfig
 from tpzoo.models.kinds import kimi_delta as kda
 from tpzoo.models.kinds.kimi_delta import KimiDeltaAttention
 from tpzoo.models.kinds.kimi_delta_hf import kimi_delta_tensor_maps
-from tpzoo.parallel import ParallelDims, ParallelLayoutError, comm, finish_tp_grads, shard, unshard
+from tpzoo.parallel import ParallelDims, ParallelLayoutError, comm, finish_tp_grads, shard
 from tpzoo.testing import run_on_ranks
 
 from test_gated_delta import FakeFla
-from test_gated_deltanet import _local, assert_close, context, max_error
+from test_gated_deltanet import _local, assert_close, context, max_error, merge_ranks
 
 mk = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 from transformers import KimiLinearConfig  # noqa: E402
@@ -342,29 +342,9 @@ def _rank_cases(weights: dict, x, w, cases: list) -> list:
 
 
 def _merge(per_rank: list, i: int, tp: int, cp: int, sp: bool) -> dict:
-    """One case's per-rank results as full tensors (outputs in sequence order, gradients summed over cp and
-    unsharded over tp), and the fresh weights unsharded."""
-    from tpzoo.parallel.ring_attention import local_positions
-
     specs = {n: p.tp_spec for n, p in KimiDeltaAttention(model_config(), 0, ModelLayout(
         ParallelDims.for_rank(tp=tp, cp=cp))).named_parameters()}
-    rank = lambda t, c: per_rank[c * tp + t][i]  # noqa: E731 (tp fastest)
-    order = torch.cat([local_positions(S // (2 * cp), cp, c, "cpu") for c in range(cp)])
-    merged = {}
-    for key in ("y", "dx"):
-        rows = torch.cat([torch.cat([rank(t, c)[key] for t in range(tp)], 1) if sp else rank(0, c)[key]
-                          for c in range(cp)], dim=1)
-        merged[key] = rows.index_select(1, torch.argsort(order))
-    merged["grads"] = {}
-    for name, spec in specs.items():
-        per_tp = [sum(rank(t, c)["grads"][name] for c in range(cp)) for t in range(tp)]
-        if spec.replicated:
-            assert all(torch.equal(g, per_tp[0]) for g in per_tp), name
-        merged["grads"][name] = per_tp[0] if spec.replicated else unshard(per_tp, spec)
-    merged["fresh"] = [rank(0, 0)["fresh"][j] if spec.replicated else
-                       unshard([rank(t, 0)["fresh"][j] for t in range(tp)], spec)
-                       for j, spec in enumerate(specs.values())]
-    return merged
+    return merge_ranks(per_rank, i, tp, cp, sp, specs)
 
 
 def check_layouts(layouts: dict) -> None:

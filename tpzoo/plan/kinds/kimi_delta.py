@@ -32,6 +32,7 @@ from __future__ import annotations
 from tpzoo.parallel.dims import ParallelLayoutError
 
 from ..costs import Collective, Matmul, Stateless, Weights, register_cost
+from .gated_deltanet import head_exchange
 
 SUB = 16  # the rule's sub-chunk (kernels/gated_delta.py SUB)
 
@@ -103,11 +104,8 @@ class KimiDeltaCost(Stateless):
             else:
                 out += [Collective("all_reduce", "tp", p, phase="backward") for p in entries]
                 out += [Collective("all_reduce", "tp", full)]
-        if at.cp > 1:  # heads exchanged for the sequence (ulysses.exchange), and back
-            qkvbf, o = tokens * (4 * s.D + s.hl) * e, tokens * s.D * e
-            out += [Collective("all_to_all", "cp", qkvbf), Collective("all_to_all", "cp", o),
-                    Collective("all_to_all", "cp", qkvbf, phase="backward"),
-                    Collective("all_to_all", "cp", o, phase="backward")]
+        if at.cp > 1:
+            out += head_exchange(tokens * (4 * s.D + s.hl) * e, tokens * s.D * e)  # q|k|v|b|f; the output
         return out
 
     @staticmethod
