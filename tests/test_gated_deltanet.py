@@ -123,6 +123,15 @@ def hf_reference(family: str, x, w, doc_ids=None) -> dict:
     """transformers' output, input gradient and tpzoo-named full parameter gradients; with doc_ids, its layer run on
     each document alone (outputs placed, gradients summed)."""
     layer, cfg = hf_layer(family)
+    y, dx = run_hf_layer(layer, x, w, doc_ids)
+    grads = to_tpzoo({n: p.grad for n, p in layer.named_parameters()}, cfg, family)
+    return {"y": y, "dx": dx, "grads": grads, "weights": to_tpzoo(layer.state_dict(), cfg, family)}
+
+
+def run_hf_layer(layer, x, w, doc_ids=None):
+    """(output, input gradient) of transformers' `layer` under the loss (y * w).sum(), its parameters' gradients
+    left in .grad; with doc_ids, run on each document alone (outputs placed, gradients summed).
+    (tests/test_kimi_delta.py's layer too.)"""
     x = x.clone().requires_grad_()
     if doc_ids is None:
         y = layer(x)
@@ -133,8 +142,7 @@ def hf_reference(family: str, x, w, doc_ids=None) -> dict:
                 idx = (doc_ids[row] == d).nonzero().flatten()
                 y = y.index_put((torch.tensor([row]), idx), layer(x[row:row + 1, idx])[0])
     (y * w).sum().backward()
-    grads = to_tpzoo({n: p.grad for n, p in layer.named_parameters()}, cfg, family)
-    return {"y": y.detach(), "dx": x.grad, "grads": grads, "weights": to_tpzoo(layer.state_dict(), cfg, family)}
+    return y.detach(), x.grad
 
 
 def context(docs=None) -> Context:

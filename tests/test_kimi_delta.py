@@ -3,8 +3,8 @@
 chunk_kimi_delta_attention / recurrent_kimi_delta_attention and its layer KimiLinearDeltaAttention), fp32, tiny
 random weights, sequences longer than the chunk (64):
 - the chunked and recurrent forms equal each other and transformers' recurrent function (outputs, final states,
-  every gradient, 1e-5 of the largest entry), also under decays of up to -40 per token and channel (no exponent overflows); packed
-  rows equal their documents run one by one, in both forms;
+  every gradient, 1e-5 of the largest entry), also under decays of up to -40 per token and channel (no exponent
+  overflows); packed rows equal their documents run one by one, in both forms;
 - fla's KDA call site (fla.ops.kda's chunk_kda / fused_recurrent_kda, kernel name "kimi_delta_rule") on CPU
   against a stand-in module with fla's documented varlen semantics (tests/test_gated_delta.py's);
 - the layer equals transformers' (ours in float64, transformers' rule and gated norm in its own fp32; output, input
@@ -34,7 +34,7 @@ from tpzoo.parallel import ParallelDims, ParallelLayoutError, comm, finish_tp_gr
 from tpzoo.testing import run_on_ranks
 
 from test_gated_delta import FakeFla
-from test_gated_deltanet import _local, assert_close, context, max_error, merge_ranks
+from test_gated_deltanet import _local, assert_close, context, max_error, merge_ranks, run_hf_layer
 
 mk = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 from transformers import KimiLinearConfig  # noqa: E402
@@ -233,17 +233,8 @@ def hf_reference(x, w, doc_ids=None) -> dict:
     """transformers' output, input gradient and tpzoo-named full gradients; with doc_ids, its layer run on each
     document alone (outputs placed, gradients summed)."""
     layer = hf_layer()
-    x = x.clone().requires_grad_()
-    if doc_ids is None:
-        y = layer(x)
-    else:
-        y = torch.zeros_like(w)
-        for row in range(x.shape[0]):
-            for d in doc_ids[row].unique():
-                idx = (doc_ids[row] == d).nonzero().flatten()
-                y = y.index_put((torch.tensor([row]), idx), layer(x[row:row + 1, idx])[0])
-    (y * w).sum().backward()
-    return {"y": y.detach(), "dx": x.grad, "grads": to_tpzoo({n: p.grad for n, p in layer.named_parameters()}),
+    y, dx = run_hf_layer(layer, x, w, doc_ids)
+    return {"y": y, "dx": dx, "grads": to_tpzoo({n: p.grad for n, p in layer.named_parameters()}),
             "weights": to_tpzoo(layer.state_dict())}
 
 

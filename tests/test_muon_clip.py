@@ -51,7 +51,8 @@ def clip_rows(mod, eta: torch.Tensor) -> None:
                 w[heads * hd + g * hd: heads * hd + (g + 1) * hd] *= f[g]
         else:
             m = mod.m
-            q = (mod.q_proj if m.q_lora_rank is None else mod.q_b_proj).weight.view(mod.heads, m.qk_nope_head_dim + m.qk_rope_head_dim, -1)
+            q_w = (mod.q_proj if m.q_lora_rank is None else mod.q_b_proj).weight
+            q = q_w.view(mod.heads, m.qk_nope_head_dim + m.qk_rope_head_dim, -1)
             q[:, :m.qk_nope_head_dim] *= eta.sqrt().view(-1, 1, 1)
             q[:, m.qk_nope_head_dim:] *= eta.view(-1, 1, 1)
             kv = mod.kv_b_proj.weight.view(mod.heads, m.qk_nope_head_dim + m.v_head_dim, -1)

@@ -16,13 +16,14 @@ import tpzoo
 from tpzoo.models import Inputs, ModelLayout, Stage, Transformer, get_config
 from tpzoo.models.config import KimiDeltaConfig, MoEConfig
 from tpzoo.parallel import count_collectives, finish_tp_grads
-from tpzoo.plan import Layout, chunk_activation_bytes, RankLayout, cache_bytes, cost_of, layer_cost, layer_flops, stage_params, tp_step_volume
+from tpzoo.plan import (Layout, RankLayout, cache_bytes, chunk_activation_bytes, cost_of, layer_cost, layer_flops,
+                        tp_step_volume)
 from tpzoo.plan.measure import forward_activation_bytes
 from tpzoo.plan.volume import layer_volume
 from tpzoo.models.kinds.kimi_delta import KimiDeltaAttention
 from tpzoo.testing import run_on_ranks
 
-from test_plan_memory import build_stage, unique_params
+from test_plan_kinds import check_parameters
 
 B, S = 2, 128  # two chunks of the rule
 
@@ -35,17 +36,7 @@ def model(layers: int = 4):
 
 
 def test_parameters_exact():
-    cfg = model()
-    for tp, pp in [(1, 1), (2, 1), (2, 2)]:
-        for stage in range(pp):
-            count = stage_params(cfg, Layout(tp=tp, pp=pp), stage)
-            for rank in {0, tp - 1}:
-                params = unique_params(build_stage(cfg, tp, rank, pp, stage, sp=True))
-                what = f"tp={tp}/{rank} pp={pp}/{stage}"
-                assert count.numel == sum(p.numel() for p in params), what
-                assert count.tensors == len(params), what
-                assert count.sequence_parallel == sum(p.numel() for p in params if p.sequence_parallel), what
-    assert cfg.num_parameters() == stage_params(cfg, Layout(), 0).numel
+    check_parameters(model())
 
 
 def test_flops_are_the_matmuls_torch_counts():
