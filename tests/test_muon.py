@@ -88,8 +88,9 @@ def hf_projections(cfg, name: str, t: torch.Tensor) -> list | None:
         return list(t.split([q, kv, kv]))
     if leaf.endswith("fc_in.weight") and cfg.mlp.gated:  # gate_proj | up_proj
         return list(t.chunk(2))
-    if leaf.endswith("attn.in_proj.weight"):  # Gated DeltaNet: q | k | v | z | b | a
-        return list(t.split(list(cfg.gated_deltanet.in_proj_parts)))
+    if leaf.endswith("attn.in_proj.weight"):  # GDN: q|k|v|z|b|a; KDA: q|k|v|b
+        g = cfg.kimi_delta if cfg.token_mixer(int(name.split(".")[1])) == "kimi_delta" else cfg.gated_deltanet
+        return list(t.split(list(g.in_proj_parts)))
     if leaf.endswith("mlp.gate_up"):  # every expert's gate_proj and up_proj
         return [m for e in t.unbind(0) for m in e.chunk(2)]
     if leaf.endswith("mlp.down"):
@@ -252,7 +253,7 @@ def with_lora(model):
     return model
 
 
-@pytest.mark.parametrize("model", ["llama", "moe", "mla", "gdn", "lora"])
+@pytest.mark.parametrize("model", ["llama", "moe", "mla", "gdn", "kimi", "lora"])
 def test_tp1_update_equals_torch_muon_per_hf_projection(model):
     """Same gradients each step (the optimizer's own reduced fp32 gradients, handed to torch too): Muon's
     matrices equal torch.optim.Muon's (bit for bit but for rare one-ulp roundings of the bf16 iteration, far below
