@@ -204,3 +204,14 @@ def deepseek_moe_to_hf(cfg: ModelConfig) -> dict:
                 n_group=moe.n_group, topk_group=moe.topk_group, routed_scaling_factor=moe.routed_scaling_factor,
                 n_shared_experts=moe.shared_expert_ffn // cfg.expert_ffn, first_k_dense_replace=dense,
                 output_router_logits=moe.output_router_logits)
+
+
+def mtp_notes(family: str, hf: dict) -> list[str]:
+    """The one-line note of a family without a multi-token-prediction layout (Family.hf_mtp: models/mtp_hf.py) whose
+    config counts such layers: they are not imported."""
+    n = hf.get("num_nextn_predict_layers") or hf.get("num_mtp_layers") or 0
+    if not n:
+        return []
+    first = hf["num_hidden_layers"]
+    return [f"{family}: the {n} multi-token-prediction layer(s) (num_nextn_predict_layers; model.layers.{first}"
+            f"{'-' + str(first + n - 1) if n > 1 else ''}.*, if present) are not imported (transformers drops them too)"]
