@@ -8,9 +8,10 @@ Qwen3-Next (one depth, mtp.*) checkpoints whose MTP weights sit beside the model
 - training: three SGD steps of DeepSeek-V3 with S = 0.3 at tp 2 + SP, pp 2 (the depths on the last stage, their
   embedding a tied copy), ep 2 (dp 2) and cp 2 ring (float64: the ring's merges) equal one process (every step's
   loss, every parameter after the last step, 1e-5); in the slow tier cp 2 all-to-all with full recompute the same,
-  Qwen3-Next's at the four layouts (float64), and tp 2 + SP with selective recompute in FP8 (tensorwise, emulated: the depths' projection and MoE too) one
-  process in FP8 in its first step's loss (the routers' fp32 scores move FP8's scales after it); the depths'
-  weights move with S > 0 and stay with S = 0 (then the LM's gradients are those without MTP);
+  Qwen3-Next's at the four layouts (float64), and tp 2 + SP with selective recompute in FP8 (tensorwise, emulated:
+  the depths' projection and MoE too) one process in FP8 in its first step's loss (the routers' fp32 scores move
+  FP8's scales after it); the depths' weights move with S > 0 and stay with S = 0 (then the LM's gradients are
+  those without MTP);
 - packed documents: a packed row's MTP loss and gradients equal its documents run one by one (nothing crosses a
   document boundary).
 The comparisons fail with the concatenation [hidden; embedding], enorm and hnorm swapped, the target shifted by k
