@@ -13,8 +13,9 @@ read for its text part: `text_config`, the tensors under model.language_model.; 
 is not read, trained or written (to-hf writes the same config.json and the text model's tensors under their names:
 the vision tensors are to be copied from the original checkpoint to serve it multimodal). The multi-token-prediction
 layer (mtp.*: models/mtp_hf.py's "qwen" layout; gated full attention and the family's channel mixer) is built,
-trained and written: Qwen3.5 counts it in `mtp_num_hidden_layers`, Qwen3-Next's config has no count (the tensors say). mrope's sections (`mrope_section`) rotate text positions like plain rope (all three
-position rows are the token's position), so they are kept for the round trip and otherwise unused.
+trained and written: Qwen3.5 counts it in `mtp_num_hidden_layers`, Qwen3-Next's config has no count (the tensors
+say). mrope's sections (`mrope_section`) rotate text positions like plain rope (all three position rows are the
+token's position), so they are kept for the round trip and otherwise unused.
 """
 from __future__ import annotations
 

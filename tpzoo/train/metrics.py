@@ -111,7 +111,8 @@ def format_line(m: dict) -> str:
     return " | ".join(parts)
 
 
-WINDOW_MEANS = ("loss", "mtp_loss", "sync_bytes", "sync_s", "rewards/accuracies", "rewards/margins", "distill/kl", "distill/ce")
+WINDOW_MEANS = ("loss", "mtp_loss", "sync_bytes", "sync_s", "rewards/accuracies", "rewards/margins", "distill/kl",
+                "distill/ce")
 
 
 def window_means(window: list[dict]) -> dict:
