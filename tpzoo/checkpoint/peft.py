@@ -139,8 +139,8 @@ def export_peft(ckpt, dst, force: bool = False) -> Path:
               "init_lora_weights": True, "modules_to_save": None}
     # multi-token prediction's adapters (models/mtp.py) go out under their HF names beside the others; transformers'
     # model has no MTP layers (it drops their weights), so PEFT is asked about the main model's keys only
-    check_peft_loads(source.cfg, config, {key: t.shape for ours, key in keys.items() if not ours.startswith("mtp.")
-                                          for t in (tensors[key],)})
+    check_peft_loads(source.cfg, config, {key: tensors[key].shape for ours, key in keys.items()
+                                          if not ours.startswith("mtp.")})
     dst = Path(dst)
     with atomic_dir(dst, force=force) as tmp:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
