@@ -11,7 +11,9 @@ one call of 2 pooled ranks (torchrun's environment):
 - `tpzoo generate --greedy --draft mtp` prints the continuation plain greedy decoding gives, the acceptance rate and
   both speeds;
 - `pretrain --model nano-llama --mtp-layers 1` trains a depth on a family whose checkpoints hold none (checkpoints
-  keep it); `convert to-hf` refuses it in one line, writing nothing.
+  keep it); `convert to-hf` refuses it in one line, writing nothing;
+- bad settings (ZeRO-3 with trained depths, --mtp-layers over a checkpoint's own, a weight without depths, a draft
+  under sequence parallelism) are refused in one line before any rank starts.
 """
 import json
 from pathlib import Path
@@ -149,3 +151,18 @@ def test_mtp_layers_on_a_family_without_an_hf_layout(runs, monkeypatch, capsys, 
     line = one_error_line(*cli(monkeypatch, capsys, "convert", "to-hf", d / "llama" / "step_00000002",
                                tmp_path / "out"), "convert to-hf", "llama", "no multi-token-prediction layers")
     assert "--mtp-layers" in line and not (tmp_path / "out").exists()
+
+
+def test_bad_mtp_settings_are_refused_in_one_line(runs, monkeypatch, capsys):
+    """Before any rank starts, nothing written: ZeRO-3 with trained depths, a weight or a draft for a model without
+    depths, --mtp-layers over a checkpoint's own depths."""
+    d, _ = runs
+    base = ["finetune", "--base", str(d / "hf"), "--data", str(d / "sft.jsonl")]
+    one_error_line(*cli(monkeypatch, capsys, *base, "--zero", "3"), "finetune", "--zero 3 with multi-token prediction")
+    one_error_line(*cli(monkeypatch, capsys, *base, "--mtp-layers", "1"), "finetune", "--mtp-layers 1",
+                   "2 multi-token-prediction depths of its own")
+    plain = ["pretrain", "--model", "nano-llama", "--data", str(d / "corpus.txt")]
+    one_error_line(*cli(monkeypatch, capsys, *plain, "--mtp-loss-scale", "0.3"), "pretrain", "--mtp-loss-scale 0.3",
+                   "no multi-token-prediction depths")
+    one_error_line(*cli(monkeypatch, capsys, "generate", str(d / "lora" / "step_00000001"), "--prompt", "a",
+                        "--draft", "mtp", "--sequence-parallel"), "generate", "--draft mtp", "--sequence-parallel")
