@@ -23,7 +23,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 from pathlib import Path
 
 from mdsection import write_section  # noqa: E402 (a sibling script module)
@@ -42,39 +41,20 @@ def _small():
 
 def step_times(corpus: str, cache: str, steps: int) -> dict:
     """The bench-llama trainers without and with one depth, steps alternating: {case: [seconds per step]}."""
-    import torch
-
-    import tpzoo
     from tpzoo.models.registry import register_config
     from tpzoo.train import load_config
-    from tpzoo.train.loop import Trainer
 
     sys.path.insert(0, HERE)
+    from post import alternating_steps
     from train import bench_config
 
     register_config("bench-llama", bench_config(argparse.Namespace(model="bench-llama")))
-    torch.set_num_threads(1)
-    dims = tpzoo.init_parallel(tp=1, device="cpu")
     cases = {"without MTP": 0, "one MTP depth (S = 0.1)": 1}
-    trainers, times = {}, {name: [] for name in cases}
-    try:
-        for name, depths in cases.items():
-            cfg = load_config(None, {"task": "pretrain", "model": "bench-llama", "vocab_size": 8192,
-                                     "data": [corpus], "data_cache": cache, "tp": 1, "seq_len": 256,
-                                     "global_batch_size": 4, "micro_batch_size": 4, "steps": steps,
-                                     "eval_fraction": 0.0, "save": "", "quiet": True, "progress": False,
-                                     "lr": 1e-4, "warmup_steps": 0, "sample_prompt": "", "mtp_layers": depths})
-            trainers[name] = Trainer(cfg, dims)
-        for step in range(1, steps + 1):
-            for name, trainer in trainers.items():
-                t0 = time.perf_counter()
-                trainer.train_step(step)
-                times[name].append(time.perf_counter() - t0)
-    finally:
-        for trainer in trainers.values():
-            trainer.close()
-        tpzoo.destroy_parallel()
-    return times
+    return alternating_steps({name: load_config(None, {
+        "task": "pretrain", "model": "bench-llama", "vocab_size": 8192, "data": [corpus], "data_cache": cache,
+        "tp": 1, "seq_len": 256, "global_batch_size": 4, "micro_batch_size": 4, "steps": steps, "eval_fraction": 0.0,
+        "save": "", "quiet": True, "progress": False, "lr": 1e-4, "warmup_steps": 0, "sample_prompt": "",
+        "mtp_layers": depths}) for name, depths in cases.items()}, steps)
 
 
 def train_drafter(corpus: str, cache: str, save: str, steps: int) -> dict:

@@ -77,23 +77,30 @@ def write_cache(files: dict) -> dict:
 
 def step_times(files: dict, names: list, steps: int) -> dict:
     """Every case's trainer in this process, their steps alternating: {name: [seconds per step]}."""
+    from tpzoo.train import load_config
+
+    return alternating_steps({name: load_config(None, {
+        "task": "sft", "base": files["hf"], "data": [files[CASES[name][0]]], "tp": 1, "seq_len": 256,
+        "global_batch_size": 4, "micro_batch_size": 4, "steps": steps, "eval_fraction": 0.0, "save": "",
+        "quiet": True, "progress": False, "template": "fallback", "lr": 1e-4, "warmup_steps": 0, "sample_prompt": "",
+        **{k: v.format(**files) if isinstance(v, str) else v for k, v in CASES[name][1].items()}}) for name in names},
+        steps)
+
+
+def alternating_steps(configs: dict, steps: int) -> dict:
+    """A `tpzoo` trainer per TrainConfig of `configs` ({name: config}) in this process at tp 1 on one torch thread,
+    their steps alternating (every case sees the same load of a shared machine): {name: [seconds per step]}
+    (also scripts/bench/mtp.py's)."""
     import torch
 
     import tpzoo
-    from tpzoo.train import load_config
     from tpzoo.train.loop import Trainer
 
     torch.set_num_threads(1)
     dims = tpzoo.init_parallel(tp=1, device="cpu")
-    trainers, times = {}, {name: [] for name in names}
+    trainers, times = {}, {name: [] for name in configs}
     try:
-        for name in names:
-            data, extra = CASES[name][:2]
-            cfg = load_config(None, {"task": "sft", "base": files["hf"], "data": [files[data]], "tp": 1,
-                                     "seq_len": 256, "global_batch_size": 4, "micro_batch_size": 4, "steps": steps,
-                                     "eval_fraction": 0.0, "save": "", "quiet": True, "progress": False,
-                                     "template": "fallback", "lr": 1e-4, "warmup_steps": 0, "sample_prompt": "",
-                                     **{k: v.format(**files) if isinstance(v, str) else v for k, v in extra.items()}})
+        for name, cfg in configs.items():
             trainers[name] = Trainer(cfg, dims)
         for step in range(1, steps + 1):
             for name, trainer in trainers.items():
