@@ -2,8 +2,8 @@
 DeepSeek-V3 (two depths, MLA's latent cache cut back) and Qwen3-Next (one depth, a Gated DeltaNet state restored
 and replayed) checkpoints of tests/mtp_models.py, fp32:
 
-- greedy: the output equals plain greedy decoding token for token, with the real depths drafting (random weights:
-  rejections) and with an oracle draft that is right except where it is made wrong (acceptances of every length,
+- greedy: the output equals plain greedy decoding token for token (stopping at an eos as it does), with the real
+  depths drafting (random weights: rejections) and with an oracle draft that is right except where it is made wrong (acceptances of every length,
   so each cache is cut back after kept drafts too); each step's drafts equal the depths run from scratch over the
   committed tokens (no cache), whatever was kept before;
 - at tp 2 and pp 2 (2 gloo ranks, one pool call) the same tokens as one process;
@@ -63,6 +63,10 @@ def test_greedy_drafts_equal_plain_greedy(paths, kind, monkeypatch):
     out, stats = generate_with_mtp(model, prompt, NEW)
     assert torch.equal(out, plain)
     assert stats["steps"] > 0 and stats["drafted"] == stats["steps"] * model.cfg.mtp_depths
+    eos = int(plain[0, prompt.shape[1] + 3])  # a token greedy decoding produces: both stop after it
+    stopped = generate(model, prompt, NEW, eos_token_id=eos)
+    assert stopped.shape[1] < plain.shape[1] and torch.equal(generate_with_mtp(model, prompt, NEW,
+                                                                               eos_token_id=eos)[0], stopped)
 
     # an oracle draft (plain's next tokens, one made wrong every third step) beside the real depths' own drafts,
     # which must equal the depths run from scratch
