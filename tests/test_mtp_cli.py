@@ -4,8 +4,8 @@ one call of 2 pooled ranks (torchrun's environment):
 
 - `finetune --base HF` trains the depths with the family's weight (0.1): `mtp_loss` on the step line, in
   metrics.jsonl and TensorBoard, `eval_mtp_loss` beside the held-out loss; the exported model's depths moved;
-- `finetune --lora-rank 4` puts adapters on the depths' blocks and projection too; `convert to-hf` writes them to the
-  PEFT adapter under their HF names (model.layers.{n+j}.*; PEFT, asked about the main model's keys, loads those)
+- `finetune --lora-rank 4` puts adapters on the depths' blocks and projection too, trained at tp 2 as at tp 1 (dp 2:
+  both steps' loss and mtp_loss, 1e-5); `convert to-hf` writes them to the PEFT adapter under their HF names (model.layers.{n+j}.*; PEFT, asked about the main model's keys, loads those)
   and `--lora-from` that adapter reads every one back;
 - `tpzoo eval` reports `mtp_loss`, equal to tpzoo.evaluation's in one process;
 - `tpzoo generate --greedy --draft mtp` prints the continuation plain greedy decoding gives, the acceptance rate and
@@ -45,7 +45,7 @@ def runs(tmp_path_factory):
     tune = ["finetune", "--base", str(d / "hf"), "--data", str(sft), *SHAPE]
     step = str(d / "ft" / "step_00000002")
     argv = [[*tune, "--steps", "2", "--save", str(d / "ft"), "--eval-fraction", "0.25"],
-            [*tune, "--steps", "1", "--save", str(d / "lora"), "--lora-rank", "4", "--lora-targets", LORA_TARGETS,
+            [*tune, "--steps", "2", "--save", str(d / "lora"), "--lora-rank", "4", "--lora-targets", LORA_TARGETS,
              "--eval-fraction", "0"],
             ["eval", step, "--text-file", str(sft), "--max-tokens", "200", "--seq-len", "16"],
             ["generate", step, "--prompt", "apple?", "--greedy", "--draft", "mtp", "--max-new-tokens", "8",
@@ -53,7 +53,9 @@ def runs(tmp_path_factory):
             ["generate", step, "--prompt", "apple?", "--greedy", "--draft", "mtp", "--max-new-tokens", "8",
              "--ignore-eos", "--tp", "1", "--json"],
             ["pretrain", "--model", "nano-llama", "--mtp-layers", "1", "--data", str(corpus), "--steps", "2",
-             "--data-cache", str(d / "cache"), "--save", str(d / "llama"), *SHAPE, "--seq-len", "16"]]
+             "--data-cache", str(d / "cache"), "--save", str(d / "llama"), *SHAPE, "--seq-len", "16"],
+            [*tune, "--steps", "2", "--save", "", "--log-dir", str(d / "lora_tp1"), "--lora-rank", "4",
+             "--lora-targets", LORA_TARGETS, "--eval-fraction", "0", "--tp", "1"]]
     return d, run_on_ranks(2, _cli_on_rank, argv)
 
 
@@ -91,11 +93,17 @@ def test_finetune_trains_the_depths_and_logs_mtp_loss(runs):
 def test_lora_adapts_the_depths_and_exports_them_to_peft(runs):
     d, ranks = runs
     assert _rank0(runs, 1)[0] == 0, _rank0(runs, 1)
+    assert _rank0(runs, 6)[0] == 0, _rank0(runs, 6)
+    # tp 2 (the default) trains the adapters, the depths' included, as tp 1 (dp 2) does
+    tp2, tp1 = ([r for r in metrics(d / name) if "loss" in r] for name in ("lora", "lora_tp1"))
+    assert [r["step"] for r in tp2] == [1, 2] == [r["step"] for r in tp1]
+    for key in ("loss", "mtp_loss"):
+        assert [r[key] for r in tp2] == pytest.approx([r[key] for r in tp1], rel=1e-5), key
     from tpzoo.checkpoint import load_model
     from tpzoo.checkpoint.peft import export_peft, load_peft_adapters, read_peft_config
     from tpzoo.models.lora import add_lora
 
-    ckpt = str(d / "lora" / "step_00000001")
+    ckpt = str(d / "lora" / "step_00000002")
     export_peft(ckpt, d / "peft")  # (what convert to-hf writes of a LoRA checkpoint, checked by PEFT)
     adapter = _tensors(d / "peft")
     n = MAIN_LAYERS["deepseek_v3"]
@@ -164,5 +172,5 @@ def test_bad_mtp_settings_are_refused_in_one_line(runs, monkeypatch, capsys):
     plain = ["pretrain", "--model", "nano-llama", "--data", str(d / "corpus.txt")]
     one_error_line(*cli(monkeypatch, capsys, *plain, "--mtp-loss-scale", "0.3"), "pretrain", "--mtp-loss-scale 0.3",
                    "no multi-token-prediction depths")
-    one_error_line(*cli(monkeypatch, capsys, "generate", str(d / "lora" / "step_00000001"), "--prompt", "a",
+    one_error_line(*cli(monkeypatch, capsys, "generate", str(d / "lora" / "step_00000002"), "--prompt", "a",
                         "--draft", "mtp", "--sequence-parallel"), "generate", "--draft mtp", "--sequence-parallel")
