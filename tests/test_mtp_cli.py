@@ -11,7 +11,7 @@ one call of 2 pooled ranks (torchrun's environment):
 - `tpzoo generate --greedy --draft mtp` prints the continuation plain greedy decoding gives, the acceptance rate and
   both speeds;
 - `pretrain --model nano-llama --mtp-layers 1` trains a depth on a family whose checkpoints hold none (checkpoints
-  keep it); `convert to-hf` refuses it in one line, writing nothing;
+  keep it); `convert to-hf` and `convert to-megatron` refuse it in one line, writing nothing;
 - bad settings (ZeRO-3 with trained depths, --mtp-layers over a checkpoint's own, a weight without depths, a draft
   under sequence parallelism) are refused in one line before any rank starts.
 """
@@ -159,6 +159,10 @@ def test_mtp_layers_on_a_family_without_an_hf_layout(runs, monkeypatch, capsys, 
     line = one_error_line(*cli(monkeypatch, capsys, "convert", "to-hf", d / "llama" / "step_00000002",
                                tmp_path / "out"), "convert to-hf", "llama", "no multi-token-prediction layers")
     assert "--mtp-layers" in line and not (tmp_path / "out").exists()
+    one_error_line(*cli(monkeypatch, capsys, "convert", "to-megatron", d / "llama" / "step_00000002",
+                        tmp_path / "meg", "--tp", "1", "--pp", "1"), "convert to-megatron",
+                   "1 multi-token-prediction depth", "does not write yet")
+    assert not (tmp_path / "meg").exists()
 
 
 def test_bad_mtp_settings_are_refused_in_one_line(runs, monkeypatch, capsys):

@@ -97,6 +97,10 @@ def convert_to_megatron(src, dst, *, tp: int = 1, pp: int = 1, ep: int = 1, iter
         if cfg.quantization:  # (Megatron-LM reads unquantized weights)
             raise CheckpointError(f"{src} is kept quantized ({cfg.quantization['format']}): to-megatron writes "
                                   f"unquantized weights; convert its Hugging Face source without --keep-quantized")
+        if cfg.mtp is not None:  # (Megatron-Core's mtp.layers.* are not mapped: refused rather than dropped)
+            raise CheckpointError(f"{src} has {cfg.mtp_depths} multi-token-prediction depth(s) (docs/models.md), "
+                                  f"which to-megatron does not write yet (convert to-hf keeps them for the families "
+                                  f"whose checkpoints hold them)")
         recorded = (source.manifest.get("metadata", {}).get("megatron") or {}) \
             if isinstance(source, CheckpointSource) else {}
         base = dict(recorded.get("args") or {})
