@@ -241,7 +241,7 @@ class Transformer(nn.Module):
         ctx = Context(seq_len, self._documents(inputs.doc_ids, seq_len, cache), past=past)
         if inputs.token_mask is not None:
             ctx.token_mask = self._seq_chunk(inputs.token_mask.unsqueeze(-1)).reshape(-1)
-        positions = self._positions(inputs, ref, seq_len, past)
+        positions = ctx.positions = self._positions(inputs, ref, seq_len, past)
         for j, spec in enumerate(self.rotary_specs):
             ctx.rotary[spec] = cos_sin(getattr(self, f"inv_freq_{j}"), positions, attention_factor(spec))
         if not self.pre_process:

@@ -178,24 +178,43 @@ def lm_step(loss, last) -> StepFunctions:
 
 class LossSum:
     """Last stage: sums the per-token losses on the device (no host sync per micro-batch) and returns the
-    backward's starting point, the scaled sum."""
+    backward's starting point, the scaled sum. `reports`: auxiliary losses the head chunk reports per forward
+    (Transformer.aux_reports: a layer kind's trained loss, e.g. the sparse attention indexer's KL), summed weighted
+    by each micro-batch's trained tokens (the trainer divides by the step's, as for the loss)."""
 
-    def __init__(self, device, scale: float | None):
+    def __init__(self, device, scale: float | None, reports: tuple = (), head=None):
         self.total = torch.zeros((), dtype=torch.float64, device=device)
-        self.scale = scale
+        self.reported = torch.zeros(len(reports), dtype=torch.float64, device=device)
+        self.scale, self.reports, self.head = scale, tuple(reports), head
 
     def __call__(self, mb, per_token, batch):
         self.total += per_token.detach().double().sum()
+        if self.reports:
+            tokens = (batch["labels"] != -100).sum().to(self.reported.device)
+            self.reported += torch.stack([self.head.aux_reports[r].detach().double() for r in self.reports]) * tokens
         # The caller's scale (1 / tokens of the global batch) makes the accumulated gradient that of the global
         # mean loss, whatever the split into micro-batches and ranks.
         return None if self.scale is None else per_token.sum() * self.scale
 
     def shared(self, dims: ParallelDims) -> float:
         """The sum on every pipeline rank (only the last stage computed it)."""
-        total = self.total
+        return self._shared(self.total, dims).item()
+
+    def shared_reports(self, dims: ParallelDims) -> dict[str, float]:
+        """{report: token-weighted sum} on every pipeline rank."""
+        return dict(zip(self.reports, self._shared(self.reported, dims).tolist())) if self.reports else {}
+
+    @staticmethod
+    def _shared(total, dims: ParallelDims):
         if dims.pp > 1:
             total = comm.broadcast(total.clone(), src=dims.pp_peer(dims.pp - 1), group=dims.pp_group)
-        return float(total)
+        return total
+
+
+def trained_reports(chunk) -> tuple:
+    """The reports of the auxiliary losses a model chunk's kinds train with (models/aux.py rules that train)."""
+    return tuple(name for _, rule in sorted(chunk.aux_rules.items()) if rule.trains(chunk.cfg)
+                 for name in rule.reports)
 
 
 def forward_backward(chunks, microbatches: list[dict], dims: ParallelDims | None = None, *,
@@ -206,11 +225,15 @@ def forward_backward(chunks, microbatches: list[dict], dims: ParallelDims | None
 
     Gradients accumulate (scaled by loss_scale) into each parameter's gradient (main_grad when a GradBuffer is
     attached); call finalize_grads afterwards. Returns loss_sum (per-token losses summed over the micro-batches,
-    unscaled, the same on every pipeline rank), tokens (non-ignored labels), timeline and peak_inflight.
+    unscaled, the same on every pipeline rank), tokens (non-ignored labels), reports (the auxiliary losses the
+    model trains with, as the head chunk reports them, times each micro-batch's tokens, summed; on every pipeline
+    rank), timeline and peak_inflight.
     loss: the tpzoo.models.LossOptions of the last stage (label smoothing, z-loss, the fused head; aux_losses=False
     for a held-out loss: the language model's alone)."""
     dims = get_dims(dims)
-    losses = LossSum(chunks[0].device, None if forward_only else loss_scale)
+    reports = () if forward_only or (loss is not None and not loss.aux_losses) else trained_reports(chunks[0])
+    losses = LossSum(chunks[0].device, None if forward_only else loss_scale, reports,
+                     next((c for c in chunks if c.post_process), None))
     out = execute(chunks, microbatches, dims, lm_step(loss, losses), schedule=schedule, forward_only=forward_only)
     tokens = int(sum((b["labels"] != -100).sum() for b in microbatches))
-    return {"loss_sum": losses.shared(dims), "tokens": tokens, **out}
+    return {"loss_sum": losses.shared(dims), "tokens": tokens, "reports": losses.shared_reports(dims), **out}

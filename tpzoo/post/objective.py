@@ -92,7 +92,8 @@ class Objective:
     def forward_backward(self, trainer, batches: list[dict], scale: float) -> dict:
         out = forward_backward(trainer.chunks, batches, trainer.dims, schedule=self.cfg.schedule, loss_scale=scale,
                                loss=trainer.loss)
-        return {"loss_sum": out["loss_sum"], "metrics": {}}
+        # the auxiliary losses the model trains with (a router's, the sparse attention indexer's KL), logged
+        return {"loss_sum": out["loss_sum"], "metrics": out["reports"]}
 
     def evaluate(self, trainer, batches: list[dict]) -> dict:
         out = forward_backward(trainer.chunks, batches, trainer.dims, schedule=self.cfg.schedule, forward_only=True,

@@ -232,6 +232,14 @@ class OptimSection:
     router_aux_loss_coef: float = _f(0.0, "mixtures of experts with the sigmoid router: weight of Megatron-Core's "
                                           "sequence-wise auxiliary loss (0 = off, as HF's configs; the softmax "
                                           "routers' load-balancing loss keeps the model config's)", ge=0)
+    dsa_indexer_loss_scale: float = _f(0.0, "DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): train the lightning "
+                                            "indexers with the KL divergence from the main attention's "
+                                            "distribution to theirs, each layer's mean over the queries, summed "
+                                            "over the layers, times this (logged as dsa_indexer_loss); 0 keeps "
+                                            "the indexers frozen, as the checkpoint has them", ge=0)
+    dsa_indexer_sparse_loss: bool = _f(False, "DeepSeek Sparse Attention: the indexer's KL over each query's "
+                                              "selected keys only (DeepSeek-V3.2's sparse stage), not every key it "
+                                              "sees")
     z_loss: float = _f(0.0, "z-loss weight: adds z_loss * logsumexp(logits)^2 to each trained token's loss (PaLM "
                             "used 1e-4, OLMo 2's pretraining 1e-5; 0 = off; the eval loss never has it)", ge=0)
     optimizer: str = _f("adamw", "'adamw', or 'muon': Muon (torch.optim.Muon's rule, lr x 0.2 x sqrt(max(rows, "
