@@ -97,7 +97,8 @@ class Context:
     row on this rank (the whole sequence, not SP's shard); docs: the packed batch's documents (or None);
     token_mask [tokens of this rank's (SP) shard] or None; past: tokens already in the cache (query i sits at
     position past + i); rotary: RotarySpec -> (cos, sin) of the tables this chunk's layers use; positions [b or 1,
-    s]: the tokens' positions (the rotary's: restarting per document, global under cp); shared: what a layer
+    s]: the tokens' positions (the rotary's: restarting per document, global under cp), when a layer of the chunk
+    reads them (`reads_positions`: Mistral 4's query temperature), else None; shared: what a layer
     hands later layers of the same forward ({(key, layer): value}, e.g. a sparse attention layer's top-k that the
     next layers reuse: models/kinds/sparse_mla.py)."""
     length: int

@@ -107,6 +107,8 @@ class Transformer(nn.Module):
                 mark_tied(self.lm_head.weight, "embedding", primary=False)
         # The rotary tables this chunk's layers use (models/kinds/rotary.py), one buffer each, computed once per
         # forward; and the auxiliary-output rules of the whole model's kinds (models/aux.py).
+        # a mixer that reads the tokens' positions themselves (Context.positions), not only their rotary tables
+        self.reads_positions = any(getattr(layer.attn, "reads_positions", False) for layer in self.layers.values())
         specs = [getattr(layer.attn, "rotary", None) for layer in self.layers.values()]
         self.rotary_specs = list(dict.fromkeys(s for s in specs if s is not None))
         for j, spec in enumerate(self.rotary_specs):
@@ -241,7 +243,9 @@ class Transformer(nn.Module):
         ctx = Context(seq_len, self._documents(inputs.doc_ids, seq_len, cache), past=past)
         if inputs.token_mask is not None:
             ctx.token_mask = self._seq_chunk(inputs.token_mask.unsqueeze(-1)).reshape(-1)
-        positions = ctx.positions = self._positions(inputs, ref, seq_len, past)
+        positions = self._positions(inputs, ref, seq_len, past)
+        if self.reads_positions:  # (only then: a Context a recomputed block keeps holds nothing it does not use)
+            ctx.positions = positions
         for j, spec in enumerate(self.rotary_specs):
             ctx.rotary[spec] = cos_sin(getattr(self, f"inv_freq_{j}"), positions, attention_factor(spec))
         if not self.pre_process:

@@ -30,6 +30,8 @@ A token mixer class:
         (models/inputs.py Cache) and passes it back to forward; the model counts the decoded tokens (ctx.past).
     rotary: RotarySpec | None       the rotary table it needs (rotary.py); the Transformer computes it once.
     core: nn.Module (optional)      its parameterless inner computation: what selective recomputation wraps.
+    reads_positions: bool (optional) it reads the tokens' positions themselves (Context.positions), not only the
+                                    rotary tables (Mistral 4's query temperature); the Context holds them only then.
     num_parameters(cfg, layer, active) -> int   (static: the model's count without building it)
     sequence_flops(cfg, layer, seq_len) -> int   (static: forward FLOPs per token beyond its matmuls)
 A channel mixer class: the same __init__, forward(x, ctx) -> y, and num_parameters.

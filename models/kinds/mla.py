@@ -113,6 +113,7 @@ class LatentAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * m.v_head_dim, h, bias=a.out_bias,
                                         init_method=lambda t: nn.init.normal_(t, std=out_std), **layout.linear)
         self.rotary = RotarySpec.of(m.qk_rope_head_dim, a.rope_theta, a.rope_scaling)
+        self.reads_positions = m.query_scale_beta is not None  # Mistral 4's query temperature (Context.positions)
         self.core = attention_core(layout, self.softmax_scale(cfg), None, None, False)
 
     @staticmethod

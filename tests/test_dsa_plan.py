@@ -1,0 +1,53 @@
+"""The plan's costs of the "sparse_mla" kind (tpzoo/plan/kinds/sparse_mla.py) against the built layers: the
+parameters of every pipeline stage and tp rank exactly (DeepSeek-V3.2 with an indexer on every layer, GLM-5 with
+shared layers that hold none), the generation cache (MLA's latent and rotary key plus the indexer's keys) as the
+layers fill it, and the published configs plan at every layout the search proposes."""
+import pytest
+import torch
+from dsa_models import hf_config
+from test_plan_memory import build_stage, unique_params
+
+from tpzoo.models import Inputs, ModelLayout, Transformer, from_hf_config, get_config
+from tpzoo.plan import ClusterSpec, Layout, RankLayout, TrainingSpec, cache_bytes, cost_of, search
+from tpzoo.plan.memory import stage_params
+
+
+def _cfg(kind):
+    return from_hf_config(hf_config(kind).to_dict())
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
+def test_parameters_exact(kind):
+    from tpzoo.models.kinds.sparse_mla import SparseLatentAttention
+
+    assert cost_of(SparseLatentAttention).derived == []  # exact costs, none approximated
+    cfg = _cfg(kind)
+    for tp, pp in [(1, 1), (2, 1), (2, 2)]:
+        for stage in range(pp):
+            count = stage_params(cfg, Layout(tp=tp, pp=pp), stage)
+            for rank in {0, tp - 1}:
+                params = unique_params(build_stage(cfg, tp, rank, pp, stage, sp=True))
+                what = f"{kind} tp={tp}/{rank} pp={pp}/{stage}"
+                assert count.numel == sum(p.numel() for p in params), what
+                assert count.tensors == len(params), what
+                assert count.sequence_parallel == sum(p.numel() for p in params if p.sequence_parallel), what
+    assert cfg.num_parameters() == stage_params(cfg, Layout(), 0).numel
+
+
+def test_generation_cache_is_what_the_layers_keep():
+    cfg, at, b, prompt, room = _cfg("glm_moe_dsa"), RankLayout(), 2, 8, 12
+    model = Transformer(cfg, ModelLayout(dtype=torch.bfloat16))
+    cache = model.new_cache(b, room)
+    model(Inputs(torch.randint(0, cfg.vocab_size, (b, prompt))), cache=cache)
+    for i, layer in cache.layers.items():  # layer 1 and 3 share layer 0's and 2's top-k: no indexer keys
+        held = layer.latent.nbytes + layer.k_rope.nbytes + (layer.index_keys.nbytes if layer.has_keys else 0)
+        assert held == cache_bytes(cfg, i, at, b, room) > 0
+        assert layer.has_keys == (i % 2 == 0)
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3.2", "glm-5", "glm-4.7-flash", "mistral-small-4"])
+def test_published_configs_plan(name):
+    cfg = get_config(name)
+    res = search(cfg, ClusterSpec(gpus=8, gpu_memory_gib=80), TrainingSpec(seq_len=2048, global_batch_size=16),
+                 max_micro_batch=2, recompute="full")
+    assert res, name
