@@ -84,6 +84,11 @@ class SparseCore(nn.Module):
     def forward(self, q, k, v, mask):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
 
+    def logit_pairs(self, q, k, v, mask):
+        """(q, k, the pairs that meet [b, s, T], scale): MuonClip's logits (tpzoo/train/qk_clip.py) are those of
+        the selected keys; every key of the sequence is on this rank (cp gathers them)."""
+        return q, k, mask[:, 0], self.scale
+
     def extra_repr(self) -> str:
         return f"scale={self.scale}"
 
