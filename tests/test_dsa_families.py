@@ -11,7 +11,8 @@ models written by save_pretrained, index_topk 5 below every sequence here), fp32
 - packing: a packed row's per-token losses equal those of its documents run alone (tp 1, tp 2 + SP, cp 2);
 - the comparisons can fail: the sparse mask dropped (every visible key attended), the indexer's weights not loaded
   (left at their initialization), each moves the loss beyond the tolerance.
-Parameter counts of the built models equal ModelConfig.num_parameters for the named configs."""
+Parameter counts of the built models equal ModelConfig.num_parameters for the named configs, and those docs/models.md
+sets beside the published figures."""
 import json
 from pathlib import Path
 
@@ -194,11 +195,19 @@ def test_the_comparisons_can_fail(hf_runs, monkeypatch):
 
 # -- named configs --------------------------------------------------------------------------------------------------
 
+# docs/models.md's counts (total, active; billions to 2 decimals), set beside the published figures there
+DOCUMENTED = {"deepseek-v3.2": (671.88, 38.40), "glm-5": (743.91, 41.78), "glm-4.7-flash": (29.94, 3.90),
+              "mistral-small-4": (118.97, 6.63)}
+
+
 @pytest.mark.parametrize("name", ["deepseek-v3.2", "glm-5", "glm-4.7-flash", "mistral-small-4", "tiny-deepseek-v3.2"])
 def test_parameter_counts_are_the_built_models(name):
     from tpzoo.models import ModelLayout, Transformer, get_config
 
     cfg = get_config(name)
+    if name in DOCUMENTED:
+        assert (round(cfg.num_parameters() / 1e9, 2), round(cfg.num_parameters(active=True) / 1e9, 2)) == \
+            DOCUMENTED[name]
     model = Transformer(cfg, ModelLayout(device="meta"))
     assert sum(p.numel() for p in model.parameters()) == cfg.num_parameters()
     expert = sum(p.numel() for n, p in model.named_parameters() if n.split(".")[-1] in ("gate_up", "down"))
