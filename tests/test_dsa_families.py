@@ -19,11 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 from dsa_models import KINDS, TOPK, VOCAB, make_hf_model
-from safetensors import safe_open
+from test_frontier_families import BATCH, SEQ, _hf_loss, _ours_loss, _tensors
 
 import tpzoo
 from tpzoo.checkpoint import convert_from_hf, convert_to_hf, load_model
-from tpzoo.evaluation import evaluate
 from tpzoo.generation import generate
 from tpzoo.models import Inputs, from_hf_config, to_hf_config
 from tpzoo.parallel import comm
@@ -31,25 +30,11 @@ from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.parallel.ulysses import gathered_order
 from tpzoo.testing import run_on_ranks
 
-SEQ, BATCH = 12, 2
 assert TOPK < SEQ  # the sparse mask acts
-TOKENS = torch.randint(0, VOCAB, (4 * SEQ + 1,), generator=torch.Generator().manual_seed(3))
 PROMPT = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(4))
 NEW = 6
 LAYOUTS = [dict(tp=2, sp=True), dict(pp=2), dict(ep=2), dict(cp=2)]
 DOCS = [9, 7, 8]  # a packed row of three documents (24 tokens)
-
-
-def _hf_loss(model) -> float:
-    """Mean next-token loss over the windows tpzoo.evaluation cuts the stream into (SEQ + 1 tokens, stride SEQ)."""
-    total, n = 0.0, 0
-    with torch.no_grad():
-        for s in range(0, len(TOKENS) - 1, SEQ):
-            w = TOKENS[s:s + SEQ + 1][None]
-            logits = model(w[:, :-1]).logits
-            total += torch.nn.functional.cross_entropy(logits[0], w[0, 1:], reduction="sum").item()
-            n += w.shape[1] - 1
-    return total / n
 
 
 @pytest.fixture(scope="module")
@@ -66,26 +51,14 @@ def hf_runs(tmp_path_factory):
     return out
 
 
-def _ours_loss(model) -> float:
-    return evaluate(model, TOKENS, SEQ, batch_size=BATCH)["loss"]
-
-
 # -- conversion ---------------------------------------------------------------------------------------------------
-
-def _tensors(path) -> dict:
-    out = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            out.update({k: st.get_tensor(k) for k in st.keys()})
-    return out
-
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_round_trip_at_tp2_is_bit_exact(hf_runs, kind, tmp_path):
     src = hf_runs[kind][0]
     convert_from_hf(src, tmp_path / "tp2", tp=2, progress=False)
     convert_to_hf(str(tmp_path / "tp2"), tmp_path / "back", progress=False)
-    original, back = _tensors(src), _tensors(tmp_path / "back")
+    original, back = _tensors(Path(src)), _tensors(tmp_path / "back")
     assert sorted(back) == sorted(original)
     for name, t in original.items():
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name

@@ -21,6 +21,7 @@ import pytest
 import torch
 from dsa_models import TOPK, VOCAB, make_hf_model
 from test_3d_parity import assert_close
+from test_frontier_training import _unpadded
 from test_moe_training import _full
 
 import tpzoo
@@ -128,10 +129,6 @@ def train(path: str, kind: str, layout: dict) -> dict:
 
 def run_all(jobs):
     return [train(*job) for job in jobs]
-
-
-def _unpadded(name, t):
-    return t[:VOCAB] if name in ("embed.weight", "lm_head.weight") else t  # (the vocabulary padding at tp 2)
 
 
 def check(ref: dict, ranks: list[dict], what) -> None:
