@@ -226,6 +226,28 @@ def test_indexer_loss_is_deepseeks_l_i(hf_dirs):
     assert abs(ours.aux_reports["dsa_indexer_loss"].item() - _hf_indexer_kl(model, ids)) < 1e-5
 
 
+def test_indexer_loss_in_blocks_equals_it_whole(hf_dirs, monkeypatch):
+    """trained_kl's blocks of query rows (each recomputed in its backward) give the KL and the indexers' gradients
+    of the whole score tensor, also with counted rows (a token mask)."""
+    from tpzoo.models.kinds import sparse_mla_indexer
+
+    ids, labels = global_batch(0)
+    mask = torch.rand(ids.shape, generator=torch.Generator().manual_seed(9)) < 0.7
+    out = []
+    for block in (1 << 24, 2 * 8 * SEQ * 2):  # every row at once; 2 rows of 12 keys x 8 heads x 2 sequences
+        monkeypatch.setattr(sparse_mla_indexer, "BLOCK", block)
+        model = Transformer(config(hf_dirs["deepseek_v32"], "deepseek_v32"), ModelLayout(dtype=torch.float64))
+        load_weights_into(model, hf_dirs["deepseek_v32"])
+        model.train()
+        model(Inputs(ids, labels=labels, token_mask=mask)).sum().backward()  # (the KL rides on the per-token loss)
+        out.append((model.aux_reports["dsa_indexer_loss"].item(), {n: p.grad.clone() for n, p in model.named_parameters() if ".indexer." in n}))
+    (whole, g_whole), (blocked, g_blocked) = out
+    assert blocked == pytest.approx(whole, rel=1e-6, abs=0) and whole > 0  # (the scores are fp32, as HF's)
+    assert g_whole and g_whole.keys() == g_blocked.keys()
+    for n, g in g_whole.items():
+        assert_close(g_blocked[n], g, n)
+
+
 def test_topk_ties_go_to_the_earliest_keys():
     from tpzoo.models.kinds.sparse_mla_indexer import topk_mask
 

@@ -52,7 +52,7 @@ from ..layout import ModelLayout
 from ..registry import register_token_mixer
 from . import sparse_mla_hf
 from .mla import LatentAttention, LatentCache
-from .sparse_mla_indexer import IndexerLoss, LightningIndexer, attention_target, indexer_kl, reduce_target, topk_mask
+from .sparse_mla_indexer import IndexerLoss, LightningIndexer, attention_target, reduce_target, topk_mask, trained_kl
 
 SHARED = "sparse_mla"  # the Context's key of a layer's selection, which later "shared" layers reuse
 
@@ -236,9 +236,10 @@ class SparseLatentAttention(LatentAttention):
             if cache is not None:
                 keys = cache.update_index(keys)
             iq, w = self.indexer.queries(q_latent, x, cos, sin)
+        with torch.no_grad():  # (the KL recomputes them with gradient, block by block: trained_kl)
             scores = self.indexer.scores(iq, w, keys)  # [b, own rows, T]
         own_visible = self._own(visible, 1)
-        selected = topk_mask(scores.detach(), own_visible, d.index_topk)
+        selected = topk_mask(scores, own_visible, d.index_topk)
         if layout.split_sequence:  # every rank's heads attend from all the queries
             selected = gather_from_sequence(selected.to(torch.uint8), 1, dims.tp_group).bool()
         if not trains:
@@ -248,7 +249,7 @@ class SparseLatentAttention(LatentAttention):
             target = reduce_target(attention_target(q, k, self.core.scale, allowed), layout)
         allowed = self._own(allowed, 1)
         rows = ctx.token_mask.reshape(-1) if ctx.token_mask is not None else None
-        return selected, indexer_kl(target, scores, allowed, rows)
+        return selected, trained_kl(self.indexer, iq, w, keys, target, allowed, rows)
 
     # -- sizes, without building --------------------------------------------------------------------------------
     @staticmethod

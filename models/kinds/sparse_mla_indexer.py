@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from tpzoo import kernels
 from tpzoo.parallel import comm
@@ -40,7 +41,8 @@ from .replicated import ReplicatedLinear
 
 KEY = "dsa_indexer"
 EPS = 1e-10          # Megatron-Core's clamp of the target probabilities in the KL
-BLOCK = 1 << 24      # score elements (queries x heads x keys) computed at once when no gradient is kept
+BLOCK = 1 << 24      # score elements (queries x heads x keys) computed at once: without gradient, and per block
+                     # of the KL, whose backward recomputes them (trained_kl)
 
 
 class LightningIndexer(nn.Module):
@@ -124,6 +126,26 @@ def indexer_kl(target: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor
         return per_row.sum(), torch.tensor(float(per_row.numel()), device=per_row.device)
     rows = rows.to(per_row.dtype)
     return (per_row * rows).sum(), rows.sum()
+
+
+def trained_kl(indexer: LightningIndexer, q, w, k, target, allowed, rows):
+    """indexer_kl of the scores of queries q [b, s, H, D] (weights w [b, s, H]) against keys k [b, T, D], with
+    gradient, in blocks of query rows whose scores each block's backward recomputes (torch.utils.checkpoint): the
+    [b, s, H, T] scores, DeepSeek-V3.2's 64 heads times every key, are never kept whole for the backward."""
+    b, s = q.shape[:2]
+    step = max(1, BLOCK // max(1, b * indexer.heads * k.shape[1]))
+    rows = rows.view(b, s) if rows is not None else None
+    total = counted = None
+    for i in range(0, s, step):
+        part = slice(i, i + step)
+        r = rows[:, part].reshape(-1) if rows is not None else None
+
+        def block(qb, wb, kb, part=part, r=r):
+            return indexer_kl(target[:, part], indexer.scores(qb, wb, kb), allowed[:, part], r)
+
+        kl, n = checkpoint(block, q[:, part], w[:, part], k, use_reentrant=False)
+        total, counted = (kl, n) if total is None else (total + kl, counted + n)
+    return total, counted
 
 
 def reduce_target(target: torch.Tensor, layout: ModelLayout) -> torch.Tensor:
