@@ -9,7 +9,8 @@ Mixing FLOPs per query: its scores, 2 H (D + 1) per visible key (split with the 
 rank without); the attention itself runs on the selection as a mask over every key, so its FLOPs are MLA's (the
 model's useful work, what ModelConfig.flops_per_token counts, is over min(index_topk, keys) keys).
 Kept for the backward per token of the sequence: the selection mask (1 byte per key, the core's attn_mask); with the
-indexer trained (--dsa-indexer-loss-scale), its ReLU'd scores (4 H bytes per key) and its fp32 logits (4 per key).
+indexer trained (--dsa-indexer-loss-scale), the KL's target (the heads' probabilities, fp32: 4 bytes per key); its
+scores are recomputed block by block in the backward (sparse_mla_indexer.trained_kl), never kept whole.
 Collectives under SP (tp > 1): the indexer's keys all-gathered over tp (D per token) and the selection (one byte per
 query and key, all-gathered); with the indexer trained the heads' probabilities (fp32 [s, keys]) reduce-scattered.
 Under cp: the latent, rotary key and indexer key of every token all-gathered over cp (kvr + rope + D per token),
@@ -69,7 +70,7 @@ class SparseMLACost(MLACost):
             return mla
         ix, tokens, keys = _Indexer(cfg, layer), micro_batch * seq_len, seq_len * at.cp
         mask = tokens * keys  # the selection, one byte per query and key
-        trained = (4 * ix.heads + 4) * keys * tokens // at.sp_div if ix.on and ix.trains else 0
+        trained = 4 * keys * tokens // at.sp_div if ix.on and ix.trains else 0  # the KL's target
         return mla + mask + trained
 
     @staticmethod
