@@ -1,7 +1,8 @@
 """The plan's costs of the "sparse_mla" kind (tpzoo/plan/kinds/sparse_mla.py) against the built layers: the
 parameters of every pipeline stage and tp rank exactly (DeepSeek-V3.2 with an indexer on every layer, GLM-5 with
 shared layers that hold none), the generation cache (MLA's latent and rotary key plus the indexer's keys) as the
-layers fill it, and the published configs plan at every layout the search proposes."""
+layers fill it, what training the indexer keeps for the backward, and the published configs plan at every layout the
+search proposes."""
 import pytest
 import torch
 from dsa_models import hf_config
@@ -51,3 +52,23 @@ def test_published_configs_plan(name):
     res = search(cfg, ClusterSpec(gpus=8, gpu_memory_gib=80), TrainingSpec(seq_len=2048, global_batch_size=16),
                  max_micro_batch=2, recompute="full")
     assert res, name
+
+
+def test_trained_indexer_activations_are_what_the_layers_keep():
+    """What training the indexer adds to a chunk's saved activations (the KL's target, the indexer's queries, head
+    weights and keys; its scores recomputed block by block) is the plan's, within 3%. (Measured against the frozen
+    indexer: the MLA part's own estimate is tpzoo/plan/kinds/mla.py's, tested there.)"""
+    import dataclasses
+
+    from test_plan_memory import measure_chunk
+
+    from tpzoo.plan.memory import chunk_activation_bytes
+
+    base = get_config("tiny-deepseek-v3.2")
+    got, est = [], []
+    for scale in (0.0, 0.5):
+        cfg = base.replace(sparse_mla=dataclasses.replace(base.sparse_mla, index_topk=8, indexer_loss_scale=scale))
+        got.append(measure_chunk(cfg, "none"))
+        est.append(sum(chunk_activation_bytes(cfg, RankLayout(recompute="none", kernels="reference"),
+                                              range(cfg.num_layers), 2, 16, True, True).values()))
+    assert abs((est[1] - est[0]) / (got[1] - got[0]) - 1) <= 0.03, (est, got)

@@ -9,7 +9,8 @@ Mixing FLOPs per query: its scores, 2 H (D + 1) per visible key (split with the 
 rank without); the attention itself runs on the selection as a mask over every key, so its FLOPs are MLA's (the
 model's useful work, what ModelConfig.flops_per_token counts, is over min(index_topk, keys) keys).
 Kept for the backward per token of the sequence: the selection mask (1 byte per key, the core's attn_mask); with the
-indexer trained (--dsa-indexer-loss-scale), the KL's target (the heads' probabilities, fp32: 4 bytes per key); its
+indexer trained (--dsa-indexer-loss-scale), the KL's target (the heads' probabilities, fp32: 4 bytes per key), the
+indexer's queries (H D) and fp32 head weights (4 H) per query, its keys and their norm's input (2 D) per key; its
 scores are recomputed block by block in the backward (sparse_mla_indexer.trained_kl), never kept whole.
 Collectives under SP (tp > 1): the indexer's keys all-gathered over tp (D per token) and the selection (one byte per
 query and key, all-gathered); with the indexer trained the heads' probabilities (fp32 [s, keys]) reduce-scattered.
@@ -70,7 +71,11 @@ class SparseMLACost(MLACost):
             return mla
         ix, tokens, keys = _Indexer(cfg, layer), micro_batch * seq_len, seq_len * at.cp
         mask = tokens * keys  # the selection, one byte per query and key
-        trained = 4 * keys * tokens // at.sp_div if ix.on and ix.trains else 0  # the KL's target
+        e = at.act_bytes
+        # the KL's target (fp32 per key), what its blocks recompute from (the indexer's queries and fp32 head
+        # weights), and its keys with their norm's input
+        trained = (4 * keys + ix.heads * ix.dim * e + 4 * ix.heads) * tokens // at.sp_div + 2 * keys * ix.dim * e \
+            * micro_batch if ix.on and ix.trains else 0
         return mla + mask + trained
 
     @staticmethod
