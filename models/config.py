@@ -374,6 +374,13 @@ class ModelConfig:
                   and (i + 1) % moe.decoder_sparse_step == 0)
         return "moe" if sparse else "mlp"
 
+    def reads_layer(self, i: int) -> int:
+        """The earliest layer whose result of the same forward layer i reads besides its input: i itself, or what
+        its token mixer kind says (`reads_layer`: a GLM-5 shared sparse attention layer reads the selection of the
+        layer it shares). A pipeline stage holds both (tpzoo/pipeline/partition.py)."""
+        kind = layer_kinds(self, i)[0]
+        return kind.reads_layer(self, i) if hasattr(kind, "reads_layer") else i
+
     def is_moe_layer(self, i: int) -> bool:
         return self.channel_mixer(i) == "moe"
 

@@ -3,6 +3,8 @@ parameters of every pipeline stage and tp rank exactly (DeepSeek-V3.2 with an in
 shared layers that hold none), the generation cache (MLA's latent and rotary key plus the indexer's keys) as the
 layers fill it, what training the indexer keeps for the backward, and the published configs plan at every layout the
 search proposes."""
+import dataclasses
+
 import pytest
 import torch
 from dsa_models import hf_config
@@ -58,8 +60,6 @@ def test_trained_indexer_activations_are_what_the_layers_keep():
     """What training the indexer adds to a chunk's saved activations (the KL's target, the indexer's queries, head
     weights and keys; its scores recomputed block by block) is the plan's, within 3%. (Measured against the frozen
     indexer: the MLA part's own estimate is tpzoo/plan/kinds/mla.py's, tested there.)"""
-    import dataclasses
-
     from test_plan_memory import measure_chunk
 
     from tpzoo.plan.memory import chunk_activation_bytes
@@ -72,3 +72,23 @@ def test_trained_indexer_activations_are_what_the_layers_keep():
         est.append(sum(chunk_activation_bytes(cfg, RankLayout(recompute="none", kernels="reference"),
                                               range(cfg.num_layers), 2, 16, True, True).values()))
     assert abs((est[1] - est[0]) / (got[1] - got[0]) - 1) <= 0.03, (est, got)
+
+
+def test_pipeline_stages_keep_shared_layers_with_their_source():
+    """GLM-5's shared layers (F S F S F S here) reuse the selection of the full layer before them in the same
+    forward: given boundaries that part them are refused in one line, a balanced split moves the stage's start back
+    to the full layer, and one that would empty the stage before is refused."""
+    from tpzoo.pipeline import partition_layers
+    from tpzoo.pipeline.partition import PartitionError
+
+    cfg = _cfg("glm_moe_dsa")
+    six = cfg.replace(num_layers=6, token_mixers=["sparse_mla"] * 6, channel_mixers=["mlp"] + ["moe"] * 5,
+                      sparse_mla=dataclasses.replace(cfg.sparse_mla, indexer_types=["full", "shared"] * 3))
+    assert [six.reads_layer(i) for i in range(6)] == [0, 0, 2, 2, 4, 4]
+    assert partition_layers(six, 2, [0, 2, 6]) == [(0, 2), (2, 6)]
+    with pytest.raises(PartitionError, match="layer 3 reuses what layer 2 computes"):
+        partition_layers(six, 2, [0, 3, 6])
+    # a balanced split of equal layers, the first stage also holding the embedding: 3 | 3, moved to 2 | 4
+    assert partition_layers(six, 2, weights=[1.0] * 6, ends=(1.0, 0.0)) == [(0, 2), (2, 6)]
+    with pytest.raises(PartitionError, match="layer 1 reuses what layer 0"):
+        partition_layers(six, 6)  # one layer per stage

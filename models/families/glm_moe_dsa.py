@@ -3,9 +3,9 @@ on MLA, DeepSeekMoE) with the indexer's rotary in interleaved pairs, and cross-l
 `indexer_types` entry is "shared" runs no indexer (its checkpoint holds no indexer weights) and attends to the keys
 the nearest earlier "full" layer selected (models/kinds/sparse_mla.py). Configs without indexer_types give the
 pattern transformers derives (index_topk_pattern "FSS..." or index_topk_freq / index_skip_topk_offset; by default
-every layer full). A pipeline stage must start at a full layer when the next layers share its top-k
-(--pp-boundaries; a stage that cannot find its source's selection says so). The multi-token-prediction layer is not
-imported (one line says so).
+every layer full). A pipeline stage holds a shared layer with its source (the balanced split moves the stage's
+start back; --pp-boundaries that part them are refused: ModelConfig.reads_layer). The multi-token-prediction layer
+is not imported (one line says so).
 """
 from __future__ import annotations
 

@@ -141,6 +141,12 @@ class SparseLatentAttention(LatentAttention):
                                                           sparse_loss=sparse))
 
     @staticmethod
+    def reads_layer(cfg: ModelConfig, layer: int) -> int:
+        """The layer whose selection this one attends with (itself, or a GLM-5 shared layer's source): a pipeline
+        stage must hold both (ModelConfig.reads_layer)."""
+        return cfg.sparse_mla.source_layer(layer)
+
+    @staticmethod
     def check_parallel(cfg: ModelConfig, layer: int, tp: int, cp: int = 1, ep: int = 1) -> None:
         """ParallelLayoutError where the heads cannot split over tp (MLA's check; the indexer is replicated)."""
         if cfg.attention.num_heads % tp:
