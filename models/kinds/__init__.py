@@ -32,6 +32,9 @@ A token mixer class:
     core: nn.Module (optional)      its parameterless inner computation: what selective recomputation wraps.
     reads_positions: bool (optional) it reads the tokens' positions themselves (Context.positions), not only the
                                     rotary tables (Mistral 4's query temperature); the Context holds them only then.
+    reads_layer(cfg, layer) -> int (optional, static) the earliest layer whose result of the same forward it reads
+                                    (GLM-5's shared sparse attention: its source's selection); a pipeline stage
+                                    holds both (ModelConfig.reads_layer). Default: itself.
     num_parameters(cfg, layer, active) -> int   (static: the model's count without building it)
     sequence_flops(cfg, layer, seq_len) -> int   (static: forward FLOPs per token beyond its matmuls)
 A channel mixer class: the same __init__, forward(x, ctx) -> y, and num_parameters.
