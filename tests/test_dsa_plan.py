@@ -8,11 +8,10 @@ import dataclasses
 import pytest
 import torch
 from dsa_models import hf_config
-from test_plan_memory import build_stage, unique_params
+from test_plan_kinds import check_parameters
 
 from tpzoo.models import Inputs, ModelLayout, Transformer, from_hf_config, get_config
-from tpzoo.plan import ClusterSpec, Layout, RankLayout, TrainingSpec, cache_bytes, cost_of, search
-from tpzoo.plan.memory import stage_params
+from tpzoo.plan import ClusterSpec, RankLayout, TrainingSpec, cache_bytes, cost_of, search
 
 
 def _cfg(kind):
@@ -24,17 +23,7 @@ def test_parameters_exact(kind):
     from tpzoo.models.kinds.sparse_mla import SparseLatentAttention
 
     assert cost_of(SparseLatentAttention).derived == []  # exact costs, none approximated
-    cfg = _cfg(kind)
-    for tp, pp in [(1, 1), (2, 1), (2, 2)]:
-        for stage in range(pp):
-            count = stage_params(cfg, Layout(tp=tp, pp=pp), stage)
-            for rank in {0, tp - 1}:
-                params = unique_params(build_stage(cfg, tp, rank, pp, stage, sp=True))
-                what = f"{kind} tp={tp}/{rank} pp={pp}/{stage}"
-                assert count.numel == sum(p.numel() for p in params), what
-                assert count.tensors == len(params), what
-                assert count.sequence_parallel == sum(p.numel() for p in params if p.sequence_parallel), what
-    assert cfg.num_parameters() == stage_params(cfg, Layout(), 0).numel
+    check_parameters(_cfg(kind))
 
 
 def test_generation_cache_is_what_the_layers_keep():

@@ -242,7 +242,8 @@ def test_indexer_loss_in_blocks_equals_it_whole(hf_dirs, monkeypatch):
         load_weights_into(model, hf_dirs["deepseek_v32"])
         model.train()
         model(Inputs(ids, labels=labels, token_mask=mask)).sum().backward()  # (the KL rides on the per-token loss)
-        out.append((model.aux_reports["dsa_indexer_loss"].item(), {n: p.grad.clone() for n, p in model.named_parameters() if ".indexer." in n}))
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if ".indexer." in n}
+        out.append((model.aux_reports["dsa_indexer_loss"].item(), grads))
     (whole, g_whole), (blocked, g_blocked) = out
     assert blocked == pytest.approx(whole, rel=1e-6, abs=0) and whole > 0  # (the scores are fp32, as HF's)
     assert g_whole and g_whole.keys() == g_blocked.keys()

@@ -144,6 +144,7 @@ def main() -> None:
     cmd += f" --seqs {' '.join(map(str, args.seqs))}" if args.seqs != [1024, 2048, 4096] else ""
     cmd += f" --reps {args.reps}" if args.reps != 3 else ""
     cmd += " --write docs/benchmarks.md" if args.write else ""
+    clock_name = "CPU time of the process, one thread" if device.type == "cpu" else "CUDA-synchronized wall clock"
     body = (f"## DeepSeek Sparse Attention layer vs dense MLA ({device.type})\n\n"
             f"Command: `{cmd}` on {device.type}, torch {torch.__version__}, {time.time() - start:.0f} s in all; load "
             f"average {load:.1f} before the run. One layer, hidden {HIDDEN}, {HEADS} heads of 128 + 64 rotary (v 128), "
@@ -151,7 +152,7 @@ def main() -> None:
             f"(models/kinds/sparse_mla.py), frozen (the default) or training with the KL loss (+kl); mla: "
             f"models/kinds/mla.py on the same weights. {args.dtype}, a micro-batch of 1 sequence, tp = 1; the step's "
             f"loss: the output's mean square (+ the indexer's KL). Time: median of {args.reps} after a warm-up, "
-            f"variants alternating ({'CPU time of the process, one thread' if device.type == 'cpu' else 'CUDA-synchronized wall clock'}). "
+            f"variants alternating ({clock_name}). "
             f"Peak: the most bytes the step's tensors hold at once. Max diff: the output's largest difference from "
             f"mla's (0 while the top-k holds every key: seq <= {TOPK}).\n\n{table}\n")
     print(body)
