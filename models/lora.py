@@ -95,6 +95,8 @@ def sites(chunk) -> list[Site]:
         if not name.startswith("layers.") or not isinstance(mod, (ColumnParallelLinear, RowParallelLinear,
                                                                   ReplicatedLinear)):
             continue
+        if not getattr(mod, "takes_lora", True):  # a layer its kind trains otherwise (models/kinds: the DSA indexer)
+            continue
         tm = maps.get(name + ".weight")
         if tm is None or not all(h.endswith(".weight") for h in tm.hf):
             raise ConfigError(f"{chunk.cfg.family}: no Hugging Face mapping for {name}.weight (LoRA names come "

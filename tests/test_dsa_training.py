@@ -251,6 +251,18 @@ def test_indexer_loss_in_blocks_equals_it_whole(hf_dirs, monkeypatch):
         assert_close(g_blocked[n], g, n)
 
 
+def test_lora_leaves_the_indexers_without_adapters(hf_dirs):
+    """`--lora-rank` (all-linear) adapts MLA's and the experts' projections, not the indexers' (they learn from their
+    KL alone, which a LoRA run refuses): no dead adapters, none exported to PEFT."""
+    from tpzoo.models.lora import LoRAConfig, add_lora, valid_targets
+
+    model = Transformer(config(hf_dirs["deepseek_v32"], "deepseek_v32"), ModelLayout())
+    add_lora([model], LoRAConfig(4, 8.0))
+    adapted = {n.split(".lora.")[0] for n, p in model.named_parameters() if p.requires_grad}
+    assert "layers.1.attn.q_b_proj" in adapted and not any(".indexer." in n for n in adapted)
+    assert not {"wq_b", "wk", "weights_proj"} & set(valid_targets(model))
+
+
 def test_topk_ties_go_to_the_earliest_keys():
     from tpzoo.models.kinds.sparse_mla_indexer import topk_mask
 

@@ -59,6 +59,9 @@ class LightningIndexer(nn.Module):
         self.k_norm = Norm(cfg.replace(norm="layernorm", norm_eps=d.k_norm_eps, norm_offset=False), layout,
                            size=self.dim)
         self.weights_proj = ReplicatedLinear(cfg.hidden_size, self.heads, layout, std=std)
+        for linear in (self.wq_b, self.wk, self.weights_proj):
+            # no LoRA adapter (models/lora.py): the indexer learns from its KL alone, which LoRA runs do not train
+            linear.takes_lora = False
         if not d.indexer_loss_scale:  # frozen: HF's indexer runs without gradient
             for p in self.parameters():
                 p.requires_grad_(False)
