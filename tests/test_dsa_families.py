@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from dsa_models import KINDS, TOPK, VOCAB, make_hf_model
-from test_frontier_families import BATCH, SEQ, _hf_loss, _ours_loss, _tensors
+from test_frontier_families import BATCH, SEQ, _ours_loss, _tensors, hf_runs_of
 
 import tpzoo
 from tpzoo.checkpoint import convert_from_hf, convert_to_hf, load_model
@@ -40,15 +40,7 @@ DOCS = [9, 7, 8]  # a packed row of three documents (24 tokens)
 @pytest.fixture(scope="module")
 def hf_runs(tmp_path_factory):
     """{kind: (HF directory, transformers' loss, transformers' greedy continuation of PROMPT)}."""
-    out = {}
-    for kind in KINDS:
-        path = tmp_path_factory.mktemp(kind)
-        model = make_hf_model(kind)
-        model.save_pretrained(path)
-        with torch.no_grad():
-            greedy = model.generate(PROMPT, max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW)
-        out[kind] = (str(path), _hf_loss(model), greedy)
-    return out
+    return hf_runs_of(tmp_path_factory, KINDS, make_hf_model, PROMPT, NEW)
 
 
 # -- conversion ---------------------------------------------------------------------------------------------------
