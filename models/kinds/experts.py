@@ -102,9 +102,10 @@ def use_grouped(gemm: str, rows: torch.Tensor, gate_up: torch.Tensor, down: torc
 
 def expert_mlp(rows: torch.Tensor, counts, gate_up: torch.Tensor, down: torch.Tensor, activation,
                gemm: str = "auto", gate_up_bias: torch.Tensor | None = None,
-               down_bias: torch.Tensor | None = None) -> torch.Tensor:
+               down_bias: torch.Tensor | None = None, lora=None) -> torch.Tensor:
     """The local experts over their contiguous row groups; counts: rows per expert (a device tensor or host
-    ints). Every expert runs, an empty one on zero rows, so each expert weight gets a (possibly zero) gradient."""
+    ints). Every expert runs, an empty one on zero rows, so each expert weight gets a (possibly zero) gradient.
+    `lora`: the experts' adapters (expert_lora.ExpertLoRA), added to each weight's output with the same groups."""
     act = _activation(activation)
     if use_grouped(gemm, rows, gate_up, down):
         counts = torch.as_tensor(counts, device=rows.device)  # host ints: one copy to the device, no sync
@@ -114,10 +115,14 @@ def expert_mlp(rows: torch.Tensor, counts, gate_up: torch.Tensor, down: torch.Te
             expert_of = torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts,
                                                 output_size=rows.shape[0])
         h = GroupedLinear.apply(rows, gate_up, offs)
+        if lora is not None:
+            h = h + lora.grouped("gate_up", rows, offs)
         if gate_up_bias is not None:
             h = h + gate_up_bias.index_select(0, expert_of)
-        gate, up = h.chunk(2, dim=-1)
-        out = GroupedLinear.apply(act(gate, up), down, offs)
+        a = act(*h.chunk(2, dim=-1))
+        out = GroupedLinear.apply(a, down, offs)
+        if lora is not None:
+            out = out + lora.grouped("down", a, offs)
         return out + down_bias.index_select(0, expert_of) if down_bias is not None else out
     counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts  # the loop's host sync
     outs, start = [], 0
@@ -126,9 +131,13 @@ def expert_mlp(rows: torch.Tensor, counts, gate_up: torch.Tensor, down: torch.Te
     gate_ups, downs = gate_up.unbind(0), down.unbind(0)
     gate_up_biases = gate_up_bias.unbind(0) if gate_up_bias is not None else [None] * len(gate_ups)
     down_biases = down_bias.unbind(0) if down_bias is not None else [None] * len(downs)
+    adapter = lora.per_expert() if lora is not None else None
     for e, n in enumerate(counts):
-        gate, up = F.linear(rows[start:start + n], gate_ups[e], gate_up_biases[e]).chunk(2, dim=-1)
-        outs.append(F.linear(act(gate, up), downs[e], down_biases[e]))
+        x = rows[start:start + n]
+        h = F.linear(x, gate_ups[e], gate_up_biases[e])
+        a = act(*(h if adapter is None else h + adapter("gate_up", x, e)).chunk(2, dim=-1))
+        out = F.linear(a, downs[e], down_biases[e])
+        outs.append(out if adapter is None else out + adapter("down", a, e))
         start += n
     return torch.cat(outs, dim=0)
 
