@@ -99,7 +99,7 @@ def load_peft_adapters(chunks, peft_dir) -> None:
     peft = _read_peft_tensors(peft_dir)
     for chunk in chunks:
         infos = param_infos(chunk, chunk.cfg, chunk.dims.tp, is_lora_param)
-        full = {info.name: info.full for info in infos}
+        full = {info.name: info.full_shape for info in infos}
         tensors = {}
         for t in peft_tensors(chunk):
             if t.key not in peft:
@@ -159,6 +159,11 @@ def export_peft(ckpt, dst, force: bool = False) -> Path:
               "init_lora_weights": True, "modules_to_save": None}
     if params:  # the routed experts, and MLPs PEFT would read as them (models/lora_peft.py)
         config["target_parameters"] = params
+        if lcfg.dropout:  # (refused before training since; a run from before trained with it)
+            raise CheckpointError(f"{source.cfg.family}: PEFT takes {', '.join(params)} as parameters "
+                                  f"(target_parameters), which take no dropout, and this run trained with "
+                                  f"--lora-dropout {lcfg.dropout:g}; export the model with the adapters merged "
+                                  f"(convert to-hf --merge)")
     check_peft_loads(source.cfg, config, {key: t.shape for key, t in tensors.items()})
     dst = Path(dst)
     with atomic_dir(dst, force=force) as tmp:
