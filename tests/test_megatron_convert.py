@@ -111,10 +111,19 @@ def mc(tmp_path_factory):
     return SimpleNamespace(root=root, windows=windows, saved=saved, loaded=loaded[0], hf_logits=hf_logits)
 
 
-def test_from_megatron_torch_dist_and_legacy_evaluate_to_megatron_core_loss(mc, tmp_path, capsys):
-    import sys
+@pytest.fixture
+def torch_load_allowlist_without_megatron():
+    """torch.load's allowlist as a process that never imported megatron has it. Importing megatron.core (another
+    test module may, in this process) adds its classes to that list; the reader must work without them."""
+    saved = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    yield
+    torch.serialization.add_safe_globals(saved)
 
-    assert "megatron.core" not in sys.modules  # its classes are not in torch.load's allowlist here: the reader's own
+
+def test_from_megatron_torch_dist_and_legacy_evaluate_to_megatron_core_loss(mc, tmp_path, capsys,
+                                                                             torch_load_allowlist_without_megatron):
+    assert not torch.serialization.get_safe_globals()  # megatron's classes not allowed: the reader keeps its own list
     root = mc.root
     assert cli(["convert", "from-megatron", str(root / "dist"), str(tmp_path / "a"), "--pp", "2", "--tokenizer",
                 "byte", "--quiet"]) == 0

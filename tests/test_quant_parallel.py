@@ -118,8 +118,12 @@ def _lora_losses(root, store, base: str, tp: int, ep: int, sp: bool, steps: int 
 
 @pytest.mark.parametrize("tp,ep,sp", [(2, 1, True)] + [pytest.param(*x, marks=SLOW)
                                                        for x in ((1, 1, False), (1, 2, False))])
-def test_lora_on_a_kept_base_equals_lora_on_the_fp32_import(lora_bases, tp, ep, sp, tmp_path):
+def test_lora_on_a_kept_base_equals_lora_on_the_fp32_import(lora_bases, tp, ep, sp, tmp_path, monkeypatch):
     root, store = lora_bases
+    # The adapters of both runs are compared as the export writes them; whether PEFT loads DeepSeek-V3's dense and
+    # shared-MLP adapters (it reads those names as the fused routed experts, and the export refuses them) is
+    # tests/test_lora_peft_moe.py's question, not this test's.
+    monkeypatch.setattr("tpzoo.checkpoint.peft.check_peft_loads", lambda *a, **k: None)
     kept, kept_ckpt = _lora_losses(root, store, "kept", tp, ep, sp)
     full, full_ckpt = _lora_losses(root, store, "fp32", tp, ep, sp)
     assert max(abs(a - b) for a, b in zip(kept, full)) < 1e-5, (kept, full)
