@@ -6,7 +6,7 @@ PEFT 0.21 with transformers 5 reads the MLP projection names of an adapter's tar
 (DeepSeek-V3, GLM-4.5, Qwen3-Next) named there would be dropped; the export names those by their weights in
 target_parameters instead (models/lora_peft.py). Per family (MiniMax-M2 too), on a tiny model transformers wrote,
 adapters on every layer tpzoo can adapt (`all-linear`, or every valid name where all-linear is refused), random B:
-- `convert to-hf` (export_peft) writes an adapter that peft.PeftModel.from_pretrained loads with tpzoo's logits
+- `convert to-hf` (export_peft) writes an adapter (the experts' in PEFT's target_parameters form) that peft.PeftModel.from_pretrained loads with tpzoo's logits
   and loss; `convert to-hf --merge` gives transformers tpzoo's logits;
 - the export's guard (PEFT asked whether it loads the keys as written) refuses the old target_modules form;
 - dropout on such an adapter (PEFT's parameter targets take none) is refused by `tpzoo convert to-hf` in one line,
@@ -62,16 +62,16 @@ KINDS = ("qwen3_moe", "qwen3_next", "olmoe", "mixtral", "deepseek_v3", "deepseek
 
 
 def _lora_checkpoint(base, path, targets=None, dropout=0.0):
-    """A tpzoo LoRA checkpoint on `base` (adapters on `targets`, default every layer tpzoo adapts, random B) and
-    tpzoo's logits with it."""
+    """A tpzoo LoRA checkpoint on `base` (adapters on `targets`, default every layer tpzoo adapts, and on every routed
+    expert (--lora-experts) unless with dropout; random B) and tpzoo's logits with it."""
     model = load_model(str(base))
     if targets is None:
         try:
-            add_lora([model], LoRAConfig(rank=4, alpha=8, dropout=dropout))  # all-linear
+            add_lora([model], LoRAConfig(rank=4, alpha=8, dropout=dropout, experts=not dropout))  # all-linear
         except ConfigError:  # (Qwen3-Next's in_proj_qkvz / in_proj_ba: every other name instead)
             targets = valid_targets(model)
     if targets is not None:
-        add_lora([model], LoRAConfig(rank=4, alpha=8, dropout=dropout, targets=list(targets)))
+        add_lora([model], LoRAConfig(rank=4, alpha=8, dropout=dropout, targets=list(targets), experts=not dropout))
     init_lora([model], 0)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -110,6 +110,7 @@ def test_an_exported_adapter_loads_in_peft_as_trained(kind, tmp_path):
     assert (want - plain).abs().max() > 0.05  # the adapters matter
     adapter = export_peft(str(tmp_path / "lora"), tmp_path / "peft")
     config = json.loads((adapter / "adapter_config.json").read_text())
+    assert {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} <= set(config["target_parameters"])
     if kind.startswith(("deepseek_v3", "glm4_moe")):  # dense first layer and shared experts: named by their weights
         assert {"mlp.gate_proj.weight", "mlp.shared_experts.down_proj.weight"} <= set(config["target_parameters"])
     got = _peft_logits(base, adapter)
