@@ -67,7 +67,8 @@ class GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, offs):
         op = grouped_mm_op(x.device)
-        ctx.save_for_backward(x, w, offs)
+        # x only for the weight's gradient: a frozen expert weight (LoRA) keeps no rows, as F.linear's would not
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w, offs)
         return op(x, w.transpose(-2, -1), offs)
 
     @staticmethod
