@@ -1,12 +1,13 @@
 """LoRA on the routed experts (--lora-experts, models/kinds/expert_lora.py) trained at every parallel layout against
 one process, in float64 (in fp32 the summation order of the layouts' small, cancelling gradients of the attention
-adapters differs by 1e-5 of their largest entry; in float64 everything agrees to 1e-9, so a defect still shows
-at 1e-5): three SGD steps of a LoRA model (all-linear + one adapter per expert, B drawn non-zero so every
+adapters differs by 1e-5 of their largest entry; in float64 only the routers' softmax, float32 by design, rounds:
+the first step's gradients agree to ~1e-7, the adapters after three steps to ~2e-5, checked at 1e-4): three SGD
+steps of a LoRA model (all-linear + one adapter per expert, B drawn non-zero so every
 adapter gets a gradient from the first step) on a frozen base, a tiny Qwen3-MoE transformers wrote (layer 0 dense,
 layer 1 8 experts top-2, routers drawn large: uneven routing), at ep 2 (dp 2), tp 2 + SP and pp 2 (a dense stage
-0) on 2 gloo ranks in one pool call: the loss of every step, every adapter gradient of the first step (tp shards and
-ep experts gathered) and every adapter after the last step equal the single process within 1e-5 of each tensor's
-largest entry; the layouts run the grouped matmuls (experts.GroupedLinear through grouped_mm_reference), the
+0) on 2 gloo ranks in one pool call: the loss of every step and every adapter gradient of the first step (tp shards
+and ep experts gathered) equal the single process within 1e-5 (of each tensor's largest entry), every adapter after
+the last step within 1e-4; the layouts run the grouped matmuls (experts.GroupedLinear through grouped_mm_reference), the
 single process the loop. The base stays bit for bit as loaded on every rank; the adapters of the experts that no
 token reached in the whole run keep their initial values bit for bit (there are some), the others move.
 Slow: DeepSeek-V3 (shared experts, a dense first layer, the sigmoid router) and gpt-oss (expert biases, the clamped
@@ -183,8 +184,10 @@ def check(ref: dict, ranks: list[dict], what) -> None:
     for r in ranks:
         for name, g in r["grads"].items():
             assert_close(g.to(ref["grads"][name].dtype), ref["grads"][name], f"{what} {r['coords']} grad {name}")
-        for name, p in r["params"].items():
-            assert_close(p, ref["params"][name], f"{what} {r['coords']} {name}")
+        for name, p in r["params"].items():  # (1e-4: three steps grow the routers' float32 rounding, see above)
+            want = ref["params"][name]
+            torch.testing.assert_close(p, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()),
+                                       msg=lambda m: f"{what} {r['coords']} {name}: {m}")
             if ".mlp.lora." in name:  # an expert no token reached: its adapters exactly as they started
                 for layer, e in unmoved:
                     if name.startswith(f"layers.{layer}."):

@@ -74,7 +74,7 @@ class GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w, offs = ctx.saved_tensors
-        op = grouped_mm_op(x.device)
+        op = grouped_mm_op(dy.device)
         dy = dy.contiguous()
         dx = op(dy, w, offs) if ctx.needs_input_grad[0] else None  # [T, N] x [G, N, K]
         dw = None
