@@ -125,9 +125,9 @@ def expert_mlp(rows: torch.Tensor, counts, gate_up, down, act, lora=None) -> tor
     for e, n in enumerate(counts):
         x = rows[start:start + n]
         h = linear(x, gate_up, e)
-        a = act(*(h if adapter is None else h + adapter("gate_up", x, e)).chunk(2, dim=-1))
+        a = act(*(h if adapter is None else adapter.add("gate_up", h, x, e)).chunk(2, dim=-1))
         out = linear(a, down, e)
-        outs.append(out if adapter is None else out + adapter("down", a, e))
+        outs.append(out if adapter is None else adapter.add("down", out, a, e))
         start += n
     return torch.cat(outs, dim=0)
 
