@@ -52,7 +52,7 @@ def step_fn(model, device):
         loss = model(Inputs(ids, labels=labels)).sum() / (labels != -100).sum()
         loss.backward()
         opt.step()
-        return float(loss)
+        return loss.item()
     return step, sum(p.numel() for p in params)
 
 
