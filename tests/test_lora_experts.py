@@ -15,17 +15,16 @@ SwiGLU) at the same layouts and cp 2."""
 import pytest
 import torch
 from test_3d_parity import assert_close
-from test_moe_training import _full
+from test_moe_training import ExpertGrads, _full
 
 import tpzoo
 from tpzoo.checkpoint import load_weights_into, save_model_shards
 from tpzoo.checkpoint.lora_io import lora_metadata
 from tpzoo.models import Inputs, ModelLayout, Transformer, from_hf_config
 from tpzoo.models.lora import LoRAConfig, add_lora, init_lora
-from tpzoo.parallel import GradBuffer, grad_of
-from tpzoo.parallel.context_parallel import shard_batch
+from tpzoo.parallel import grad_of
 from tpzoo.parallel.lora import is_lora_param
-from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward
+from tpzoo.pipeline import build_model_chunks
 from tpzoo.testing import run_on_ranks
 
 BATCH, SEQ, STEPS = 4, 8, 3
@@ -138,27 +137,12 @@ def train(base: str, adapters: str, layout: dict, dtype) -> dict:
         named = {n: p for c in chunks for n, p in c.named_parameters()}
         base_before = {n: p.detach().clone() for n, p in named.items() if not p.requires_grad}
         params = [p for p in named.values() if p.requires_grad]
-        experts = [p for p in params if getattr(p, "expert_parallel", False)]
-        dense = [p for p in params if not getattr(p, "expert_parallel", False)]
-        buffers = [(GradBuffer(dense, device=dims.device), dims.grad_group),
-                   (GradBuffer(experts, device=dims.device),
-                    dims.expert_grad_group if dims.ep > 1 else dims.grad_group)]
+        reducer = ExpertGrads(params, dims)  # (the frozen base: no buffer, no gradient)
         opt = optimizer(params)
         losses, grads = [], {}
         for step in range(STEPS):
             ids, labels = batch(step, cfg.vocab_size)
-            per_dp = BATCH // dims.dp
-            rows = slice(dims.dp_rank * per_dp, (dims.dp_rank + 1) * per_dp)
-            mbs = [shard_batch({"input_ids": ids[rows][i:i + 1], "labels": labels[rows][i:i + 1]}, dims,
-                               layout.get("sp", False)) for i in range(per_dp)]
-            for buf, _ in buffers:
-                buf.zero()
-            out = forward_backward(chunks, mbs, dims, loss_scale=1.0 / int((labels != -100).sum()))
-            finalize_grads(chunks, dims)
-            for buf, group in buffers:
-                buf.reduce(group)
-            for p in params:
-                p.grad = p.main_grad.to(p.dtype)
+            out = reducer.step(chunks, ids, labels, layout.get("sp", False))
             losses.append(out["loss_sum"])
             if step == 0:
                 grads = {n: _full(p, grad_of(p), dims) for n, p in named.items() if p.requires_grad}

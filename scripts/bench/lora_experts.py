@@ -19,7 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_train import bench_config  # noqa: E402  (the MoE bench size)
+from moe_train import alternate, bench_config  # noqa: E402  (the MoE bench size, its timing)
 
 RANK, ALPHA = 16, 32.0
 
@@ -71,7 +71,6 @@ def measure(device: str, n_steps: int) -> str:
     paths = ["grouped"] if use_grouped("auto", rows, first.gate_up, first.down) else ["loop", "grouped"]
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device) for _ in range(n_steps + 1)]
-    clock = time.perf_counter if device.type == "cuda" else time.process_time
     rows_md, ratios = [], {}
     for path in paths:
         fns, sizes = {}, {}
@@ -80,17 +79,7 @@ def measure(device: str, n_steps: int) -> str:
                 if layer.mlp.kind == "moe":
                     layer.mlp.expert_gemm = path
             fns[name], sizes[name] = step_fn(model, device)
-        times = {name: [] for name in fns}
-        for i, ids in enumerate(batches):  # alternating; the first of each is warm-up
-            for name, fn in fns.items():
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t = clock()
-                fn(ids)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                if i:
-                    times[name].append(clock() - t)
+        times, _ = alternate(fns, batches, device)
         med = {name: statistics.median(ts) for name, ts in times.items()}
         ratios[path] = med["experts adapted"] / med["without"]
         for name in fns:
