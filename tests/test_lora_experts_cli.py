@@ -1,8 +1,8 @@
 """`--lora-experts` as users run it (the trainer's config, `tpzoo convert to-hf`, `--lora-from`, `--resume`), on a
 tiny Qwen3-MoE transformers wrote (byte vocabulary; layer 0 dense, layer 1 8 experts top-2):
 - a run at ep 2 (dp 2) resumed at ep 2 continues bit for bit; its step-2 checkpoint resumed at ep 1 (dp 2, each
-  expert's adapters and their optimizer state read whole by every rank) continues to the same losses and adapters
-  (1e-5: the experts' gradients are summed over another group);
+  expert's adapters and their optimizer state read whole by every rank) and at tp 2 + SP (each rank its tp slice
+  of every expert's) continues to the same losses and adapters (1e-5: the gradients are summed in another order);
 - the checkpoint holds the adapters and their optimizer state only: under a quarter of the base's bytes;
 - exported with `tpzoo convert to-hf` (PEFT's target_parameters form), continued with `--lora-from` at tp 2 + SP
   and lr 0: the adapters come back as trained (the model's logits equal the checkpoint's);
@@ -81,11 +81,16 @@ def test_resume_reshard_export_and_continue(moe, tmp_path):
     assert resumed["losses"] == straight["losses"][2:]  # bit for bit
     other_ep = run_on_ranks(2, _train, _cfg(**run, ep=1, dp=2, save=str(tmp_path / "c"),
                                             resume=str(tmp_path / "b" / "step_00000002")))[0]
-    assert other_ep["losses"] == pytest.approx(straight["losses"][2:], rel=1e-5, abs=0)
-    a, c = _adapters(straight["checkpoint"]), _adapters(other_ep["checkpoint"])
-    assert a.keys() == c.keys() and any(".mlp.lora.A.gate_up" in k for k in a)
-    for k in a:
-        torch.testing.assert_close(c[k], a[k], rtol=0, atol=1e-5 * float(a[k].abs().max()))
+    other_tp = run_on_ranks(2, _train, _cfg(**run, tp=2, dp=1, sequence_parallel=True, save=str(tmp_path / "d"),
+                                            resume=str(tmp_path / "b" / "step_00000002")))[0]
+    a = _adapters(straight["checkpoint"])
+    assert any(".mlp.lora.A.gate_up" in k for k in a)
+    for other in (other_ep, other_tp):
+        assert other["losses"] == pytest.approx(straight["losses"][2:], rel=1e-5, abs=0)
+        c = _adapters(other["checkpoint"])
+        assert a.keys() == c.keys()
+        for k in a:
+            torch.testing.assert_close(c[k], a[k], rtol=0, atol=1e-5 * float(a[k].abs().max()))
 
     ckpt = Path(straight["checkpoint"])
     manifest = json.loads((ckpt / "manifest.json").read_text())
@@ -99,7 +104,7 @@ def test_resume_reshard_export_and_continue(moe, tmp_path):
     assert {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} <= set(config["target_parameters"])
     cont = run_on_ranks(2, _train, _cfg(base=base, data=[store], lora_rank=0, lora_experts=False,
                                         lora_from=str(tmp_path / "peft"), steps=1, tp=2, dp=1, sequence_parallel=True,
-                                        lr=0.0, min_lr=0.0, save=str(tmp_path / "d")))[0]
+                                        lr=0.0, min_lr=0.0, save=str(tmp_path / "e")))[0]
     torch.testing.assert_close(_logits(cont["checkpoint"]), _logits(ckpt), rtol=1e-5, atol=1e-5)
 
 
