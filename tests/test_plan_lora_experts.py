@@ -8,6 +8,7 @@ and allocates:
 - the FLOPs: the experts' adapters add 2 per element of one expert's adapters per dispatched row;
 - the headline: Qwen3-30B-A3B's LoRA with expert adapters plans on 8 GPUs, each ep rank holding its experts'
   adapters only (less adapter state at ep 8 than at ep 1);
+- Qwen3-Next (all-linear refused by its regrouped projections) plans with the projections a run can name;
 - bad input is one line: --lora-experts without --lora-rank, on a dense model."""
 import pytest
 import torch
@@ -92,6 +93,15 @@ def test_qwen3_30b_a3b_lora_with_expert_adapters_plans_on_8_gpus():
         mem = stage_memory(cfg, Layout(tp=1, dp=8, ep=ep, micro_batch_size=1, recompute="full"), training, 0)
         state[ep] = mem.grads + mem.master + mem.optimizer
     assert 6 < state[1] / state[8] < 8, state  # (the attention's adapters on every rank)
+
+
+def test_a_model_refusing_all_linear_plans_what_a_run_names():
+    """Qwen3-Next's regrouped in_proj_qkvz / in_proj_ba take no adapters (a run names the other projections): the
+    plan adapts the others rather than refusing."""
+    cfg = get_config("nano-qwen3-next")
+    ests = search(cfg, ClusterSpec(gpus=2), TrainingSpec(seq_len=16, global_batch_size=8, lora_rank=4,
+                                                         lora_experts=True), max_micro_batch=1)
+    assert ests and ests[0].memory.optimizer > 0
 
 
 def test_bad_input_is_one_line(capsys):

@@ -1,4 +1,5 @@
-"""LoRA in the plan (`tpzoo plan --lora-rank R`, targets all-linear; `--lora-experts`: one adapter per routed
+"""LoRA in the plan (`tpzoo plan --lora-rank R`, targets all-linear, or every projection that takes adapters where
+a model refuses all-linear, as Qwen3-Next's regrouped in_proj_qkvz; `--lora-experts`: one adapter per routed
 expert too): the frozen base, the adapters' training state and FLOPs, and what adapters change in the activations
 a forward keeps.
 
@@ -42,14 +43,20 @@ def _layer(cfg: ModelConfig, layer: int, tp: int, rank: int, ep: int = 1, expert
 def _build(cfg: ModelConfig, layer: int, tp: int, rank: int, ep: int, experts: bool) -> tuple:
     from tpzoo.models import ModelLayout, Stage, Transformer
     from tpzoo.models.kinds.expert_lora import ExpertLoRA
-    from tpzoo.models.lora import LoRAConfig, add_lora
+    from tpzoo.errors import ConfigError
+    from tpzoo.models.lora import LoRAConfig, add_lora, valid_targets
     from tpzoo.parallel.data_parallel import is_late
     from tpzoo.parallel.dims import ParallelDims
     from tpzoo.parallel.lora import LoRA
 
     one = Transformer(cfg, ModelLayout(ParallelDims.for_rank(tp=tp, dp=ep, ep=ep), device="meta"),
                       Stage(range(layer, layer + 1), pre_process=False, post_process=False))
-    add_lora([one], LoRAConfig(rank, 1.0, experts=experts))
+    try:
+        add_lora([one], LoRAConfig(rank, 1.0, experts=experts))
+    except ConfigError:  # all-linear refused (Qwen3-Next's regrouped in_proj_qkvz / in_proj_ba): what a run names
+        targets = valid_targets(one)
+        if targets or experts:
+            add_lora([one], LoRAConfig(rank, 1.0, targets=targets, experts=experts))
     mods = [m for m in one.modules() if isinstance(m, LoRA)]
     params = [p for m in mods for p in m.parameters()]
     routed = [m for m in one.modules() if isinstance(m, ExpertLoRA)]
