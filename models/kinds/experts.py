@@ -86,17 +86,21 @@ class GroupedLinear(torch.autograd.Function):
         return dx, dw, None
 
 
-def use_grouped(gemm: str, rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+def use_grouped(gemm: str, rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                lora_rank: int | None = None) -> bool:
     """Whether the experts run as grouped GEMMs: "grouped" forces it (CUDA: bf16 only), "loop" never, "auto" on
-    CUDA bf16 with compute capability 9.0+ (Hopper's grouped GEMM) and every GEMM dim a multiple of 8 (16 bytes)."""
+    CUDA bf16 with compute capability 9.0+ (Hopper's grouped GEMM) and every GEMM dim a multiple of 8 (16 bytes),
+    the experts' adapters' rank too (`lora_rank`: their inner dim)."""
     if gemm not in GEMMS:
         raise ValueError(f"expert gemm {gemm!r}: choose one of {GEMMS}")
+    dims = (*gate_up.shape[1:], *down.shape[1:], *((lora_rank,) if lora_rank else ()))
     cuda_ok = (rows.device.type == "cuda" and rows.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-               and all(n % 8 == 0 for n in (*gate_up.shape[1:], *down.shape[1:])))
+               and all(n % 8 == 0 for n in dims))
     if gemm == "grouped":
         if rows.device.type == "cuda" and not cuda_ok:
             raise ValueError(f"grouped expert GEMMs on CUDA need bf16 rows and GEMM dims that are multiples of 8 "
-                             f"(torch._grouped_mm); got {rows.dtype}, gate_up {tuple(gate_up.shape)}")
+                             f"(torch._grouped_mm); got {rows.dtype}, gate_up {tuple(gate_up.shape)}"
+                             + (f", LoRA rank {lora_rank}" if lora_rank else ""))
         return True
     return gemm == "auto" and cuda_ok and torch.cuda.get_device_capability(rows.device) >= (9, 0)
 
@@ -108,7 +112,7 @@ def expert_mlp(rows: torch.Tensor, counts, gate_up: torch.Tensor, down: torch.Te
     ints). Every expert runs, an empty one on zero rows, so each expert weight gets a (possibly zero) gradient.
     `lora`: the experts' adapters (expert_lora.ExpertLoRA), added to each weight's output with the same groups."""
     act = _activation(activation)
-    if use_grouped(gemm, rows, gate_up, down):
+    if use_grouped(gemm, rows, gate_up, down, lora.rank if lora is not None else None):
         counts = torch.as_tensor(counts, device=rows.device)  # host ints: one copy to the device, no sync
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         expert_of = None

@@ -68,7 +68,7 @@ def measure(device: str, n_steps: int) -> str:
     models = {"without": build(cfg, dtype, device, False), "experts adapted": build(cfg, dtype, device, True)}
     first = next(layer.mlp for layer in models["without"].layers.values() if layer.mlp.kind == "moe")
     rows = torch.zeros(1, cfg.hidden_size, dtype=dtype, device=device)
-    paths = ["grouped"] if use_grouped("auto", rows, first.gate_up, first.down) else ["loop", "grouped"]
+    paths = ["grouped"] if use_grouped("auto", rows, first.gate_up, first.down, RANK) else ["loop", "grouped"]
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device) for _ in range(n_steps + 1)]
     rows_md, ratios = [], {}
