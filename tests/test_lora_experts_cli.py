@@ -2,7 +2,8 @@
 tiny Qwen3-MoE transformers wrote (byte vocabulary; layer 0 dense, layer 1 8 experts top-2):
 - a run at ep 2 (dp 2) resumed at ep 2 continues bit for bit; its step-2 checkpoint resumed at ep 1 (dp 2, each
   expert's adapters and their optimizer state read whole by every rank) and at tp 2 + SP (each rank its tp slice
-  of every expert's) continues to the same losses and adapters (1e-5: the gradients are summed in another order);
+  of every expert's) continues to the same losses and adapters (1e-5: the gradients are summed in another order),
+  the adapters it reads there being the checkpoint's bit for bit;
 - the checkpoint holds the adapters and their optimizer state only: under a quarter of the base's bytes;
 - exported with `tpzoo convert to-hf` (PEFT's target_parameters form), continued with `--lora-from` at tp 2 + SP
   and lr 0: the adapters come back as trained (the model's logits equal the checkpoint's);
@@ -92,6 +93,13 @@ def test_resume_reshard_export_and_continue(moe, tmp_path):
         for k in a:
             torch.testing.assert_close(c[k], a[k], rtol=0, atol=1e-5 * float(a[k].abs().max()))
 
+    # the reshard itself is exact: the adapters read at ep 2 and at tp 2 are the checkpoint's, bit for bit
+    saved = str(tmp_path / "b" / "step_00000002")
+    whole = _adapters(saved)
+    for layout in (dict(dp=2, ep=2), dict(tp=2)):
+        for rank in run_on_ranks(2, _adapters_at, base, saved, layout):
+            assert rank.keys() == whole.keys() and all(torch.equal(rank[k], whole[k]) for k in whole), layout
+
     ckpt = Path(straight["checkpoint"])
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert manifest["tensors"] and all(".lora." in n for n in manifest["tensors"])
@@ -106,6 +114,28 @@ def test_resume_reshard_export_and_continue(moe, tmp_path):
                                         lora_from=str(tmp_path / "peft"), steps=1, tp=2, dp=1, sequence_parallel=True,
                                         lr=0.0, min_lr=0.0, save=str(tmp_path / "e")))[0]
     torch.testing.assert_close(_logits(cont["checkpoint"]), _logits(ckpt), rtol=1e-5, atol=1e-5)
+
+
+def _adapters_at(base: str, ckpt: str, layout: dict) -> dict:
+    """This rank's adapters of `ckpt` read at `layout` (a pool rank), each gathered to its full tensor."""
+    import tpzoo
+    from test_moe_training import _full
+
+    from tpzoo.checkpoint import load_weights_into
+    from tpzoo.checkpoint.lora_io import lora_config_of, lora_info
+    from tpzoo.models import from_hf_config
+    from tpzoo.models.lora import add_lora
+    from tpzoo.parallel.lora import is_lora_param
+    from tpzoo.pipeline import build_model_chunks
+
+    dims = tpzoo.init_parallel(**layout)
+    try:
+        chunks = build_model_chunks(from_hf_config(base), dims, sequence_parallel=dims.tp > 1)
+        add_lora(chunks, lora_config_of(lora_info(ckpt)))
+        load_weights_into(chunks, ckpt, select=is_lora_param)
+        return {n: _full(p, p.detach(), dims) for c in chunks for n, p in c.named_parameters() if p.requires_grad}
+    finally:
+        tpzoo.destroy_parallel()
 
 
 def cli_status(args) -> int:
