@@ -29,7 +29,7 @@ from . import autotune
 BACKENDS = ("auto", "triton", "torch")
 KERNEL_NAMES = ("rms_norm", "layer_norm", "apply_rotary", "swiglu", "geglu", "bias_gelu", "cross_entropy",
                 "fp8_cast",
-                "gated_delta_rule")  # the last: flash-linear-attention's kernels, not tpzoo's (gated_delta_fla.py)
+                "gated_delta_rule", "kimi_delta_rule")  # the last two: flash-linear-attention's kernels (gated_delta_fla.py)
 ENV_VAR = "TPZOO_KERNELS"
 
 _overrides: dict[str | None, str] = {}  # use_backend's choices: None -> every kernel, name -> that kernel

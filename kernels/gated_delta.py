@@ -16,6 +16,16 @@ they correct for it. Then one step per chunk: u = U - W S, o = (exp(G) q) S + (q
 S <- exp(G_C) S + (exp(G_C - G) k)^T u. Everything but that scan is batched over chunks. fp32 throughout
 (fp64 inputs stay fp64).
 
+Per-channel decay (Kimi Delta Attention, KDA: g [b, s, value heads, d_k], each key channel of the state decaying at
+its own rate, S_t = diag(exp(g_t)) S_{t-1} + ...): the same algorithm with exp(G) a vector per token, so exp(G)
+scales k, q and the state's rows channel by channel, and the chunk's pairwise factor D becomes per channel:
+L_ij = sum_c beta_i k_ic k_jc exp(G_ic - G_jc) (and q k^T alike). Writing that as (k exp(G)) (k exp(-G))^T would
+overflow (G falls by up to |g| per token: exp(-G) reaches exp(1000) in one chunk); materializing exp(G_i - G_j)
+for every pair and channel costs C^2 d_k per chunk. So the chunk is cut into sub-chunks of 16 tokens (fla's
+choice too): a pair in different sub-chunks factors through the G of the later sub-chunk's first token r,
+exp(G_i - G_r) exp(G_r - G_j), both exponents <= 0 (one matmul per sub-chunk); a pair within a sub-chunk takes
+the explicit per-channel factor (16 x 16 x d_k per sub-chunk). Exact in exact arithmetic, no exponent positive.
+
 Documents (packing): `starts` [b, s] marks tokens whose document differs from the previous token's (a row's first
 token continues the initial state). The recurrent state must be *zero* before such a token. Two ways that look
 simpler are not exact: a decay of exactly zero (g = -inf) at the boundary gives -inf - -inf = NaN in the chunk's
@@ -35,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 CHUNK = 64
+SUB = 16  # per-channel decays: the sub-chunk whose pairs take the explicit per-channel factor
 L2_EPS = 1e-6  # as fla and transformers: x * rsqrt(sum(x^2) + eps)
 
 
@@ -113,10 +124,32 @@ def _from_chunks(x: torch.Tensor, slot, s: int) -> torch.Tensor:
     return x.gather(2, slot.view(b, 1, s, 1).expand(b, h, s, x.shape[-1]))
 
 
+def _channel_products(q, k, k_beta, G, sub: int = SUB):
+    """(L, q k^T) of chunks with per-channel decays (module docstring), q, k, k_beta, G [..., C, d_k]: L_ij =
+    sum_c k_beta_ic k_jc exp(G_ic - G_jc) and the same with q_i, for j <= i, zero above the diagonal; [..., C, C]."""
+    C = G.shape[-2]
+    sub = sub if C % sub == 0 else C
+    m = C // sub
+    Gs, ks, kbs, qs = (t.unflatten(-2, (m, sub)) for t in (G, k, k_beta, q))  # [..., m, sub, d_k]
+    # pairs within a sub-chunk: k_j exp(G_i - G_j) per channel, explicit ([..., m, i, j, d_k]; 0 for j > i)
+    tril = torch.ones(sub, sub, dtype=torch.bool, device=G.device).tril().unsqueeze(-1)
+    k_in = ks.unsqueeze(-3) * (Gs.unsqueeze(-2) - Gs.unsqueeze(-3)).masked_fill(~tril, float("-inf")).exp()
+    inner = [(a.unsqueeze(-2) @ k_in.transpose(-1, -2)).squeeze(-2) for a in (kbs, qs)]  # [..., m, i, j]
+    # pairs across sub-chunks, through r = the first token of row i's sub-chunk: exp(G_i - G_r) exp(G_r - G_j)
+    R = Gs[..., :1, :]                                                          # [..., m, 1, d_k]
+    earlier = (torch.arange(C, device=G.device) < sub * torch.arange(m, device=G.device).unsqueeze(-1))
+    k_r = k.unsqueeze(-3) * (R - G.unsqueeze(-3)).masked_fill(~earlier.unsqueeze(-1), float("-inf")).exp()
+    to_r = (Gs - R).exp()                                                      # [..., m, sub, d_k], <= 1
+    block = torch.eye(m, dtype=G.dtype, device=G.device)[:, None, :, None]     # sub-chunk I's columns in row I
+    return [((a * to_r) @ k_r.transpose(-1, -2) + (d.unsqueeze(-2) * block).flatten(-2)).flatten(-3, -2)
+            for a, d in zip((kbs, qs), inner)]
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: float | None = None, initial_state=None,
                            output_final_state: bool = False, qk_l2norm: bool = False, starts=None,
                            chunk_size: int = CHUNK):
-    """q, k [b, s, key heads, d_k]; v [b, s, value heads, d_v]; g, beta [b, s, value heads]; initial_state
+    """q, k [b, s, key heads, d_k]; v [b, s, value heads, d_v]; g [b, s, value heads] (per head: Gated DeltaNet)
+    or [b, s, value heads, d_k] (per channel: KDA); beta [b, s, value heads]; initial_state
     [b, value heads, d_k, d_v] (continues each row's first document); starts [b, s] bool (document_starts).
     Returns (o [b, s, value heads, d_v] in v's dtype, final state fp32 (fp64 for fp64 inputs) or None)."""
     b, s = v.shape[:2]
@@ -126,18 +159,23 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: float | None = None, init
     slot, n, reset = _chunk_slots(starts, s, chunk_size)
     q, k, v, g, beta = (_to_chunks(t, slot, n, chunk_size) for t in (q, k, v, g, beta))  # [b, h, n, C, *]
 
-    G = g.cumsum(-1)
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=v.device).tril()
-    D = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()  # exp(G_i - G_j), j <= i
+    G = g.cumsum(3)  # along the chunk: [b, h, n, C] per head, [b, h, n, C, d_k] per channel
+    Gk = G if g.dim() == 5 else G.unsqueeze(-1)  # the decay as it meets each key channel: [b, h, n, C, 1 | d_k]
     k_beta = k * beta.unsqueeze(-1)
-    L = (k_beta @ k.transpose(-1, -2)) * D  # only its strict lower triangle is read (unitriangular solve)
+    if g.dim() == 5:  # per channel (module docstring): L and q k^T through sub-chunks
+        L, qk = _channel_products(q, k, k_beta, G)
+    else:
+        causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=v.device).tril()
+        D = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()  # exp(G_i - G_j), j <= i
+        L = (k_beta @ k.transpose(-1, -2)) * D  # only its strict lower triangle is read (unitriangular solve)
+        qk = (q @ k.transpose(-1, -2)) * D
+        del D
     U = torch.linalg.solve_triangular(L, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
-    W = torch.linalg.solve_triangular(L, k_beta * G.exp().unsqueeze(-1), upper=False, unitriangular=True)
-    qk = (q @ k.transpose(-1, -2)) * D
-    q_in = q * G.exp().unsqueeze(-1)                    # q reading the state that entered the chunk
-    k_out = k * (G[..., -1:] - G).exp().unsqueeze(-1)   # k decayed to the chunk's end
-    decay = G[..., -1].exp()[..., None, None]           # the whole chunk's decay
-    del D, L, k_beta, q, k, v, beta  # not needed by the scan (without autograd: freed before it)
+    W = torch.linalg.solve_triangular(L, k_beta * Gk.exp(), upper=False, unitriangular=True)
+    q_in = q * Gk.exp()                                 # q reading the state that entered the chunk
+    k_out = k * (Gk[..., -1:, :] - Gk).exp()            # k decayed to the chunk's end
+    decay = Gk[..., -1, :].exp().unsqueeze(-1)          # the whole chunk's decay: [b, h, n, 1 | d_k, 1]
+    del L, k_beta, q, k, v, beta  # not needed by the scan (without autograd: freed before it)
 
     state = _initial(initial_state, b, h, dk, dv, U)
     outs = []
@@ -162,7 +200,8 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale: float | None = None, 
     for t in range(s):
         if starts is not None:
             state = torch.where(starts[:, t].view(b, 1, 1, 1), 0.0, state)
-        state = state * g[:, :, t].exp()[..., None, None]
+        decay = g[:, :, t].exp()  # [b, h], or [b, h, d_k] per channel: scales the state's rows
+        state = state * (decay[..., None] if decay.dim() == 3 else decay[..., None, None])
         k_t = k[:, :, t].unsqueeze(-1)                                   # [b, h, d_k, 1]
         delta = (v[:, :, t] - (k_t.transpose(-1, -2) @ state).squeeze(-2)) * beta[:, :, t].unsqueeze(-1)
         state = state + k_t @ delta.unsqueeze(-2)

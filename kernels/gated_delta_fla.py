@@ -1,7 +1,10 @@
 """`gated_delta_rule`: the gated delta rule through one dispatch seam, flash-linear-attention's Triton kernels
-(`pip install tpzoo[fla]`, CUDA only) or the torch reference of kernels/gated_delta.py.
+(`pip install tpzoo[fla]`, CUDA only) or the torch reference of kernels/gated_delta.py. Its two forms: a decay per
+value head (Gated DeltaNet: fla.ops.gated_delta_rule, kernel name "gated_delta_rule") and a decay per key channel
+(Kimi Delta Attention, g [b, s, value heads, d_k]: fla.ops.kda's chunk_kda / fused_recurrent_kda, kernel name
+"kimi_delta_rule"); the same arguments, documents and states for both.
 
-Which one runs (kernel name "gated_delta_rule" for TPZOO_KERNELS / use_backend):
+Which one runs (the form's kernel name for TPZOO_KERNELS / use_backend):
   torch   the reference, always.
   auto    CUDA tensors with `fla` importable: whichever measured faster for the call's shape class (autotune.decide,
           forward + backward on stand-ins, kept on disk like the other kernels); otherwise the reference.
@@ -25,25 +28,26 @@ import torch
 from . import autotune, dispatch
 from . import gated_delta as ref
 
-KERNEL = "gated_delta_rule"
-_fla = None  # the imported fla.ops.gated_delta_rule module, False when it does not import
+# per form (decay per channel?): the dispatch's kernel name, fla's module, its chunked and recurrent functions
+FORMS = {False: ("gated_delta_rule", "fla.ops.gated_delta_rule", "chunk_gated_delta_rule",
+                 "fused_recurrent_gated_delta_rule"),
+         True: ("kimi_delta_rule", "fla.ops.kda", "chunk_kda", "fused_recurrent_kda")}
+_fla: dict = {}  # module name -> the imported module, False when it does not import
 
 
-def fla_module():
-    """fla.ops.gated_delta_rule, or None when flash-linear-attention is not installed (tried once)."""
-    global _fla
-    if _fla is None:
+def fla_module(name: str = FORMS[False][1]):
+    """fla's module `name`, or None when flash-linear-attention is not installed (tried once)."""
+    if name not in _fla:
         try:
-            _fla = importlib.import_module("fla.ops.gated_delta_rule")
+            _fla[name] = importlib.import_module(name)
         except Exception:  # noqa: BLE001 - ImportError, or an fla that does not match this Triton
-            _fla = False
-    return _fla or None
+            _fla[name] = False
+    return _fla[name] or None
 
 
 def forget_fla() -> None:
     """Import fla again on next use (tests that install or remove a stand-in)."""
-    global _fla
-    _fla = None
+    _fla.clear()
 
 
 def _fla_device(t: torch.Tensor) -> bool:
@@ -51,19 +55,20 @@ def _fla_device(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def use_fla(v: torch.Tensor, trial) -> bool:
+def use_fla(v: torch.Tensor, trial, per_channel: bool = False) -> bool:
     """Whether this call takes fla (module docstring); `trial()` gives (run fla, run torch) closures to time."""
-    backend = dispatch.get_backend(KERNEL)
+    kernel, module = FORMS[per_channel][:2]
+    backend = dispatch.get_backend(kernel)
     if backend == "torch" or not _fla_device(v):
         return False
-    if fla_module() is None:
+    if fla_module(module) is None:
         if backend == "triton":
-            raise RuntimeError("kernel backend 'triton' was forced for gated_delta_rule but flash-linear-attention "
+            raise RuntimeError(f"kernel backend 'triton' was forced for {kernel} but flash-linear-attention "
                                "does not import; pip install 'tpzoo[fla]' or use the 'torch' backend")
         return False
     if backend == "triton":
         return True
-    key = autotune.shape_class(KERNEL, v)
+    key = autotune.shape_class(kernel, v)
     if dispatch._not_measurable():
         return autotune.decided(key) != "torch"
     return autotune.decide(key, trial) == "triton"
@@ -71,8 +76,8 @@ def use_fla(v: torch.Tensor, trial) -> bool:
 
 def _fla_call(q, k, v, g, beta, scale, initial_state, output_final_state, qk_l2norm, starts, recurrent):
     """The fla call with the reference's arguments and results (module docstring: documents as varlen)."""
-    mod = fla_module()
-    fn = mod.fused_recurrent_gated_delta_rule if recurrent else mod.chunk_gated_delta_rule
+    _, module, chunked, one_by_one = FORMS[g.dim() == v.dim()]
+    fn = getattr(fla_module(module), one_by_one if recurrent else chunked)
     kw = dict(scale=scale, output_final_state=output_final_state, use_qk_l2norm_in_kernel=qk_l2norm)
     if starts is None or not bool(starts.any()):
         return fn(q, k, v, g=g, beta=beta, initial_state=initial_state, **kw)
@@ -95,8 +100,9 @@ def _fla_call(q, k, v, g, beta, scale, initial_state, output_final_state, qk_l2n
 def gated_delta_rule(q, k, v, g, beta, *, scale: float | None = None, initial_state=None,
                      output_final_state: bool = False, qk_l2norm: bool = False, starts=None, recurrent=None,
                      chunk_size: int = ref.CHUNK):
-    """The gated delta rule (kernels/gated_delta.py: shapes, documents); `recurrent` None: the recurrent form
-    for one token, the chunked form otherwise. Returns (o [b, s, value heads, d_v], final state or None)."""
+    """The gated delta rule (kernels/gated_delta.py: shapes, documents), g per value head [b, s, h] or per key
+    channel [b, s, h, d_k] (KDA); `recurrent` None: the recurrent form for one token, the chunked form otherwise.
+    Returns (o [b, s, value heads, d_v], final state or None)."""
     recurrent = v.shape[1] == 1 if recurrent is None else recurrent
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     args = (q, k, v, g, beta)
@@ -110,7 +116,7 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: float | None = None, initial_st
         return (run(lambda *a: _fla_call(*a, scale, None, False, qk_l2norm, None, recurrent)),
                 run(lambda *a: _torch_call(*a, scale, None, False, qk_l2norm, None, recurrent, chunk_size)))
 
-    if use_fla(v, trial):
+    if use_fla(v, trial, g.dim() == v.dim()):
         return _fla_call(*args, scale, initial_state, output_final_state, qk_l2norm, starts, recurrent)
     return _torch_call(*args, scale, initial_state, output_final_state, qk_l2norm, starts, recurrent, chunk_size)
 

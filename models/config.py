@@ -2,7 +2,8 @@
 
 The model-wide shape (vocabulary, width, depth, norms, embeddings, head) sits at the top level; each layer kind's
 settings sit in their own frozen sub-config: `attention` (softmax attention and its positions), `mlp` (the dense
-MLP), `moe` (the mixture of experts; num_experts 0: none), `gated_deltanet` (linear attention; None: no such layer).
+MLP), `moe` (the mixture of experts; num_experts 0: none), `gated_deltanet` and `kimi_delta` (linear attention; None: no
+such layer).
 Which kind each layer runs is per layer:
 `token_mixer(i)` and `channel_mixer(i)` (explicit lists `token_mixers` / `channel_mixers`, or, when they are None,
 the rules HF configs use: every layer attention; a mixture of experts where `moe.num_experts` is set, except
@@ -169,6 +170,36 @@ class GatedDeltaNetConfig:
         return (*self.conv_parts, self.value_dim, self.num_value_heads, self.num_value_heads)  # .. | z | b | a
 
 
+@dataclass(frozen=True)
+class KimiDeltaConfig:
+    """Kimi Delta Attention (models/kinds/kimi_delta.py), the linear attention of Kimi Linear (HF's
+    linear_attn_config, or transformers' linear_* fields): q, k, v of num_heads heads of head_dim each (d_k = d_v), a
+    decay per key channel. Its norm's eps is the model's norm_eps, its init std the model's initializer_range."""
+    num_heads: int                   # HF linear_attn_config.num_heads (linear_num_heads)
+    head_dim: int                    # HF linear_attn_config.head_dim (linear_head_dim); also the rank of the decay's
+                                     # and the output gate's low-rank projections (f_a_proj, g_a_proj)
+    conv_kernel: int = 4             # HF short_conv_kernel_size (linear_conv_kernel_dim)
+    chunk_size: int = 64             # the chunked (WY) form's chunk (kernels/gated_delta.py)
+
+    def __post_init__(self):
+        for name in ("num_heads", "head_dim", "conv_kernel", "chunk_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ConfigError(f"kimi_delta.{name} must be a positive integer, got {value!r}")
+
+    @property
+    def dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_parts(self) -> tuple[int, ...]:
+        return self.dim, self.dim, self.dim  # q | k | v
+
+    @property
+    def in_proj_parts(self) -> tuple[int, ...]:
+        return (*self.conv_parts, self.num_heads)  # q | k | v | b (beta's logits)
+
+
 # The flat spellings of older configs: name -> (sub-config, its field).
 FLAT = {
     **{n: ("attention", n) for n in ("num_heads", "num_kv_heads", "head_dim", "qkv_bias", "out_bias", "qk_norm",
@@ -184,7 +215,7 @@ FLAT = {
 # Each kind's settings: a frozen dataclass in a ModelConfig field of the same name (a new kind adds its own here,
 # with a default, e.g. None when the model has no such layer); attention's and the MLP's are required.
 SUBCONFIGS = {"attention": AttentionConfig, "mlp": MLPConfig, "moe": MoEConfig, "mla": MLAConfig,
-              "gated_deltanet": GatedDeltaNetConfig}
+              "gated_deltanet": GatedDeltaNetConfig, "kimi_delta": KimiDeltaConfig}
 REQUIRED = ("attention", "mlp")
 _POSITIVE = (("vocab_size", None), ("hidden_size", None), ("num_layers", None), ("max_position_embeddings", None),
              ("num_heads", "attention"), ("num_kv_heads", "attention"), ("head_dim", "attention"),
@@ -203,13 +234,15 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     mla: MLAConfig | None = None     # the "mla" token mixer's settings (None: no such layer)
     gated_deltanet: GatedDeltaNetConfig | None = None  # the "gated_deltanet" token mixer's
+    kimi_delta: KimiDeltaConfig | None = None  # the "kimi_delta" token mixer's
     # Per-layer kinds (registered names: models/kinds): None = the rules above.
-    token_mixers: list | None = None    # "attention" | "mla" | "gated_deltanet"
+    token_mixers: list | None = None    # "attention" | "mla" | "gated_deltanet" | "kimi_delta"
     channel_mixers: list | None = None  # "mlp" | "moe"
     max_position_embeddings: int = 2048
     norm: str = "rmsnorm"            # "rmsnorm" | "layernorm"
     norm_eps: float = 1e-5
     position: str = "rope"           # "rope" (applied by the token mixers) | "learned" (added to the embeddings)
+                                     # | "none" (no positions: Kimi Linear's NoPE latent attention)
     tie_embeddings: bool = False
     # Block shape. pre_norm: norm before the token / channel mixer (attn_norm, mlp_norm); post_norm: norm of their
     # output before the residual add (post_attn_norm, post_mlp_norm). OLMo 2: post only; Gemma 2/3: both.
@@ -242,7 +275,7 @@ class ModelConfig:
             raise ConfigError(f"norm_eps must be > 0, got {self.norm_eps!r}")
         self.attention = self._resolved_attention(self.attention)
         self.moe = dataclasses.replace(self.moe, **_listed(self.moe, ("mlp_only_layers",)))
-        for attr, allowed in (("norm", ("rmsnorm", "layernorm")), ("position", ("rope", "learned"))):
+        for attr, allowed in (("norm", ("rmsnorm", "layernorm")), ("position", ("rope", "learned", "none"))):
             if getattr(self, attr) not in allowed:
                 raise ConfigError(f"{attr} must be one of {allowed}, got {getattr(self, attr)!r}")
         if self.mlp.activation not in ("swiglu", "geglu_tanh", "gelu_tanh"):

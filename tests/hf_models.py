@@ -24,10 +24,43 @@ def use_torch_gated_delta() -> None:
     import importlib
     import inspect
 
-    for name in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+    for name in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "kimi_linear"):
         module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-        for fn in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        fns = (("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention") if name == "kimi_linear" else
+               ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"))
+        for fn in fns:
             setattr(module, fn, inspect.unwrap(getattr(module, fn)))
+
+
+# Kimi Linear (tests/test_models_hybrid.py, tests/test_kimi_linear.py): 3 Kimi Delta Attention layers (4 heads of 8:
+# tp 2 x cp 2 splits them) and a NoPE latent attention layer; a dense first layer, then DeepSeek's MoE (sigmoid
+# router with a random selection bias, a shared expert)
+KIMI_LINEAR = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                   kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                   intermediate_size=48, moe_intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+                   n_shared_experts=1, linear_num_heads=4, linear_head_dim=8, max_position_embeddings=256,
+                   layer_types=["linear_attention"] * 3 + ["full_attention"], pad_token_id=None, bos_token_id=None,
+                   eos_token_id=None, initializer_range=0.1)
+
+
+def hub_names(path) -> None:
+    """A Kimi Linear directory written by save_pretrained in the hub's names: transformers writes a dense layer's MLP
+    under block_sparse_moe. (its load-time renaming reversed), the hub's checkpoints under mlp. (transformers reads
+    both)."""
+    import json
+    import re
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    rename = lambda n: re.sub(r"block_sparse_moe\.(gate|up|down)_proj", r"mlp.\1_proj", n)  # noqa: E731
+    for f in Path(path).glob("*.safetensors"):
+        save_file({rename(k): v for k, v in load_file(f).items()}, str(f), metadata={"format": "pt"})
+    index = Path(path) / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {rename(k): v for k, v in data["weight_map"].items()}
+        index.write_text(json.dumps(data))
 
 
 def _hybrid(kind: str):
@@ -38,6 +71,8 @@ def _hybrid(kind: str):
         return tf.Qwen3_5TextConfig(**HYBRID, intermediate_size=48), tf.Qwen3_5ForCausalLM
     if kind == "qwen3_5_moe":
         return tf.Qwen3_5MoeTextConfig(**HYBRID, **HYBRID_MOE), tf.Qwen3_5MoeForCausalLM
+    if kind == "kimi_linear":
+        return tf.KimiLinearConfig(**KIMI_LINEAR), tf.KimiLinearForCausalLM
     if kind == "qwen3_next":  # layer 1 keeps a dense MLP (mlp_only_layers)
         return tf.Qwen3NextConfig(**HYBRID, **HYBRID_MOE, intermediate_size=48, mlp_only_layers=[1]), \
             tf.Qwen3NextForCausalLM
@@ -51,7 +86,7 @@ def _hybrid(kind: str):
     return tf.Olmo3Config(**kw, intermediate_size=48, sliding_window=8, rope_parameters=rope), tf.Olmo3ForCausalLM
 
 
-HYBRID_KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo3")
+HYBRID_KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo3", "kimi_linear")
 
 
 def make_hf_model(kind: str):
@@ -118,6 +153,9 @@ def make_hf_model(kind: str):
                 p.add_(torch.randn_like(p) * 0.1)
             if "shared_expert_gate" in name:
                 p.mul_(5.0)  # a gate that matters: the shared expert's sigmoid away from 1/2
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape) * 0.3)  # a selection bias large enough to change the choices
     return model
 
 
@@ -125,4 +163,6 @@ def save_hf_model(kind: str, path, max_shard_size=None):
     model = make_hf_model(kind)
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kw)
+    if kind == "kimi_linear":
+        hub_names(path)
     return model

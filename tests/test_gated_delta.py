@@ -113,9 +113,9 @@ class FakeFla(types.ModuleType):
     [B, T, HV]; with cu_seqlens (B = 1) the sequences are independent, initial_state / final state [N, HV, K, V].
     Computed per sequence with transformers' recurrent torch function; records every call's keywords."""
 
-    def __init__(self):
-        super().__init__("fla.ops.gated_delta_rule")
-        self.calls = []
+    def __init__(self, name: str = "fla.ops.gated_delta_rule", recurrent=HF_RECURRENT):
+        super().__init__(name)
+        self.calls, self.recurrent = [], recurrent  # (fla.ops.kda: tests/test_kimi_delta.py)
 
     def _rule(self, kind, q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, cu_seqlens=None, **rest):
@@ -132,7 +132,7 @@ class FakeFla(types.ModuleType):
         outs, finals = [], []
         for n, (rows, span) in enumerate(pieces):
             h0 = None if initial_state is None else (initial_state if bounds is None else initial_state[n:n + 1])
-            o, h = HF_RECURRENT(q[rows, span], k[rows, span], v[rows, span], g[rows, span], beta[rows, span],
+            o, h = self.recurrent(q[rows, span], k[rows, span], v[rows, span], g[rows, span], beta[rows, span],
                                 initial_state=h0, output_final_state=True,
                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
             outs.append(o)

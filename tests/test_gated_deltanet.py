@@ -123,6 +123,15 @@ def hf_reference(family: str, x, w, doc_ids=None) -> dict:
     """transformers' output, input gradient and tpzoo-named full parameter gradients; with doc_ids, its layer run on
     each document alone (outputs placed, gradients summed)."""
     layer, cfg = hf_layer(family)
+    y, dx = run_hf_layer(layer, x, w, doc_ids)
+    grads = to_tpzoo({n: p.grad for n, p in layer.named_parameters()}, cfg, family)
+    return {"y": y, "dx": dx, "grads": grads, "weights": to_tpzoo(layer.state_dict(), cfg, family)}
+
+
+def run_hf_layer(layer, x, w, doc_ids=None):
+    """(output, input gradient) of transformers' `layer` under the loss (y * w).sum(), its parameters' gradients
+    left in .grad; with doc_ids, run on each document alone (outputs placed, gradients summed).
+    (tests/test_kimi_delta.py's layer too.)"""
     x = x.clone().requires_grad_()
     if doc_ids is None:
         y = layer(x)
@@ -133,8 +142,7 @@ def hf_reference(family: str, x, w, doc_ids=None) -> dict:
                 idx = (doc_ids[row] == d).nonzero().flatten()
                 y = y.index_put((torch.tensor([row]), idx), layer(x[row:row + 1, idx])[0])
     (y * w).sum().backward()
-    grads = to_tpzoo({n: p.grad for n, p in layer.named_parameters()}, cfg, family)
-    return {"y": y.detach(), "dx": x.grad, "grads": grads, "weights": to_tpzoo(layer.state_dict(), cfg, family)}
+    return y.detach(), x.grad
 
 
 def context(docs=None) -> Context:
@@ -260,10 +268,15 @@ def _rank_cases(weights: dict, x, w, cases: list) -> list:
 
 
 def _merge(per_rank: list, i: int, tp: int, cp: int, sp: bool) -> dict:
-    """One case's per-rank results as full tensors: outputs in sequence order, gradients summed over cp then
-    unsharded over tp (the norm's gradient, already summed over tp by finish_tp_grads, equal on the tp ranks)."""
     specs = {n: p.tp_spec for n, p in GatedDeltaNet(model_config(ref_cfg("qwen3_5")), 0, ModelLayout(
         ParallelDims.for_rank(tp=tp, cp=cp))).named_parameters()}
+    return merge_ranks(per_rank, i, tp, cp, sp, specs)
+
+
+def merge_ranks(per_rank: list, i: int, tp: int, cp: int, sp: bool, specs: dict) -> dict:
+    """One case's per-rank results as full tensors: outputs in sequence order, gradients summed over cp then
+    unsharded over tp by the parameters' `specs` (a norm's gradient, already summed over tp by finish_tp_grads,
+    equal on the tp ranks); the fresh weights unsharded. (tests/test_kimi_delta.py's layer too.)"""
     rank = lambda t, c: per_rank[c * tp + t][i]  # noqa: E731 (tp fastest)
     chunk = S // (2 * cp)
     order = torch.cat([local_positions(chunk, cp, c, "cpu") for c in range(cp)])

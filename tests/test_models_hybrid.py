@@ -1,17 +1,19 @@
 """The hybrid families end to end against transformers (the oracle; fp32, CPU): Qwen3.5 text (Qwen3_5ForCausalLM),
-Qwen3.5-MoE (Qwen3_5MoeForCausalLM), Qwen3-Next (Qwen3NextForCausalLM) and OLMo 3 (Olmo3ForCausalLM), tiny models
-written by transformers itself (tests/hf_models.py: three Gated DeltaNet layers of 4 key / 8 value heads and one
-gated attention layer, or three sliding layers of window 8 and a full one; norms randomized), on sequences longer
-than the Gated DeltaNet's chunk (64) and the window:
+Qwen3.5-MoE (Qwen3_5MoeForCausalLM), Qwen3-Next (Qwen3NextForCausalLM), OLMo 3 (Olmo3ForCausalLM) and Kimi Linear
+(KimiLinearForCausalLM), tiny models written by transformers itself (tests/hf_models.py: three Gated DeltaNet layers
+of 4 key / 8 value heads and one gated attention layer, three sliding layers of window 8 and a full one, or three
+Kimi Delta Attention layers of 4 heads and a NoPE latent attention layer; norms randomized), on sequences longer
+than the linear attentions' chunk (64) and the window:
 - `convert from-hf` at tp 2 -> `to-hf`: every tensor and config.json bit-exact;
-- eval loss equal to transformers' (1e-5 relative) at tp 1, tp 2 + SP, pp 2 and cp 2 (the Gated DeltaNet by
-  all-to-all over heads, attention by ring), and at (tp, cp) = (2, 2) + SP (slow tier);
+- eval loss equal to transformers' (1e-5 relative) at tp 1, tp 2 + SP, pp 2, cp 2 (the Gated DeltaNet by
+  all-to-all over heads, attention by ring) and ep 2 (the mixture-of-experts families), and at (tp, cp) = (2, 2) +
+  SP (slow tier);
 - greedy generation of 20 tokens after a 70-token prompt equal to transformers' at tp 1, tp 2 and pp 2 (each layer
   its own cache: KV for attention, the conv's tail and the recurrent state for the Gated DeltaNet);
 - three SGD steps at tp 2 + SP, pp 2 and cp 2 equal to one process (losses, every gradient of the first step and
   every parameter after the last, 1e-5 of each tensor's largest entry); the trainer resumes a run bit for bit;
 - a packed batch (document masking) equals its documents run one by one (loss and every gradient), and so do its
-  runs at tp 2 + SP and cp 2;
+  runs at tp 2 + SP and cp 2 (Qwen3.5 and Kimi Linear);
   (these two in float64: the gradients of A_log and dt_bias, sums over every token of the decays' cumulative
   products, carry fp32 rounding of 2-4e-5 of their largest entry even in one process, measured against float64;
   in float64 every layout agrees with one process to about 1e-12, so the 1e-5 bound proves the split exact);
@@ -78,28 +80,38 @@ def test_round_trip_at_tp2_is_bit_exact(cases, tmp_path, kind):
 
 # -- eval and generation at every layout ----------------------------------------------------------------------------
 
-LAYOUTS = [dict(tp=2, sp=True), dict(tp=2), dict(pp=2), dict(cp=2)]  # eval / generate (cache) / both / eval
+# eval / generate (cache) / both / eval / eval (the mixture-of-experts families only: the experts over 2 ranks)
+LAYOUTS = [dict(tp=2, sp=True), dict(tp=2), dict(pp=2), dict(cp=2), dict(ep=2)]
 
 
 def _eval_and_generate(items, prompt, tokens, layouts):
-    """For each family and layout: the eval result, and the greedy tokens where the layout generates."""
+    """For each family (its checkpoint, whether it has experts) and layout: the eval result, and the greedy tokens
+    where the layout generates."""
     out = []
-    for ckpt in items:
+    for ckpt, moe in items:
         per = []
         for lay in layouts:
-            tpzoo.init_parallel(tp=lay.get("tp", 1), pp=lay.get("pp", 1), cp=lay.get("cp", 1))
+            if lay.get("ep", 1) > 1 and not moe:
+                per.append({})  # no experts to split
+                continue
+            tpzoo.init_parallel(tp=lay.get("tp", 1), pp=lay.get("pp", 1), cp=lay.get("cp", 1), ep=lay.get("ep", 1))
             try:
                 model = load_model(ckpt, device="cpu", sequence_parallel=lay.get("sp", False)).eval()
                 res = {}
                 if lay.get("tp", 1) == 1 or lay.get("sp"):  # tp 2 without SP: its generation only
                     res["eval"] = evaluate(model, tokens, EVAL_SEQ, batch_size=2)["loss"]
-                if lay.get("cp", 1) == 1 and not lay.get("sp"):
+                if lay.get("cp", 1) == 1 and lay.get("ep", 1) == 1 and not lay.get("sp"):
                     res["gen"] = generate(model, prompt, NEW)
                 per.append(res)
             finally:
                 tpzoo.destroy_parallel()
         out.append(per)
     return out
+
+
+def _items(cases):
+    root, *_, out = cases
+    return [(out[k][1], from_hf_config(root / k).moe.num_experts > 0) for k in HYBRID_KINDS]
 
 
 def _check(kind, what, res, ref_gen, ref_eval):
@@ -116,7 +128,7 @@ def test_eval_and_generation_match_transformers_at_every_layout(cases):
         model = load_model(ckpt, device="cpu").eval()
         _check(kind, "tp=1", {"eval": evaluate(model, tokens, EVAL_SEQ, batch_size=2)["loss"],
                               "gen": generate(model, prompt, NEW)}, gen, ev)
-    per_rank = run_on_ranks(2, _eval_and_generate, [out[k][1] for k in HYBRID_KINDS], prompt, tokens, LAYOUTS)
+    per_rank = run_on_ranks(2, _eval_and_generate, _items(cases), prompt, tokens, LAYOUTS)
     for r in per_rank:
         for k, kind in enumerate(HYBRID_KINDS):
             for lay, res in zip(LAYOUTS, r[k]):
@@ -127,7 +139,7 @@ def test_eval_and_generation_match_transformers_at_every_layout(cases):
 def test_eval_at_tp2_cp2_with_sequence_parallelism(cases):
     _, prompt, tokens, out = cases
     layouts = [dict(tp=2, cp=2, sp=True)]
-    for r in run_on_ranks(4, _eval_and_generate, [out[k][1] for k in HYBRID_KINDS], prompt, tokens, layouts):
+    for r in run_on_ranks(4, _eval_and_generate, _items(cases), prompt, tokens, layouts):
         for k, kind in enumerate(HYBRID_KINDS):
             _check(kind, layouts[0], r[k][0], out[kind][2], out[kind][3])
 
@@ -212,24 +224,34 @@ def _packed(cfg, layouts):
     return out
 
 
+def _packed_families(cfgs, layouts):
+    return [_exact(_packed, cfg, layouts) for cfg in cfgs]
+
+
+PACKED_KINDS = ("qwen3_5", "kimi_linear")  # Gated DeltaNet + gated attention; Kimi Delta Attention + NoPE MLA + MoE
+
+
 def test_packed_documents_equal_the_documents_alone(cases, monkeypatch):
-    """Qwen3.5 with document masking: one packed micro-batch in one process equals its 6 documents run one by one
-    (loss, every gradient), and at tp 2 + SP and cp 2 it equals the one process's; with the conv not reset at
-    document starts it does not."""
+    """Qwen3.5 and Kimi Linear with document masking: one packed micro-batch in one process equals its 6 documents
+    run one by one (loss, every gradient), and at tp 2 + SP and cp 2 it equals the one process's; with the conv not
+    reset at document starts it does not."""
     root, *_ = cases
-    cfg = from_hf_config(root / "qwen3_5")
-    ref, here = _exact(_per_document, cfg), _exact(_packed_here, cfg)
+    cfgs = [from_hf_config(root / kind) for kind in PACKED_KINDS]
     layouts = [dict(tp=2, sp=True), dict(cp=2)]
-    results = [(here, ref, "packed vs documents")] + [
-        (r[i], here, f"{layouts[i]} vs one process") for r in _double(run_on_ranks(2, _exact, _packed, cfg, layouts))
-        for i in range(len(layouts))]
-    for res, want, what in results:
-        assert math.isclose(res["loss"], want["loss"], rel_tol=RTOL), (what, res["loss"], want["loss"])
-        for name, g in res["grads"].items():
-            p3.assert_close(g, want["grads"][name], f"{what}: grad {name}")
+    per_rank = _double(run_on_ranks(2, _packed_families, cfgs, layouts))
+    for k, (kind, cfg) in enumerate(zip(PACKED_KINDS, cfgs)):
+        ref, here = _exact(_per_document, cfg), _exact(_packed_here, cfg)
+        results = [(here, ref, "packed vs documents")] + [
+            (r[k][i], here, f"{layouts[i]} vs one process") for r in per_rank for i in range(len(layouts))]
+        for res, want, what in results:
+            what = f"{kind} {what}"
+            assert math.isclose(res["loss"], want["loss"], rel_tol=RTOL), (what, res["loss"], want["loss"])
+            for name, g in res["grads"].items():
+                p3.assert_close(g, want["grads"][name], f"{what}: grad {name}")
+    ref = _exact(_per_document, cfgs[0])
     conv = gdn_kind.causal_conv
     monkeypatch.setattr(gdn_kind, "causal_conv", lambda x, w, past=None, starts=None: conv(x, w, past, None))
-    assert abs(_exact(_packed_here, cfg)["loss"] / ref["loss"] - 1) > 1e-4
+    assert abs(_exact(_packed_here, cfgs[0])["loss"] / ref["loss"] - 1) > 1e-4
 
 
 # -- training against one process ---------------------------------------------------------------------------------

@@ -41,13 +41,17 @@ MIDDLE = Stage(pre_process=False, post_process=False)
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_parameters_exact(name):
-    cfg = MODELS[name]()
+    check_parameters(MODELS[name]())
+
+
+def check_parameters(cfg) -> None:
+    """The plan's parameters per rank against the built stages' (tests/test_plan_kimi_delta.py's model too)."""
     for tp, pp in [(1, 1), (2, 1), (2, 2)]:
         for stage in range(pp):
             count = stage_params(cfg, Layout(tp=tp, pp=pp), stage)
             for rank in {0, tp - 1}:
                 params = unique_params(build_stage(cfg, tp, rank, pp, stage, sp=True))
-                what = f"{name} tp={tp}/{rank} pp={pp}/{stage}"
+                what = f"{cfg.name} tp={tp}/{rank} pp={pp}/{stage}"
                 assert count.numel == sum(p.numel() for p in params), what
                 assert count.tensors == len(params), what
                 assert count.sequence_parallel == sum(p.numel() for p in params if p.sequence_parallel), what

@@ -5,6 +5,7 @@ per layer from the config (ModelConfig.token_mixer(i) / channel_mixer(i)) throug
                                  output gate (attention.py)
                     "mla"        multi-head latent attention (mla.py)
                     "gated_deltanet"  linear attention: Qwen3.5 / Qwen3-Next's Gated DeltaNet (gated_deltanet.py)
+                    "kimi_delta" linear attention: Kimi Linear's Kimi Delta Attention (kimi_delta.py)
     channel mixers  "mlp"        the dense MLP (mlp.py)
                     "moe"        a mixture of experts (moe.py)
 
@@ -49,4 +50,4 @@ from ..registry import (CHANNEL_MIXERS, TOKEN_MIXERS, channel_mixer_kind, layer_
                         register_channel_mixer, register_token_mixer, token_mixer_kind)
 
 # The built-in kinds, each listed once (a module registers its classes when imported):
-from . import attention, gated_deltanet, mla, mlp, moe  # noqa: E402,F401
+from . import attention, gated_deltanet, kimi_delta, mla, mlp, moe  # noqa: E402,F401

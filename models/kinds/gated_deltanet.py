@@ -82,6 +82,34 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, past: torch.Tensor | None
     return F.silu(out), tail
 
 
+def to_head_group(parts: list, dims) -> list:
+    """Context parallelism's all-to-all over heads (module docstring): each part [B, 2c, width] holds this cp rank's
+    tokens of all this tp rank's heads (width = heads x per-head width) -> [B, S, width / cp], every token in
+    natural order of this cp rank's heads/cp. One exchange carries all the parts."""
+    cp = dims.cp
+    split = [t.unflatten(-1, (cp, -1)) for t in parts]  # [B, 2c, cp, width / cp]
+    widths = [t.shape[-1] for t in split]
+    packed = torch.cat(split, dim=-1).transpose(1, 2).contiguous()  # [B, cp, 2c, W]
+    _, natural = gathered_order(packed.shape[2] // 2, cp, packed.device)
+    whole = exchange(packed, dims.cp_group, cp, 1, 2).squeeze(1).index_select(1, natural)  # [B, S, W]
+    return list(whole.split(widths, dim=-1))
+
+
+def to_own_tokens(o: torch.Tensor, dims) -> torch.Tensor:
+    """The rule's output [B, S, heads/cp, d_v] back to this rank's tokens of all its heads [B, 2c, heads, d_v]."""
+    cp = dims.cp
+    order, _ = gathered_order(o.shape[1] // (2 * cp), cp, o.device)
+    ranked = o.flatten(-2).index_select(1, order).unsqueeze(1)  # [B, 1, S, W] in rank order
+    back = exchange(ranked.contiguous(), dims.cp_group, cp, 2, 1)  # [B, cp, 2c, W]: head group by rank
+    return back.transpose(1, 2).reshape(o.shape[0], -1, o.shape[2] * cp, o.shape[3])
+
+
+def cp_share(t: torch.Tensor, parts: tuple, dims) -> torch.Tensor:
+    """This cp rank's share of a per-head parameter made of consecutive parts of widths `parts` along dim 0 (each
+    part's heads/cp of this rank): the conv's q, k, v rows, A_log, dt_bias of the heads it runs under cp."""
+    return torch.cat([p.chunk(dims.cp, 0)[dims.cp_rank] for p in t.split(list(parts), 0)])
+
+
 class ShortConv(nn.Module):
     """The causal depthwise convolution's weight [this rank's q|k|v channels, K]; split with the heads."""
 
@@ -99,8 +127,10 @@ class ShortConv(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm over each head's d_v, times silu(z) (transformers' RMSNormGated: norm, weight, then the gate in fp32).
-    The weight is replicated; its gradient is partial over TP (marked like a sequence-parallel norm's)."""
+    """RMSNorm over each head's d_v, times silu(z) (transformers' RMSNormGated: norm, weight, then the gate in fp32;
+    `gate` the activation: Kimi Delta Attention's is the sigmoid). The weight is replicated; its gradient is partial
+    over TP (marked like a sequence-parallel norm's)."""
+    gate = staticmethod(F.silu)
 
     def __init__(self, size: int, eps: float, dtype=None):
         super().__init__()
@@ -113,7 +143,7 @@ class GatedRMSNorm(nn.Module):
                 self.weight.fill_(1.0)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return (kernels.rms_norm(x, self.weight, self.eps) * F.silu(z.to(compute_dtype(z.dtype)))).to(x.dtype)
+        return (kernels.rms_norm(x, self.weight, self.eps) * self.gate(z.to(compute_dtype(z.dtype)))).to(x.dtype)
 
 
 class DeltaRule(nn.Module):
@@ -198,8 +228,10 @@ class GatedDeltaNet(nn.Module):
         if cp > 1:
             if cache is not None:
                 raise ConfigError("context parallelism (cp > 1) does not decode with a cache: generate at cp=1")
-            qkv, b, a = self._to_heads(qkv, b, a)  # every token, this cp rank's heads/cp
-            conv_w, A_log, dt_bias = self._head_group(conv_w, A_log, dt_bias)
+            q, k, v, b, a = to_head_group([*qkv.split([kd, kd, vd], dim=-1), b, a], self.dims)
+            qkv = torch.cat([q, k, v], dim=-1)  # every token, this cp rank's heads/cp
+            conv_w = cp_share(conv_w, (kd, kd, vd), self.dims)
+            A_log, dt_bias = cp_share(A_log, (nv,), self.dims), cp_share(dt_bias, (nv,), self.dims)
             kd, vd, nv = kd // cp, vd // cp, nv // cp
         mixed, conv_tail = causal_conv(qkv, conv_w, None if cache is None else cache.conv, starts)
         q, k, v = mixed.split([kd, kd, vd], dim=-1)
@@ -210,43 +242,11 @@ class GatedDeltaNet(nn.Module):
         decay = -A_log.to(f32).exp() * F.softplus(a.to(f32) + dt_bias)
         o, state = self.core(q, k, v, decay, beta, starts, None if cache is None else cache.state, cache is not None)
         if cp > 1:
-            o = self._to_sequence(o)
+            o = to_own_tokens(o, self.dims)
         if cache is not None:
             cache.conv, cache.state = conv_tail, state
         o = self.norm(o, z.unflatten(-1, (self.value_heads, g.value_head_dim)))
         return self.out_proj(o.flatten(-2))
-
-    # -- context parallelism: all-to-all over heads (module docstring) -------------------------------------------
-
-    def _to_heads(self, qkv, b, a):
-        """This rank's tokens [B, 2c, *] of all its heads -> the whole sequence (natural order) of its cp group's
-        heads: q|k|v|b|a packed per head group so that one all-to-all carries them."""
-        cp, kd = self.dims.cp, self.key_heads * self.g.key_head_dim
-        q, k, v = qkv.split([kd, kd, qkv.shape[-1] - 2 * kd], dim=-1)
-        parts = [t.unflatten(-1, (cp, -1)) for t in (q, k, v, b, a)]  # [B, 2c, cp, width / cp]
-        widths = [p.shape[-1] for p in parts]
-        packed = torch.cat(parts, dim=-1).transpose(1, 2).contiguous()  # [B, cp, 2c, W]
-        _, natural = gathered_order(packed.shape[2] // 2, cp, packed.device)
-        whole = exchange(packed, self.dims.cp_group, cp, 1, 2).squeeze(1).index_select(1, natural)  # [B, S, W]
-        q, k, v, b, a = whole.split(widths, dim=-1)
-        return torch.cat([q, k, v], dim=-1), b, a
-
-    def _to_sequence(self, o):
-        """The rule's output [B, S, heads/cp, d_v] back to this rank's tokens of all its heads [B, 2c, heads, d_v]."""
-        cp = self.dims.cp
-        order, _ = gathered_order(o.shape[1] // (2 * cp), cp, o.device)
-        ranked = o.flatten(-2).index_select(1, order).unsqueeze(1)  # [B, 1, S, W] in rank order
-        back = exchange(ranked.contiguous(), self.dims.cp_group, cp, 2, 1)  # [B, cp, 2c, W]: head group by rank
-        return back.transpose(1, 2).reshape(o.shape[0], -1, self.value_heads, self.g.value_head_dim)
-
-    def _head_group(self, conv_w, A_log, dt_bias):
-        """This cp rank's share of the per-head parameters: conv rows of its q, k, v heads; A_log, dt_bias."""
-        cp, r, g = self.dims.cp, self.dims.cp_rank, self.g
-        kd, vd, nv = self.key_heads * g.key_head_dim, self.value_heads * g.value_head_dim, self.value_heads
-        rows = torch.cat([torch.arange(r * n // cp, (r + 1) * n // cp, device="cpu") + off
-                          for n, off in ((kd, 0), (kd, kd), (vd, 2 * kd))]).to(conv_w.device)
-        heads = slice(r * nv // cp, (r + 1) * nv // cp)
-        return conv_w.index_select(0, rows), A_log[heads], dt_bias[heads]
 
     # -- sizes, without building (ModelConfig.num_parameters, flops_per_token) ----------------------------------
 

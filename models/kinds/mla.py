@@ -9,7 +9,8 @@ through low-rank latents, one rotary key head shared by all heads, values narrow
 
 Settings: cfg.mla (MLAConfig: the latent ranks and head dims, HF's names) and cfg.attention (heads; qkv_bias: the
 biases of q_a_proj and kv_a_proj_with_mqa, out_bias: o_proj's, HF's `attention_bias` for both; the rotary's theta
-and rope_scaling: YaRN's attention factor multiplies the rotary tables, rotary.py, and its mscale the softmax scale).
+and rope_scaling: YaRN's attention factor multiplies the rotary tables, rotary.py, and its mscale the softmax scale;
+no rotary where the model's `position` is "none" (Kimi Linear's NoPE MLA) or `rope_layers` says 0).
 
 TP split (Megatron-Core's): the down projections (q_a_proj, kv_a_proj_with_mqa) and their norms are replicated
 (replicated.py): every tp rank computes the latents of the tokens it holds. Without SP those are the whole sequence
@@ -92,7 +93,8 @@ class LatentAttention(nn.Module):
             raise ConfigError("token mixer 'mla' needs the model config's mla settings (ModelConfig.mla)")
         tp, heads, h = layout.tp, a.num_heads, cfg.hidden_size
         self.check_parallel(cfg, layer, tp, layout.dims.cp, layout.dims.ep)
-        if m.qk_rope_head_dim % 2:
+        self.rotary = self.rotary_of(cfg, layer)
+        if self.rotary is not None and m.qk_rope_head_dim % 2:
             raise ConfigError(f"qk_rope_head_dim={m.qk_rope_head_dim} must be even")
         self.m, self.layout, self.heads = m, layout, heads // tp
         std = cfg.initializer_range
@@ -112,8 +114,16 @@ class LatentAttention(nn.Module):
         out_std = std / math.sqrt(2 * cfg.num_layers)
         self.o_proj = RowParallelLinear(heads * m.v_head_dim, h, bias=a.out_bias,
                                         init_method=lambda t: nn.init.normal_(t, std=out_std), **layout.linear)
-        self.rotary = RotarySpec.of(m.qk_rope_head_dim, a.rope_theta, a.rope_scaling)
         self.core = attention_core(layout, self.softmax_scale(cfg), None, None, False)
+
+    @staticmethod
+    def rotary_of(cfg: ModelConfig, layer: int) -> RotarySpec | None:
+        """The shared rotary key's table, or none on a NoPE layer (`attention.rope_layers` 0, or `position` other than
+        "rope": Kimi Linear's MLA, whose q rope part and shared key pass through unrotated)."""
+        a = cfg.attention
+        if cfg.position != "rope" or (a.rope_layers is not None and not a.rope_layers[layer]):
+            return None
+        return RotarySpec.of(cfg.mla.qk_rope_head_dim, a.rope_theta, a.rope_scaling)
 
     @staticmethod
     def _latent_norm(cfg: ModelConfig, layout: ModelLayout, size: int) -> Norm:
@@ -152,9 +162,10 @@ class LatentAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)
         # the shared rotary key enters the TP region on its own (the latent enters through kv_b_proj)
         k_rope = gather_from_sequence(k_rope, -2, dims.tp_group) if sp else copy_to_tp(k_rope, dims.tp_group)
-        cos, sin = ctx.rotary[self.rotary]
-        rotate = apply_rotary_interleaved if m.rope_interleave else kernels.apply_rotary
-        q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope.unsqueeze(2), cos, sin).squeeze(2)
+        if self.rotary is not None:
+            cos, sin = ctx.rotary[self.rotary]
+            rotate = apply_rotary_interleaved if m.rope_interleave else kernels.apply_rotary
+            q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope.unsqueeze(2), cos, sin).squeeze(2)
         past = 0
         if cache is not None:
             latent, k_rope, past = cache.update(latent, k_rope)

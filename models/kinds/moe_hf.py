@@ -12,6 +12,9 @@ Layouts (`theirs` is the HF layer, e.g. "model.layers.3."), each expert stored o
     "minimax"   (MiniMax-M2) as "mixtral" plus the selection bias block_sparse_moe.e_score_correction_bias
     "deepseek"  (DeepSeek-V3, GLM-4.5) as "separate" plus mlp.gate.e_score_correction_bias; shared experts
                 mlp.shared_experts.{gate,up,down}_proj, no gate
+    "kimi"      (Kimi Linear) "deepseek"'s tensors under "mixtral"'s names: block_sparse_moe.gate.weight,
+                block_sparse_moe.gate.e_score_correction_bias, block_sparse_moe.experts.{e}.w1 / w3 / w2,
+                block_sparse_moe.shared_experts.{gate,up,down}_proj
     "gpt_oss"   mlp.router.weight / .bias; the experts stacked as x @ W with gate and up interleaved
                 (models/hf_experts.py): mlp.experts.gate_up_proj [E, h, 2f], gate_up_proj_bias, down_proj [E, f, h],
                 down_proj_bias: permutations and transposes, bit-exact both ways
@@ -25,7 +28,8 @@ from ..hf_experts import halves_to_interleaved, interleaved_to_halves
 from ..hf_mapping import PeftParam, TensorMap, same
 from .mlp_hf import gated_mlp_maps
 
-STYLES = ("separate", "mixtral", "minimax", "deepseek", "gpt_oss")
+STYLES = ("separate", "mixtral", "minimax", "deepseek", "kimi", "gpt_oss")
+MIXTRAL_NAMES = ("mixtral", "minimax", "kimi")  # block_sparse_moe, experts' w1 / w3 / w2
 
 
 def stacked_gate_up(name: str, gates: list[str], ups: list[str], ffn: int, **kw) -> TensorMap:
@@ -90,18 +94,18 @@ def hf_tensor_maps(cfg: ModelConfig, layer: int, ours: str, theirs: str, style: 
     """The TensorMaps of layer `layer`'s mixture of experts: tpzoo names under `ours`, HF names in the HF layer
     `theirs`."""
     style, moe = style or "separate", cfg.moe
-    block = theirs + ("block_sparse_moe" if style in ("mixtral", "minimax") else "mlp")
+    block = theirs + ("block_sparse_moe" if style in MIXTRAL_NAMES else "mlp")
     if style == "gpt_oss":
         return _gpt_oss(ours, theirs, block, layer)
     if style not in STYLES:
         raise ValueError(f"unknown mixture-of-experts HF layout {style!r}; one of {STYLES}")
-    maps = _per_expert(cfg, layer, ours, theirs, block, ("w1", "w3", "w2") if style in ("mixtral", "minimax") else
+    maps = _per_expert(cfg, layer, ours, theirs, block, ("w1", "w3", "w2") if style in MIXTRAL_NAMES else
                        ("gate_proj", "up_proj", "down_proj"))
-    if style in ("deepseek", "minimax"):  # the sigmoid router's selection bias
-        bias = f"{block}.gate.e_score_correction_bias" if style == "deepseek" else f"{block}.e_score_correction_bias"
+    if style in ("deepseek", "minimax", "kimi"):  # the sigmoid router's selection bias
+        bias = f"{block}.e_score_correction_bias" if style == "minimax" else f"{block}.gate.e_score_correction_bias"
         maps.insert(1, same(f"{ours}.router.e_score_correction_bias", bias, layer=layer))
     if moe.shared_expert_ffn:
-        shared = f"{block}.shared_experts" if style == "deepseek" else f"{block}.shared_expert"
+        shared = f"{block}.shared_experts" if style in ("deepseek", "kimi") else f"{block}.shared_expert"
         maps += gated_mlp_maps(f"{ours}.shared_experts", shared, moe.shared_expert_ffn, layer=layer)
     if moe.shared_expert_gate:
         maps.append(same(f"{ours}.shared_expert_gate.weight", f"{block}.shared_expert_gate.weight", layer=layer))

@@ -107,7 +107,7 @@ def clock(device):
     return time.process_time()
 
 
-def run(variant, steps, modules, train: bool, device, instrumented=False):
+def run(variant, steps, modules, train: bool, device, instrumented=False, kernel: str = "gated_delta_rule"):
     from tpzoo import kernels
     from tpzoo.plan.measure import peak_live_bytes
 
@@ -122,7 +122,7 @@ def run(variant, steps, modules, train: bool, device, instrumented=False):
             y.float().square().mean().backward()  # a loss is a scalar: its square's gradient reaches every weight
         return y
 
-    with kernels.use_backend(backend or "torch", kernel="gated_delta_rule"), torch.set_grad_enabled(train):
+    with kernels.use_backend(backend or "torch", kernel=kernel), torch.set_grad_enabled(train):
         t0 = clock(device)
         if instrumented:
             with peak_live_bytes() as r:
@@ -131,6 +131,33 @@ def run(variant, steps, modules, train: bool, device, instrumented=False):
         else:
             y = step()
         return clock(device) - t0, peak, y.detach()
+
+
+def compare(variants, steps, modules, device, reps: int, kernel: str = "gated_delta_rule") -> str:
+    """The markdown table of the variants' forward + backward and forward: median time of `reps` after a warm-up
+    (variants alternating), speed against transformers (the first variant), peak bytes (CPU), the output's largest
+    difference from transformers'."""
+    rows = []
+    for train in (True, False):
+        times, peaks, outs = {v: [] for v in variants}, {}, {}
+        for rep in range(reps + 1):
+            for v in variants:
+                first = rep == 0
+                elapsed, peak, y = run(v, steps, modules, train, device, instrumented=first and device.type == "cpu",
+                                       kernel=kernel)
+                if first:
+                    peaks[v], outs[v] = peak, y
+                else:
+                    times[v].append(elapsed)
+        base = statistics.median(times["transformers"])
+        for v in variants:
+            med = statistics.median(times[v])
+            diff = float((outs[v].float() - outs["transformers"].float()).abs().max())
+            peak = f"{peaks[v] / 2**20:.0f} MiB" if peaks[v] is not None else "n/a"
+            rows.append(f"| {'forward + backward' if train else 'forward'} | {v} | {med * 1e3:.0f} ms | "
+                        f"{base / med:.2f}x | {peak} | {diff:.1e} |")
+    return "\n".join(["| step | implementation | time | speed vs transformers | peak | max diff |",
+                      "|---|---|---|---|---|---|", *rows])
 
 
 def main() -> None:
@@ -154,26 +181,7 @@ def main() -> None:
 
         if gated_delta_fla.fla_module() is not None:
             variants.append("tpzoo/triton")  # fla's kernels
-    rows = []
-    for train in (True, False):
-        times, peaks, outs = {v: [] for v in variants}, {}, {}
-        for rep in range(args.reps + 1):
-            for v in variants:
-                first = rep == 0
-                elapsed, peak, y = run(v, steps, modules, train, device, instrumented=first and device.type == "cpu")
-                if first:
-                    peaks[v], outs[v] = peak, y
-                else:
-                    times[v].append(elapsed)
-        base = statistics.median(times["transformers"])
-        for v in variants:
-            med = statistics.median(times[v])
-            diff = float((outs[v].float() - outs["transformers"].float()).abs().max())
-            peak = f"{peaks[v] / 2**20:.0f} MiB" if peaks[v] is not None else "n/a"
-            rows.append(f"| {'forward + backward' if train else 'forward'} | {v} | {med * 1e3:.0f} ms | "
-                        f"{base / med:.2f}x | {peak} | {diff:.1e} |")
-    table = "\n".join(["| step | implementation | time | speed vs transformers | peak | max diff |",
-                       "|---|---|---|---|---|---|", *rows])
+    table = compare(variants, steps, modules, device, args.reps)
     cmd = "python scripts/bench/gated_deltanet.py" + (" --what model" if args.what == "model" else "")
     cmd += f" --device {args.device}" if device.type != "cpu" else ""
     cmd += f" --dtype {args.dtype}" if args.dtype != "fp32" else ""

@@ -50,6 +50,14 @@ def gated_deltanet_config(cfg):
     return g
 
 
+def head_exchange(inputs: int, output: int) -> list:
+    """A linear attention's context parallelism (ulysses.exchange): its inputs' heads exchanged for the whole
+    sequence by one all-to-all over cp, the rule's output back by another, and both again in backward."""
+    return [Collective("all_to_all", "cp", inputs), Collective("all_to_all", "cp", output),
+            Collective("all_to_all", "cp", inputs, phase="backward"),
+            Collective("all_to_all", "cp", output, phase="backward")]
+
+
 def rule_bytes(s: _Shape, micro_batch: int, seq_len: int, e: int, kernels: str) -> int:
     """What the gated delta rule keeps for one micro-batch (module docstring)."""
     b, vh, kh, dk, dv, C = micro_batch, s.vh, s.kh, s.dk, s.dv, s.C
@@ -106,12 +114,9 @@ class GatedDeltaNetCost(Stateless):
     @staticmethod
     def plan_collectives(cfg, layer, at, tokens: int) -> list:
         out = entry_exit(cfg, at, tokens, tail=False)
-        if at.cp > 1:  # heads exchanged for the sequence (ulysses.exchange), and back
+        if at.cp > 1:
             s, e = _Shape(cfg, at.tp), at.act_bytes
-            qkvba, o = tokens * (s.conv + 2 * s.vh) * e, tokens * s.vd * e
-            out += [Collective("all_to_all", "cp", qkvba), Collective("all_to_all", "cp", o),
-                    Collective("all_to_all", "cp", qkvba, phase="backward"),
-                    Collective("all_to_all", "cp", o, phase="backward")]
+            out += head_exchange(tokens * (s.conv + 2 * s.vh) * e, tokens * s.vd * e)  # q|k|v|b|a; the output
         return out
 
     @staticmethod

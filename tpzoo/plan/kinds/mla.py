@@ -142,11 +142,11 @@ class MLACost:
     @staticmethod
     def plan_rotary(cfg, layer):
         """The kind's RotarySpec (its rope width, the attention sub-config's theta and scaling): a table shared with
-        any attention layer of the same spec."""
-        from tpzoo.models.kinds.rotary import RotarySpec
+        any attention layer of the same spec; none on a NoPE layer (Kimi Linear)."""
+        from tpzoo.models.kinds.mla import LatentAttention
 
-        rope, a = mla_config(cfg).qk_rope_head_dim, cfg.attention
-        return RotarySpec.of(rope, a.rope_theta, a.rope_scaling), rope
+        spec = LatentAttention.rotary_of(cfg, layer)
+        return None if spec is None else (spec, spec.dim)
 
     @staticmethod
     def plan_cache_bytes(cfg, layer, at, batch: int, length: int) -> int:
