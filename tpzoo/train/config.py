@@ -183,8 +183,11 @@ class LoraSection:
     lora_targets: list = _f(["all-linear"], "LoRA targets: Hugging Face projection names (q_proj,k_proj,v_proj,"
                                             "o_proj,gate_proj,up_proj,down_proj for LLaMA-style models) or "
                                             "all-linear", type=str, nonempty=True)
+    lora_experts: bool = _f(False, "LoRA: also one adapter of --lora-rank per routed expert on each of its weights "
+                                   "(gate|up and down) of a mixture of experts, in PEFT's target_parameters form; no "
+                                   "--lora-dropout")
     lora_from: str = _f("", "start the adapters from this PEFT adapter directory (its rank, alpha, dropout and "
-                            "targets replace the --lora-* values); any tp/pp")
+                            "targets replace the --lora-* values); any tp/pp/ep")
 
 
 @dataclass
@@ -390,6 +393,9 @@ class TrainConfig:
         if self.pp > 1 and self.schedule == "interleaved" and n_micro % self.pp:
             raise ConfigError(f"the interleaved schedule needs the micro-batches per step (global_batch_size / "
                               f"(micro_batch_size * dp) = {n_micro}) to be a multiple of pp={self.pp}")
+        if self.lora_experts and not (self.lora_rank or self.lora_from or self.resume):
+            raise ConfigError("--lora-experts adapts the routed experts in a LoRA run: give --lora-rank R (or "
+                              "--lora-from a PEFT adapter)")
         if (self.lora_rank or self.lora_from) and not (self.base or self.resume):
             raise ConfigError("LoRA (--lora-rank / --lora-from) trains adapters on a frozen model: give it with "
                               "--base (or --resume a LoRA run)")
