@@ -129,10 +129,63 @@ class MLAConfig:
     q_lora_rank: int | None = None   # None: one q_proj instead of q_a_proj -> q_a_layernorm -> q_b_proj
     rope_interleave: bool = True     # DeepSeek's interleaved rotary pairs (models/rope.py)
     latent_norm_eps: float = 1e-6    # q_a_layernorm / kv_a_layernorm (HF builds them with the default eps)
+    # Mistral Small 4 (Llama 4's long-context temperature): queries times 1 + beta * log(1 + floor(position /
+    # length)) at each token's position; None: off. HF's rope_parameters llama_4_scaling_beta and
+    # original_max_position_embeddings.
+    query_scale_beta: float | None = None
+    query_scale_length: int | None = None
 
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class SparseMLAConfig:
+    """DeepSeek Sparse Attention (models/kinds/sparse_mla.py: DeepSeek-V3.2, GLM-5): the lightning indexer of each
+    "sparse_mla" layer, HF's names (its attention is MLA: cfg.mla). The indexer's queries read q_a_layernorm's
+    output (x when q_lora_rank is None), its keys and head weights x."""
+    index_topk: int                  # keys each query attends to (HF index_topk)
+    index_n_heads: int               # the indexer's heads (HF index_n_heads)
+    index_head_dim: int              # their width; the first qk_rope_head_dim dims rotate (HF index_head_dim)
+    rope_interleave: bool = False    # the indexer's rotary: DeepSeek-V3.2 half-split, GLM-5 interleaved pairs
+    # Per layer: "full" runs its own indexer, "shared" (GLM-5's cross-layer sharing) reuses the top-k of the nearest
+    # full layer before it and holds no indexer weights (HF's indexer_types); None: every layer full.
+    indexer_types: list | None = None
+    k_norm_eps: float = 1e-6         # the indexer's key LayerNorm
+    # Training (run settings: --dsa-indexer-loss-scale, --dsa-indexer-sparse-loss): 0 keeps the indexer frozen (its
+    # weights get no gradient, as in HF); > 0 trains it with the KL divergence from the main attention's
+    # distribution to the indexer's, times this (DeepSeek-V3.2's L_I, Megatron-Core's dsa_indexer_loss_coeff).
+    # sparse_loss: both distributions over the selected keys only (else over every visible key).
+    indexer_loss_scale: float = 0.0
+    sparse_loss: bool = False
+
+    def __post_init__(self):
+        for name in ("index_topk", "index_n_heads", "index_head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ConfigError(f"sparse_mla.{name} must be a positive integer, got {value!r}")
+        if self.indexer_types is not None:
+            object.__setattr__(self, "indexer_types", list(self.indexer_types))
+            if not set(self.indexer_types) <= {"full", "shared"}:
+                raise ConfigError(f"sparse_mla.indexer_types entries must be 'full' or 'shared', got "
+                                  f"{sorted(set(self.indexer_types))}")
+        if self.indexer_loss_scale < 0:
+            raise ConfigError(f"sparse_mla.indexer_loss_scale must be >= 0, got {self.indexer_loss_scale!r}")
+
+    def has_indexer(self, layer: int) -> bool:
+        """Whether layer `layer` runs an indexer of its own (else it reuses an earlier layer's top-k)."""
+        return self.indexer_types is None or self.indexer_types[layer] == "full"
+
+    def source_layer(self, layer: int) -> int:
+        """The layer whose top-k layer `layer` uses: itself, or the nearest full layer before it."""
+        source = layer
+        while not self.has_indexer(source):
+            source -= 1
+            if source < 0:
+                raise ConfigError(f"sparse_mla.indexer_types: layer {layer} shares a top-k, but no layer before it "
+                                  f"runs an indexer")
+        return source
 
 
 @dataclass(frozen=True)
@@ -241,7 +294,8 @@ FLAT = {
 # Each kind's settings: a frozen dataclass in a ModelConfig field of the same name (a new kind adds its own here,
 # with a default, e.g. None when the model has no such layer); attention's and the MLP's are required.
 SUBCONFIGS = {"attention": AttentionConfig, "mlp": MLPConfig, "moe": MoEConfig, "mla": MLAConfig,
-              "gated_deltanet": GatedDeltaNetConfig, "kimi_delta": KimiDeltaConfig, "mtp": MTPConfig}
+              "gated_deltanet": GatedDeltaNetConfig, "kimi_delta": KimiDeltaConfig, "sparse_mla": SparseMLAConfig,
+              "mtp": MTPConfig}
 REQUIRED = ("attention", "mlp")
 _POSITIVE = (("vocab_size", None), ("hidden_size", None), ("num_layers", None), ("max_position_embeddings", None),
              ("num_heads", "attention"), ("num_kv_heads", "attention"), ("head_dim", "attention"),
@@ -261,9 +315,10 @@ class ModelConfig:
     mla: MLAConfig | None = None     # the "mla" token mixer's settings (None: no such layer)
     gated_deltanet: GatedDeltaNetConfig | None = None  # the "gated_deltanet" token mixer's
     kimi_delta: KimiDeltaConfig | None = None  # the "kimi_delta" token mixer's
+    sparse_mla: SparseMLAConfig | None = None  # the "sparse_mla" token mixer's indexer (its attention: mla)
     mtp: MTPConfig | None = None     # multi-token-prediction depths after the main model (None: none)
     # Per-layer kinds (registered names: models/kinds): None = the rules above.
-    token_mixers: list | None = None    # "attention" | "mla" | "gated_deltanet" | "kimi_delta"
+    token_mixers: list | None = None    # "attention" | "mla" | "gated_deltanet" | "kimi_delta" | "sparse_mla"
     channel_mixers: list | None = None  # "mlp" | "moe"
     max_position_embeddings: int = 2048
     norm: str = "rmsnorm"            # "rmsnorm" | "layernorm"
@@ -391,6 +446,13 @@ class ModelConfig:
         sparse = (moe.num_experts > 0 and i not in (moe.mlp_only_layers or ())
                   and (i + 1) % moe.decoder_sparse_step == 0)
         return "moe" if sparse else "mlp"
+
+    def reads_layer(self, i: int) -> int:
+        """The earliest layer whose result of the same forward layer i reads besides its input: i itself, or what
+        its token mixer kind says (`reads_layer`: a GLM-5 shared sparse attention layer reads the selection of the
+        layer it shares). A pipeline stage holds both (tpzoo/pipeline/partition.py)."""
+        kind = layer_kinds(self, i)[0]
+        return kind.reads_layer(self, i) if hasattr(kind, "reads_layer") else i
 
     def is_moe_layer(self, i: int) -> bool:
         return self.channel_mixer(i) == "moe"

@@ -15,6 +15,17 @@ import torch
 Tensors = list[torch.Tensor]
 
 
+@dataclass(frozen=True)
+class PeftParam:
+    """How Hugging Face PEFT adapts a stacked experts tensor (`target_parameters`, its ParamWrapper): the parameter
+    as transformers 5 holds it in memory (e.g. "model.layers.3.mlp.experts.gate_up_proj", whatever the checkpoint
+    stores), and, where HF orders the tensor's output rows unlike tpzoo, the permutation of an adapter's B rows
+    ([E, out, r], dim 1) to HF's order and back (gpt-oss's interleaved gate|up)."""
+    param: str
+    out_to_hf: Callable[[torch.Tensor], torch.Tensor] | None = None
+    out_from_hf: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
 @dataclass
 class TensorMap:
     name: str                                  # tpzoo name, e.g. "layers.3.attn.qkv.weight"
@@ -26,6 +37,7 @@ class TensorMap:
     layer: int | None = None                   # transformer layer index (pipeline stage assignment)
     rows: tuple[int, ...] | None = None        # the HF tensors' rows when the tpzoo tensor stacks them (dim 0,
                                                # concatenated): LoRA gives each its adapter over those rows
+    peft: PeftParam | None = None              # stacked experts: how PEFT names and lays out their adapters
     mirror: bool = False                       # True: HF keeps a copy of tpzoo tensor `name` here (DeepSeek's
                                                # multi-token-prediction layers, of the embedding and the head):
                                                # written on export, never read on import

@@ -105,13 +105,19 @@ class Context:
     """What the layers of one forward share (see the module docstring). length: the tokens of this forward per
     row on this rank (the whole sequence, not SP's shard); docs: the packed batch's documents (or None);
     token_mask [tokens of this rank's (SP) shard] or None; past: tokens already in the cache (query i sits at
-    position past + i); rotary: RotarySpec -> (cos, sin) of the tables this chunk's layers use."""
+    position past + i); rotary: RotarySpec -> (cos, sin) of the tables this chunk's layers use; positions [b or 1,
+    s]: the tokens' positions (the rotary's: restarting per document, global under cp), when a layer of the chunk
+    reads them (`reads_positions`: Mistral 4's query temperature), else None; shared: what a layer
+    hands later layers of the same forward ({(key, layer): value}, e.g. a sparse attention layer's top-k that the
+    next layers reuse: models/kinds/sparse_mla.py)."""
     length: int
     docs: Documents | None = None
     token_mask: torch.Tensor | None = None
     past: int = 0
     rotary: dict = field(default_factory=dict)
     records: dict = field(default_factory=dict)
+    positions: torch.Tensor | None = None
+    shared: dict = field(default_factory=dict)
 
     def shared_tensors(self) -> list:
         """The tensors every layer reads (the rotary tables): what a recomputed block keeps as its inputs."""

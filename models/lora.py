@@ -7,9 +7,10 @@ tpzoo weight made of several HF tensors (q|k|v, gate|up) gets one adapter per HF
 part of the weight. An HF projection may cover several consecutive parts of a tpzoo weight (Qwen3.5's
 `in_proj_qkv`: q|k|v of the Gated DeltaNet's in_proj): its adapter spans those parts, sharded like them. A weight
 whose HF tensors are a permutation of its rows, not a concatenation (Qwen3-Next's `in_proj_qkvz` / `in_proj_ba`,
-grouped per key head), cannot take adapters: targeting it is refused with one line. Whether Hugging Face PEFT loads
-the adapters as written (with transformers 5 it reads the MLP names of Qwen2-MoE-style model types as the fused
-routed experts) is asked of PEFT itself when they are exported (tpzoo/checkpoint/peft_check.py), not decided here.
+grouped per key head), cannot take adapters: targeting it is refused with one line.
+`experts` (--lora-experts) adds one adapter per routed expert on each of its stacked weights (models/kinds/
+expert_lora.py), beside the linear targets. Their PEFT form (keys, layout, target_modules / target_parameters) is
+models/lora_peft.py's; whether PEFT loads an export as written is asked of PEFT itself (checkpoint/peft_check.py).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tpzoo.errors import ConfigError
 from tpzoo.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from tpzoo.parallel.lora import LoRA
 
+from .kinds.expert_lora import ExpertLoRA, add_expert_lora
 from .mtp import block_layer
 from .registry import get_family
 
@@ -33,6 +35,7 @@ class LoRAConfig:
     alpha: float
     dropout: float = 0.0
     targets: list = field(default_factory=lambda: [ALL_LINEAR])
+    experts: bool = False  # adapters on every routed expert too (models/kinds/expert_lora.py)
 
     def __post_init__(self):
         if int(self.rank) != self.rank or self.rank <= 0:
@@ -44,16 +47,22 @@ class LoRAConfig:
         if isinstance(self.targets, str):
             self.targets = [self.targets]
         self.targets = [t.strip() for item in self.targets for t in str(item).split(",") if t.strip()]
-        if not self.targets:
+        if not self.targets and not self.experts:  # (adapters on the experts alone: targets [])
             raise ConfigError("lora targets: give HF projection names (e.g. q_proj,v_proj) or all-linear")
-        self.rank, self.alpha = int(self.rank), float(self.alpha)
+        self.rank, self.alpha, self.experts = int(self.rank), float(self.alpha), bool(self.experts)
+        if self.experts and self.dropout:
+            raise ConfigError(f"--lora-experts with --lora-dropout {self.dropout:g}: the experts' adapters take no "
+                              f"dropout (as PEFT's, whose expert adapters refuse it: x cannot be factored out of "
+                              f"B A x); pass --lora-dropout 0")
 
     def to_dict(self) -> dict:
-        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets)}
+        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets),
+                **({"experts": True} if self.experts else {})}
 
     @classmethod
     def from_dict(cls, d: dict) -> LoRAConfig:
-        return cls(d["rank"], d["alpha"], d.get("dropout", 0.0), list(d.get("targets", [ALL_LINEAR])))
+        return cls(d["rank"], d["alpha"], d.get("dropout", 0.0), list(d.get("targets", [ALL_LINEAR])),
+                   d.get("experts", False))
 
 
 @dataclass
@@ -97,6 +106,8 @@ def sites(chunk) -> list[Site]:
         if block_layer(name, chunk.cfg.num_layers) is None or not isinstance(
                 mod, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
             continue
+        if not getattr(mod, "takes_lora", True):  # a layer its kind trains otherwise (models/kinds: the DSA indexer)
+            continue
         tm = maps.get(name + ".weight")
         if tm is None or not all(h.endswith(".weight") for h in tm.hf):
             raise ConfigError(f"{chunk.cfg.family}: no Hugging Face mapping for {name}.weight (LoRA names come "
@@ -111,6 +122,10 @@ def valid_targets(chunk) -> list[str]:
 
 
 def check_targets(chunk, lcfg: LoRAConfig) -> None:
+    cfg = chunk.cfg
+    if lcfg.experts and not any(cfg.channel_mixer(i) == "moe" for i in range(cfg.num_layers)):
+        raise ConfigError(f"--lora-experts: {cfg.name or cfg.family} has no routed experts (a dense model); drop "
+                          f"--lora-experts")
     all_sites = sites(chunk)
     valid = valid_targets(chunk)
     fixed = sorted({n for s in all_sites if not s.adaptable for n in s.short_names})
@@ -140,6 +155,8 @@ def add_lora(chunks, lcfg: LoRAConfig) -> None:
             if all(n is None for n in names):
                 continue
             site.layer.lora = LoRA(site.layer, names, lcfg.rank, lcfg.alpha, lcfg.dropout, groups=site.groups)
+        if lcfg.experts:
+            add_expert_lora(chunk, lcfg.rank, lcfg.alpha)
         chunk.lora_config = lcfg
 
 
@@ -149,21 +166,9 @@ def init_lora(chunks, seed: int) -> None:
 
     for chunk in chunks:
         for name, mod in chunk.named_modules():
-            if isinstance(mod, LoRA):
+            if isinstance(mod, (LoRA, ExpertLoRA)):
                 layer = block_layer(name, chunk.cfg.num_layers)
-                with _seeded(seed + 1_000_003 + layer, chunk.device):
+                # (the experts' adapters from a stream of their own: not the same draws as the layer's linear ones)
+                offset = 2_000_003 if isinstance(mod, ExpertLoRA) else 1_000_003
+                with _seeded(seed + offset + layer, chunk.device):
                     mod.init_adapter()
-
-
-def peft_key_map(chunk) -> dict[str, str]:
-    """The chunk's adapter parameter names -> PEFT's adapter_model.safetensors keys."""
-    out = {}
-    for site in sites(chunk):
-        lora = site.layer.lora
-        if lora is None:
-            continue
-        by_short = dict(zip(site.short_names, site.hf_modules))
-        for name in lora.names:
-            for ab in ("A", "B"):
-                out[f"{site.module_name}.lora.{ab}.{name}"] = f"base_model.model.{by_short[name]}.lora_{ab}.weight"
-    return out

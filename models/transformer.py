@@ -118,6 +118,8 @@ class Transformer(nn.Module):
                 mark_tied(self.lm_head.weight, "embedding", primary=False)
         # The rotary tables this chunk's layers use (models/kinds/rotary.py), one buffer each, computed once per
         # forward; and the auxiliary-output rules of the whole model's kinds (models/aux.py).
+        # a mixer that reads the tokens' positions themselves (Context.positions), not only their rotary tables
+        self.reads_positions = any(getattr(block.attn, "reads_positions", False) for block in self.blocks().values())
         specs = [getattr(block.attn, "rotary", None) for block in self.blocks().values()]
         self.rotary_specs = list(dict.fromkeys(s for s in specs if s is not None))
         for j, spec in enumerate(self.rotary_specs):
@@ -281,6 +283,8 @@ class Transformer(nn.Module):
         return ctx, h
 
     def _rotary(self, ctx: Context, positions: torch.Tensor) -> None:
+        if self.reads_positions:  # (only then: a Context a recomputed block keeps holds nothing it does not use)
+            ctx.positions = positions
         for j, spec in enumerate(self.rotary_specs):
             ctx.rotary[spec] = cos_sin(getattr(self, f"inv_freq_{j}"), positions, attention_factor(spec))
 

@@ -1,7 +1,8 @@
 """Named configs: published shapes (with the HF repository each comes from) and tiny ones for tests/demos."""
 from __future__ import annotations
 
-from .config import AttentionConfig, GatedDeltaNetConfig, MLAConfig, MLPConfig, ModelConfig, MoEConfig
+from .config import (AttentionConfig, GatedDeltaNetConfig, MLAConfig, MLPConfig, ModelConfig, MoEConfig,
+                     SparseMLAConfig)
 from .registry import CONFIGS, register_config
 
 GPT2_MLP = dict(activation="gelu_tanh", bias=True)
@@ -317,6 +318,57 @@ _glm("tiny-glm4-moe", vocab=512, h=128, layers=4, heads=4, kv=2, head_dim=32, ff
 _gpt_oss("tiny-gpt-oss", layers=4, experts=8, vocab=512, h=128, heads=4, kv=2, head_dim=32, window=16, pos=512,
          yarn={**GPT_OSS_YARN, "factor": 4.0, "original_max_position_embeddings": 128}, eos=None, pad=None)
 
+
+
+# DeepSeek Sparse Attention (models/kinds/sparse_mla.py: MLA with a lightning indexer's top-k) and the 2026 MLA
+# families: DeepSeek-V3.2 (DeepSeek-V3's shapes, an indexer of 64 heads of 128 on every layer), GLM-5 (the GLM-5
+# report's and transformers' GlmMoeDsaConfig's shapes; its rope base is transformers' default), GLM-4.7-Flash (MLA +
+# GLM's DeepSeekMoE) and Mistral Small 4 (MLA + softmax-routed experts, Llama 4's query temperature), each from
+# transformers' config of the checkpoint.
+def _sparse(cfg: ModelConfig, family: str, index_heads: int, interleave: bool, src: str) -> ModelConfig:
+    """cfg with DeepSeek Sparse Attention on every layer: an indexer of index_heads heads of 128 choosing 2048 keys."""
+    return cfg.replace(name="", family=family, token_mixers=["sparse_mla"] * cfg.num_layers, hf_source=src,
+                       sparse_mla=SparseMLAConfig(index_topk=2048, index_n_heads=index_heads, index_head_dim=128,
+                                                  rope_interleave=interleave))
+
+
+def _mla_moe(family, *, vocab, h, layers, heads, ffn, moe_ffn, experts, top_k, dense, scaling, q_lora, kv_lora,
+             nope, rope, v, pos, eps, router="sigmoid", theta=10000.0, yarn=None, query_scale=None, interleave=True,
+             bos=None, eos=None, pad=None, src=""):
+    return ModelConfig(
+        family=family, vocab_size=vocab, hidden_size=h, num_layers=layers,
+        attention=AttentionConfig(num_heads=heads, head_dim=rope, rope_theta=theta, rope_scaling=yarn),
+        mla=MLAConfig(kv_lora_rank=kv_lora, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v,
+                      q_lora_rank=q_lora, rope_interleave=interleave,
+                      **(dict(query_scale_beta=query_scale[0], query_scale_length=query_scale[1]) if query_scale
+                         else {})),
+        mlp=MLPConfig(ffn), moe=MoEConfig(num_experts=experts, num_experts_per_tok=top_k, ffn_hidden_size=moe_ffn,
+                                          router=router, routed_scaling_factor=scaling, shared_expert_ffn=moe_ffn),
+        token_mixers=["mla"] * layers, channel_mixers=["mlp"] * dense + ["moe"] * (layers - dense),
+        max_position_embeddings=pos, norm_eps=eps, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
+        hf_source=src)
+
+
+register_config("deepseek-v3.2", _sparse(CONFIGS["deepseek-v3"], "deepseek_v32", 64, False,
+                                         "deepseek-ai/DeepSeek-V3.2"))
+register_config("glm-5", _sparse(_mla_moe(
+    "glm_moe_dsa", vocab=154880, h=6144, layers=78, heads=64, ffn=12288, moe_ffn=2048, experts=256, top_k=8, dense=3,
+    scaling=2.5, q_lora=2048, kv_lora=512, nope=192, rope=64, v=256, pos=202752, eps=1e-5), "glm_moe_dsa", 32, True,
+    "zai-org/GLM-5"))
+register_config("glm-4.7-flash", _mla_moe(
+    "glm4_moe_lite", vocab=154880, h=2048, layers=47, heads=20, ffn=10240, moe_ffn=1536, experts=64, top_k=4, dense=1,
+    scaling=1.8, q_lora=768, kv_lora=512, nope=192, rope=64, v=256, pos=202752, eps=1e-5,
+    src="zai-org/GLM-4.7-Flash"))
+register_config("mistral-small-4", _mla_moe(
+    "mistral4", vocab=131072, h=4096, layers=36, heads=32, ffn=12288, moe_ffn=2048, experts=128, top_k=4, dense=0,
+    scaling=1.0, q_lora=1024, kv_lora=256, nope=64, rope=64, v=128, pos=1048576, eps=1e-6, router="softmax",
+    yarn=_yarn(128.0, 32.0, original=8192), query_scale=(0.1, 8192), bos=1, eos=2, pad=11,
+    src="mistralai/Mistral-Small-4-119B-2603"))
+# A trainable cut (CPU tests, demos, scripts/bench/sparse_mla.py): tiny-deepseek-v3's shapes, an indexer of 4 heads
+# of 32 choosing 64 keys.
+register_config("tiny-deepseek-v3.2", CONFIGS["tiny-deepseek-v3"].replace(
+    name="", family="deepseek_v32", token_mixers=["sparse_mla"] * 4,
+    sparse_mla=SparseMLAConfig(index_topk=64, index_n_heads=4, index_head_dim=32)))
 
 # Hybrid linear attention (models/kinds/gated_deltanet.py): Qwen3.5 and Qwen3-Next put three Gated DeltaNet layers
 # before each gated attention layer (output gate, partial rotary 0.25, (1 + w) norms); OLMo 3 three sliding-window

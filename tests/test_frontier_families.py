@@ -47,18 +47,23 @@ def _hf_loss(model) -> float:
     return total / n
 
 
-@pytest.fixture(scope="module")
-def hf_runs(tmp_path_factory):
-    """{kind: (HF directory, transformers' loss, transformers' greedy continuation of PROMPT)}."""
+def hf_runs_of(tmp_path_factory, kinds, make, prompt, new: int) -> dict:
+    """{kind: (HF directory, transformers' loss, transformers' greedy continuation of prompt)} of the models
+    make(kind) builds (tests/test_dsa_families.py's too)."""
     out = {}
-    for kind in KINDS:
+    for kind in kinds:
         path = tmp_path_factory.mktemp(kind)
-        model = make_hf_model(kind)
+        model = make(kind)
         model.save_pretrained(path)
         with torch.no_grad():
-            greedy = model.generate(PROMPT, max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW)
+            greedy = model.generate(prompt, max_new_tokens=new, do_sample=False, min_new_tokens=new)
         out[kind] = (str(path), _hf_loss(model), greedy)
     return out
+
+
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory):
+    return hf_runs_of(tmp_path_factory, KINDS, make_hf_model, PROMPT, NEW)
 
 
 def _ours_loss(model) -> float:

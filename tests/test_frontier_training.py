@@ -21,15 +21,14 @@ import pytest
 import torch
 from frontier_models import VOCAB, make_hf_model
 from test_3d_parity import assert_close
-from test_moe_training import _full
+from test_moe_training import ExpertGrads, _full
 
 import tpzoo
 from tpzoo.checkpoint import load_weights_into
 from tpzoo.models import Inputs, ModelLayout, Transformer, from_hf_config
 from tpzoo.models.aux import after_optimizer_step
-from tpzoo.parallel import GradBuffer, grad_of
-from tpzoo.parallel.context_parallel import shard_batch
-from tpzoo.pipeline import build_model_chunks, finalize_grads, forward_backward
+from tpzoo.parallel import grad_of
+from tpzoo.pipeline import build_model_chunks
 from tpzoo.testing import run_on_ranks
 
 GLOBAL_BATCH, SEQ, STEPS, RATE = 4, 8, 3, 0.02
@@ -115,27 +114,12 @@ def train(path: str, kind: str, layout: dict, local_loads: bool = False) -> dict
         for c in chunks:
             c.train()
         params = list({id(p): p for c in chunks for p in c.parameters()}.values())
-        experts = [p for p in params if getattr(p, "expert_parallel", False)]
-        dense = [p for p in params if not getattr(p, "expert_parallel", False)]
-        buffers = [(GradBuffer(dense, device=dims.device), dims.grad_group),
-                   (GradBuffer(experts, device=dims.device),
-                    dims.expert_grad_group if dims.ep > 1 else dims.grad_group)]  # (edp exists at ep > 1)
+        reducer = ExpertGrads(params, dims)
         opt = make_optimizer(params)
         losses, grads, biases = [], {}, [_biases(chunks)]
         for step in range(STEPS):
             ids, labels = global_batch(step)
-            per_dp = GLOBAL_BATCH // dims.dp
-            rows = slice(dims.dp_rank * per_dp, (dims.dp_rank + 1) * per_dp)
-            mbs = [shard_batch({"input_ids": ids[rows][i:i + 1], "labels": labels[rows][i:i + 1]}, dims,
-                               layout.get("sp", False)) for i in range(per_dp)]
-            for buf, _ in buffers:
-                buf.zero()
-            out = forward_backward(chunks, mbs, dims, loss_scale=1.0 / int((labels != -100).sum()))
-            finalize_grads(chunks, dims)
-            for buf, group in buffers:
-                buf.reduce(group)
-            for p in params:
-                p.grad = p.main_grad.to(p.dtype)
+            out = reducer.step(chunks, ids, labels, layout.get("sp", False))
             losses.append(out["loss_sum"])
             if step == 0:
                 grads = {n: _full(p, grad_of(p), dims) for c in chunks for n, p in c.named_parameters()}

@@ -97,7 +97,7 @@ def test_bad_adapters_and_bases_are_refused(tmp_path):
     adapter = export_peft(str(ckpt), tmp_path / "peft")
     target = load_model(str(base))
     add_lora([target], read_peft_config(adapter))
-    with pytest.raises(CheckpointError, match=r"lora\.B\.k_proj has shape \[8, 2\], the base model needs \[16, 2\]"):
+    with pytest.raises(CheckpointError, match=r"k_proj\.lora_B\.weight has shape \[8, 2\], the base model needs \[16, 2\]"):
         load_peft_adapters([target], adapter)
     # the base of a LoRA checkpoint changed or went away
     save_hf_model("mistral", other)  # overwritten in place: another model

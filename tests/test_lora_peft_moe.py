@@ -1,16 +1,16 @@
-"""LoRA adapters of every mixture-of-experts family exported to Hugging Face PEFT (issue 48, item 1), in one process.
+"""LoRA adapters of every mixture-of-experts family exported to Hugging Face PEFT (issues 48 and 43), in one process.
 
-PEFT with transformers 5 reads the MLP projection names of an adapter (`gate_proj`, `up_proj`, `down_proj`) as the
-fused routed experts for the Qwen2-MoE-style model types, so an adapter on a dense layer's MLP (Qwen3-MoE's
-mlp_only_layers, the dense first layers of DeepSeek-V3 and GLM-4.5) or on the shared experts (Qwen3-Next) was
-dropped with a warning: PEFT ran the base weights there. Per family (MiniMax-M2 too), on a tiny model transformers wrote, adapters on
-every layer tpzoo can adapt (`all-linear`, or every valid name where all-linear is refused), random B:
-- `convert to-hf` (export_peft) either writes an adapter that peft.PeftModel.from_pretrained loads with tpzoo's
-  logits and loss, or refuses in one line (naming the projections and --merge) with nothing written; a refusal is
-  proven needed (the same adapter written without the check loads in PEFT to other logits), and the targets it
-  suggests export and load with tpzoo's logits;
-- `convert to-hf --merge` gives transformers tpzoo's logits either way.
-The command as typed (`tpzoo convert to-hf CKPT OUT`) refuses in one line, before writing anything."""
+PEFT 0.21 with transformers 5 reads the MLP projection names of an adapter's target_modules (`gate_proj`, `up_proj`,
+`down_proj`) as the fused routed experts for the Qwen2-MoE-style model types, so an adapter on a dense layer's MLP
+(Qwen3-MoE's mlp_only_layers, the dense first layers of DeepSeek-V3 and GLM-4.5) or on the shared experts
+(DeepSeek-V3, GLM-4.5, Qwen3-Next) named there would be dropped; the export names those by their weights in
+target_parameters instead (models/lora_peft.py). Per family (MiniMax-M2 too), on a tiny model transformers wrote,
+adapters on every layer tpzoo can adapt (`all-linear`, or every valid name where all-linear is refused), random B:
+- `convert to-hf` (export_peft) writes an adapter (the experts' in PEFT's target_parameters form) that peft.PeftModel.from_pretrained loads with tpzoo's logits
+  and loss; `convert to-hf --merge` gives transformers tpzoo's logits;
+- the export's guard (PEFT asked whether it loads the keys as written) refuses the old target_modules form;
+- dropout on such an adapter (PEFT's parameter targets take none) is refused by `tpzoo convert to-hf` in one line,
+  before writing anything (and by preflight before training: test_lora_experts_cli.py)."""
 import json
 
 import pytest
@@ -61,17 +61,17 @@ KINDS = ("qwen3_moe", "qwen3_next", "olmoe", "mixtral", "deepseek_v3", "deepseek
          "qwen3_5_moe", "minimax_m2")  # (about 0.3 s each)
 
 
-def _lora_checkpoint(base, path, targets=None):
-    """A tpzoo LoRA checkpoint on `base` (adapters on `targets`, default every layer tpzoo adapts, random B) and
-    tpzoo's logits with it."""
+def _lora_checkpoint(base, path, targets=None, dropout=0.0):
+    """A tpzoo LoRA checkpoint on `base` (adapters on `targets`, default every layer tpzoo adapts, and on every routed
+    expert (--lora-experts) unless with dropout; random B) and tpzoo's logits with it."""
     model = load_model(str(base))
     if targets is None:
         try:
-            add_lora([model], LoRAConfig(rank=4, alpha=8))  # all-linear
+            add_lora([model], LoRAConfig(rank=4, alpha=8, dropout=dropout, experts=not dropout))  # all-linear
         except ConfigError:  # (Qwen3-Next's in_proj_qkvz / in_proj_ba: every other name instead)
             targets = valid_targets(model)
     if targets is not None:
-        add_lora([model], LoRAConfig(rank=4, alpha=8, targets=list(targets)))
+        add_lora([model], LoRAConfig(rank=4, alpha=8, dropout=dropout, targets=list(targets), experts=not dropout))
     init_lora([model], 0)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -98,52 +98,57 @@ def _peft_logits(base, adapter):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_an_exported_adapter_loads_in_peft_as_trained_or_is_refused(kind, tmp_path, monkeypatch):
+def test_an_exported_adapter_loads_in_peft_as_trained(kind, tmp_path):
     from transformers import AutoModelForCausalLM
-
-    import tpzoo.checkpoint.peft as peft_io
 
     base = tmp_path / "base"
     hf = _hf_model(kind)
     hf.save_pretrained(base)
     with torch.no_grad():
         plain = hf.eval()(IDS).logits
-    want = merged_want = _lora_checkpoint(base, tmp_path / "lora")
+    want = _lora_checkpoint(base, tmp_path / "lora")
     assert (want - plain).abs().max() > 0.05  # the adapters matter
-    try:
-        adapter = export_peft(str(tmp_path / "lora"), tmp_path / "peft")
-    except CheckpointError as exc:
-        message = str(exc)
-        assert "\n" not in message and "--merge" in message and not (tmp_path / "peft").exists(), message
-        assert message.startswith(f"{kind.removesuffix('_noq')}: PEFT cannot load this adapter's "), message
-        # the refusal is needed: written anyway, PEFT loads it to other logits (what it did before the check)
-        monkeypatch.setattr(peft_io, "check_peft_loads", lambda *a: None)
-        unchecked = _peft_logits(base, export_peft(str(tmp_path / "lora"), tmp_path / "unchecked"))
-        assert (unchecked - want).abs().max() > 1e-3, message
-        # the targets it suggests export, and PEFT gives tpzoo's logits
-        monkeypatch.undo()
-        suggested = message.split("--lora-targets ")[1].split(",")
-        want = _lora_checkpoint(base, tmp_path / "lora2", suggested)
-        adapter = export_peft(str(tmp_path / "lora2"), tmp_path / "peft")
+    adapter = export_peft(str(tmp_path / "lora"), tmp_path / "peft")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} <= set(config["target_parameters"])
+    if kind.startswith(("deepseek_v3", "glm4_moe")):  # dense first layer and shared experts: named by their weights
+        assert {"mlp.gate_proj.weight", "mlp.shared_experts.down_proj.weight"} <= set(config["target_parameters"])
     got = _peft_logits(base, adapter)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert abs(_loss(got) - _loss(want)) < 1e-5
-    # --merge: a plain transformers model with the adapters in, whatever PEFT reads
+    # --merge: a plain transformers model with the adapters in
     export_merged(str(tmp_path / "lora"), tmp_path / "merged", progress=False)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     with torch.no_grad():
-        torch.testing.assert_close(merged(IDS).logits, merged_want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(merged(IDS).logits, want, rtol=1e-4, atol=1e-4)
 
 
-def test_convert_to_hf_refuses_an_adapter_peft_would_drop_in_one_line(tmp_path, monkeypatch, capsys):
-    """`tpzoo convert to-hf` of a Qwen3-MoE LoRA checkpoint with its dense layer's MLP adapted (the default
-    all-linear): exit 2, one line, nothing at the destination."""
+def test_peft_check_refuses_what_peft_would_drop():
+    """The export's guard (peft_check.py): the form before target_parameters, Qwen3-MoE's dense layer's MLP named in
+    target_modules, is what PEFT 0.21 moves to the fused experts and drops; the guard says so in one line."""
+    from tpzoo.checkpoint.peft_check import peft_refusal
+    from tpzoo.models import from_hf_config
+
+    cfg = from_hf_config(_hf_model("qwen3_moe").config.to_dict())
+    shapes = {f"base_model.model.model.layers.0.mlp.{n}.lora_{ab}.weight": (s if ab == "A" else (o, 4))
+              for n, s, o in [("gate_proj", (4, 32), 40), ("up_proj", (4, 32), 40), ("down_proj", (4, 40), 32)]
+              for ab in "AB"}
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8, "target_modules":
+              ["gate_proj", "up_proj", "down_proj"], "bias": "none"}
+    refusal = peft_refusal(cfg, config, shapes)
+    assert refusal and "\n" not in refusal, refusal
+    assert refusal.startswith("qwen3_moe: PEFT cannot load this adapter's down_proj, gate_proj, up_proj"), refusal
+    assert "fused routed experts" in refusal and "convert to-hf --merge" in refusal, refusal
+
+
+def test_convert_to_hf_refuses_dropout_on_what_peft_takes_as_parameters(tmp_path, monkeypatch, capsys):
+    """`tpzoo convert to-hf` of a Qwen3-MoE LoRA checkpoint trained with dropout on its dense layer's MLP (the
+    default all-linear; refused before training now, a run from before could have it): exit 2, one line, nothing at
+    the destination."""
     base = tmp_path / "base"
     _hf_model("qwen3_moe").save_pretrained(base)
-    _lora_checkpoint(base, tmp_path / "lora")
-    targets = json.loads((tmp_path / "lora" / "manifest.json").read_text())["metadata"]["lora"]["targets"]
-    assert targets == ["all-linear"]
+    _lora_checkpoint(base, tmp_path / "lora", dropout=0.1)
     line = one_error_line(*cli(monkeypatch, capsys, "convert", "to-hf", tmp_path / "lora", tmp_path / "out"),
-                          "convert to-hf", "qwen3_moe: PEFT cannot load this adapter's down_proj, gate_proj, up_proj",
-                          "fused routed experts", "convert to-hf --merge", "--lora-targets k_proj,o_proj,q_proj,v_proj")
+                          "convert to-hf", "qwen3_moe: PEFT takes", "which take no dropout", "--lora-dropout 0.1",
+                          "convert to-hf --merge")
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*")), line

@@ -70,6 +70,37 @@ def _full(p, t, dims):
     return comm.all_gather(t, dims.group("ep"), dim=0) if getattr(p, "expert_parallel", False) else t
 
 
+class ExpertGrads:
+    """A step's gradients at any layout with experts, reduced as the trainer does: the dense parameters' over dp x
+    cp (the grad group), the experts' over the expert-data-parallel group (the grad group at ep 1)."""
+
+    def __init__(self, params, dims):
+        experts = [p for p in params if getattr(p, "expert_parallel", False)]
+        dense = [p for p in params if not getattr(p, "expert_parallel", False)]
+        self.params, self.dims = params, dims
+        self.buffers = [(GradBuffer(dense, device=dims.device), dims.grad_group),
+                        (GradBuffer(experts, device=dims.device),
+                         dims.expert_grad_group if dims.ep > 1 else dims.grad_group)]
+
+    def step(self, chunks, ids, labels, sp: bool = False, micro: int = 1, **kw) -> dict:
+        """forward_backward over this dp rank's rows of the global batch (micro-batches of `micro` sequences), each
+        parameter's .grad the reduced gradient; forward_backward's output."""
+        dims = self.dims
+        per_dp = ids.shape[0] // dims.dp
+        rows = slice(dims.dp_rank * per_dp, (dims.dp_rank + 1) * per_dp)
+        mbs = [shard_batch({"input_ids": ids[rows][i:i + micro], "labels": labels[rows][i:i + micro]}, dims, sp)
+               for i in range(0, per_dp, micro)]
+        for buf, _ in self.buffers:
+            buf.zero()
+        out = forward_backward(chunks, mbs, dims, loss_scale=1.0 / int((labels != -100).sum()), **kw)
+        finalize_grads(chunks, dims)
+        for buf, group in self.buffers:
+            buf.reduce(group)
+        for p in self.params:
+            p.grad = p.main_grad.to(p.dtype)
+        return out
+
+
 def train(layout: dict) -> dict:
     cfg = DENSE_FIRST if layout.get("cfg") == "dense_first" else CFG
     dims = tpzoo.init_parallel(tp=layout["tp"], pp=layout.get("pp", 1), dp=layout["dp"], ep=layout["ep"],
@@ -78,27 +109,13 @@ def train(layout: dict) -> dict:
         chunks = build_model_chunks(cfg, dims, sequence_parallel=layout.get("sp", False), seed=SEED,
                                     recompute=layout.get("recompute", "none"))
         params = list({id(p): p for c in chunks for p in c.parameters()}.values())
-        experts = [p for p in params if getattr(p, "expert_parallel", False)]
-        dense = [p for p in params if not getattr(p, "expert_parallel", False)]
-        buffers = [(GradBuffer(dense, device=dims.device), dims.grad_group),
-                   (GradBuffer(experts, device=dims.device), dims.expert_grad_group)]
+        reducer = ExpertGrads(params, dims)
         opt = make_optimizer(params)
         losses, grads, empty = [], {}, 0
         for step in range(STEPS):
             ids, labels = global_batch(step, layout.get("seq", SEQ))
-            per_dp = GLOBAL_BATCH // dims.dp
-            rows = slice(dims.dp_rank * per_dp, (dims.dp_rank + 1) * per_dp)
-            mbs = [shard_batch({"input_ids": ids[rows][i:i + MICRO], "labels": labels[rows][i:i + MICRO]}, dims,
-                               layout.get("sp", False)) for i in range(0, per_dp, MICRO)]
-            for buf, _ in buffers:
-                buf.zero()
-            out = forward_backward(chunks, mbs, dims, loss_scale=1.0 / int((labels != -100).sum()),
-                                   schedule=layout.get("schedule", "1f1b"))
-            finalize_grads(chunks, dims)
-            for buf, group in buffers:
-                buf.reduce(group)
-            for p in params:
-                p.grad = p.main_grad
+            out = reducer.step(chunks, ids, labels, layout.get("sp", False), MICRO,
+                               schedule=layout.get("schedule", "1f1b"))
             losses.append(out["loss_sum"])
             if step == 0:
                 grads = {n: _full(p, grad_of(p), dims) for c in chunks for n, p in c.named_parameters()}

@@ -26,6 +26,7 @@ import torch
 
 import tpzoo
 from tpzoo.models import AttentionConfig, MLPConfig, MoEConfig, ModelConfig, Transformer, get_config
+from tpzoo.models.config import SparseMLAConfig
 from tpzoo.parallel import comm, gather_tp_tensor, param_spec
 from tpzoo.parallel.context_parallel import shard_batch
 from tpzoo.parallel.dims import local_dims
@@ -71,6 +72,9 @@ MODELS = {
     # elements only, and still gathers and orthogonalizes its share of the matrices
     "tied": get_config("nano-llama").replace(num_layers=2, vocab_size=2048, tie_embeddings=True),
 }
+# DeepSeek Sparse Attention on mla's shapes: the indexer (frozen, the default) keeps 3 of the 8 keys
+MODELS["dsa"] = MODELS["mla"].replace(token_mixers=["sparse_mla"] * 2, sparse_mla=SparseMLAConfig(
+    index_topk=3, index_n_heads=4, index_head_dim=8))
 
 
 # -- the Hugging Face projections, spelled out here (independent of tpzoo.train.muon_matrices) ------------------

@@ -5,10 +5,11 @@ from the whole score matrices (scale * q k^T of each micro-batch's q and k as th
 under the causal mask, every token, no blocks) and scales the rows itself: grouped queries by their kv group's
 smallest eta = min(1, tau / logit), square-rooted, on the query and key rows; latent attention per head, q_nope and
 k_nope by sqrt(eta), q_rope by eta. tp 2 with sequence parallelism, cp 2 (the keys of both cp ranks), pp 2
-(each stage its own layers), MLA at tp 2, a kv head replicated over tp 2, and Kimi Linear at tp 2 (its NoPE latent
-attention clipped, q_lora_rank null; its Kimi Delta Attention layers have no softmax logits and are left alone) must
-give the same step maxima and the same weights; tau is chosen so that some heads
-are clipped and some not, and without clipping the weights would differ.
+(each stage its own layers), MLA at tp 2, a kv head replicated over tp 2, Kimi Linear at tp 2 (its NoPE latent
+attention clipped, q_lora_rank null; its Kimi Delta Attention layers have no softmax logits and are left alone), and
+DeepSeek Sparse Attention at tp 2 + SP and cp 2 (its logits over the keys the indexer selected) must give the same
+step maxima and the same weights; tau is chosen so that some heads are clipped and some not, and without clipping
+the weights would differ.
 """
 from __future__ import annotations
 
@@ -27,15 +28,21 @@ from test_muon import LR, MODELS, RTOL, SEED, STEPS, local_batches, make_muon, r
 # between the first step's largest logits of the heads or kv groups (gqa 0.028-0.037, mla 0.022-0.048; llama's one
 # kv group per layer: 0.048 and 0.037)
 # kimi: its one latent attention layer's heads 0.022-0.034 over the three steps (6 of 12 head-steps clipped)
-TAU = {"gqa": 0.035, "mla": 0.04, "llama": 0.04, "kimi": 0.025}
+# dsa: over the selected keys 0.034-0.046 in layer 0 (0.048 over every causal key: a recorder blind to the selection
+# clips one more head), under 0.024 in layer 1
+TAU = {"gqa": 0.035, "mla": 0.04, "llama": 0.04, "kimi": 0.025, "dsa": 0.035}
 
 
-def full_logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """Largest causal logit per head of one forward: q [b, h, s, d], k [b, kv, s, d]."""
+def full_logits(q: torch.Tensor, k: torch.Tensor, scale: float, selected=None) -> torch.Tensor:
+    """Largest causal logit per head of one forward: q [b, h, s, d], k [b, kv, s, d]; of DeepSeek Sparse Attention
+    over the keys its indexer selected (the core's mask `selected` [b, 1, s, s])."""
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     scores = (q.detach().double() @ k.detach().double().mT) * scale
-    causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1)
-    return scores.masked_fill(causal, float("-inf")).amax(dim=(0, 2, 3))
+    hidden = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1)
+    if selected is not None:
+        assert not (selected & hidden).any()  # (the selection is causal)
+        hidden = ~selected
+    return scores.masked_fill(hidden, float("-inf")).amax(dim=(0, 2, 3))
 
 
 def clip_rows(mod, eta: torch.Tensor) -> None:
@@ -72,7 +79,9 @@ def clip_reference(model: str) -> dict:
         scale = block.attn.core.scale or block.attn.head_dim ** -0.5 if hasattr(block.attn, "head_dim") else \
             block.attn.core.scale
         block.attn.core.register_forward_pre_hook(
-            lambda _, args, layer=int(i), scale=scale: seen.append((layer, full_logits(args[0], args[1], scale))))
+            lambda _, args, layer=int(i), scale=scale: seen.append(
+                (layer, full_logits(args[0], args[1], scale, args[3] if getattr(args[3], "dtype", None) == torch.bool
+                                   else None))))
     maxima, clipped = [], 0
     for step in range(STEPS):
         seen.clear()
@@ -97,7 +106,8 @@ def clip_reference(model: str) -> dict:
 LAYOUTS = [dict(model="gqa", tp=2, sp=True, qk_clip=TAU["gqa"]), dict(model="gqa", cp=2, qk_clip=TAU["gqa"]),
            dict(model="gqa", pp=2, qk_clip=TAU["gqa"]), dict(model="mla", tp=2, qk_clip=TAU["mla"]),
            dict(model="llama", tp=2, qk_clip=TAU["llama"]),  # its one kv head on both tp ranks
-           dict(model="kimi", tp=2, qk_clip=TAU["kimi"])]  # NoPE latent attention among Kimi Delta Attention
+           dict(model="kimi", tp=2, qk_clip=TAU["kimi"]),  # NoPE latent attention among Kimi Delta Attention
+           dict(model="dsa", tp=2, sp=True, qk_clip=TAU["dsa"]), dict(model="dsa", cp=2, qk_clip=TAU["dsa"])]
 
 
 def test_qk_clip_equals_the_full_logits_reference_at_tp_cp_pp():

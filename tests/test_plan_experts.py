@@ -182,8 +182,7 @@ def test_bad_input_is_one_line(capsys):
         search(cfg, cluster, training, ep=3)
     with pytest.raises(ConfigError, match="no experts"):
         search(get_config("tiny-llama"), cluster, training, ep=2)
-    with pytest.raises(ConfigError, match="does not model LoRA on a mixture of experts"):
-        search(cfg, cluster, TrainingSpec(seq_len=16, global_batch_size=8, lora_rank=4))
+    # (LoRA on a mixture of experts is planned: tests/test_plan_lora_experts.py)
     rc = main(["plan", "--model", "nano-mixtral", "--gpus", "4", "--gpu-memory", "80", "--seq-len", "16",
                "--global-batch-size", "8", "--ep", "3"])
     err = capsys.readouterr().err.strip().splitlines()

@@ -1,7 +1,7 @@
 """The plan's memory floor (tpzoo/plan/bound.py) and what the search does with it (issue 48, items 4 and 5).
 
-- The floor is one: for every layout of several searches (dense and mixture-of-experts models, ZeRO 0 to 3, LoRA,
-  context parallelism) it is at most what estimate() finds, and the search that leaves out the layouts over their
+- The floor is one: for every layout of several searches (dense and mixture-of-experts models, ZeRO 0 to 3, LoRA (on
+  experts too), context parallelism) it is at most what estimate() finds, and the search that leaves out the layouts over their
   floor finds exactly the layouts that fit of the search that estimates them all.
 - `tpzoo plan` as typed with only --model, --gpus and --gpu-memory runs (4096-token sequences, 4M-token batches),
   and when nothing fits says which flag would: that flag, run, fits; with --replicas it says that nothing is left
@@ -26,6 +26,8 @@ CASES = {  # (model, GPUs of 80 GiB, the run, the search's restrictions)
              dict(max_micro_batch=1, recompute="full")),
     "cp": ("llama-3-8b", 8, TrainingSpec(seq_len=32768, global_batch_size=8),
            dict(max_micro_batch=1, recompute="full")),
+    "lora_experts": ("qwen3-30b-a3b", 8, TrainingSpec(seq_len=4096, global_batch_size=16, lora_rank=16,
+                                                      lora_experts=True), dict(max_micro_batch=2, tp=1, pp=1)),
     "experts": ("qwen3-30b-a3b", 16, TrainingSpec(seq_len=4096, global_batch_size=16, zero=1),
                 dict(max_micro_batch=1, recompute="selective", tp=2)),
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tpzoo.errors import ConfigError
 
-from ..config import LAYER_TYPES, MLPConfig, ModelConfig, MoEConfig
+from ..config import LAYER_TYPES, AttentionConfig, MLAConfig, MLPConfig, ModelConfig, MoEConfig
 from ..hf_mapping import same
 from ..kinds.rotary import ROPE_TYPES  # what the rotary tables implement
 from ..mtp_hf import mtp_tensor_maps
@@ -215,3 +215,40 @@ def mtp_notes(family: str, hf: dict) -> list[str]:
     first = hf["num_hidden_layers"]
     return [f"{family}: the {n} multi-token-prediction layer(s) (num_nextn_predict_layers; model.layers.{first}"
             f"{'-' + str(first + n - 1) if n > 1 else ''}.*, if present) are not imported (transformers drops them too)"]
+
+
+# -- Multi-head latent attention's fields (DeepSeek-V3.2, GLM-5, GLM-4.7-Flash, Mistral Small 4) -------------------
+
+def mla_fields(family: str, hf: dict, params: dict | None = None, interleave: bool | None = None) -> dict:
+    """ModelConfig keyword arguments `attention` and `mla` of a DeepseekV3Config-shaped MLA config (rope read from
+    `params`, default HF's rope_parameters; `interleave`: the rotary layout when the family fixes it, else HF's
+    rope_interleave)."""
+    theta, scaling = read_rope(family, hf, params, yarn=True)
+    bias = bool(hf.get("attention_bias", False))
+    return dict(
+        # head_dim: the shared rotary key's width; the heads' own widths are MLA's
+        attention=AttentionConfig(num_heads=hf["num_attention_heads"], head_dim=hf["qk_rope_head_dim"],
+                                  qkv_bias=bias, out_bias=bias, rope_theta=theta, rope_scaling=scaling),
+        mla=MLAConfig(kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
+                      qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+                      q_lora_rank=hf.get("q_lora_rank"),
+                      rope_interleave=bool(hf.get("rope_interleave", True)) if interleave is None else interleave))
+
+
+def mla_to_hf(cfg: ModelConfig) -> dict:
+    m, a = cfg.mla, cfg.attention
+    return dict(kv_lora_rank=m.kv_lora_rank, q_lora_rank=m.q_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
+                qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, attention_bias=a.qkv_bias)
+
+
+def mlp_layer_kinds(family: str, hf: dict) -> list | None:
+    """The channel mixers from HF's `mlp_layer_types` ("dense" / "sparse" per layer; None when absent)."""
+    types = hf.get("mlp_layer_types")
+    if types is None:
+        return None
+    if not set(types) <= {"dense", "sparse"}:
+        raise refuse(family, "mlp_layer_types", sorted(set(types) - {"dense", "sparse"})[0], ["dense", "sparse"])
+    if len(types) != hf["num_hidden_layers"]:
+        raise ConfigError(f"{family}: HF config field mlp_layer_types has {len(types)} entries for "
+                          f"{hf['num_hidden_layers']} layers")
+    return ["moe" if t == "sparse" else "mlp" for t in types]

@@ -6,6 +6,7 @@ per layer from the config (ModelConfig.token_mixer(i) / channel_mixer(i)) throug
                     "mla"        multi-head latent attention (mla.py)
                     "gated_deltanet"  linear attention: Qwen3.5 / Qwen3-Next's Gated DeltaNet (gated_deltanet.py)
                     "kimi_delta" linear attention: Kimi Linear's Kimi Delta Attention (kimi_delta.py)
+                    "sparse_mla" DeepSeek Sparse Attention: MLA with a lightning indexer's top-k (sparse_mla.py)
     channel mixers  "mlp"        the dense MLP (mlp.py)
                     "moe"        a mixture of experts (moe.py)
 
@@ -30,6 +31,11 @@ A token mixer class:
         (models/inputs.py Cache) and passes it back to forward; the model counts the decoded tokens (ctx.past).
     rotary: RotarySpec | None       the rotary table it needs (rotary.py); the Transformer computes it once.
     core: nn.Module (optional)      its parameterless inner computation: what selective recomputation wraps.
+    reads_positions: bool (optional) it reads the tokens' positions themselves (Context.positions), not only the
+                                    rotary tables (Mistral 4's query temperature); the Context holds them only then.
+    reads_layer(cfg, layer) -> int (optional, static) the earliest layer whose result of the same forward it reads
+                                    (GLM-5's shared sparse attention: its source's selection); a pipeline stage
+                                    holds both (ModelConfig.reads_layer). Default: itself.
     num_parameters(cfg, layer, active) -> int   (static: the model's count without building it)
     sequence_flops(cfg, layer, seq_len) -> int   (static: forward FLOPs per token beyond its matmuls)
 A channel mixer class: the same __init__, forward(x, ctx) -> y, and num_parameters.
@@ -50,4 +56,4 @@ from ..registry import (CHANNEL_MIXERS, TOKEN_MIXERS, channel_mixer_kind, layer_
                         register_channel_mixer, register_token_mixer, token_mixer_kind)
 
 # The built-in kinds, each listed once (a module registers its classes when imported):
-from . import attention, gated_deltanet, kimi_delta, mla, mlp, moe  # noqa: E402,F401
+from . import attention, gated_deltanet, kimi_delta, mla, mlp, moe, sparse_mla  # noqa: E402,F401

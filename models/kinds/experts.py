@@ -67,13 +67,14 @@ class GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, offs):
         op = grouped_mm_op(x.device)
-        ctx.save_for_backward(x, w, offs)
+        # x only for the weight's gradient: a frozen expert weight (LoRA) keeps no rows, as F.linear's would not
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w, offs)
         return op(x, w.transpose(-2, -1), offs)
 
     @staticmethod
     def backward(ctx, dy):
         x, w, offs = ctx.saved_tensors
-        op = grouped_mm_op(x.device)
+        op = grouped_mm_op(dy.device)
         dy = dy.contiguous()
         dx = op(dy, w, offs) if ctx.needs_input_grad[0] else None  # [T, N] x [G, N, K]
         dw = None
@@ -85,28 +86,33 @@ class GroupedLinear(torch.autograd.Function):
         return dx, dw, None
 
 
-def use_grouped(gemm: str, rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+def use_grouped(gemm: str, rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                lora_rank: int | None = None) -> bool:
     """Whether the experts run as grouped GEMMs: "grouped" forces it (CUDA: bf16 only), "loop" never, "auto" on
-    CUDA bf16 with compute capability 9.0+ (Hopper's grouped GEMM) and every GEMM dim a multiple of 8 (16 bytes)."""
+    CUDA bf16 with compute capability 9.0+ (Hopper's grouped GEMM) and every GEMM dim a multiple of 8 (16 bytes),
+    the experts' adapters' rank too (`lora_rank`: their inner dim)."""
     if gemm not in GEMMS:
         raise ValueError(f"expert gemm {gemm!r}: choose one of {GEMMS}")
+    dims = (*gate_up.shape[1:], *down.shape[1:], *((lora_rank,) if lora_rank else ()))
     cuda_ok = (rows.device.type == "cuda" and rows.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-               and all(n % 8 == 0 for n in (*gate_up.shape[1:], *down.shape[1:])))
+               and all(n % 8 == 0 for n in dims))
     if gemm == "grouped":
         if rows.device.type == "cuda" and not cuda_ok:
             raise ValueError(f"grouped expert GEMMs on CUDA need bf16 rows and GEMM dims that are multiples of 8 "
-                             f"(torch._grouped_mm); got {rows.dtype}, gate_up {tuple(gate_up.shape)}")
+                             f"(torch._grouped_mm); got {rows.dtype}, gate_up {tuple(gate_up.shape)}"
+                             + (f", LoRA rank {lora_rank}" if lora_rank else ""))
         return True
     return gemm == "auto" and cuda_ok and torch.cuda.get_device_capability(rows.device) >= (9, 0)
 
 
 def expert_mlp(rows: torch.Tensor, counts, gate_up: torch.Tensor, down: torch.Tensor, activation,
                gemm: str = "auto", gate_up_bias: torch.Tensor | None = None,
-               down_bias: torch.Tensor | None = None) -> torch.Tensor:
+               down_bias: torch.Tensor | None = None, lora=None) -> torch.Tensor:
     """The local experts over their contiguous row groups; counts: rows per expert (a device tensor or host
-    ints). Every expert runs, an empty one on zero rows, so each expert weight gets a (possibly zero) gradient."""
+    ints). Every expert runs, an empty one on zero rows, so each expert weight gets a (possibly zero) gradient.
+    `lora`: the experts' adapters (expert_lora.ExpertLoRA), added to each weight's output with the same groups."""
     act = _activation(activation)
-    if use_grouped(gemm, rows, gate_up, down):
+    if use_grouped(gemm, rows, gate_up, down, lora.rank if lora is not None else None):
         counts = torch.as_tensor(counts, device=rows.device)  # host ints: one copy to the device, no sync
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         expert_of = None
@@ -114,10 +120,14 @@ def expert_mlp(rows: torch.Tensor, counts, gate_up: torch.Tensor, down: torch.Te
             expert_of = torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts,
                                                 output_size=rows.shape[0])
         h = GroupedLinear.apply(rows, gate_up, offs)
+        if lora is not None:
+            h = h + lora.grouped("gate_up", rows, offs)
         if gate_up_bias is not None:
             h = h + gate_up_bias.index_select(0, expert_of)
-        gate, up = h.chunk(2, dim=-1)
-        out = GroupedLinear.apply(act(gate, up), down, offs)
+        a = act(*h.chunk(2, dim=-1))
+        out = GroupedLinear.apply(a, down, offs)
+        if lora is not None:
+            out = out + lora.grouped("down", a, offs)
         return out + down_bias.index_select(0, expert_of) if down_bias is not None else out
     counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts  # the loop's host sync
     outs, start = [], 0
@@ -126,9 +136,13 @@ def expert_mlp(rows: torch.Tensor, counts, gate_up: torch.Tensor, down: torch.Te
     gate_ups, downs = gate_up.unbind(0), down.unbind(0)
     gate_up_biases = gate_up_bias.unbind(0) if gate_up_bias is not None else [None] * len(gate_ups)
     down_biases = down_bias.unbind(0) if down_bias is not None else [None] * len(downs)
+    adapter = lora.per_expert() if lora is not None else None
     for e, n in enumerate(counts):
-        gate, up = F.linear(rows[start:start + n], gate_ups[e], gate_up_biases[e]).chunk(2, dim=-1)
-        outs.append(F.linear(act(gate, up), downs[e], down_biases[e]))
+        x = rows[start:start + n]
+        h = F.linear(x, gate_ups[e], gate_up_biases[e])
+        a = act(*(h if adapter is None else adapter.add("gate_up", h, x, e)).chunk(2, dim=-1))
+        out = F.linear(a, downs[e], down_biases[e])
+        outs.append(out if adapter is None else adapter.add("down", out, a, e))
         start += n
     return torch.cat(outs, dim=0)
 

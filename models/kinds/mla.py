@@ -114,6 +114,7 @@ class LatentAttention(nn.Module):
         out_std = std / math.sqrt(2 * cfg.num_layers)
         self.o_proj = RowParallelLinear(heads * m.v_head_dim, h, bias=a.out_bias,
                                         init_method=lambda t: nn.init.normal_(t, std=out_std), **layout.linear)
+        self.reads_positions = m.query_scale_beta is not None  # Mistral 4's query temperature (Context.positions)
         self.core = attention_core(layout, self.softmax_scale(cfg), None, None, False)
 
     @staticmethod
@@ -148,33 +149,71 @@ class LatentAttention(nn.Module):
             raise ParallelLayoutError(f"tp={tp} does not divide num_heads={cfg.attention.num_heads}")
 
     def forward(self, x, ctx: Context, cache: LatentCache | None = None):
-        m, dims = self.m, self.layout.dims
-        sp = self.layout.split_sequence
-        if cache is not None and sp:
+        if cache is not None and self.layout.split_sequence:
             raise ConfigError("latent attention decodes with a cache without sequence parallelism")
-        if m.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = rearrange(q, "b s (heads d) -> b s heads d", d=m.qk_head_dim)
-        q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent)
-        # the shared rotary key enters the TP region on its own (the latent enters through kv_b_proj)
-        k_rope = gather_from_sequence(k_rope, -2, dims.tp_group) if sp else copy_to_tp(k_rope, dims.tp_group)
-        if self.rotary is not None:
-            cos, sin = ctx.rotary[self.rotary]
-            rotate = apply_rotary_interleaved if m.rope_interleave else kernels.apply_rotary
-            q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope.unsqueeze(2), cos, sin).squeeze(2)
+        q, _ = self.queries(x, ctx)
+        latent, k_rope = self.latents(x)
+        k_rope = self.shared_key(k_rope, ctx)
         past = 0
         if cache is not None:
             latent, k_rope, past = cache.update(latent, k_rope)
-        kv = rearrange(self.kv_b_proj(latent), "b s (heads d) -> b s heads d", heads=self.heads)
+        k, v = self.keys_values(latent, k_rope)
+        return self.output(self.core(q, k, v, past, ctx.docs))
+
+    # -- the steps, which the sparse kind (sparse_mla.py) composes with its indexer ---------------------------------
+    def queries(self, x, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [b, heads/tp, s, qk_head_dim] rotated, and scaled per position where the config says so; the query
+        latent q_a_layernorm(q_a_proj(x)) of this rank's tokens, or x without q_lora_rank)."""
+        m = self.m
+        if m.q_lora_rank is None:
+            q_latent, q = x, self.q_proj(x)
+        else:
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_latent)
+        q = rearrange(q, "b s (heads d) -> b s heads d", d=m.qk_head_dim)
+        q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        if self.rotary is not None:  # none on a NoPE layer: the rope part passes through
+            q_rope = self._rotate(q_rope, *ctx.rotary[self.rotary])
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        if m.query_scale_beta is not None:  # Mistral 4: 1 + beta log(1 + floor(position / length)) per token
+            pos = ctx.positions.to(torch.float32)
+            scale = 1 + m.query_scale_beta * torch.log(1 + torch.floor(pos / m.query_scale_length))
+            q = q * scale.to(q.dtype)[..., None, None]
+        return rearrange(q, "b s heads d -> b heads s d"), q_latent
+
+    def latents(self, x) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the normalized kv latent [b, s, kv_lora_rank], the shared rotary key before its rotary [b, s, rope]) of
+        this rank's tokens (its shard under SP)."""
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.m.kv_lora_rank, self.m.qk_rope_head_dim], dim=-1)
+        return self.kv_a_layernorm(latent), k_rope
+
+    def shared_key(self, k_rope, ctx: Context) -> torch.Tensor:
+        """The shared rotary key in the TP region (all-gathered under SP, its gradient summed over tp), rotated."""
+        dims = self.layout.dims
+        # it enters on its own (the latent enters through kv_b_proj)
+        k_rope = gather_from_sequence(k_rope, -2, dims.tp_group) if self.layout.split_sequence \
+            else copy_to_tp(k_rope, dims.tp_group)
+        if self.rotary is None:
+            return k_rope
+        return self._rotate(k_rope.unsqueeze(2), *ctx.rotary[self.rotary]).squeeze(2)
+
+    def _rotate(self, x, cos, sin):
+        return (apply_rotary_interleaved if self.m.rope_interleave else kernels.apply_rotary)(x, cos, sin)
+
+    def keys_values(self, latent, k_rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """k [b, heads/tp, S, qk_head_dim] and v [b, heads/tp, S, v_head_dim] of the latents (kv_b_proj, column
+        parallel: its SP entry gathers the latents) and the rotated shared key [b, S, rope]."""
+        return self.split_kv(self.kv_b_proj(latent), k_rope)
+
+    def split_kv(self, kv, k_rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """k and v (heads first) of kv_b_proj's output [b, S, heads/tp * (nope + v)] and the rotated shared key."""
+        m = self.m
+        kv = rearrange(kv, "b s (heads d) -> b s heads d", heads=self.heads)
         k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, self.heads, -1)], dim=-1)
-        q = torch.cat([q_nope, q_rope], dim=-1)
-        q, k, v = (rearrange(t, "b s heads d -> b heads s d") for t in (q, k, v))
-        out = self.core(q, k, v, past, ctx.docs)
+        return rearrange(k, "b s heads d -> b heads s d"), rearrange(v, "b s heads d -> b heads s d")
+
+    def output(self, out) -> torch.Tensor:
         return self.o_proj(rearrange(out, "b heads s d -> b s (heads d)"))
 
     def qk_clip_scales(self, eta: torch.Tensor) -> list:

@@ -109,6 +109,7 @@ class MoE(nn.Module):
         # "auto": grouped GEMMs where torch._grouped_mm runs (CUDA bf16, Hopper+), else the loop (experts.py);
         # "grouped" / "loop" force one (tests compare them)
         self.expert_gemm = "auto"
+        self.lora = None  # the routed experts' adapters (expert_lora.ExpertLoRA) under --lora-experts
         self.last_stats: dict | None = None
         self.last_logits: torch.Tensor | None = None
         if moe.shared_expert_ffn:  # registered after the routed experts: their parameter order stays
@@ -302,9 +303,9 @@ class MoE(nn.Module):
 
             q = self.quantized
             return quantized_expert_mlp(rows, counts, q.get("gate_up", self.gate_up), q.get("down", self.down),
-                                        _activation(self.activation))
+                                        _activation(self.activation), self.lora)
         return expert_mlp(rows, counts, self.gate_up, self.down, self.activation, self.expert_gemm,
-                          getattr(self, "gate_up_bias", None))
+                          getattr(self, "gate_up_bias", None), lora=self.lora)
 
 
 def _expert_param(t: torch.Tensor, spec: ShardSpec) -> nn.Parameter:

@@ -54,6 +54,8 @@ def build(cfg, dtype, device, path: str, hf_experts: str | None):
 
 
 def steps(hf, tz, device):
+    from tpzoo.models import Inputs
+
     fused = {"fused": True} if device.type == "cuda" else {}
     opts = {"transformers": torch.optim.AdamW(hf.parameters(), lr=1e-5, **fused),
             "tpzoo": torch.optim.AdamW(tz.parameters(), lr=1e-5, **fused)}
@@ -112,19 +114,7 @@ def run_device(device: str, n_steps: int, hf_experts: str | None) -> str:
     rows = torch.zeros(1, cfg.hidden_size, dtype=dtype, device=device)
     gemm = "grouped" if use_grouped(first.expert_gemm, rows, first.gate_up, first.down) else "loop"
     check = grouped_vs_loop(tz, tz_loss, batches[0])
-    times, losses = {n: [] for n in fns}, {n: [] for n in fns}
-    # wall clock on CUDA; on CPU this process's CPU time (one thread: steadier on a shared machine)
-    clock = time.perf_counter if device.type == "cuda" else time.process_time
-    for i, ids in enumerate(batches):  # alternating; the first of each is warm-up
-        for name, fn in fns.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t = clock()
-            losses[name].append(float(fn(ids)))
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i:
-                times[name].append(clock() - t)
+    times, losses = alternate(fns, batches, device)
     name_dev = device_name(device)
     peak = peak_tflops("bf16" if dtype == torch.bfloat16 else "fp32", name_dev)
     fpt, tokens = cfg.flops_per_token(seq), batch * seq
@@ -153,6 +143,25 @@ def run_device(device: str, n_steps: int, hf_experts: str | None) -> str:
             "| implementation | tokens/s | step (median) | MFU (active parameters) | first loss |\n"
             "|---|---|---|---|---|\n" + "\n".join(rows_md) + f"\n\ntpzoo / transformers speed: {ratio:.2f}x. "
             f"Grouped expert GEMMs vs the loop on one batch: {check}.\n")
+
+
+def alternate(fns: dict, batches, device) -> tuple[dict, dict]:
+    """Run each fn on every batch, the fns alternating: (name -> step times, the first batch's a warm-up left out;
+    name -> their outputs as floats). Wall clock on CUDA; on CPU this process's CPU time (one thread: steadier on a
+    shared machine)."""
+    times, outs = {n: [] for n in fns}, {n: [] for n in fns}
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
+    for i, ids in enumerate(batches):
+        for name, fn in fns.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t = clock()
+            outs[name].append(float(fn(ids)))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:
+                times[name].append(clock() - t)
+    return times, outs
 
 
 def _count(n: float) -> str:

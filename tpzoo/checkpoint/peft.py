@@ -1,12 +1,12 @@
 """Hugging Face PEFT adapters in and out: a LoRA checkpoint as `adapter_config.json` + `adapter_model.safetensors`
 (what `peft.PeftModel.from_pretrained(base, DIR)` loads), and a PEFT adapter as the starting adapters of a run at
-any (tp, pp).
+any (tp, pp, ep).
 
-Names: PEFT keys are `base_model.model.<HF module>.lora_A.weight` / `.lora_B.weight`, the HF module being the one
-the family's tensor map names for that part of the tpzoo weight (tpzoo.models.lora.peft_key_map). Shapes are the
-full ones ([r, in] and [out, r]), so a rank reads only its shard from the dict, as from any checkpoint. Before an
-adapter is written, PEFT is asked whether it loads it as written (peft_check.py); what it would drop is refused in
-one line.
+Names and layout are tpzoo.models.lora_peft's: linear layers' adapters as `base_model.model.<HF module>.lora_A.weight`
+/ `.lora_B.weight`, the routed experts' in PEFT's target_parameters form. Every tensor is converted whole to
+tpzoo's full layout, so a rank reads only its shard (its tp slice, its experts) from the dict, as from any
+checkpoint. Before an adapter is written, PEFT is asked whether it loads it as written (peft_check.py); what it
+would drop is refused in one line.
 """
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ class TensorDictSource:
 
 def read_peft_config(peft_dir):
     """The LoRAConfig of a PEFT adapter directory; features tpzoo does not implement are refused by name."""
-    from tpzoo.models.lora import LoRAConfig
+    from tpzoo.errors import ConfigError
+    from tpzoo.models.lora_peft import config_from_peft
 
     path = Path(peft_dir) / ADAPTER_CONFIG
     if not path.is_file():
@@ -70,38 +71,57 @@ def read_peft_config(peft_dir):
             raise CheckpointError(f"{path}: {key} ({what}) is not supported by tpzoo's LoRA")
     if c.get("bias", "none") != "none":
         raise CheckpointError(f"{path}: bias {c['bias']!r} is not supported (only 'none')")
-    targets = c.get("target_modules")
-    if isinstance(targets, str):
-        targets = [targets] if targets == "all-linear" else None
-    if not targets:
-        raise CheckpointError(f"{path}: target_modules {c.get('target_modules')!r}: give a list of module names")
-    return LoRAConfig(c["r"], c["lora_alpha"], c.get("lora_dropout", 0.0), list(targets))
+    try:
+        return config_from_peft(c, str(path))
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def _read_peft_tensors(peft_dir) -> dict:
+    from safetensors.torch import load_file
+
+    weights = Path(peft_dir) / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise CheckpointError(f"{peft_dir} has no {ADAPTER_WEIGHTS}")
+    # PEFT saves the adapter name in the key only when it is not "default": accept both spellings
+    return {k.replace(".default.weight", ".weight"): v for k, v in load_file(str(weights), device="cpu").items()}
 
 
 def load_peft_adapters(chunks, peft_dir) -> None:
-    """Fill the adapters of this rank's chunks (already added with the adapter's config) from a PEFT directory."""
-    from safetensors.torch import load_file
-
-    from tpzoo.models.lora import peft_key_map
+    """Fill the adapters of this rank's chunks (already added with the adapter's config) from a PEFT directory:
+    each tensor from PEFT's layout to tpzoo's full one (models/lora_peft.py), then this rank's shard of it."""
+    from tpzoo.models.lora_peft import peft_tensors
     from tpzoo.parallel.lora import is_lora_param
 
     from .layout import param_infos
     from .sources import check_source, fill_params
 
-    weights = Path(peft_dir) / ADAPTER_WEIGHTS
-    if not weights.is_file():
-        raise CheckpointError(f"{peft_dir} has no {ADAPTER_WEIGHTS}")
-    peft = load_file(str(weights), device="cpu")
+    peft = _read_peft_tensors(peft_dir)
     for chunk in chunks:
-        keys = peft_key_map(chunk)
-        # PEFT saves the adapter name in the key only when it is not "default"; accept both spellings.
-        renamed = {ours: peft.get(key, peft.get(key.replace(".weight", ".default.weight")))
-                   for ours, key in keys.items()}
-        source = TensorDictSource({k: v for k, v in renamed.items() if v is not None}, str(peft_dir))
         infos = param_infos(chunk, chunk.cfg, chunk.dims.tp, is_lora_param)
+        full = {info.name: info.full_shape for info in infos}
+        tensors = {}
+        for t in peft_tensors(chunk):
+            if t.key not in peft:
+                continue  # (check_source names what is missing)
+            want = tuple(t.to_peft(torch.empty(full[t.ours], device="meta")).shape)
+            if tuple(peft[t.key].shape) != want:
+                raise CheckpointError(f"{peft_dir}: adapter {t.key} has shape {list(peft[t.key].shape)}, the base "
+                                      f"model needs {list(want)} (an adapter of another model, or of another rank?)")
+            tensors[t.ours] = t.from_peft(peft[t.key])
+        source = TensorDictSource(tensors, str(peft_dir))
         check_source(source, infos)
         with torch.no_grad():
             fill_params(chunk, source, infos, chunk.dims.tp_rank, chunk.dims.tp)
+
+
+def unused_peft_keys(model, peft_dir) -> list[str]:
+    """The LoRA keys of a PEFT adapter that the whole `model` (its adapters added) would not read: adapters on
+    modules tpzoo does not adapt, which a run would silently drop."""
+    from tpzoo.models.lora_peft import peft_tensors
+
+    ours = {t.key for t in peft_tensors(model)}
+    return sorted(k for k in _read_peft_tensors(peft_dir) if ".lora_" in k and k not in ours)
 
 
 def export_peft(ckpt, dst, force: bool = False) -> Path:
@@ -109,7 +129,8 @@ def export_peft(ckpt, dst, force: bool = False) -> Path:
     from safetensors.torch import save_file
 
     from tpzoo.models import ModelLayout, Transformer
-    from tpzoo.models.lora import add_lora, peft_key_map
+    from tpzoo.models.lora import add_lora
+    from tpzoo.models.lora_peft import peft_targets, peft_tensors
     from tpzoo.models.registry import get_family
     from tpzoo.parallel.dims import ParallelDims
 
@@ -125,22 +146,28 @@ def export_peft(ckpt, dst, force: bool = False) -> Path:
     try:
         full = Transformer(source.cfg, ModelLayout(ParallelDims.for_rank(tp=1), device="meta"))
         add_lora([full], lcfg)
-        keys = peft_key_map(full)
-        tensors = {key: source.read_box(ours, [(0, n) for n in source.full_shape(ours)]).contiguous()
-                   for ours, key in keys.items()}
+        modules, params = peft_targets(full)
+        tensors = {t.key: t.to_peft(source.read_box(t.ours, [(0, n) for n in source.full_shape(t.ours)])).contiguous()
+                   for t in peft_tensors(full)}
+        mtp_keys = {t.key for t in peft_tensors(full) if t.ours.startswith("mtp.")}
     finally:
         source.close()
     base = info["base"]["path"]
-    targets = sorted({k.split(".")[-3] for k in keys.values()})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lcfg.rank, "lora_alpha": lcfg.alpha,
-              "lora_dropout": lcfg.dropout, "target_modules": targets, "bias": "none",
+              "lora_dropout": lcfg.dropout, "target_modules": modules, "bias": "none",
               "fan_in_fan_out": get_family(source.cfg.family).hf_conv1d,  # Conv1D weights are [in, out]
               "base_model_name_or_path": base, "inference_mode": True, "use_rslora": False, "use_dora": False,
               "init_lora_weights": True, "modules_to_save": None}
+    if params:  # the routed experts, and MLPs PEFT would read as them (models/lora_peft.py)
+        config["target_parameters"] = params
+        if lcfg.dropout:  # (refused before training since; a run from before trained with it)
+            raise CheckpointError(f"{source.cfg.family}: PEFT takes {', '.join(params)} as parameters "
+                                  f"(target_parameters), which take no dropout, and this run trained with "
+                                  f"--lora-dropout {lcfg.dropout:g}; export the model with the adapters merged "
+                                  f"(convert to-hf --merge)")
     # multi-token prediction's adapters (models/mtp.py) go out under their HF names beside the others; transformers'
     # model has no MTP layers (it drops their weights), so PEFT is asked about the main model's keys only
-    check_peft_loads(source.cfg, config, {key: tensors[key].shape for ours, key in keys.items()
-                                          if not ours.startswith("mtp.")})
+    check_peft_loads(source.cfg, config, {key: t.shape for key, t in tensors.items() if key not in mtp_keys})
     dst = Path(dst)
     with atomic_dir(dst, force=force) as tmp:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
@@ -164,10 +191,18 @@ def check_peft_loads(cfg, config: dict, shapes: dict) -> None:
 
 
 def merge_adapters(model) -> None:
-    """Fold every adapter of a whole (tp=1) model into its weight, W += (alpha/r) B A, and drop the adapters."""
+    """Fold every adapter of a whole (tp=1, ep=1) model into its weight, W += (alpha/r) B A, and drop the
+    adapters (the routed experts' too: each expert's own)."""
+    from tpzoo.models.kinds.expert_lora import expert_loras
     from tpzoo.parallel.lora import LoRA
 
     with torch.no_grad():
+        for name, lora in expert_loras(model):
+            moe = model.get_submodule(name)
+            for weight in lora.names:
+                w = getattr(moe, weight)
+                w += lora.delta(weight).to(w.dtype)
+            moe.lora = None
         for layer in [m for m in model.modules() if isinstance(getattr(m, "lora", None), LoRA)]:
             lora, w, row = layer.lora, layer.weight, 0
             if not lora.column:

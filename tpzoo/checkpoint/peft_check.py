@@ -48,6 +48,11 @@ def _quietly():
     return stack
 
 
+def _projection(key: str) -> str:
+    """The module name an adapter key belongs to (`q_proj`; `experts` for the routed experts' parameters)."""
+    return key.replace(".base_layer", "").split(".lora_")[0].rsplit(".", 1)[-1]
+
+
 def peft_refusal(cfg, adapter_config: dict, shapes: dict) -> str | None:
     """None when PEFT, on transformers' model for `cfg`, loads exactly the adapter keys `shapes` ({PEFT key: shape})
     with `adapter_config`; else why not, in one line. Raises ImportError when peft is not installed."""
@@ -56,7 +61,7 @@ def peft_refusal(cfg, adapter_config: dict, shapes: dict) -> str | None:
     from peft.utils.save_and_load import set_peft_model_state_dict
 
     family = cfg.family
-    ours = sorted({k.split(".")[-3] for k in shapes})  # the projection names of the adapter
+    ours = sorted({_projection(k) for k in shapes})  # the projection names of the adapter
     fields = {k: v for k, v in adapter_config.items() if k not in ("peft_type", "base_model_name_or_path")}
     lora = peft.LoraConfig(**fields)
     with _quietly():
@@ -72,7 +77,7 @@ def peft_refusal(cfg, adapter_config: dict, shapes: dict) -> str | None:
             result = set_peft_model_state_dict(wrapped, tensors, low_cpu_mem_usage=True)
         except RuntimeError as exc:  # a shape transformers' modules do not have
             return f"{family}: PEFT cannot load the adapter onto transformers' model: {str(exc).splitlines()[-1]}"
-    dropped = sorted({k.split(".")[-3] for k in result.unexpected_keys if ".lora_" in k})
+    dropped = sorted({_projection(k) for k in result.unexpected_keys if ".lora_" in k})
     added = sorted({k for k in result.missing_keys if ".lora_" in k})
     if not dropped and not added:
         return None

@@ -171,8 +171,9 @@ def shard_pieces(source, info: ParamInfo, rank: int, tp: int, max_bytes: int | N
         yield source.read_box(info.name, [])
         return
     d = 0 if spec.dim is None else spec.dim % len(full)
-    if spec.dim is None:
-        segments = [(0, full[0])]
+    if spec.dim is None:  # replicated over tp: whole, but only its experts on an expert-parallel rank
+        first, end = info.rows or (0, full[0])
+        segments = [(first, end - first)]
     else:
         segments = local_segments(spec, info.padded if info.vocab_dim == d else full[d], rank, tp)
     dtype = source.dtype(info.name)

@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model the 16-bit weight gradients autograd holds without gradient-accumulation fusion")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="LoRA fine-tuning of a frozen base at this adapter rank (all-linear targets)")
+    p.add_argument("--lora-experts", action="store_true",
+                   help="with --lora-rank: one adapter per routed expert of a mixture of experts too (as `tpzoo "
+                        "finetune --lora-experts`): their memory and FLOPs per ep rank")
     p.add_argument("--base-dtype", choices=["fp8", "int4"],
                    help="with --lora-rank: the frozen base kept quantized (convert from-hf --keep-quantized): its "
                         "projections and experts in block FP8 or int4 with their scales, the rest in --dtype")
@@ -181,7 +184,8 @@ def run(args) -> int:
                                 zero=max(args.zero, int(args.zero1)),
                                 overlap_grad_reduce=args.overlap_grad_reduce,
                                 grad_accumulation_fusion=args.grad_accumulation_fusion,
-                                lora_rank=args.lora_rank, base_dtype=args.base_dtype,
+                                lora_rank=args.lora_rank, lora_experts=args.lora_experts,
+                                base_dtype=args.base_dtype,
                                 vocab_padding_multiple=args.vocab_padding_multiple,
                                 kernels=args.kernels,  # distillation's student computes its logits unfused
                                 fused_linear_cross_entropy=(args.fused_linear_cross_entropy

@@ -180,7 +180,9 @@ def lm_step(loss, last) -> StepFunctions:
 class LossSum:
     """Last stage: sums the per-token losses on the device (no host sync per micro-batch) and returns the
     backward's starting point, the scaled sum. `reports`: losses the head's forward reports per trained token
-    (Transformer.aux_reports: "mtp_loss"), summed too, weighted by the micro-batch's trained tokens."""
+    (Transformer.aux_reports: "mtp_loss", a layer kind's trained auxiliary loss such as the sparse attention
+    indexer's KL), summed too, weighted by each micro-batch's trained tokens (the trainer divides by the step's, as
+    for the loss)."""
 
     def __init__(self, device, scale: float | None, head=None, reports: tuple = ()):
         self.total = torch.zeros((), dtype=torch.float64, device=device)
@@ -190,8 +192,8 @@ class LossSum:
     def __call__(self, mb, per_token, batch):
         self.total += per_token.detach().double().sum()
         if self.reports:
-            n = (batch["labels"] != -100).sum().double()
-            self.reported += torch.stack([self.head.aux_reports[r].double() for r in self.reports]) * n
+            n = (batch["labels"] != -100).sum().to(self.reported.device).double()
+            self.reported += torch.stack([self.head.aux_reports[r].detach().double() for r in self.reports]) * n
         # The caller's scale (1 / tokens of the global batch) makes the accumulated gradient that of the global
         # mean loss, whatever the split into micro-batches and ranks.
         return None if self.scale is None else per_token.sum() * self.scale
@@ -205,6 +207,12 @@ class LossSum:
         return total[0], dict(zip(self.reports, total[1:]))
 
 
+def trained_reports(chunk) -> tuple:
+    """The reports of the auxiliary losses a model chunk's kinds train with (models/aux.py rules that train)."""
+    return tuple(name for _, rule in sorted(chunk.aux_rules.items()) if rule.trains(chunk.cfg)
+                 for name in rule.reports)
+
+
 def forward_backward(chunks, microbatches: list[dict], dims: ParallelDims | None = None, *,
                      schedule: str = "1f1b", forward_only: bool = False, loss_scale: float = 1.0,
                      loss=None, reports: tuple = ()) -> dict:
@@ -213,11 +221,15 @@ def forward_backward(chunks, microbatches: list[dict], dims: ParallelDims | None
 
     Gradients accumulate (scaled by loss_scale) into each parameter's gradient (main_grad when a GradBuffer is
     attached); call finalize_grads afterwards. Returns loss_sum (per-token losses summed over the micro-batches,
-    unscaled, the same on every pipeline rank), tokens (non-ignored labels), timeline and peak_inflight.
+    unscaled, the same on every pipeline rank), tokens (non-ignored labels), reports (the auxiliary losses the
+    model trains with, as the head chunk reports them, times each micro-batch's tokens, summed; on every pipeline
+    rank), timeline and peak_inflight.
     loss: the tpzoo.models.LossOptions of the last stage (label smoothing, z-loss, the fused head; aux_losses=False
     for a held-out loss: the language model's alone). reports: names of Transformer.aux_reports to sum too, per
     trained token ("mtp_loss"): returned as {name: sum} beside loss_sum, on every pipeline rank."""
     dims = get_dims(dims)
+    if not forward_only and (loss is None or loss.aux_losses):  # + the kinds' trained auxiliary losses, logged
+        reports = tuple(reports) + trained_reports(chunks[0])
     head = next((c for c in chunks if c.post_process), None)
     losses = LossSum(chunks[0].device, None if forward_only else loss_scale, head, reports)
     out = execute(chunks, microbatches, dims, lm_step(loss, losses), schedule=schedule, forward_only=forward_only)

@@ -57,7 +57,7 @@ def partition_layers(cfg, pp: int, boundaries: list[int] | None = None, virtual_
         raise PartitionError(f"pp and virtual_stages must be >= 1, got pp={pp}, virtual_stages={virtual_stages}")
     stages, num_layers = pp * virtual_stages, cfg.num_layers
     if boundaries is not None:
-        return check_boundaries(boundaries, num_layers, stages)
+        return _readers_with_sources(cfg, check_boundaries(boundaries, num_layers, stages), given=True)
     if num_layers < stages:
         raise PartitionError(f"{num_layers} layers cannot fill {stages} pipeline stages "
                              f"(pp={pp} x virtual_stages={virtual_stages}): every stage needs at least one layer")
@@ -81,6 +81,28 @@ def partition_layers(cfg, pp: int, boundaries: list[int] | None = None, virtual_
     for n in counts:
         out.append((start, start + n))
         start += n
+    return _readers_with_sources(cfg, out, given=False)
+
+
+def _readers_with_sources(cfg, ranges: list, given: bool) -> list[tuple[int, int]]:
+    """Each stage holding the layers its layers read within the forward (ModelConfig.reads_layer: GLM-5's shared
+    sparse attention layers and the layer whose selection they reuse): given boundaries that part them are refused;
+    a balanced split moves the stage's start back to the source (refused when that empties the stage before)."""
+    reads = getattr(cfg, "reads_layer", None)
+    if reads is None:
+        return ranges
+    out = list(ranges)
+    for k in range(1, len(out)):
+        start, end = out[k]
+        need = min(reads(i) for i in range(start, end))
+        if need >= start:
+            continue
+        reader = next(i for i in range(start, end) if reads(i) == need)
+        if given or need <= out[k - 1][0]:
+            raise PartitionError(f"pipeline stage {k} starts at layer {start}, but layer {reader} reuses what layer "
+                                 f"{need} computes in the same forward: start the stage at layer {need} or earlier "
+                                 f"(--pp-boundaries)")
+        out[k - 1], out[k] = (out[k - 1][0], need), (need, end)
     return out
 
 

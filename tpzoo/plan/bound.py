@@ -7,7 +7,7 @@ The fullest pipeline stage holds at least what the average stage holds:
     elements, so no padding: ZeRO-2/3's late buckets, ZeRO-3's resident and gathered layers left out); LoRA: the
     frozen base in the model dtype;
   - activations: one micro-batch of every layer over pp (a stage holds at least the micro-batch it runs the backward
-    of), at the layout's recompute, sequence parallelism and cp;
+    of), at the layout's recompute, sequence parallelism and cp; LoRA: with what its frozen layers keep less or more;
 plus the reserve. Both grow with what they count: a floor for a micro-batch of b sequences is one for any larger b.
 tests/test_plan_search.py checks that no estimate is below its floor.
 """
@@ -48,7 +48,14 @@ def activation_floor(cfg: ModelConfig, layout: Layout, training: TrainingSpec) -
     """Bytes of one micro-batch's activations of the average stage at this layout."""
     at = RankLayout.of(layout, training)
     s = local_seq_len(layout, training)
-    return sum(layer_activation_bytes(cfg, i, at, layout.micro_batch_size, s) for i in range(cfg.num_layers)) / layout.pp
+    b = layout.micro_batch_size
+    total = sum(layer_activation_bytes(cfg, i, at, b, s) for i in range(cfg.num_layers))
+    if training.lora_rank and layout.recompute != "full":  # what a frozen layer keeps less or more (plan/lora.py)
+        from .lora import lora_layer_activation_delta
+
+        total += sum(lora_layer_activation_delta(cfg, i, at, training.lora_rank, b * s, training.lora_experts)
+                     for i in range(cfg.num_layers))
+    return total / layout.pp
 
 
 def memory_floor(cfg: ModelConfig, layout: Layout, training: TrainingSpec, reserve_bytes: float = 0.0) -> float:

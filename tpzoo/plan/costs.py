@@ -29,6 +29,8 @@ sequence, b * s / cp, the whole sequence under SP unless it says shard):
                                                  its generation state on this rank (KV, latent, recurrent state)
     plan_rotary(cfg, layer) -> (key, dim) | None the rotary table it reads (the model computes each distinct one
                                                  once per forward: cos and sin, seq_len x dim/2 fp32 each)
+    plan_signature(cfg, layer) -> tuple          (of a registered cost class only) what tells apart layers of the
+                                                 kind that cost differently (the plan computes each signature once)
 
 Resolution (cost_of): methods the kind class defines itself win; then the exact costs registered for its name (the
 built-in kinds': tpzoo/plan/kinds/<kind>.py, every file of that folder imported by it); then Derived, which

@@ -38,7 +38,7 @@ from tpzoo.models.config import ModelConfig
 
 from .fp8 import at_fp8_rate, fp8_flops
 from .layers import layer_cost, layer_flops, memo, signature
-from .lora import lora_layer_params
+from .lora import lora_layer_flops, lora_layer_params
 from .memory import MemoryBreakdown, ParamCount, bucket_size, late_params, stage_layer_ids, stage_memory, stage_params
 from .muon import muon_time
 from .head import local_vocab
@@ -123,7 +123,8 @@ def stage_flops(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage:
     else:
         extra = core if layout.recompute == "selective" else 0.0
     if training.lora_rank:  # frozen base: no weight gradients but the adapters' (whose matmuls are small)
-        lora = 2 * tokens * sum(lora_layer_params(cfg, i, layout.tp, training.lora_rank) for i in ids)
+        lora = sum(lora_layer_flops(cfg, i, layout.tp, training.lora_rank, tokens, layout.ep, training.lora_experts)
+                   for i in ids)
         return {"forward": matmul + core + lora, "dgrad": matmul + 2 * core + lora, "wgrad": lora,
                 "recompute": extra + (lora if layout.recompute == "full" else 0)}
     return {"forward": matmul + core, "dgrad": matmul + 2 * core, "wgrad": matmul, "recompute": extra}
@@ -196,7 +197,8 @@ def synced_params(cfg: ModelConfig, layout: Layout, training: TrainingSpec) -> P
     exchange (plan/replicas.py), move. LoRA: only the adapters (of the stage with the most)."""
     p, pad = layout.pp, training.vocab_padding_multiple
     if training.lora_rank:  # only the adapters are reduced, updated and (tied copies aside) kept in sync
-        return max((ParamCount(sum(lora_layer_params(cfg, i, layout.tp, training.lora_rank)
+        return max((ParamCount(sum(lora_layer_params(cfg, i, layout.tp, training.lora_rank, layout.ep,
+                                                     training.lora_experts)
                                    for i in stage_layer_ids(cfg, layout, s)), 0, 0, 0, 0, 0) for s in range(p)),
                    key=lambda c: c.numel)
     return max((stage_params(cfg, layout, s, pad) for s in range(p)), key=lambda c: c.numel)
@@ -204,9 +206,6 @@ def synced_params(cfg: ModelConfig, layout: Layout, training: TrainingSpec) -> P
 
 def estimate(cfg: ModelConfig, layout: Layout, cluster: ClusterSpec, training: TrainingSpec) -> Estimate:
     """Memory and step time of `layout`; raises ParallelLayoutError when tpzoo cannot run it."""
-    from .search import refuse_moe_lora
-
-    refuse_moe_lora(cfg, training)
     check_layout(cfg, layout, cluster, training)
     t, p, dp, v = layout.tp, layout.pp, layout.dp, layout.virtual_stages
     m, e, K = num_micro_batches(layout, training), training.act_bytes, cluster.gpus_per_node

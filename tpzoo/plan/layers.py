@@ -27,11 +27,15 @@ def kinds_of(cfg: ModelConfig, layer: int) -> tuple[type, type]:
 
 
 def signature(cfg: ModelConfig, layer: int) -> tuple:
-    """Layers with equal signatures cost the same: their kinds and attention window (a kind without registered
-    costs may depend on the layer in ways the plan cannot see: its layer index is part of the signature)."""
+    """Layers with equal signatures cost the same: their kinds and attention window, and what a kind's costs say
+    distinguishes its layers (`plan_signature`: a sparse attention layer with or without its own indexer); a kind
+    without registered costs may depend on the layer in ways the plan cannot see: its layer index is part of the
+    signature."""
     t, c = cfg.token_mixer(layer), cfg.channel_mixer(layer)
     known = t in COSTS and c in COSTS
-    return (t, c, cfg.attention.window(layer)) + (() if known else (layer,))
+    own = tuple(getattr(COSTS[k], "plan_signature")(cfg, layer) for k in (t, c)
+                if k in COSTS and hasattr(COSTS[k], "plan_signature"))
+    return (t, c, cfg.attention.window(layer)) + own + (() if known else (layer,))
 
 
 def norm_saved(cfg: ModelConfig, e: int, kernels: str) -> int:

@@ -37,7 +37,7 @@ from tpzoo.models.config import ModelConfig
 
 from .head import head_activation_bytes, head_output_grad_bytes, head_transient_bytes, local_vocab
 from .layers import layer_activation_bytes, layer_cost, memo, norm_saved, rotary_tables_bytes
-from .lora import lora_chunk_activation_delta, lora_layer_late, lora_layer_params
+from .lora import lora_chunk_activation_delta, lora_layer_expert_params, lora_layer_late, lora_layer_params
 from .quant import base_bytes
 from .schedule import held_states, peak_bytes
 from .spec import DTYPE_BYTES, Layout, RankLayout, TrainingSpec, local_seq_len, num_micro_batches, stage_chunks
@@ -234,7 +234,8 @@ def state_bytes_per_param(training: TrainingSpec) -> str:
 
 # -- activations --------------------------------------------------------------------------------------------
 def chunk_activation_bytes(cfg: ModelConfig, at: RankLayout, layers, micro_batch: int, seq_len: int, first: bool,
-                           last: bool, lora_rank: int = 0, fused_loss: bool = True) -> dict:
+                           last: bool, lora_rank: int = 0, fused_loss: bool = True,
+                           lora_experts: bool = False) -> dict:
     """Bytes a model chunk (one tpzoo Transformer) holding `layers` (layer ids, e.g. a range) keeps for one
     micro-batch of micro_batch x seq_len tokens (seq_len of this cp rank), by part: layers, rope (the cos/sin tables
     its layers share), embedding (lookup indices), head (final norm, head and loss on the last model stage, fused_loss
@@ -263,7 +264,7 @@ def chunk_activation_bytes(cfg: ModelConfig, at: RankLayout, layers, micro_batch
     parts["input"] = e * h * tokens // sp_div if (not first and layers and keeps_input) else 0
     if lora_rank:  # a frozen base with adapters (tpzoo.plan.lora)
         parts["lora"] = lora_chunk_activation_delta(cfg, at, lora_rank, layers, micro_batch, seq_len, first, last,
-                                                    norm_saved(cfg, e, at.kernels), fused_loss)
+                                                    norm_saved(cfg, e, at.kernels), fused_loss, lora_experts)
     return parts
 
 
@@ -325,9 +326,11 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
                             resident_params(cfg, count, training, t, replicas, stage == 0, stage == p - 1))
     ids = stage_layer_ids(cfg, layout, stage)
     if training.lora_rank:  # the base frozen in the model dtype; the adapters trained as a small model
-        r = training.lora_rank
-        adapters = state_bytes(ParamCount(sum(lora_layer_params(cfg, i, t, r) for i in ids), 0, 0, 0, 0, 0),
-                               training, replicas, sum(lora_layer_late(cfg, i, t, r) for i in ids))
+        r, ep, x = training.lora_rank, layout.ep, training.lora_experts
+        experts = sum(lora_layer_expert_params(cfg, i, t, r, ep) for i in ids) if x else 0
+        adapters = expert_state_bytes(ParamCount(sum(lora_layer_params(cfg, i, t, r, ep, x) for i in ids), 0, 0, 0, 0,
+                                                 0, expert=experts),
+                                      training, replicas, ep, sum(lora_layer_late(cfg, i, t, r, ep, x) for i in ids))
         base = base_bytes(cfg, count.numel, ids, t, layout.ep, e, training.base_dtype)  # (plan/quant.py)
         st = StateBytes(base + adapters.params, adapters.grads, adapters.master, adapters.optimizer)
     if training.optimizer == "muon":  # one moment for Muon's matrices (plan/muon.py, which reads this module)
@@ -338,7 +341,8 @@ def stage_memory(cfg: ModelConfig, layout: Layout, training: TrainingSpec, stage
     acts, grads = [], []
     for c, (lo, hi) in enumerate(stage_chunks(cfg, layout, stage)):
         first, last = c * p + stage == 0, c * p + stage == p * v - 1
-        parts = chunk_activation_bytes(cfg, at, range(lo, hi), b, s, first, last, training.lora_rank, fused)
+        parts = chunk_activation_bytes(cfg, at, range(lo, hi), b, s, first, last, training.lora_rank, fused,
+                                       training.lora_experts)
         acts.append(sum(parts.values()))
         grads.append(output_grad_bytes(cfg, at, b, s, last, fused))
     held = peak_bytes(held_states(layout.schedule, stage, p, m, v), acts, grads)

@@ -64,7 +64,8 @@ def _state_text(training: TrainingSpec) -> str:
         base = ({"fp8": "block FP8 (1 B/param + scales)", "int4": "int4 (0.5 B/param + scales)"}[training.base_dtype]
                 + f" projections and experts, the rest {training.act_bytes} B/param" if training.base_dtype
                 else f"{training.act_bytes} B/param")
-        return f"LoRA rank {training.lora_rank} on every linear layer: frozen base {base}, adapters " \
+        where = "every linear layer and routed expert" if training.lora_experts else "every linear layer"
+        return f"LoRA rank {training.lora_rank} on {where}: frozen base {base}, adapters " \
                f"{state_bytes_per_param(training)}"
     return f"training state {state_bytes_per_param(training)}"
 

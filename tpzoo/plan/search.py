@@ -11,14 +11,6 @@ from .layers import has_experts
 from .spec import RECOMPUTE, ClusterSpec, Layout, TrainingSpec, check_layout
 
 
-def refuse_moe_lora(cfg: ModelConfig, training: TrainingSpec) -> None:
-    """LoRA's plan (plan/lora.py) puts adapters on a dense MLP; on a mixture of experts tpzoo adapts only the
-    linear layers (the experts are not one), which the plan does not model: one line."""
-    if training.lora_rank and has_experts(cfg):
-        raise ConfigError(f"tpzoo plan does not model LoRA on a mixture of experts ({cfg.name or cfg.family}: "
-                          f"{cfg.num_experts} experts); plan full training, or LoRA on a dense model")
-
-
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -118,8 +110,10 @@ def search(cfg: ModelConfig, cluster: ClusterSpec, training: TrainingSpec, max_m
     is not estimated, except, for each (tp, cp, pp, dp, ep) none of whose layouts is left, its lowest-floor one (the
     table says why it does not fit). `progress`: a bar on stderr. A fixed ep that the model cannot take (ep not
     dividing its experts, ep > 1 for a dense model), or boundaries whose stages no pp * v of a fixed pp gives, is
-    one ConfigError line."""
-    refuse_moe_lora(cfg, training)
+    one ConfigError line; so is --lora-experts on a dense model."""
+    if training.lora_experts and not has_experts(cfg):
+        raise ConfigError(f"--lora-experts: {cfg.name or cfg.family} has no routed experts (a dense model); drop "
+                          f"--lora-experts")
     ep = only.get("ep")
     if ep is not None and (ep < 1 or (cfg.num_experts or 1) % ep or (ep > 1 and not has_experts(cfg))):
         raise ConfigError(f"--ep {ep}: " + (f"does not divide num_experts={cfg.num_experts}" if cfg.num_experts

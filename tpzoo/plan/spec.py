@@ -57,6 +57,7 @@ class TrainingSpec:
     vocab_padding_multiple: int = 1    # as Transformer(vocab_padding_multiple=...); the vocab pads to tp * this
     kernels: str = "fused"
     lora_rank: int = 0                 # > 0: LoRA on every linear layer of a frozen base (tpzoo.plan.lora)
+    lora_experts: bool = False         # and on every routed expert of a mixture of experts (--lora-experts)
     base_dtype: str | None = None      # "fp8" / "int4": that frozen base kept quantized (tpzoo.plan.quant)
     zero: int = 0                      # 1: master + AdamW moments sharded over dp (Megatron distributed
                                        # optimizer); 2: the fp32 gradients too (reduce-scattered per micro-batch);
@@ -92,6 +93,8 @@ class TrainingSpec:
                              "compilation): use --zero 2")
         if self.base_dtype is not None and (self.base_dtype not in ("fp8", "int4") or not self.lora_rank):
             raise ValueError(f"base dtype {self.base_dtype!r}: fp8 or int4, for a LoRA run's frozen base (--lora-rank)")
+        if self.lora_experts and not self.lora_rank:
+            raise ValueError("--lora-experts adapts the routed experts in a LoRA run: give --lora-rank R")
         if self.zero_level == 3 and self.lora_rank:
             raise ValueError("ZeRO-3 with LoRA is not supported (the frozen base is not sharded): use --zero 2")
 

@@ -92,7 +92,9 @@ class Objective:
     def forward_backward(self, trainer, batches: list[dict], scale: float) -> dict:
         out = forward_backward(trainer.chunks, batches, trainer.dims, schedule=self.cfg.schedule, loss_scale=scale,
                                loss=trainer.loss, reports=_reports(trainer.loss))
-        return {"loss_sum": out["loss_sum"], "metrics": out["reports"]}  # (multi-token prediction's mtp_loss)
+        # logged: multi-token prediction's mtp_loss, the auxiliary losses the model trains with (the sparse
+        # attention indexer's KL)
+        return {"loss_sum": out["loss_sum"], "metrics": out["reports"]}
 
     def evaluate(self, trainer, batches: list[dict]) -> dict:
         out = forward_backward(trainer.chunks, batches, trainer.dims, schedule=self.cfg.schedule, forward_only=True,

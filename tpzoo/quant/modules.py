@@ -112,17 +112,22 @@ class QuantizedGemm(QuantizedWeight):
         return f"QuantizedGemm({self.fmt.name})"
 
 
-def expert_mlp(rows: torch.Tensor, counts, gate_up, down, act) -> torch.Tensor:
+def expert_mlp(rows: torch.Tensor, counts, gate_up, down, act, lora=None) -> torch.Tensor:
     """models/kinds/experts.expert_mlp's loop for kept-quantized experts (gate_up, down: a QuantizedWeight, or a
-    plain [E, out, in] tensor): each expert's weights dequantized when it runs, one expert's at a time."""
+    plain [E, out, in] tensor): each expert's weights dequantized when it runs, one expert's at a time. `lora`: the
+    experts' adapters (models/kinds/expert_lora.py), each expert's beside its matmul."""
     def linear(x, w, e):
         return dequant_linear(x, w, expert=e) if isinstance(w, QuantizedWeight) else F.linear(x, w[e])
 
     counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
+    adapter = lora.per_expert() if lora is not None else None
     outs, start = [], 0
     for e, n in enumerate(counts):
-        gate, up = linear(rows[start:start + n], gate_up, e).chunk(2, dim=-1)
-        outs.append(linear(act(gate, up), down, e))
+        x = rows[start:start + n]
+        h = linear(x, gate_up, e)
+        a = act(*(h if adapter is None else adapter.add("gate_up", h, x, e)).chunk(2, dim=-1))
+        out = linear(a, down, e)
+        outs.append(out if adapter is None else adapter.add("down", out, a, e))
         start += n
     return torch.cat(outs, dim=0)
 

@@ -186,8 +186,11 @@ class LoraSection:
     lora_targets: list = _f(["all-linear"], "LoRA targets: Hugging Face projection names (q_proj,k_proj,v_proj,"
                                             "o_proj,gate_proj,up_proj,down_proj for LLaMA-style models) or "
                                             "all-linear", type=str, nonempty=True)
+    lora_experts: bool = _f(False, "LoRA: also one adapter of --lora-rank per routed expert on each of its weights "
+                                   "(gate|up and down) of a mixture of experts, in PEFT's target_parameters form; no "
+                                   "--lora-dropout")
     lora_from: str = _f("", "start the adapters from this PEFT adapter directory (its rank, alpha, dropout and "
-                            "targets replace the --lora-* values); any tp/pp")
+                            "targets replace the --lora-* values); any tp/pp/ep")
 
 
 @dataclass
@@ -235,6 +238,14 @@ class OptimSection:
     router_aux_loss_coef: float = _f(0.0, "mixtures of experts with the sigmoid router: weight of Megatron-Core's "
                                           "sequence-wise auxiliary loss (0 = off, as HF's configs; the softmax "
                                           "routers' load-balancing loss keeps the model config's)", ge=0)
+    dsa_indexer_loss_scale: float = _f(0.0, "DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): train the lightning "
+                                            "indexers with the KL divergence from the main attention's "
+                                            "distribution to theirs, each layer's mean over the queries, summed "
+                                            "over the layers, times this (logged as dsa_indexer_loss); 0 keeps "
+                                            "the indexers frozen, as the checkpoint has them", ge=0)
+    dsa_indexer_sparse_loss: bool = _f(False, "DeepSeek Sparse Attention: the indexer's KL over each query's "
+                                              "selected keys only (DeepSeek-V3.2's sparse stage), not every key it "
+                                              "sees")
     mtp_loss_scale: float = _f(-1.0, "weight S of multi-token prediction's mean loss over its depths in the "
                                       "training loss (LM + S x MTP); negative = the model's, its family's "
                                       "published default (DeepSeek-V3 0.1, GLM-4.5 0.3, else 0.1); 0 = the "
@@ -391,6 +402,9 @@ class TrainConfig:
         if self.pp > 1 and self.schedule == "interleaved" and n_micro % self.pp:
             raise ConfigError(f"the interleaved schedule needs the micro-batches per step (global_batch_size / "
                               f"(micro_batch_size * dp) = {n_micro}) to be a multiple of pp={self.pp}")
+        if self.lora_experts and not (self.lora_rank or self.lora_from or self.resume):
+            raise ConfigError("--lora-experts adapts the routed experts in a LoRA run: give --lora-rank R (or "
+                              "--lora-from a PEFT adapter)")
         if (self.lora_rank or self.lora_from) and not (self.base or self.resume):
             raise ConfigError("LoRA (--lora-rank / --lora-from) trains adapters on a frozen model: give it with "
                               "--base (or --resume a LoRA run)")

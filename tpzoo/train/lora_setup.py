@@ -25,16 +25,22 @@ def lora_of_run(cfg, resume_dir) -> tuple:
         lcfg = lora_config_of(info)
         if cfg.lora_rank and cfg.lora_rank != lcfg.rank:
             raise ConfigError(f"--lora-rank {cfg.lora_rank}: the run being resumed trains rank {lcfg.rank}")
+        if cfg.lora_experts and not lcfg.experts:
+            raise ConfigError(f"--lora-experts: the run being resumed, {resume_dir}, trains no expert adapters")
         return lcfg, resolve_base(info, resume_dir)
     if cfg.lora_from:
         lcfg = read_peft_config(cfg.lora_from)
         if cfg.lora_rank and cfg.lora_rank != lcfg.rank:
             raise ConfigError(f"--lora-rank {cfg.lora_rank} contradicts the rank {lcfg.rank} of --lora-from "
                               f"{cfg.lora_from}")
+        if cfg.lora_experts and not lcfg.experts:
+            raise ConfigError(f"--lora-experts: the PEFT adapter {cfg.lora_from} has no expert adapters (no "
+                              f"mlp.experts.gate_up_proj / down_proj in its target_parameters)")
         return lcfg, cfg.base
     if not cfg.lora_rank:
         return None, None
-    return LoRAConfig(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, list(cfg.lora_targets)), cfg.base
+    return LoRAConfig(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, list(cfg.lora_targets),
+                      cfg.lora_experts), cfg.base
 
 
 def build(chunks, device, cfg, lcfg, base, resume_dir) -> None:

@@ -99,6 +99,8 @@ def format_line(m: dict) -> str:
         parts.append(f"acc {m['rewards/accuracies']:.3f} margin {m['rewards/margins']:.4f}")
     if "distill/kl" in m:  # distillation (tpzoo.post.distill): the sparse KL and the next-token loss per token
         parts.append(f"kl {m['distill/kl']:.4f} ce {m['distill/ce']:.4f}")
+    if "dsa_indexer_loss" in m:  # DeepSeek Sparse Attention's indexers trained (models/kinds/sparse_mla_indexer.py)
+        parts.append(f"indexer_kl {m['dsa_indexer_loss']:.4f}")
     if m.get("max_attn_logit") is not None:  # MuonClip (tpzoo.train.qk_clip): the step's largest logit
         parts.append(f"max_logit {m['max_attn_logit']:.2f}")
     if "sync_bytes" in m:  # replicas (tpzoo.train.diloco): sent across them by this rank, seconds blocked on it
@@ -162,7 +164,7 @@ class MetricsLogger:
             self.jsonl.write_row({k: _jsonable(v) for k, v in m.items()})
         if self.tb:
             for k in ("loss", "mtp_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "eval_loss",
-                      "eval_mtp_loss", "max_attn_logit",
+                      "eval_mtp_loss", "max_attn_logit", "dsa_indexer_loss",
                       *(k for k in m if k.startswith(("eval_loss/", "tokens_seen/", "rewards/", "logps/", "distill/",
                                                       "eval_rewards/", "eval_logps/")))):
                 if m.get(k) is not None and isinstance(m[k], (int, float)) and math.isfinite(m[k]):

@@ -211,7 +211,7 @@ def check_train(cfg, world_size: int | None = None):
         raise ConfigError(f"sync_fragments={cfg.sync_fragments} is more than the {model_cfg.num_layers} layers of "
                           f"{label}")
     check_tokenizer(run.tokenizer_spec, model_cfg.vocab_size if run.fixed_vocab else None, label)
-    check_lora(cfg, model_cfg, run.lora)
+    check_lora(cfg, model_cfg, run.lora, resumed=run.resume is not None)
     optimizers.check(cfg, model_cfg, label)  # --optimizer muon, --qk-clip
     if cfg.objective != "lm":  # DPO's pairs, a distillation teacher (tpzoo.post)
         from tpzoo.post.checks import check_objective
@@ -224,18 +224,32 @@ def check_train(cfg, world_size: int | None = None):
     return model_cfg
 
 
-def check_lora(cfg, model_cfg, lcfg) -> None:
+def check_lora(cfg, model_cfg, lcfg, resumed: bool = False) -> None:
     """LoRA settings against the model (`lcfg`: the run's adapter config, None without LoRA: run_model.py, which
-    also found its base): a full run of a kept-quantized base is refused, the adapters' targets must exist."""
+    also found its base): a full run of a kept-quantized base is refused, the adapters' targets must exist (the
+    routed experts too, with --lora-experts), PEFT must be able to hold them as configured (models/lora_peft.py:
+    dropout on an MLP that PEFT reads as the experts is refused now, not at the export), and a --lora-from adapter
+    must hold nothing the run would drop. A resumed run keeps what it was started with."""
+    from tpzoo.checkpoint.peft import unused_peft_keys
     from tpzoo.models import ModelLayout, Transformer
-    from tpzoo.models.lora import check_targets
+    from tpzoo.models.lora import add_lora
+    from tpzoo.models.lora_peft import check_exportable
     from tpzoo.parallel import ParallelDims
     from tpzoo.quant import refuse_full_training
 
     if lcfg is None:
         refuse_full_training(model_cfg, f"--base {cfg.base}" if cfg.base else "the model")
-    else:
-        check_targets(Transformer(model_cfg, ModelLayout(ParallelDims.for_rank(), device="meta")), lcfg)
+        return
+    model = Transformer(model_cfg, ModelLayout(ParallelDims.for_rank(), device="meta"))
+    add_lora([model], lcfg)  # (checks the targets)
+    if resumed:
+        return
+    check_exportable(model, lcfg)
+    if cfg.lora_from:
+        unused = unused_peft_keys(model, cfg.lora_from)
+        if unused:
+            raise ConfigError(f"--lora-from {cfg.lora_from}: {len(unused)} adapter tensors would not be read (e.g. "
+                              f"{unused[0]}): tpzoo adapts no such module of {model_cfg.name or model_cfg.family}")
 
 
 # -- eval and generate -------------------------------------------------------------------------------------------

@@ -9,6 +9,9 @@ a packed batch (before a soft-cap; sinks are not q.k logits). A recomputation do
 parallelism a rank's queries meet every rank's keys: the keys of the cp group are all-gathered for it (forward
 only, counted; ring attention never holds them all), masked by the global positions of the load-balanced chunks.
 This is an extra q k^T per layer and micro-batch (flash kernels do not return the row maxima).
+A core that is no LocalCore says itself which pairs meet (`logit_pairs(*args) -> (q, k, allowed [b, s_q, s_k],
+scale)`, every key already on the rank): DeepSeek Sparse Attention's (models/kinds/sparse_mla.py), whose queries meet
+only the keys its indexer selected, the logits taken over those pairs.
 
 Per step: the maximum of each (layer, head) over the micro-batches, then one all-reduce (MAX) over the world of a
 [layers, heads] table that each rank fills with the heads it holds, so every rank sees every head's logit (tp
@@ -69,7 +72,10 @@ class MaxLogits:
                     raise ConfigError(f"--qk-clip {tau:g}: layer {layer} normalizes q and k after their projections "
                                       f"(qk_norm {mod.qk_norm!r}), so scaling the projections changes no logit; use "
                                       f"--log-max-attn-logit to watch the logits")
-                local = next(m for m in mod.core.modules() if isinstance(m, LocalCore))
+                local = next((m for m in mod.core.modules() if isinstance(m, LocalCore)), None)
+                if local is None and not callable(getattr(mod.core, "logit_pairs", None)):
+                    raise ConfigError(f"--qk-clip / --log-max-attn-logit: layer {layer}'s attention core "
+                                      f"({type(mod.core).__name__}) does not say which logits it computes")
                 self.mixers[layer] = mod
                 self.hooks.append(mod.register_forward_pre_hook(self._see_context))
                 self.hooks.append(mod.core.register_forward_pre_hook(functools.partial(self._record, layer, mod,
@@ -90,11 +96,17 @@ class MaxLogits:
         if not self.active or is_recomputing():
             return
         q, k = args[0], args[1]
-        past = args[3] if len(args) > 3 else 0
-        docs = args[4] if len(args) > 4 else None
         mask = getattr(self.context, "token_mask", None)
-        value = head_max_logits(q, k, local.scale, local.window, past, docs, self.dims,
-                                mask if mask is not None and mask.shape[-1] == q.shape[2] else None)
+        mask = mask if mask is not None and mask.shape[-1] == q.shape[2] else None
+        if local is None:  # a core that masks the pairs itself (module docstring)
+            q, k, allowed, scale = module.logit_pairs(*args)
+            if mask is not None:
+                allowed = allowed & mask.view(q.shape[0], -1, 1).bool()
+            value = masked_max_logits(q, k, scale, allowed)
+        else:
+            past = args[3] if len(args) > 3 else 0
+            docs = args[4] if len(args) > 4 else None
+            value = head_max_logits(q, k, local.scale, local.window, past, docs, self.dims, mask)
         prev = self.values.get(layer)
         self.values[layer] = value if prev is None else torch.maximum(prev, value)
 
@@ -126,8 +138,7 @@ def head_max_logits(q, k, scale: float | None, window: int | None, past: int, do
     [b, kv_heads, s_k, d] (kv heads shared by h / kv_heads query heads each); under cp (dims.cp > 1) over the keys
     of every cp rank."""
     with torch.no_grad():
-        b, h, s_q, d = q.shape
-        kv = k.shape[1]
+        b, _, s_q, d = q.shape
         scale = d ** -0.5 if scale is None else scale
         device = q.device
         if dims.cp > 1:
@@ -147,12 +158,22 @@ def head_max_logits(q, k, scale: float | None, window: int | None, past: int, do
             visible = visible & (ids[:, qpos].unsqueeze(2) == ids[:, kpos].unsqueeze(1))
         if token_mask is not None:
             visible = visible & token_mask.view(b, s_q, 1).bool()
+        return masked_max_logits(q, k, scale, visible)
+
+
+def masked_max_logits(q, k, scale: float, allowed) -> torch.Tensor:
+    """The largest scale * q.k per query head [h] (fp32) over the pairs `allowed` [b or 1, s_q, s_k] lets meet, of q
+    [b, h, s_q, d] and k [b, kv_heads, s_k, d], in blocks of queries."""
+    with torch.no_grad():
+        b, h, s_q, _ = q.shape
+        kv = k.shape[1]
+        allowed = allowed.expand(b, -1, -1)
         qf = q.float().unflatten(1, (kv, h // kv))          # [b, kv, g, s_q, d]
         kf = k.float().unsqueeze(2)                          # [b, kv, 1, s_k, d]
-        best = torch.full((kv, h // kv), -math.inf, device=device)
+        best = torch.full((kv, h // kv), -math.inf, device=q.device)
         step = max(1, BLOCK_SCORES // max(1, b * h * k.shape[2]))
         for lo in range(0, s_q, step):
             scores = (qf[:, :, :, lo:lo + step] @ kf.mT) * scale  # [b, kv, g, block, s_k]
-            scores = scores.masked_fill(~visible[:, None, None, lo:lo + step], -math.inf)
+            scores = scores.masked_fill(~allowed[:, None, None, lo:lo + step], -math.inf)
             best = torch.maximum(best, scores.amax(dim=(0, 3, 4)))
         return best.flatten()
