@@ -39,6 +39,7 @@ def fla_module(name: str = FORMS[False][1]):
     """fla's module `name`, or None when flash-linear-attention is not installed (tried once)."""
     if name not in _fla:
         try:
+            import fla.ops  # noqa: F401 - the optional dependency (the 'fla' extra); then its kernels' module by name
             _fla[name] = importlib.import_module(name)
         except Exception:  # noqa: BLE001 - ImportError, or an fla that does not match this Triton
             _fla[name] = False
