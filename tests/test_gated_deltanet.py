@@ -315,15 +315,23 @@ def check_layouts(family: str, layouts: dict) -> None:
     weights = refs[False]["weights"]
     torch.manual_seed(5)
     fresh = [p.detach() for p in build(ref_cfg("qwen3_5"), ParallelDims.for_rank(device="cpu")).parameters()]
+    check_rank_results(layouts, _rank_cases, _merge, check, weights, x, w, refs, fresh)
+
+
+def check_rank_results(layouts: dict, rank_cases, merge, check, weights, x, w, refs: dict, fresh: list) -> None:
+    """Run each world size's (tp, cp, sp, packed) cases on ranks (`rank_cases`), merge each case's shards
+    (`merge`) and `check` them against refs[packed]: also the same fresh weights at every layout, the cp all-to-alls
+    (the projections to heads and the output back, forward and backward) and prefill + decode = the full forward.
+    Shared by the Gated DeltaNet and Kimi Delta Attention layer tests."""
     for world, cases in layouts.items():
-        per_rank = run_on_ranks(world, _rank_cases, weights, x, w, cases)
+        per_rank = run_on_ranks(world, rank_cases, weights, x, w, cases)
         for i, (tp, cp, sp, packed) in enumerate(cases):
             what = f"tp={tp} cp={cp} sp={sp} packed={packed}"
-            merged = _merge(per_rank, i, tp, cp, sp)
+            merged = merge(per_rank, i, tp, cp, sp)
             check(merged, refs[packed], what)
             for a, b in zip(merged["fresh"], fresh):  # one seed, the same full weights at every layout
                 assert torch.equal(a, b), what
-            if cp > 1:  # q|k|v|b|a to heads and the output back, forward and backward
+            if cp > 1:
                 assert all(r[i]["a2a"] == 4 for r in per_rank), what
             if "decoded" in per_rank[0][i]:  # causal: the first 104 outputs of the full forward
                 assert_close(per_rank[0][i]["decoded"], refs[False]["y"][:, :104], f"{what} prefill + decode")

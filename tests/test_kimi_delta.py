@@ -31,10 +31,10 @@ from tpzoo.models.kinds import kimi_delta as kda
 from tpzoo.models.kinds.kimi_delta import KimiDeltaAttention
 from tpzoo.models.kinds.kimi_delta_hf import kimi_delta_tensor_maps
 from tpzoo.parallel import ParallelDims, ParallelLayoutError, comm, finish_tp_grads, shard
-from tpzoo.testing import run_on_ranks
 
 from test_gated_delta import FakeFla
-from test_gated_deltanet import _local, assert_close, context, max_error, merge_ranks, run_hf_layer
+from test_gated_deltanet import (_local, assert_close, check_rank_results, context, max_error, merge_ranks,
+                                 run_hf_layer)
 
 mk = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 from transformers import KimiLinearConfig  # noqa: E402
@@ -344,18 +344,7 @@ def check_layouts(layouts: dict) -> None:
     refs = {False: hf_reference(x, w), True: hf_reference(x, w, DOC_IDS)}
     torch.manual_seed(5)
     fresh = [p.detach() for p in build(ParallelDims.for_rank(device="cpu")).parameters()]
-    for world, cases in layouts.items():
-        per_rank = run_on_ranks(world, _rank_cases, refs[False]["weights"], x, w, cases)
-        for i, (tp, cp, sp, packed) in enumerate(cases):
-            what = f"tp={tp} cp={cp} sp={sp} packed={packed}"
-            merged = _merge(per_rank, i, tp, cp, sp)
-            check(merged, refs[packed], what)
-            for a, b in zip(merged["fresh"], fresh):  # one seed, the same full weights at every layout
-                assert torch.equal(a, b), what
-            if cp > 1:  # q|k|v|b|f to heads and the output back, forward and backward
-                assert all(r[i]["a2a"] == 4 for r in per_rank), what
-            if "decoded" in per_rank[0][i]:  # causal: the first 104 outputs of the full forward
-                assert_close(per_rank[0][i]["decoded"], refs[False]["y"][:, :104], f"{what} prefill + decode")
+    check_rank_results(layouts, _rank_cases, _merge, check, refs[False]["weights"], x, w, refs, fresh)
 
 
 def test_tensor_and_context_parallel_equal_transformers():
