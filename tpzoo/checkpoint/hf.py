@@ -368,6 +368,9 @@ def hf_config_for(cfg, dtype: torch.dtype | None) -> dict:
     (an exact round trip), else the family's to_hf_config. `dtype` updates the recorded dtype."""
     from tpzoo.models.registry import from_hf_config, to_hf_config
 
+    from tpzoo.models.mtp_hf import mtp_to_hf
+    from tpzoo.models.registry import get_family
+
     orig = cfg.extra.get("hf_config")
     same = False
     if orig:
@@ -376,6 +379,9 @@ def hf_config_for(cfg, dtype: torch.dtype | None) -> dict:
         except (ValueError, KeyError, UserError):
             same = False
     hf = dict(orig) if same else to_hf_config(cfg)
+    if same:  # the depths are those the weights hold (a config counting layers it lacks exports a count of 0)
+        layout = get_family(cfg.family).hf_mtp
+        hf.update(mtp_to_hf(layout, cfg) if layout is not None and layout.count_field in hf else {})
     if dtype is not None:
         name = str(dtype).replace("torch.", "")
         keys = [k for k in ("dtype", "torch_dtype") if k in hf]
@@ -388,6 +394,7 @@ def hf_config_for(cfg, dtype: torch.dtype | None) -> dict:
 
 def _comparable(cfg) -> dict:
     d = cfg.to_dict()
-    for k in ("extra", "name", "hf_source", "quantization"):
+    # (the multi-token-prediction depths: a config alone counts them, the weights say which are there)
+    for k in ("extra", "name", "hf_source", "quantization", "mtp"):
         d.pop(k, None)
     return d
