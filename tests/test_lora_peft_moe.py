@@ -12,6 +12,7 @@ adapters on every layer tpzoo can adapt (`all-linear`, or every valid name where
 - dropout on such an adapter (PEFT's parameter targets take none) is refused by `tpzoo convert to-hf` in one line,
   before writing anything (and by preflight before training: test_lora_experts_cli.py)."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,6 +51,10 @@ def _hf_model(kind: str):
         return hf_models.make_hf_model(kind)
     if kind == "olmoe":
         return _olmoe()
+    if kind in ("glm4_moe_lite", "mistral4", "deepseek_v32"):  # (Mistral Small 4: transformers' own fused experts)
+        import dsa_models
+
+        return dsa_models.make_hf_model(kind)
     if kind == "minimax_m2":  # (Mixtral-style experts to PEFT: w1 / w3 / w2)
         from quant_models import hf_model
 
@@ -58,7 +63,7 @@ def _hf_model(kind: str):
 
 
 KINDS = ("qwen3_moe", "qwen3_next", "olmoe", "mixtral", "deepseek_v3", "deepseek_v3_noq", "glm4_moe", "gpt_oss",
-         "qwen3_5_moe", "minimax_m2")  # (about 0.3 s each)
+         "qwen3_5_moe", "minimax_m2", "glm4_moe_lite", "mistral4", "deepseek_v32")  # (about 0.3 s each)
 
 
 def _lora_checkpoint(base, path, targets=None, dropout=0.0):
@@ -89,18 +94,21 @@ def _loss(logits):
     return float(torch.nn.functional.cross_entropy(logits[0, :-1], IDS[0, 1:]))
 
 
-def _peft_logits(base, adapter):
-    from transformers import AutoModelForCausalLM
+def _hf_class(directory):
+    """The transformers class config.json names (Mistral Small 4's is not in AutoModelForCausalLM's mapping)."""
+    import transformers
 
-    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    return getattr(transformers, json.loads((Path(directory) / "config.json").read_text())["architectures"][0])
+
+
+def _peft_logits(base, adapter):
+    hf = _hf_class(base).from_pretrained(base, dtype=torch.float32).eval()
     with torch.no_grad():
         return peft.PeftModel.from_pretrained(hf, str(adapter)).eval()(IDS).logits
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_exported_adapter_loads_in_peft_as_trained(kind, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     base = tmp_path / "base"
     hf = _hf_model(kind)
     hf.save_pretrained(base)
@@ -118,7 +126,7 @@ def test_an_exported_adapter_loads_in_peft_as_trained(kind, tmp_path):
     assert abs(_loss(got) - _loss(want)) < 1e-5
     # --merge: a plain transformers model with the adapters in
     export_merged(str(tmp_path / "lora"), tmp_path / "merged", progress=False)
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    merged = _hf_class(tmp_path / "merged").from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(IDS).logits, want, rtol=1e-4, atol=1e-4)
 

@@ -28,10 +28,16 @@ def _meta_hf_model(cfg):
     from tpzoo.models import to_hf_config
 
     hf = dict(to_hf_config(cfg))
-    hf.pop("architectures", None)
+    architectures = hf.pop("architectures", None) or []
     config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config)
+        try:
+            return transformers.AutoModelForCausalLM.from_config(config)
+        except ValueError:  # a causal LM outside the auto mapping (Mistral Small 4's): the class config.json names
+            cls = getattr(transformers, architectures[0], None) if architectures else None
+            if cls is None:
+                raise
+            return cls._from_config(config)
 
 
 def _quietly():
