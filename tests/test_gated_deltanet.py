@@ -68,6 +68,12 @@ def build(g: GatedDeltaNetConfig, dims, sp: bool = False) -> GatedDeltaNet:
     """The kind built on meta, materialized on the CPU and reset in registration order (as a model's
     init_weights: the layer's own A_log, dt_bias, then its children), from the current RNG state."""
     layer = GatedDeltaNet(model_config(g), 0, ModelLayout(dims, sequence_parallel=sp))
+    return materialized(layer)
+
+
+def materialized(layer):
+    """A kind built on meta, materialized on the CPU and reset in registration order (a model's init_weights), from
+    the current RNG state (shared by the Gated DeltaNet and Kimi Delta Attention layer tests)."""
     attrs = {n: dict(p.__dict__) for n, p in layer.named_parameters()}
     layer.to_empty(device="cpu")
     for n, p in layer.named_parameters():  # to_empty drops the parallel attributes (Transformer restores them)

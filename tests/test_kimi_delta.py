@@ -33,8 +33,8 @@ from tpzoo.models.kinds.kimi_delta_hf import kimi_delta_tensor_maps
 from tpzoo.parallel import ParallelDims, ParallelLayoutError, comm, finish_tp_grads, shard
 
 from test_gated_delta import FakeFla
-from test_gated_deltanet import (_local, assert_close, check_rank_results, context, max_error, merge_ranks,
-                                 run_hf_layer)
+from test_gated_deltanet import (_local, assert_close, check_rank_results, context, materialized, max_error,
+                                 merge_ranks, run_hf_layer)
 
 mk = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 from transformers import KimiLinearConfig  # noqa: E402
@@ -176,14 +176,7 @@ def model_config(g: KimiDeltaConfig = CFG) -> ModelConfig:
 def build(dims, sp: bool = False) -> KimiDeltaAttention:
     """The kind built on meta, materialized on the CPU and reset in registration order (a model's init_weights)."""
     layer = KimiDeltaAttention(model_config(), 0, ModelLayout(dims, sequence_parallel=sp, dtype=torch.float64))
-    attrs = {n: dict(p.__dict__) for n, p in layer.named_parameters()}
-    layer.to_empty(device="cpu")
-    for n, p in layer.named_parameters():  # to_empty drops the parallel attributes (Transformer restores them)
-        p.__dict__.update(attrs[n])
-    for m in layer.modules():
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()
-    return layer
+    return materialized(layer)
 
 
 def hf_layer(seed: int = 0):
