@@ -215,7 +215,7 @@ def trained_reports(chunk) -> tuple:
 
 def forward_backward(chunks, microbatches: list[dict], dims: ParallelDims | None = None, *,
                      schedule: str = "1f1b", forward_only: bool = False, loss_scale: float = 1.0,
-                     loss=None, reports: tuple = ()) -> dict:
+                     loss=None) -> dict:
     """Forward (and backward, unless forward_only) of every micro-batch through this rank's chunks: the
     language-model loss through `execute`.
 
@@ -225,11 +225,12 @@ def forward_backward(chunks, microbatches: list[dict], dims: ParallelDims | None
     model trains with, as the head chunk reports them, times each micro-batch's tokens, summed; on every pipeline
     rank), timeline and peak_inflight.
     loss: the tpzoo.models.LossOptions of the last stage (label smoothing, z-loss, the fused head; aux_losses=False
-    for a held-out loss: the language model's alone). reports: names of Transformer.aux_reports to sum too, per
-    trained token ("mtp_loss"): returned as {name: sum} beside loss_sum, on every pipeline rank."""
+    for a held-out loss: the language model's alone; mtp: multi-token prediction's depths run, their mean loss
+    reported as "mtp_loss", held out too)."""
     dims = get_dims(dims)
+    reports = ("mtp_loss",) if loss is not None and loss.mtp is not None else ()
     if not forward_only and (loss is None or loss.aux_losses):  # + the kinds' trained auxiliary losses, logged
-        reports = tuple(reports) + trained_reports(chunks[0])
+        reports += trained_reports(chunks[0])
     head = next((c for c in chunks if c.post_process), None)
     losses = LossSum(chunks[0].device, None if forward_only else loss_scale, head, reports)
     out = execute(chunks, microbatches, dims, lm_step(loss, losses), schedule=schedule, forward_only=forward_only)

@@ -91,14 +91,14 @@ class Objective:
 
     def forward_backward(self, trainer, batches: list[dict], scale: float) -> dict:
         out = forward_backward(trainer.chunks, batches, trainer.dims, schedule=self.cfg.schedule, loss_scale=scale,
-                               loss=trainer.loss, reports=_reports(trainer.loss))
+                               loss=trainer.loss)
         # logged: multi-token prediction's mtp_loss, the auxiliary losses the model trains with (the sparse
         # attention indexer's KL)
         return {"loss_sum": out["loss_sum"], "metrics": out["reports"]}
 
     def evaluate(self, trainer, batches: list[dict]) -> dict:
         out = forward_backward(trainer.chunks, batches, trainer.dims, schedule=self.cfg.schedule, forward_only=True,
-                               loss=trainer.held_out, reports=_reports(trainer.held_out))
+                               loss=trainer.held_out)  # (mtp_loss reported: eval_mtp_loss)
         return {"loss_sum": out["loss_sum"], "count": out["tokens"], "metrics": out["reports"]}
 
     def save(self, trainer, directory) -> None:
@@ -106,12 +106,6 @@ class Objective:
 
     def close(self) -> None:
         pass
-
-
-def _reports(loss) -> tuple:
-    """What a forward with these LossOptions reports per trained token beside the loss: multi-token prediction's
-    mean loss over its depths when they run (tpzoo.models.mtp), logged as mtp_loss / eval_mtp_loss."""
-    return ("mtp_loss",) if loss.mtp is not None else ()
 
 
 def objective_of(cfg) -> Objective:
